@@ -1,0 +1,128 @@
+// common.cuh: element types and the tensor-core building blocks (mma.sync, ldmatrix, cp.async).
+//
+// No CUDA header is included anywhere under cuda_src/: half and bfloat16 values are carried as raw
+// 16-bit patterns and converted with PTX cvt instructions. That keeps run-time compilation
+// independent of where (or whether) cuda_fp16.h / cuda_bf16.h are installed: NVRTC alone suffices.
+//
+// Fragment layouts are the ones the PTX ISA gives for mma.m16n8k16 (and m16n8k8) with .row.col:
+//   lane = 4 * g + t  (g = lane / 4 in 0..7, t = lane % 4 in 0..3)
+//   A (16 x 16, row-major): a0 = A[g][2t..2t+1]      a1 = A[g+8][2t..2t+1]
+//                           a2 = A[g][2t+8..2t+9]    a3 = A[g+8][2t+8..2t+9]
+//   B (16 x 8, "col"):      b0 = B[2t..2t+1][g]      b1 = B[2t+8..2t+9][g]
+//   C (16 x 8, float):      c0,c1 = C[g][2t..2t+1]   c2,c3 = C[g+8][2t..2t+1]
+// ldmatrix.x4 returns four 8x8 b16 matrices; lanes 8i..8i+7 give the row addresses of matrix i.
+#pragma once
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef long long i64;
+
+#define CUFLASH_INF __int_as_float(0x7f800000)
+
+namespace cuflash {
+
+// Element type tags. Only their size and the conversion / mma spelling matter.
+struct f16 { u16 bits; };
+struct bf16 { u16 bits; };
+
+template <typename T> struct ElemOps;
+
+template <> struct ElemOps<f16> {
+    // Two floats -> one register of two halves, round to nearest even; lo goes to the low 16 bits.
+    static __device__ __forceinline__ u32 pack(float lo, float hi) {
+        u32 r;
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+        return r;
+    }
+    // D = A * B + D, m16n8k16, float accumulators.
+    static __device__ __forceinline__ void mma16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+            "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+    // D = A * B + D, m16n8k8: the tail of a head_dim that is an odd multiple of 8.
+    static __device__ __forceinline__ void mma1688(float (&d)[4], u32 a0, u32 a1, u32 b0) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 "
+            "{%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a0), "r"(a1), "r"(b0));
+    }
+};
+
+template <> struct ElemOps<bf16> {
+    static __device__ __forceinline__ u32 pack(float lo, float hi) {
+        u32 r;
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+        return r;
+    }
+    static __device__ __forceinline__ void mma16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+            "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+    static __device__ __forceinline__ void mma1688(float (&d)[4], u32 a0, u32 a1, u32 b0) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 "
+            "{%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a0), "r"(a1), "r"(b0));
+    }
+};
+
+// Generic pointer -> 32-bit shared-window address, as ldmatrix and cp.async want it.
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x2(u32& r0, u32& r1, u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];"
+                 : "=r"(r0), "=r"(r1) : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x2_trans(u32& r0, u32& r1, u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];"
+                 : "=r"(r0), "=r"(r1) : "r"(addr));
+}
+
+// 16-byte global -> shared copy that bypasses L1. src_bytes = 0 writes 16 zero bytes instead:
+// rows past the end of a sequence land as zeros, so P * V never meets uninitialised memory.
+__device__ __forceinline__ void cp_async_16(u32 dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" :: "n"(N));
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));  // ex2(-inf) = +0
+    return y;
+}
+__device__ __forceinline__ float fast_log2(float x) {
+    float y;
+    asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+__device__ __forceinline__ u32 dynamic_smem_bytes() {
+    u32 r;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(r));
+    return r;
+}
+
+}  // namespace cuflash

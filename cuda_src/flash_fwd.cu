@@ -1,0 +1,319 @@
+// flash_fwd.cu: exact attention forward, FlashAttention-2 structure, on mma.sync tensor cores.
+//
+// Algorithm. One thread block owns BLOCK_M query rows of one (batch, head). It stages its Q tile in
+// shared memory once, then walks the K/V tiles of BLOCK_N keys that the rows can see. For each tile:
+//   S = Q K^T                 (BLOCK_M x BLOCK_N, float, in registers; mma m16n8k16 over head_dim)
+//   mask S only on tiles that cross the causal diagonal or the end of the keys
+//   online softmax: running row max / row sum, P = exp2(S * scale_log2 - m), O rescaled by alpha
+//   O += P V                  (P re-packed from the S accumulators as the A operand, no smem trip)
+// At the end O /= l, O goes out through shared memory as 16-byte stores, and lse is written.
+// Nothing of size seqlen_q x seqlen_k ever reaches device memory.
+//
+// Pipeline. K and V have two shared-memory stages. At the top of iteration j the tile j copy is
+// waited for and a block barrier is passed; then the cp.async copy of tile j + 1 is issued into the
+// other stage (which every warp finished reading in iteration j - 1) and runs while tile j computes.
+//
+// Warps. WARPS warps split the BLOCK_M rows: warp w owns rows [w * BLOCK_M / WARPS, ...), i.e.
+// M_TILES m16 tiles, and computes all BLOCK_N columns of them. A warp only ever reads its own rows
+// of sQ, which lets the epilogue reuse sQ per warp without a block barrier.
+//
+// Shared memory. Each row of sQ / sK / sV holds HEAD_DIM elements followed by padding so that the
+// row pitch is an odd number of 16-byte chunks: the 8 row addresses of one ldmatrix phase then fall
+// into 8 distinct 16-byte bank groups, with no conflicts, for every head_dim (multiple of 8).
+//
+// head_dim. HEAD_DIM is any multiple of 8 up to 256. Q K^T contracts over head_dim in k16 steps
+// plus, when HEAD_DIM % 16 == 8, one m16n8k8 step; P V produces head_dim in n8 tiles. No padding of
+// head_dim in memory or in arithmetic.
+//
+// Causal (bottom-right). Query row i sees key j iff j <= i + seqlen_k - seqlen_q. Tiles wholly
+// above the diagonal are never loaded. A row that sees no key gets O = 0 and lse = -inf.
+//
+// Grid. 1-D: blockIdx.x = (b * nheads + h) * num_m_blocks + (num_m_blocks - 1 - m_block), so the
+// grid is not bounded by the 65535 limit of y/z, and within a head the longest causal blocks start
+// first.
+#include "common.cuh"
+#include "params.cuh"
+#include "softmax.cuh"
+
+namespace cuflash {
+
+template <int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS>
+struct FwdTraits {
+    static constexpr int THREADS = WARPS * 32;
+    static constexpr int ROWS_PER_WARP = BLOCK_M / WARPS;
+    static constexpr int M_TILES = ROWS_PER_WARP / 16;   // m16 tiles per warp
+    static constexpr int N_TILES = BLOCK_N / 8;          // n8 tiles of S per m16 tile
+    static constexpr int K16 = HEAD_DIM / 16;            // full k16 steps of Q K^T
+    static constexpr bool K8_TAIL = (HEAD_DIM % 16) != 0;
+    static constexpr int D_TILES = HEAD_DIM / 8;         // n8 tiles of O
+    static constexpr int CHUNKS = HEAD_DIM / 8;          // 16-byte chunks per row
+    // Row pitch in elements: an odd number of 16-byte chunks.
+    static constexpr int PITCH = (CHUNKS % 2 == 1) ? HEAD_DIM : HEAD_DIM + 8;
+    static constexpr int SQ_ELEMS = BLOCK_M * PITCH;
+    static constexpr int SKV_ELEMS = BLOCK_N * PITCH;
+    // sQ, then sK[2], then sV[2]. Must equal cuflash/_config.py:fwd_smem_bytes.
+    static constexpr int SMEM_BYTES = (SQ_ELEMS + 4 * SKV_ELEMS) * 2;
+
+    static_assert(HEAD_DIM % 8 == 0 && HEAD_DIM >= 8 && HEAD_DIM <= 256, "head_dim: multiple of 8 in [8, 256]");
+    static_assert(BLOCK_M % (16 * WARPS) == 0, "each warp owns whole m16 tiles");
+    static_assert(BLOCK_N % 16 == 0, "P is re-used as an A operand in k16 steps");
+};
+
+// Copies `rows` rows (of HEAD_DIM elements, row stride `row_stride` elements) from global memory to
+// shared memory with 16-byte cp.async; rows at or past `valid_rows` are zero-filled.
+template <typename T, int HEAD_DIM, int PITCH, int ROWS, int THREADS, bool CHECK>
+__device__ __forceinline__ void load_tile_async(T* s_dst, const T* g_src, i64 row_stride, int valid_rows, int tid) {
+    constexpr int CHUNKS = HEAD_DIM / 8;
+    constexpr int TOTAL = ROWS * CHUNKS;
+#pragma unroll
+    for (int i = 0; i < (TOTAL + THREADS - 1) / THREADS; ++i) {
+        const int c = tid + i * THREADS;
+        if (TOTAL % THREADS == 0 || c < TOTAL) {
+            const int row = c / CHUNKS;
+            const int col = (c % CHUNKS) * 8;
+            const bool ok = !CHECK || row < valid_rows;
+            // An out-of-range row still needs a valid address: point it at the tile's first row.
+            const T* src = g_src + (ok ? row * row_stride : 0) + col;
+            cp_async_16(smem_addr(s_dst + row * PITCH + col), src, ok ? 16 : 0);
+        }
+    }
+}
+
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, bool IS_CAUSAL, bool IS_EVEN>
+__global__ void __launch_bounds__(WARPS * 32, 1)
+flash_fwd_kernel(const __grid_constant__ FwdParams p) {
+    using Tr = FwdTraits<HEAD_DIM, BLOCK_M, BLOCK_N, WARPS>;
+    using Ops = ElemOps<T>;
+    constexpr int THREADS = Tr::THREADS, M_TILES = Tr::M_TILES, N_TILES = Tr::N_TILES;
+    constexpr int PITCH = Tr::PITCH, K16 = Tr::K16, D_TILES = Tr::D_TILES;
+
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    T* sQ = reinterpret_cast<T*>(smem_raw);                          // (BLOCK_M, PITCH)
+    T* sK = sQ + Tr::SQ_ELEMS;                                       // 2 x (BLOCK_N, PITCH)
+    T* sV = sK + 2 * Tr::SKV_ELEMS;                                  // 2 x (BLOCK_N, PITCH)
+
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const int g = lane / 4, t = lane % 4;
+
+    // A launch with less dynamic shared memory than this specialization needs is a host bug.
+    if (tid == 0 && dynamic_smem_bytes() < (u32)Tr::SMEM_BYTES) __trap();
+
+    // ---- which (batch, head, query block) this block owns ----
+    const int m_block = p.num_m_blocks - 1 - (int)(blockIdx.x % (unsigned)p.num_m_blocks);
+    const int bh = (int)(blockIdx.x / (unsigned)p.num_m_blocks);
+    const int h = bh % p.nheads, b = bh / p.nheads;
+    const int h_kv = h / p.head_group;
+    const int m0 = m_block * BLOCK_M;
+    const int sq = p.seqlen_q, sk = p.seqlen_k;
+
+    const T* gQ = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + (i64)m0 * p.q_row_stride;
+    const T* gK = static_cast<const T*>(p.k) + b * p.k_batch_stride + h_kv * p.k_head_stride;
+    const T* gV = static_cast<const T*>(p.v) + b * p.v_batch_stride + h_kv * p.v_head_stride;
+
+    // ---- key tiles this block visits: [0, n_blocks) ----
+    int n_blocks = (sk + BLOCK_N - 1) / BLOCK_N;
+    if (IS_CAUSAL) {
+        // Last key the last row of the block can see is m0 + BLOCK_M - 1 + sk - sq.
+        const int visible = m0 + BLOCK_M + sk - sq;  // keys [0, visible) cover the whole block
+        n_blocks = min(n_blocks, visible <= 0 ? 0 : (visible + BLOCK_N - 1) / BLOCK_N);
+    }
+
+    load_tile_async<T, HEAD_DIM, PITCH, BLOCK_M, THREADS, !IS_EVEN>(sQ, gQ, p.q_row_stride, sq - m0, tid);
+    cp_async_commit();
+    if (n_blocks > 0) {
+        load_tile_async<T, HEAD_DIM, PITCH, BLOCK_N, THREADS, !IS_EVEN>(sK, gK, p.k_row_stride, sk, tid);
+        load_tile_async<T, HEAD_DIM, PITCH, BLOCK_N, THREADS, !IS_EVEN>(sV, gV, p.v_row_stride, sk, tid);
+        cp_async_commit();
+    }
+
+    float acc_o[M_TILES][D_TILES][4];  // (ROWS_PER_WARP, HEAD_DIM) of this warp, float
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+        for (int dt = 0; dt < D_TILES; ++dt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_o[mt][dt][e] = 0.f;
+    OnlineSoftmax<M_TILES, N_TILES> softmax;
+    softmax.init();
+
+    const int warp_row0 = warp * Tr::ROWS_PER_WARP;
+    // ldmatrix lane offsets (see common.cuh for the fragment layouts):
+    //   A of Q (x4):      row lane % 16,                      col (lane / 16) * 8
+    //   B of K (x4):      key (lane / 16) * 8 + lane % 8,     col ((lane / 8) % 2) * 8
+    //   B of V (x4.trans) key lane % 16,                      col (lane / 16) * 8
+    const u32 sQ_lane = smem_addr(sQ + (warp_row0 + lane % 16) * PITCH + (lane / 16) * 8);
+    const int k_lane_off = ((lane / 16) * 8 + lane % 8) * PITCH + ((lane / 8) % 2) * 8;
+    const int k8_lane_off = (lane % 16) * PITCH;  // x2 of two 8-key groups at the k8 tail
+    const int v_lane_off = (lane % 16) * PITCH + (lane / 16) * 8;
+
+    for (int j = 0; j < n_blocks; ++j) {
+        cp_async_wait<0>();
+        __syncthreads();  // tile j is in smem for all; everyone is done with stage (j + 1) % 2
+        if (j + 1 < n_blocks) {
+            const int st = (j + 1) % 2;
+            const i64 n1 = (i64)(j + 1) * BLOCK_N;
+            load_tile_async<T, HEAD_DIM, PITCH, BLOCK_N, THREADS, !IS_EVEN>(
+                sK + st * Tr::SKV_ELEMS, gK + n1 * p.k_row_stride, p.k_row_stride, sk - (int)n1, tid);
+            load_tile_async<T, HEAD_DIM, PITCH, BLOCK_N, THREADS, !IS_EVEN>(
+                sV + st * Tr::SKV_ELEMS, gV + n1 * p.v_row_stride, p.v_row_stride, sk - (int)n1, tid);
+            cp_async_commit();
+        }
+        const T* sKj = sK + (j % 2) * Tr::SKV_ELEMS;
+        const T* sVj = sV + (j % 2) * Tr::SKV_ELEMS;
+        const int n0 = j * BLOCK_N;
+
+        // ---- S = Q K^T: (ROWS_PER_WARP, BLOCK_N) per warp ----
+        float s[M_TILES][N_TILES][4];
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
+
+        const u32 sK_lane = smem_addr(sKj + k_lane_off);
+#pragma unroll
+        for (int kc = 0; kc < K16; ++kc) {
+            u32 a[M_TILES][4];
+#pragma unroll
+            for (int mt = 0; mt < M_TILES; ++mt)
+                ldmatrix_x4(a[mt], sQ_lane + (mt * 16 * PITCH + kc * 16) * 2);
+#pragma unroll
+            for (int np = 0; np < N_TILES / 2; ++np) {
+                u32 bk[4];  // {b0, b1} of n-tile 2np, then of 2np + 1
+                ldmatrix_x4(bk, sK_lane + (np * 16 * PITCH + kc * 16) * 2);
+#pragma unroll
+                for (int mt = 0; mt < M_TILES; ++mt) {
+                    Ops::mma16816(s[mt][2 * np], a[mt], bk[0], bk[1]);
+                    Ops::mma16816(s[mt][2 * np + 1], a[mt], bk[2], bk[3]);
+                }
+            }
+        }
+        if (Tr::K8_TAIL) {
+            const int kcol = K16 * 16;
+            u32 a[M_TILES][2];
+#pragma unroll
+            for (int mt = 0; mt < M_TILES; ++mt)
+                ldmatrix_x2(a[mt][0], a[mt][1], smem_addr(sQ + (warp_row0 + mt * 16 + lane % 16) * PITCH + kcol));
+            const u32 sK8_lane = smem_addr(sKj + k8_lane_off + kcol);
+#pragma unroll
+            for (int np = 0; np < N_TILES / 2; ++np) {
+                u32 b0, b1;  // keys np*16 + 0..7 and + 8..15
+                ldmatrix_x2(b0, b1, sK8_lane + np * 16 * PITCH * 2);
+#pragma unroll
+                for (int mt = 0; mt < M_TILES; ++mt) {
+                    Ops::mma1688(s[mt][2 * np], a[mt][0], a[mt][1], b0);
+                    Ops::mma1688(s[mt][2 * np + 1], a[mt][0], a[mt][1], b1);
+                }
+            }
+        }
+
+        // ---- mask, only on tiles that need it ----
+        const bool tail = !IS_EVEN && n0 + BLOCK_N > sk;
+        const bool diag = IS_CAUSAL && n0 + BLOCK_N - 1 > m0 + sk - sq;
+        if (tail || diag) {
+#pragma unroll
+            for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int row = m0 + warp_row0 + mt * 16 + g + (e / 2) * 8;
+                        const int col = n0 + nt * 8 + 2 * t + (e % 2);
+                        bool masked = col >= sk;
+                        if (IS_CAUSAL) masked = masked || col > row + sk - sq;
+                        if (masked) s[mt][nt][e] = -CUFLASH_INF;
+                    }
+        }
+
+        // ---- online softmax: s becomes p, O rescaled ----
+        float alpha[M_TILES][2];
+        softmax.update(s, p.scale_log2, alpha);
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+            for (int dt = 0; dt < D_TILES; ++dt) {
+                acc_o[mt][dt][0] *= alpha[mt][0];
+                acc_o[mt][dt][1] *= alpha[mt][0];
+                acc_o[mt][dt][2] *= alpha[mt][1];
+                acc_o[mt][dt][3] *= alpha[mt][1];
+            }
+
+        // ---- O += P V: P (ROWS_PER_WARP, BLOCK_N) from registers, V (BLOCK_N, HEAD_DIM) ----
+        const u32 sV_lane = smem_addr(sVj + v_lane_off);
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+            u32 pa[M_TILES][4];  // the C fragments of n-tiles 2kk, 2kk+1 are the A fragment of keys kk*16..
+#pragma unroll
+            for (int mt = 0; mt < M_TILES; ++mt) {
+                pa[mt][0] = Ops::pack(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                pa[mt][1] = Ops::pack(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                pa[mt][2] = Ops::pack(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                pa[mt][3] = Ops::pack(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+            }
+#pragma unroll
+            for (int dp = 0; dp < D_TILES / 2; ++dp) {
+                u32 bv[4];  // {b0, b1} of d-tile 2dp, then of 2dp + 1
+                ldmatrix_x4_trans(bv, sV_lane + (kk * 16 * PITCH + dp * 16) * 2);
+#pragma unroll
+                for (int mt = 0; mt < M_TILES; ++mt) {
+                    Ops::mma16816(acc_o[mt][2 * dp], pa[mt], bv[0], bv[1]);
+                    Ops::mma16816(acc_o[mt][2 * dp + 1], pa[mt], bv[2], bv[3]);
+                }
+            }
+            if (D_TILES % 2) {
+                u32 b0, b1;  // last d-tile: keys kk*16 + 0..7, + 8..15
+                ldmatrix_x2_trans(b0, b1, smem_addr(sVj + (kk * 16 + lane % 16) * PITCH + (D_TILES - 1) * 8));
+#pragma unroll
+                for (int mt = 0; mt < M_TILES; ++mt) Ops::mma16816(acc_o[mt][D_TILES - 1], pa[mt], b0, b1);
+            }
+        }
+    }
+
+    // ---- epilogue: O /= l, lse, and O out through this warp's rows of sQ ----
+    cp_async_wait<0>();  // with n_blocks == 0 the Q copy may still be in flight
+    __syncthreads();
+    float inv_l[M_TILES][2], lse[M_TILES][2];
+    softmax.finalize(inv_l, lse);
+
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+        for (int dt = 0; dt < D_TILES; ++dt)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int row = warp_row0 + mt * 16 + g + r * 8;
+                const u32 v = Ops::pack(acc_o[mt][dt][2 * r] * inv_l[mt][r], acc_o[mt][dt][2 * r + 1] * inv_l[mt][r]);
+                *reinterpret_cast<u32*>(sQ + row * PITCH + dt * 8 + 2 * t) = v;
+            }
+
+    if (t == 0) {
+        float* g_lse = p.lse + ((i64)b * p.nheads + h) * sq;
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int row = m0 + warp_row0 + mt * 16 + g + r * 8;
+                if (IS_EVEN || row < sq) g_lse[row] = lse[mt][r];
+            }
+    }
+    __syncwarp();
+
+    T* gO = static_cast<T*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride + (i64)m0 * p.o_row_stride;
+    constexpr int CHUNKS = Tr::CHUNKS;
+    constexpr int WARP_CHUNKS = Tr::ROWS_PER_WARP * CHUNKS;
+#pragma unroll
+    for (int i = 0; i < (WARP_CHUNKS + 31) / 32; ++i) {
+        const int c = lane + i * 32;
+        if (WARP_CHUNKS % 32 == 0 || c < WARP_CHUNKS) {
+            const int row = warp_row0 + c / CHUNKS;
+            const int col = (c % CHUNKS) * 8;
+            if (IS_EVEN || m0 + row < sq) {
+                const uint4 v = *reinterpret_cast<const uint4*>(sQ + row * PITCH + col);
+                *reinterpret_cast<uint4*>(gO + row * p.o_row_stride + col) = v;
+            }
+        }
+    }
+}
+
+}  // namespace cuflash

@@ -1,0 +1,39 @@
+// params.cuh: the one struct every forward kernel takes, by value (__grid_constant__).
+//
+// Layouts (element strides, int64, so any view with a unit last-dim stride works without a copy):
+//   q, o: (batch, seqlen_q, nheads,    head_dim)
+//   k, v: (batch, seqlen_k, nheads_kv, head_dim)
+//   lse:  (batch, nheads, seqlen_q) float32, contiguous
+// Query head h reads kv head h / head_group (MQA / GQA); head_group = nheads / nheads_kv.
+//
+// cuflash/_launch.py mirrors this struct as an aligned NumPy dtype. Every module compiled at run
+// time static_asserts sizeof against that dtype; the compile gate static_asserts each field's
+// offset too, and a GPU test reads the offsets back from a probe kernel.
+#pragma once
+#include "common.cuh"
+
+namespace cuflash {
+
+struct FwdParams {
+    const void* q;
+    const void* k;
+    const void* v;
+    void* o;
+    float* lse;
+
+    i64 q_batch_stride, q_row_stride, q_head_stride;
+    i64 k_batch_stride, k_row_stride, k_head_stride;
+    i64 v_batch_stride, v_row_stride, v_head_stride;
+    i64 o_batch_stride, o_row_stride, o_head_stride;
+
+    int batch;
+    int nheads;
+    int nheads_kv;
+    int head_group;    // nheads / nheads_kv
+    int seqlen_q;
+    int seqlen_k;
+    int num_m_blocks;  // ceil(seqlen_q / BLOCK_M): the grid is batch * nheads * num_m_blocks, on x
+    float scale_log2;  // softmax_scale * log2(e): scores go straight into exp2
+};
+
+}  // namespace cuflash
