@@ -1,0 +1,157 @@
+"""The public entry points: argument checks first, then the GPU kernels or the NumPy path."""
+
+from __future__ import annotations
+
+import math
+
+from . import _interop
+from ._config import HEAD_DIMS
+
+SUPPORTED_DTYPES = ("float16", "bfloat16")
+_NAMES = ("q", "k", "v")
+
+
+def _check_inputs(q, k, v, causal, softmax_scale):
+    """Validates everything that does not need a device. Returns (lib, device, dtype, scale)."""
+    libs = [_interop.library_of(x) for x in (q, k, v)]
+    for name, x, lib in zip(_NAMES, (q, k, v), libs):
+        if lib is None:
+            raise TypeError(f"{name}: expected a torch.Tensor, jax.Array, cupy.ndarray or numpy.ndarray; "
+                            f"got {type(x).__module__}.{type(x).__qualname__}")
+    if len(set(libs)) != 1:
+        got = ", ".join(f"{n} is {lib}" for n, lib in zip(_NAMES, libs))
+        raise TypeError(f"q, k and v must come from one array library; got {got}")
+    lib = libs[0]
+
+    for name, x in zip(_NAMES, (q, k, v)):
+        if len(x.shape) != 4:
+            layout = "(batch, seqlen_q, nheads, head_dim)" if name == "q" else "(batch, seqlen_k, nheads_kv, head_dim)"
+            raise ValueError(f"{name}: expected 4 dimensions {layout}; got shape {tuple(x.shape)}")
+
+    dtypes = [_interop.dtype_name(x, lib) for x in (q, k, v)]
+    for name, dt in zip(_NAMES, dtypes):
+        if dt not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name}: dtype {dt} is not supported; expected float16 or bfloat16")
+    if len(set(dtypes)) != 1:
+        raise TypeError(f"q, k and v must have one dtype; got q {dtypes[0]}, k {dtypes[1]}, v {dtypes[2]}")
+
+    b, sq, h, d = (int(s) for s in q.shape)
+    bk, sk, hk, dk = (int(s) for s in k.shape)
+    if tuple(k.shape) != tuple(v.shape):
+        raise ValueError(f"v: expected the shape of k {tuple(k.shape)}; got {tuple(v.shape)}")
+    if bk != b:
+        raise ValueError(f"k: batch {bk} differs from q's batch {b} (q shape {tuple(q.shape)}, k shape {tuple(k.shape)})")
+    if dk != d:
+        raise ValueError(f"k: head_dim {dk} differs from q's head_dim {d} (q shape {tuple(q.shape)}, k shape {tuple(k.shape)})")
+    if d not in HEAD_DIMS:
+        raise ValueError(f"q: head_dim {d} is not supported; expected a multiple of 8 from 8 to 256 (q shape {tuple(q.shape)})")
+    if hk < 1 or h % hk != 0:
+        raise ValueError(f"k: nheads_kv {hk} must divide q's nheads {h} (MQA/GQA); q shape {tuple(q.shape)}, k shape {tuple(k.shape)}")
+    for name, x in (("q", q), ("k", k)):
+        if min(int(s) for s in x.shape) < 1:
+            raise ValueError(f"{name}: every dimension must be at least 1; got shape {tuple(x.shape)}")
+
+    devices = [_interop.device_of(x, lib) for x in (q, k, v)]
+    if len(set(devices)) != 1:
+        got = ", ".join(f"{n} on {dv[0]}:{dv[1]}" for n, dv in zip(_NAMES, devices))
+        raise ValueError(f"q, k and v must be on one device; got {got}")
+    device = devices[0]
+    if device[0] not in ("cpu", "cuda"):
+        raise ValueError(f"q: arrays on {device[0]} are not supported; expected a CUDA GPU or the CPU")
+
+    if not isinstance(causal, bool) and type(causal).__name__ != "bool_":
+        raise TypeError(f"causal: expected a bool; got {type(causal).__name__}")
+    if softmax_scale is None:
+        scale = 1.0 / math.sqrt(d)
+    else:
+        if isinstance(softmax_scale, (str, bytes, bool)) or not hasattr(softmax_scale, "__float__"):
+            raise TypeError(f"softmax_scale: expected a float or None; got {type(softmax_scale).__name__}")
+        scale = float(softmax_scale)
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"softmax_scale: expected a finite number > 0; got {softmax_scale!r}")
+    return lib, device, dtypes[0], scale
+
+
+def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False):
+    """Exact attention, softmax(scale * Q K^T) V, computed FlashAttention-style: tiled, online softmax,
+    no seqlen_q x seqlen_k matrix in memory.
+
+    Args:
+        q: (batch, seqlen_q, nheads, head_dim)
+        k: (batch, seqlen_k, nheads_kv, head_dim)
+        v: (batch, seqlen_k, nheads_kv, head_dim)
+            float16 or bfloat16; head_dim a multiple of 8 from 8 to 256; nheads a multiple of
+            nheads_kv (MQA / GQA: query head h uses kv head h // (nheads // nheads_kv)).
+            torch tensors, JAX arrays, CuPy arrays or NumPy arrays, all of one kind and on one
+            device. CUDA arrays run the tensor-core kernels on the caller's current stream; CPU
+            arrays (NumPy, torch or JAX on the CPU) run the NumPy implementation.
+            Any strides with a contiguous last dimension are used in place, e.g. a torch
+            (batch, nheads, seqlen, head_dim) tensor passed as ``.transpose(1, 2)``. An input whose
+            last dimension is not contiguous, or (on the GPU) whose pointer or strides are not
+            16-byte aligned, is copied first.
+        causal: mask aligned to the bottom-right corner, as in flash-attn >= 2.1: query row i sees
+            key j iff j <= i + seqlen_k - seqlen_q. For seqlen_q = 2, seqlen_k = 5 (1 = kept)::
+
+                1 1 1 1 0
+                1 1 1 1 1
+
+            and for seqlen_q = 5, seqlen_k = 2::
+
+                0 0
+                0 0
+                0 0
+                1 0
+                1 1
+
+            A row that sees no key gets out = 0 and lse = -inf.
+        softmax_scale: multiplies Q K^T before the softmax; default 1 / sqrt(head_dim). Must be > 0.
+        return_lse: also return lse.
+
+    Returns:
+        out: q's shape and dtype, the caller's kind of array on q's device.
+        lse (if return_lse): (batch, nheads, seqlen_q) float32, the natural-log logsumexp of each
+            row of scaled, masked scores.
+
+    Raises:
+        TypeError / ValueError naming the argument, before anything runs on the device.
+    """
+    lib, device, dtype, scale = _check_inputs(q, k, v, causal, softmax_scale)
+    if device[0] == "cpu":
+        out, lse = _attention_cpu(q, k, v, lib, bool(causal), scale)
+    else:
+        out, lse = _attention_gpu(q, k, v, lib, device[1], dtype, bool(causal), scale)
+    return (out, lse) if return_lse else out
+
+
+def _attention_cpu(q, k, v, lib, causal, scale):
+    from ._cpu import attention_forward_numpy
+
+    qn, kn, vn = (_interop.to_numpy(x, lib) for x in (q, k, v))
+    out, lse = attention_forward_numpy(qn, kn, vn, causal, scale)
+    return _interop.from_numpy(out, lib, like=q), _interop.from_numpy(lse, lib, like=q)
+
+
+def _needs_copy(t) -> bool:
+    """True when the kernel cannot read the array in place: the last dimension is not unit-stride,
+    or a row / head / batch step or the base pointer is not 16-byte aligned (cp.async moves 16 B)."""
+    return t.strides[3] != 1 or t.ptr % 16 != 0 or any(s % 8 != 0 for s in t.strides[:3])
+
+
+def _attention_gpu(q, k, v, lib, device_id, dtype, causal, scale):
+    from . import _launch
+    from ._gpu import compute_capability
+
+    ctx = _interop.GpuContext(lib, device_id)
+    views = []
+    for x in (q, k, v):
+        t = ctx.view(x)
+        if _needs_copy(t):
+            t = ctx.view(ctx.contiguous(x))
+        views.append(t)
+    qv, kv, vv = views
+    b, sq, h, d = qv.shape
+    out, ov = ctx.empty((b, sq, h, d), dtype)
+    lse, lv = ctx.empty((b, h, sq), "float32")
+    _launch.launch_fwd(qv, kv, vv, ov, lv.ptr, dtype, causal, scale, device_id,
+                       compute_capability(device_id), ctx.stream_ptr)
+    return ctx.export(out), ctx.export(lse)
