@@ -1,0 +1,116 @@
+"""Compile gate (CPU, runs in CI): every kernel specialization the dispatcher can select compiles for
+sm_80 and sm_90a through the NVRTC path used at run time, with no register spill, no stack frame,
+and shared memory within the target's limit. Also the Params layout and the disk-cache key."""
+
+import re
+
+import pytest
+
+from cuflash import _compile, _config, _launch
+from cuflash._gpu import compile_many
+
+pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+
+TARGETS = ("sm_80", "sm_90a")
+
+
+def _ptxas_problems(name, smem, log, target):
+    """What is wrong with one kernel's ptxas report, as a list of strings."""
+    problems = []
+    frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    if not frames:
+        return [f"{name}: no ptxas resource report in the log"]
+    for frame, st, ld in frames:
+        if int(frame) or int(st) or int(ld):
+            problems.append(f"{name} ({target}): {frame} B stack frame, {st} B spill stores, {ld} B spill loads")
+    static = sum(int(x) for x in re.findall(r"(\d+) bytes smem", log))
+    limit = _config.SMEM_LIMIT[_config.family_of_target(target)]
+    if static + smem > limit:
+        problems.append(f"{name} ({target}): {static} B static + {smem} B dynamic shared memory > {limit} B")
+    return problems
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_forward_specialization_compiles_clean(target, tmp_path, monkeypatch):
+    specs = _launch.all_fwd_specializations(target)
+    # One specialization per (dtype, head_dim, causal, even): nothing may be left out.
+    assert len(specs) == len(_config.DTYPES) * len(_config.HEAD_DIMS) * 4
+    smem_of = {spec.name: smem for spec, smem in specs}
+    # The run-time path (NVRTC via the disk cache, in worker processes), into an empty cache.
+    monkeypatch.setenv("CUFLASH_CACHE_DIR", str(tmp_path))
+    results = compile_many([spec for spec, _ in specs], target, workers=4, return_logs=True)
+    assert all(seconds > 0 for _, seconds, _ in results), "a kernel came from a cache instead of NVRTC"
+    problems = [p for name, _, log in results for p in _ptxas_problems(name, smem_of[name], log, target)]
+    assert not problems, "\n".join(problems)
+
+
+def test_gate_detects_spills_and_smem():
+    """The log parser must flag a spill, a stack frame and too much shared memory."""
+    good = "ptxas . 0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\nUsed 100 registers"
+    assert _ptxas_problems("x", 1000, good, "sm_80") == []
+    bad = "ptxas . 16 bytes stack frame, 8 bytes spill stores, 8 bytes spill loads"
+    assert _ptxas_problems("x", 1000, bad, "sm_80")
+    assert _ptxas_problems("x", 170000, good, "sm_80")          # > 163 KB
+    assert not _ptxas_problems("x", 170000, good, "sm_90a")     # < 227 KB
+    assert _ptxas_problems("x", 1000, "no report", "sm_80")
+
+
+def test_params_layout_matches_numpy_mirror():
+    """sizeof and every field offset of FwdParams equal the NumPy dtype's (static_assert in C++)."""
+    cfg = _config.fwd_config("sm90", 64, "float16")
+    spec, _ = _launch.fwd_specialization("float16", 64, cfg, False, True)
+    checks = _compile.params_layout_checks("cuflash", "FwdParams", _launch.FWD_PARAMS, offsets=True)
+    spec = _compile.Specialization(spec.source, spec.expression, spec.name, checks)
+    _compile.nvrtc_compile(spec, "sm_90a")
+
+
+def test_params_layout_check_can_fail():
+    """A mirror with a field in the wrong place must not compile."""
+    import numpy as np
+
+    names = list(_launch.FWD_PARAMS.names)
+    wrong = np.dtype([(n, _launch.FWD_PARAMS.fields[n][0]) for n in [names[1], names[0]] + names[2:]], align=True)
+    cfg = _config.fwd_config("sm90", 64, "float16")
+    spec, _ = _launch.fwd_specialization("float16", 64, cfg, False, True)
+    checks = _compile.params_layout_checks("cuflash", "FwdParams", wrong, offsets=True)
+    with pytest.raises(_compile.CompileError, match="offset differs"):
+        _compile.nvrtc_compile(_compile.Specialization(spec.source, spec.expression, spec.name, checks), "sm_90a")
+
+
+def test_smem_formula_mismatch_fails_to_compile():
+    cfg = _config.fwd_config("sm90", 128, "bfloat16")
+    spec, smem = _launch.fwd_specialization("bfloat16", 128, cfg, True, False)
+    bad = spec.checks.replace(f"== {smem}", f"== {smem + 16}")
+    with pytest.raises(_compile.CompileError, match="shared memory size differs"):
+        _compile.nvrtc_compile(_compile.Specialization(spec.source, spec.expression, spec.name, bad), "sm_80")
+
+
+def test_cache_key_covers_headers_options_and_target(tmp_path, monkeypatch):
+    import shutil
+
+    src = tmp_path / "cuda_src"
+    shutil.copytree(_compile.cuda_src_dir(), src)
+    monkeypatch.setattr(_compile, "_SRC_CANDIDATES", (src,))
+    monkeypatch.setattr(_compile, "_sources_cache", None)
+    cfg = _config.fwd_config("sm90", 64, "float16")
+    spec, _ = _launch.fwd_specialization("float16", 64, cfg, False, True)
+    opts = _compile.base_options("sm_90a")
+    k0 = _compile.cache_key(spec, "sm_90a", opts)
+    assert _compile.cache_key(spec, "sm_80", _compile.base_options("sm_80")) != k0
+    assert _compile.cache_key(spec, "sm_90a", opts + ["-lineinfo"]) != k0
+    # A change in a header that the main file includes changes the key.
+    (src / "softmax.cuh").write_text((src / "softmax.cuh").read_text() + "\n// changed\n")
+    monkeypatch.setattr(_compile, "_sources_cache", None)
+    assert _compile.cache_key(spec, "sm_90a", opts) != k0
+
+
+def test_disk_cache_roundtrip(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUFLASH_CACHE_DIR", str(tmp_path))
+    cfg = _config.fwd_config("sm90", 32, "bfloat16")
+    spec, _ = _launch.fwd_specialization("bfloat16", 32, cfg, True, False)
+    first = _compile.compile_cached(spec, "sm_90a")
+    assert first.compile_seconds > 0 and first.cubin_path is not None and first.cubin_path.is_file()
+    again = _compile.compile_cached(spec, "sm_90a")
+    assert again.compile_seconds == 0.0 and again.cubin == first.cubin
+    assert again.lowered_name == first.lowered_name
+    assert spec.name in first.cubin_path.name
