@@ -34,6 +34,11 @@ template <> struct ElemOps<f16> {
         asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
         return r;
     }
+    static __device__ __forceinline__ float to_float(u16 x) {
+        float f;
+        asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
+        return f;
+    }
     // D = A * B + D, m16n8k16, float accumulators.
     static __device__ __forceinline__ void mma16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
         asm volatile(
@@ -58,6 +63,7 @@ template <> struct ElemOps<bf16> {
         asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
         return r;
     }
+    static __device__ __forceinline__ float to_float(u16 x) { return __uint_as_float(((u32)x) << 16); }
     static __device__ __forceinline__ void mma16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
         asm volatile(
             "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
@@ -106,6 +112,31 @@ __device__ __forceinline__ void cp_async_16(u32 dst, const void* src, int src_by
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;" :: "n"(N));
+}
+
+// Row pitch (elements) of a shared-memory tile of 16-bit values with `cols` columns (a multiple of
+// 8): an odd number of 16-byte chunks, so the 8 rows read by one ldmatrix phase land in 8 distinct
+// 16-byte bank groups.
+__host__ __device__ constexpr int padded_pitch(int cols) { return ((cols / 8) % 2 == 1) ? cols : cols + 8; }
+
+// Copies `rows` rows (of HEAD_DIM elements, row stride `row_stride` elements) from global memory to
+// shared memory with 16-byte cp.async; rows at or past `valid_rows` are zero-filled.
+template <typename T, int HEAD_DIM, int PITCH, int ROWS, int THREADS, bool CHECK>
+__device__ __forceinline__ void load_tile_async(T* s_dst, const T* g_src, i64 row_stride, int valid_rows, int tid) {
+    constexpr int CHUNKS = HEAD_DIM / 8;
+    constexpr int TOTAL = ROWS * CHUNKS;
+#pragma unroll
+    for (int i = 0; i < (TOTAL + THREADS - 1) / THREADS; ++i) {
+        const int c = tid + i * THREADS;
+        if (TOTAL % THREADS == 0 || c < TOTAL) {
+            const int row = c / CHUNKS;
+            const int col = (c % CHUNKS) * 8;
+            const bool ok = !CHECK || row < valid_rows;
+            // An out-of-range row still needs a valid address: point it at the tile's first row.
+            const T* src = g_src + (ok ? row * row_stride : 0) + col;
+            cp_async_16(smem_addr(s_dst + row * PITCH + col), src, ok ? 16 : 0);
+        }
+    }
 }
 
 __device__ __forceinline__ float fast_exp2(float x) {

@@ -47,8 +47,7 @@ struct FwdTraits {
     static constexpr bool K8_TAIL = (HEAD_DIM % 16) != 0;
     static constexpr int D_TILES = HEAD_DIM / 8;         // n8 tiles of O
     static constexpr int CHUNKS = HEAD_DIM / 8;          // 16-byte chunks per row
-    // Row pitch in elements: an odd number of 16-byte chunks.
-    static constexpr int PITCH = (CHUNKS % 2 == 1) ? HEAD_DIM : HEAD_DIM + 8;
+    static constexpr int PITCH = padded_pitch(HEAD_DIM);
     static constexpr int SQ_ELEMS = BLOCK_M * PITCH;
     static constexpr int SKV_ELEMS = BLOCK_N * PITCH;
     // sQ, then sK[2], then sV[2]. Must equal cuflash/_config.py:fwd_smem_bytes.
@@ -58,26 +57,6 @@ struct FwdTraits {
     static_assert(BLOCK_M % (16 * WARPS) == 0, "each warp owns whole m16 tiles");
     static_assert(BLOCK_N % 16 == 0, "P is re-used as an A operand in k16 steps");
 };
-
-// Copies `rows` rows (of HEAD_DIM elements, row stride `row_stride` elements) from global memory to
-// shared memory with 16-byte cp.async; rows at or past `valid_rows` are zero-filled.
-template <typename T, int HEAD_DIM, int PITCH, int ROWS, int THREADS, bool CHECK>
-__device__ __forceinline__ void load_tile_async(T* s_dst, const T* g_src, i64 row_stride, int valid_rows, int tid) {
-    constexpr int CHUNKS = HEAD_DIM / 8;
-    constexpr int TOTAL = ROWS * CHUNKS;
-#pragma unroll
-    for (int i = 0; i < (TOTAL + THREADS - 1) / THREADS; ++i) {
-        const int c = tid + i * THREADS;
-        if (TOTAL % THREADS == 0 || c < TOTAL) {
-            const int row = c / CHUNKS;
-            const int col = (c % CHUNKS) * 8;
-            const bool ok = !CHECK || row < valid_rows;
-            // An out-of-range row still needs a valid address: point it at the tile's first row.
-            const T* src = g_src + (ok ? row * row_stride : 0) + col;
-            cp_async_16(smem_addr(s_dst + row * PITCH + col), src, ok ? 16 : 0);
-        }
-    }
-}
 
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, bool IS_CAUSAL, bool IS_EVEN>
 __global__ void __launch_bounds__(WARPS * 32, 1)

@@ -36,4 +36,47 @@ struct FwdParams {
     float scale_log2;  // softmax_scale * log2(e): scores go straight into exp2
 };
 
+// Backward. Extra layouts:
+//   dout, dq: like q;  dk, dv: like k (strides of their own)
+//   lse:      (batch, nheads, seqlen_q) float32, contiguous (as the forward writes it)
+//   lse_log2, delta: (batch, nheads, seqlen_q_pad) float32 scratch written by the preprocess kernel:
+//             lse * log2(e) (+inf for a row that sees no key, or past seqlen_q) and rowsum(dO * O)
+//   dq_accum: (batch, nheads, seqlen_q_pad, head_dim) float32 scratch for the atomic dQ path
+// seqlen_q_pad is seqlen_q rounded up to a multiple of every backward BLOCK_M, so tiles of the
+// scratch arrays are read without bounds checks.
+struct BwdParams {
+    const void* q;
+    const void* k;
+    const void* v;
+    const void* o;
+    const void* dout;
+    const float* lse;
+    void* dq;
+    void* dk;
+    void* dv;
+    float* dq_accum;
+    float* lse_log2;
+    float* delta;
+
+    i64 q_batch_stride, q_row_stride, q_head_stride;
+    i64 k_batch_stride, k_row_stride, k_head_stride;
+    i64 v_batch_stride, v_row_stride, v_head_stride;
+    i64 o_batch_stride, o_row_stride, o_head_stride;
+    i64 do_batch_stride, do_row_stride, do_head_stride;
+    i64 dq_batch_stride, dq_row_stride, dq_head_stride;
+    i64 dk_batch_stride, dk_row_stride, dk_head_stride;
+    i64 dv_batch_stride, dv_row_stride, dv_head_stride;
+
+    int batch;
+    int nheads;
+    int nheads_kv;
+    int head_group;
+    int seqlen_q;
+    int seqlen_k;
+    int seqlen_q_pad;
+    int num_blocks;    // blocks per (batch, head) of the kernel being launched, along its sequence
+    float scale_log2;  // softmax_scale * log2(e)
+    float scale;       // softmax_scale: dQ = scale * dS K, dK = scale * dS^T Q
+};
+
 }  // namespace cuflash

@@ -1,0 +1,471 @@
+// flash_bwd.cu: exact attention backward by recomputation, FlashAttention-2 partition.
+//
+// Notation (per (batch, query head), scaled scores S = scale * Q K^T, masked):
+//   P  = exp2(S * log2(e) - lse * log2(e))      recomputed from the forward's lse; never stored
+//   dV = P^T dO          dP = dO V^T          dS = P * (dP - D),  D = rowsum(dO * O)
+//   dK = scale * dS^T Q  dQ = scale * dS K
+// Nothing of size seqlen_q x seqlen_k reaches device memory; the scratch is O(seqlen).
+//
+// Kernels, in launch order:
+//   1. flash_bwd_preprocess_kernel: one warp per (batch, head, query row), rows padded to
+//      seqlen_q_pad: delta = rowsum(dO * O), lse_log2 = lse * log2(e) (+inf where the row sees no key
+//      or does not exist, so that P = exp2(s - inf) = 0 there), and zeroes the row of dq_accum when
+//      dQ is accumulated by atomics.
+//   2. flash_bwd_dkdv_kernel: one block per (key block, kv head, batch). K and V of its BLOCK_N keys
+//      stay in shared memory; dK and dV stay in registers. It loops over every query head of its
+//      GQA group and every query block that can see its keys (bottom-right causal), with Q, dO, lse
+//      and delta tiles double-buffered by cp.async. Each iteration has three phases:
+//        A. warps split (keys x queries): S^T = K Q^T and dP^T = V dO^T, then P^T and dS^T, written
+//           to shared memory as 16-bit values;
+//        B. warps split (keys x head_dim): dV += P^T dO, dK += dS^T Q (accumulated in registers);
+//        C. with ATOMIC_DQ, warps split (queries x head_dim): dQ_part = dS K, added with float
+//           atomics into dq_accum.
+//      dK and dV are written once, at the end, in the input dtype: summing the GQA group inside the
+//      block needs no scratch and no atomics, so dK and dV are deterministic.
+//   3a. (ATOMIC_DQ) flash_bwd_convert_dq_kernel: dq = scale * dq_accum, in the input dtype.
+//   3b. (deterministic) flash_bwd_dq_kernel: one block per (query block, head, batch), the forward's
+//      partition: recomputes S and dP for its rows over the visible key tiles and accumulates
+//      dQ = dS K in registers; no atomics, so dq is bitwise reproducible. It redoes Q K^T and dO V^T
+//      (two of the five products) on top of the dK/dV kernel.
+//
+// Grids are 1-D: blockIdx.x enumerates (batch, head, block along the sequence), so batch * nheads
+// is not bounded by the 65535 limit of grid y / z.
+// Shared-memory rows use padded_pitch (conflict-free ldmatrix); see flash_fwd.cu for layouts.
+#include "common.cuh"
+#include "params.cuh"
+#include "warp_gemm.cuh"
+
+namespace cuflash {
+
+constexpr float LOG2E_F = 1.4426950408889634f;
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
+}
+
+// ------------------------------------------------------------------------------------------------
+// 1. preprocess
+// ------------------------------------------------------------------------------------------------
+template <typename T, int HEAD_DIM, bool ZERO_DQ>
+__global__ void __launch_bounds__(256)
+flash_bwd_preprocess_kernel(const __grid_constant__ BwdParams p) {
+    using Ops = ElemOps<T>;
+    const int lane = threadIdx.x % 32;
+    const i64 row_id = (i64)blockIdx.x * 8 + threadIdx.x / 32;  // over (batch, head, padded row)
+    if (row_id >= (i64)p.batch * p.nheads * p.seqlen_q_pad) return;
+    const int i = (int)(row_id % p.seqlen_q_pad);
+    const i64 bh = row_id / p.seqlen_q_pad;
+    const int h = (int)(bh % p.nheads), b = (int)(bh / p.nheads);
+
+    float d = 0.f;
+    if (i < p.seqlen_q) {
+        const T* o = static_cast<const T*>(p.o) + b * p.o_batch_stride + i * p.o_row_stride + h * p.o_head_stride;
+        const T* dO = static_cast<const T*>(p.dout) + b * p.do_batch_stride + i * p.do_row_stride + h * p.do_head_stride;
+        for (int c = lane; c < HEAD_DIM / 8; c += 32) {
+            const uint4 ov = *reinterpret_cast<const uint4*>(o + c * 8);
+            const uint4 dv = *reinterpret_cast<const uint4*>(dO + c * 8);
+            const u16* oe = reinterpret_cast<const u16*>(&ov);
+            const u16* de = reinterpret_cast<const u16*>(&dv);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) d += Ops::to_float(oe[e]) * Ops::to_float(de[e]);
+        }
+    }
+    d = warp_sum(d);
+    if (lane == 0) {
+        p.delta[row_id] = d;
+        float l2 = CUFLASH_INF;
+        if (i < p.seqlen_q) {
+            const float l = p.lse[bh * p.seqlen_q + i];
+            if (l != -CUFLASH_INF) l2 = l * LOG2E_F;
+        }
+        p.lse_log2[row_id] = l2;
+    }
+    if (ZERO_DQ) {
+        float4* acc = reinterpret_cast<float4*>(p.dq_accum + row_id * HEAD_DIM);
+        for (int c = lane; c < HEAD_DIM / 4; c += 32) acc[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// 2. dK, dV (and dQ by atomics)
+// ------------------------------------------------------------------------------------------------
+template <int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS>
+struct BwdTraits {
+    static constexpr int THREADS = WARPS * 32;
+    static constexpr int PITCH = padded_pitch(HEAD_DIM);   // rows of K, V, Q, dO tiles
+    static constexpr int PPITCH = padded_pitch(BLOCK_M);   // rows of the P^T, dS^T tiles (BLOCK_N x BLOCK_M)
+    static constexpr int D_TILES = HEAD_DIM / 8;
+    // phase A and B: warps as (BLOCK_N / 16 key groups) x (column groups)
+    static constexpr int KEY_GROUPS = BLOCK_N / 16;
+    static constexpr int A_COL_GROUPS = WARPS / KEY_GROUPS;
+    static constexpr int A_COLS = BLOCK_M / A_COL_GROUPS;                     // queries per warp
+    static constexpr int A_TILES = A_COLS / 8;
+    static constexpr int B_TILES = (D_TILES + A_COL_GROUPS - 1) / A_COL_GROUPS;  // head_dim tiles per warp
+    // phase C: warps as (BLOCK_M / 16 query groups) x (head_dim column groups)
+    static constexpr int Q_GROUPS = BLOCK_M / 16;
+    static constexpr int C_COL_GROUPS = WARPS / Q_GROUPS;
+    static constexpr int C_TILES = (D_TILES + C_COL_GROUPS - 1) / C_COL_GROUPS;
+
+    static constexpr int SK_ELEMS = BLOCK_N * PITCH;
+    static constexpr int SQ_ELEMS = BLOCK_M * PITCH;
+    static constexpr int SP_ELEMS = BLOCK_N * PPITCH;
+    // sK, sV, sQ[2], sdO[2], sPt, sdSt (16-bit), then sLse[2], sDelta[2] (float).
+    // Must equal cuflash/_config.py:bwd_smem_bytes.
+    static constexpr int SMEM_BYTES = (2 * SK_ELEMS + 4 * SQ_ELEMS + 2 * SP_ELEMS) * 2 + 4 * BLOCK_M * 4;
+
+    static_assert(HEAD_DIM % 8 == 0 && HEAD_DIM >= 8 && HEAD_DIM <= 256, "head_dim: multiple of 8 in [8, 256]");
+    static_assert(BLOCK_N % 16 == 0 && KEY_GROUPS <= WARPS && WARPS % KEY_GROUPS == 0, "phase A/B warp grid");
+    static_assert(A_COLS % 8 == 0 && A_COLS * A_COL_GROUPS == BLOCK_M, "phase A columns");
+    static_assert(BLOCK_M % 16 == 0 && Q_GROUPS <= WARPS && WARPS % Q_GROUPS == 0, "phase C warp grid");
+    static_assert(BLOCK_M % 8 == 0 && (BLOCK_M * 4) % 16 == 0, "lse / delta tiles move in 16-byte chunks");
+};
+
+// BLOCK_M floats from global to shared memory, 16 bytes a thread.
+template <int BLOCK_M, int THREADS>
+__device__ __forceinline__ void load_row_floats_async(float* s_dst, const float* g_src, int tid) {
+    for (int c = tid; c < BLOCK_M / 4; c += THREADS) cp_async_16(smem_addr(s_dst + 4 * c), g_src + 4 * c, 16);
+}
+
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, bool IS_CAUSAL, bool IS_EVEN, bool ATOMIC_DQ>
+__global__ void __launch_bounds__(WARPS * 32, 1)
+flash_bwd_dkdv_kernel(const __grid_constant__ BwdParams p) {
+    using Tr = BwdTraits<HEAD_DIM, BLOCK_M, BLOCK_N, WARPS>;
+    constexpr int THREADS = Tr::THREADS, PITCH = Tr::PITCH, PPITCH = Tr::PPITCH, D_TILES = Tr::D_TILES;
+    constexpr int A_TILES = Tr::A_TILES, B_TILES = Tr::B_TILES, C_TILES = Tr::C_TILES;
+
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    T* sK = reinterpret_cast<T*>(smem_raw);        // (BLOCK_N, PITCH)
+    T* sV = sK + Tr::SK_ELEMS;                     // (BLOCK_N, PITCH)
+    T* sQ = sV + Tr::SK_ELEMS;                     // 2 x (BLOCK_M, PITCH)
+    T* sdO = sQ + 2 * Tr::SQ_ELEMS;                // 2 x (BLOCK_M, PITCH)
+    T* sPt = sdO + 2 * Tr::SQ_ELEMS;               // (BLOCK_N, PPITCH): P^T
+    T* sdSt = sPt + Tr::SP_ELEMS;                  // (BLOCK_N, PPITCH): dS^T
+    float* sLse = reinterpret_cast<float*>(sdSt + Tr::SP_ELEMS);  // 2 x BLOCK_M
+    float* sDelta = sLse + 2 * BLOCK_M;                            // 2 x BLOCK_M
+
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const int g = lane / 4, t = lane % 4;
+    if (tid == 0 && dynamic_smem_bytes() < (u32)Tr::SMEM_BYTES) __trap();
+
+    const int n_block = (int)(blockIdx.x % (unsigned)p.num_blocks);
+    const int bh = (int)(blockIdx.x / (unsigned)p.num_blocks);
+    const int h_kv = bh % p.nheads_kv, b = bh / p.nheads_kv;
+    const int sq = p.seqlen_q, sk = p.seqlen_k;
+    const int n0 = n_block * BLOCK_N;
+
+    // Query blocks that see at least one of keys [n0, n0 + BLOCK_N): query i sees key j iff
+    // j <= i + sk - sq, so the first is the block of query n0 - (sk - sq).
+    const int num_m_blocks = (sq + BLOCK_M - 1) / BLOCK_M;
+    int m_begin = 0;
+    if (IS_CAUSAL) {
+        const int first_q = n0 - (sk - sq);
+        m_begin = first_q <= 0 ? 0 : min(num_m_blocks, first_q / BLOCK_M);
+    }
+    const int m_iters = num_m_blocks - m_begin;
+    const int iters = m_iters * p.head_group;
+
+    const T* gK = static_cast<const T*>(p.k) + b * p.k_batch_stride + h_kv * p.k_head_stride + (i64)n0 * p.k_row_stride;
+    const T* gV = static_cast<const T*>(p.v) + b * p.v_batch_stride + h_kv * p.v_head_stride + (i64)n0 * p.v_row_stride;
+
+    // Issues the copies of iteration `it` (query head, query block) into stage it % 2.
+    auto load_q_tiles = [&](int it) {
+        const int hq = h_kv * p.head_group + it / m_iters;
+        const int m0 = (m_begin + it % m_iters) * BLOCK_M;
+        const int st = it % 2;
+        const T* gQ = static_cast<const T*>(p.q) + b * p.q_batch_stride + hq * p.q_head_stride + (i64)m0 * p.q_row_stride;
+        const T* gdO = static_cast<const T*>(p.dout) + b * p.do_batch_stride + hq * p.do_head_stride + (i64)m0 * p.do_row_stride;
+        load_tile_async<T, HEAD_DIM, PITCH, BLOCK_M, THREADS, !IS_EVEN>(sQ + st * Tr::SQ_ELEMS, gQ, p.q_row_stride, sq - m0, tid);
+        load_tile_async<T, HEAD_DIM, PITCH, BLOCK_M, THREADS, !IS_EVEN>(sdO + st * Tr::SQ_ELEMS, gdO, p.do_row_stride, sq - m0, tid);
+        const i64 row = ((i64)b * p.nheads + hq) * p.seqlen_q_pad + m0;
+        load_row_floats_async<BLOCK_M, THREADS>(sLse + st * BLOCK_M, p.lse_log2 + row, tid);
+        load_row_floats_async<BLOCK_M, THREADS>(sDelta + st * BLOCK_M, p.delta + row, tid);
+    };
+
+    if (iters > 0) {
+        load_tile_async<T, HEAD_DIM, PITCH, BLOCK_N, THREADS, !IS_EVEN>(sK, gK, p.k_row_stride, sk - n0, tid);
+        load_tile_async<T, HEAD_DIM, PITCH, BLOCK_N, THREADS, !IS_EVEN>(sV, gV, p.v_row_stride, sk - n0, tid);
+        load_q_tiles(0);
+        cp_async_commit();
+    }
+
+    // Phase A / B warp coordinates: key group (16 keys) and column group.
+    const int kg = warp % Tr::KEY_GROUPS, cg = warp / Tr::KEY_GROUPS;
+    const int b_tile0 = cg * B_TILES, b_count = min(B_TILES, D_TILES - b_tile0);
+    // Phase C: query group (16 queries) and head_dim column group.
+    const int qg = warp % Tr::Q_GROUPS, cgc = warp / Tr::Q_GROUPS;
+    const int c_tile0 = cgc * C_TILES, c_count = min(C_TILES, D_TILES - c_tile0);
+
+    float acc_dk[B_TILES][4], acc_dv[B_TILES][4];  // (16 keys, B_TILES * 8 of head_dim) per warp
+    zero_acc(acc_dk);
+    zero_acc(acc_dv);
+
+    for (int it = 0; it < iters; ++it) {
+        cp_async_wait<0>();
+        __syncthreads();  // tiles of `it` landed; every warp is done with iteration it - 1
+        if (it + 1 < iters) {
+            load_q_tiles(it + 1);
+            cp_async_commit();
+        }
+        const int st = it % 2;
+        const int hq = h_kv * p.head_group + it / m_iters;
+        const int m0 = (m_begin + it % m_iters) * BLOCK_M;
+        const T* sQs = sQ + st * Tr::SQ_ELEMS;
+        const T* sdOs = sdO + st * Tr::SQ_ELEMS;
+
+        // ---- A: S^T = K Q^T and dP^T = V dO^T, (16 keys, A_COLS queries) per warp ----
+        {
+            float s[A_TILES][4], dp[A_TILES][4];
+            zero_acc(s);
+            zero_acc(dp);
+            warp_mma<T, HEAD_DIM, A_TILES, false, false>(s, sK + kg * 16 * PITCH, PITCH, sQs + cg * Tr::A_COLS * PITCH, PITCH, A_TILES, lane);
+            warp_mma<T, HEAD_DIM, A_TILES, false, false>(dp, sV + kg * 16 * PITCH, PITCH, sdOs + cg * Tr::A_COLS * PITCH, PITCH, A_TILES, lane);
+            const bool tail = !IS_EVEN && n0 + BLOCK_N > sk;
+            const bool diag = IS_CAUSAL && n0 + BLOCK_N - 1 > m0 + sk - sq;
+#pragma unroll
+            for (int nt = 0; nt < A_TILES; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int kl = kg * 16 + g + (e / 2) * 8;              // key within the block
+                    const int ql = cg * Tr::A_COLS + nt * 8 + 2 * t + (e % 2);  // query within the block
+                    // lse_log2 is +inf for queries that see nothing or lie past seqlen_q: P = 0.
+                    float pv = fast_exp2(fmaf(s[nt][e], p.scale_log2, -sLse[st * BLOCK_M + ql]));
+                    if (tail || diag) {
+                        const int key = n0 + kl, query = m0 + ql;
+                        bool masked = key >= sk;
+                        if (IS_CAUSAL) masked = masked || key > query + sk - sq;
+                        if (masked) pv = 0.f;
+                    }
+                    s[nt][e] = pv;
+                    dp[nt][e] = pv * (dp[nt][e] - sDelta[st * BLOCK_M + ql]);
+                }
+            store_acc_smem<T, A_TILES>(sPt + kg * 16 * PPITCH + cg * Tr::A_COLS, PPITCH, s, A_TILES, lane);
+            store_acc_smem<T, A_TILES>(sdSt + kg * 16 * PPITCH + cg * Tr::A_COLS, PPITCH, dp, A_TILES, lane);
+        }
+        __syncthreads();
+
+        // ---- B: dV += P^T dO, dK += dS^T Q, (16 keys, B_TILES * 8 of head_dim) per warp ----
+        warp_mma<T, BLOCK_M, B_TILES, false, true>(acc_dv, sPt + kg * 16 * PPITCH, PPITCH, sdOs + b_tile0 * 8, PITCH, b_count, lane);
+        warp_mma<T, BLOCK_M, B_TILES, false, true>(acc_dk, sdSt + kg * 16 * PPITCH, PPITCH, sQs + b_tile0 * 8, PITCH, b_count, lane);
+
+        // ---- C: dQ_part = dS K, (16 queries, C_TILES * 8 of head_dim) per warp, into dq_accum ----
+        if (ATOMIC_DQ) {
+            // In chunks of C_CHUNK tiles, so that only 4 * C_CHUNK accumulators are live here on top
+            // of dK and dV.
+            float* acc = p.dq_accum + (((i64)b * p.nheads + hq) * p.seqlen_q_pad + m0 + qg * 16) * HEAD_DIM;
+            constexpr int C_CHUNK = C_TILES < 2 ? C_TILES : 2;
+#pragma unroll
+            for (int c0 = 0; c0 < C_TILES; c0 += C_CHUNK) {
+                const int tile0 = c_tile0 + c0, count = min(C_CHUNK, c_count - c0);
+                if (count > 0) {
+                    float dq[C_CHUNK][4];
+                    zero_acc(dq);
+                    warp_mma<T, BLOCK_N, C_CHUNK, true, true>(dq, sdSt + qg * 16, PPITCH, sK + tile0 * 8, PITCH, count, lane);
+#pragma unroll
+                    for (int i = 0; i < C_CHUNK; ++i)
+                        if (i < count) {
+                            const int col = (tile0 + i) * 8 + 2 * t;
+                            atomicAdd(acc + g * HEAD_DIM + col, dq[i][0]);
+                            atomicAdd(acc + g * HEAD_DIM + col + 1, dq[i][1]);
+                            atomicAdd(acc + (g + 8) * HEAD_DIM + col, dq[i][2]);
+                            atomicAdd(acc + (g + 8) * HEAD_DIM + col + 1, dq[i][3]);
+                        }
+                }
+            }
+        }
+    }
+    cp_async_wait<0>();
+
+    // ---- dK = scale * dK, dV: this warp's 16 keys, B_TILES * 8 columns, in the input dtype ----
+    T* gdK = static_cast<T*>(p.dk) + b * p.dk_batch_stride + h_kv * p.dk_head_stride;
+    T* gdV = static_cast<T*>(p.dv) + b * p.dv_batch_stride + h_kv * p.dv_head_stride;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int key = n0 + kg * 16 + g + r * 8;
+        if (IS_EVEN || key < sk) {
+#pragma unroll
+            for (int i = 0; i < B_TILES; ++i)
+                if (i < b_count) {
+                    const int col = (b_tile0 + i) * 8 + 2 * t;
+                    *reinterpret_cast<u32*>(gdK + key * p.dk_row_stride + col) =
+                        ElemOps<T>::pack(acc_dk[i][2 * r] * p.scale, acc_dk[i][2 * r + 1] * p.scale);
+                    *reinterpret_cast<u32*>(gdV + key * p.dv_row_stride + col) =
+                        ElemOps<T>::pack(acc_dv[i][2 * r], acc_dv[i][2 * r + 1]);
+                }
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// 3a. dq = scale * dq_accum (atomic path); one warp per (batch, head, query row)
+// ------------------------------------------------------------------------------------------------
+template <typename T, int HEAD_DIM>
+__global__ void __launch_bounds__(256)
+flash_bwd_convert_dq_kernel(const __grid_constant__ BwdParams p) {
+    const int lane = threadIdx.x % 32;
+    const i64 row_id = (i64)blockIdx.x * 8 + threadIdx.x / 32;  // over (batch, head, row < seqlen_q)
+    if (row_id >= (i64)p.batch * p.nheads * p.seqlen_q) return;
+    const int i = (int)(row_id % p.seqlen_q);
+    const i64 bh = row_id / p.seqlen_q;
+    const int h = (int)(bh % p.nheads), b = (int)(bh / p.nheads);
+    const float* acc = p.dq_accum + (bh * p.seqlen_q_pad + i) * HEAD_DIM;
+    T* dq = static_cast<T*>(p.dq) + b * p.dq_batch_stride + i * p.dq_row_stride + h * p.dq_head_stride;
+    for (int c = lane; c < HEAD_DIM / 8; c += 32) {
+        const float4 x = reinterpret_cast<const float4*>(acc)[2 * c];
+        const float4 y = reinterpret_cast<const float4*>(acc)[2 * c + 1];
+        uint4 out;
+        out.x = ElemOps<T>::pack(x.x * p.scale, x.y * p.scale);
+        out.y = ElemOps<T>::pack(x.z * p.scale, x.w * p.scale);
+        out.z = ElemOps<T>::pack(y.x * p.scale, y.y * p.scale);
+        out.w = ElemOps<T>::pack(y.z * p.scale, y.w * p.scale);
+        *reinterpret_cast<uint4*>(dq + c * 8) = out;
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// 3b. dQ without atomics (deterministic): the forward's partition
+// ------------------------------------------------------------------------------------------------
+template <int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS>
+struct BwdDqTraits {
+    static constexpr int THREADS = WARPS * 32;
+    static constexpr int PITCH = padded_pitch(HEAD_DIM);
+    static constexpr int N_TILES = BLOCK_N / 8;
+    static constexpr int D_TILES = HEAD_DIM / 8;
+    static constexpr int SQ_ELEMS = BLOCK_M * PITCH;
+    static constexpr int SK_ELEMS = BLOCK_N * PITCH;
+    // sQ, sdO, then sK[2], sV[2]. Must equal cuflash/_config.py:bwd_dq_smem_bytes.
+    static constexpr int SMEM_BYTES = (2 * SQ_ELEMS + 4 * SK_ELEMS) * 2;
+    static_assert(BLOCK_M == 16 * WARPS, "one m16 tile of query rows per warp");
+    static_assert(BLOCK_N % 16 == 0, "dS is re-used as an A operand in k16 steps");
+};
+
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, bool IS_CAUSAL, bool IS_EVEN>
+__global__ void __launch_bounds__(WARPS * 32, 1)
+flash_bwd_dq_kernel(const __grid_constant__ BwdParams p) {
+    using Tr = BwdDqTraits<HEAD_DIM, BLOCK_M, BLOCK_N, WARPS>;
+    using Ops = ElemOps<T>;
+    constexpr int THREADS = Tr::THREADS, PITCH = Tr::PITCH, N_TILES = Tr::N_TILES, D_TILES = Tr::D_TILES;
+
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    T* sQ = reinterpret_cast<T*>(smem_raw);  // (BLOCK_M, PITCH)
+    T* sdO = sQ + Tr::SQ_ELEMS;              // (BLOCK_M, PITCH)
+    T* sK = sdO + Tr::SQ_ELEMS;              // 2 x (BLOCK_N, PITCH)
+    T* sV = sK + 2 * Tr::SK_ELEMS;           // 2 x (BLOCK_N, PITCH)
+
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const int g = lane / 4, t = lane % 4;
+    if (tid == 0 && dynamic_smem_bytes() < (u32)Tr::SMEM_BYTES) __trap();
+
+    const int m_block = p.num_blocks - 1 - (int)(blockIdx.x % (unsigned)p.num_blocks);
+    const int bh = (int)(blockIdx.x / (unsigned)p.num_blocks);
+    const int h = bh % p.nheads, b = bh / p.nheads;
+    const int h_kv = h / p.head_group;
+    const int m0 = m_block * BLOCK_M;
+    const int sq = p.seqlen_q, sk = p.seqlen_k;
+
+    int n_blocks = (sk + BLOCK_N - 1) / BLOCK_N;
+    if (IS_CAUSAL) {
+        const int visible = m0 + BLOCK_M + sk - sq;
+        n_blocks = min(n_blocks, visible <= 0 ? 0 : (visible + BLOCK_N - 1) / BLOCK_N);
+    }
+
+    const T* gQ = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + (i64)m0 * p.q_row_stride;
+    const T* gdO = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride + (i64)m0 * p.do_row_stride;
+    const T* gK = static_cast<const T*>(p.k) + b * p.k_batch_stride + h_kv * p.k_head_stride;
+    const T* gV = static_cast<const T*>(p.v) + b * p.v_batch_stride + h_kv * p.v_head_stride;
+
+    load_tile_async<T, HEAD_DIM, PITCH, BLOCK_M, THREADS, !IS_EVEN>(sQ, gQ, p.q_row_stride, sq - m0, tid);
+    load_tile_async<T, HEAD_DIM, PITCH, BLOCK_M, THREADS, !IS_EVEN>(sdO, gdO, p.do_row_stride, sq - m0, tid);
+    if (n_blocks > 0) {
+        load_tile_async<T, HEAD_DIM, PITCH, BLOCK_N, THREADS, !IS_EVEN>(sK, gK, p.k_row_stride, sk, tid);
+        load_tile_async<T, HEAD_DIM, PITCH, BLOCK_N, THREADS, !IS_EVEN>(sV, gV, p.v_row_stride, sk, tid);
+    }
+    cp_async_commit();
+
+    // This thread's two rows (g and g + 8 of the warp's 16): lse in log2 units and delta.
+    const i64 row_base = ((i64)b * p.nheads + h) * p.seqlen_q_pad + m0 + warp * 16;
+    const float lse2[2] = {p.lse_log2[row_base + g], p.lse_log2[row_base + g + 8]};
+    const float dlt[2] = {p.delta[row_base + g], p.delta[row_base + g + 8]};
+
+    float acc_dq[D_TILES][4];  // (16 rows, HEAD_DIM) per warp
+    zero_acc(acc_dq);
+
+    for (int j = 0; j < n_blocks; ++j) {
+        cp_async_wait<0>();
+        __syncthreads();
+        if (j + 1 < n_blocks) {
+            const int st = (j + 1) % 2;
+            const i64 n1 = (i64)(j + 1) * BLOCK_N;
+            load_tile_async<T, HEAD_DIM, PITCH, BLOCK_N, THREADS, !IS_EVEN>(
+                sK + st * Tr::SK_ELEMS, gK + n1 * p.k_row_stride, p.k_row_stride, sk - (int)n1, tid);
+            load_tile_async<T, HEAD_DIM, PITCH, BLOCK_N, THREADS, !IS_EVEN>(
+                sV + st * Tr::SK_ELEMS, gV + n1 * p.v_row_stride, p.v_row_stride, sk - (int)n1, tid);
+            cp_async_commit();
+        }
+        const T* sKj = sK + (j % 2) * Tr::SK_ELEMS;
+        const T* sVj = sV + (j % 2) * Tr::SK_ELEMS;
+        const int n0 = j * BLOCK_N;
+
+        // S = Q K^T, dP = dO V^T: (16 rows, BLOCK_N) per warp
+        float s[N_TILES][4], dp[N_TILES][4];
+        zero_acc(s);
+        zero_acc(dp);
+        warp_mma<T, HEAD_DIM, N_TILES, false, false>(s, sQ + warp * 16 * PITCH, PITCH, sKj, PITCH, N_TILES, lane);
+        warp_mma<T, HEAD_DIM, N_TILES, false, false>(dp, sdO + warp * 16 * PITCH, PITCH, sVj, PITCH, N_TILES, lane);
+
+        const bool tail = !IS_EVEN && n0 + BLOCK_N > sk;
+        const bool diag = IS_CAUSAL && n0 + BLOCK_N - 1 > m0 + sk - sq;
+#pragma unroll
+        for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float pv = fast_exp2(fmaf(s[nt][e], p.scale_log2, -lse2[e / 2]));
+                if (tail || diag) {
+                    const int row = m0 + warp * 16 + g + (e / 2) * 8;
+                    const int col = n0 + nt * 8 + 2 * t + (e % 2);
+                    bool masked = col >= sk;
+                    if (IS_CAUSAL) masked = masked || col > row + sk - sq;
+                    if (masked) pv = 0.f;
+                }
+                dp[nt][e] = pv * (dp[nt][e] - dlt[e / 2]);  // dS
+            }
+
+        // dQ += dS K: dS from registers as the A operand, K (BLOCK_N, HEAD_DIM) as B (k = key)
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+            u32 a[4];
+            a[0] = Ops::pack(dp[2 * kk][0], dp[2 * kk][1]);
+            a[1] = Ops::pack(dp[2 * kk][2], dp[2 * kk][3]);
+            a[2] = Ops::pack(dp[2 * kk + 1][0], dp[2 * kk + 1][1]);
+            a[3] = Ops::pack(dp[2 * kk + 1][2], dp[2 * kk + 1][3]);
+#pragma unroll
+            for (int dp2 = 0; dp2 < D_TILES / 2; ++dp2) {
+                u32 bk[4];
+                load_b_pair_k16<true>(bk, sKj, PITCH, kk * 16, dp2 * 16, lane);
+                Ops::mma16816(acc_dq[2 * dp2], a, bk[0], bk[1]);
+                Ops::mma16816(acc_dq[2 * dp2 + 1], a, bk[2], bk[3]);
+            }
+            if (D_TILES % 2) {
+                u32 b0, b1;
+                load_b_one_k16<true>(b0, b1, sKj, PITCH, kk * 16, (D_TILES - 1) * 8, lane);
+                Ops::mma16816(acc_dq[D_TILES - 1], a, b0, b1);
+            }
+        }
+    }
+    cp_async_wait<0>();
+
+    T* gdQ = static_cast<T*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = m0 + warp * 16 + g + r * 8;
+        if (IS_EVEN || row < sq) {
+#pragma unroll
+            for (int i = 0; i < D_TILES; ++i)
+                *reinterpret_cast<u32*>(gdQ + row * p.dq_row_stride + i * 8 + 2 * t) =
+                    Ops::pack(acc_dq[i][2 * r] * p.scale, acc_dq[i][2 * r + 1] * p.scale);
+        }
+    }
+}
+
+}  // namespace cuflash
