@@ -4,8 +4,8 @@ CUDA kernels in cuda_src/ are compiled at run time by NVRTC (through CuPy) and c
 torch, JAX and CuPy arrays; NumPy arrays run a NumPy implementation of the same tiled algorithm.
 """
 
-from ._api import attention
+from ._api import attention, attention_backward
 from ._gpu import precompile
 from ._version import __version__
 
-__all__ = ["attention", "precompile", "__version__"]
+__all__ = ["attention", "attention_backward", "precompile", "__version__"]

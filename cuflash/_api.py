@@ -56,7 +56,9 @@ def _check_inputs(q, k, v, causal, softmax_scale):
         got = ", ".join(f"{n} on {dv[0]}:{dv[1]}" for n, dv in zip(_NAMES, devices))
         raise ValueError(f"q, k and v must be on one device; got {got}")
     device = devices[0]
-    if device[0] not in ("cpu", "cuda"):
+    if device[0] == "traced" and lib == "jax":
+        pass  # under a JAX transformation; cuflash/_jax.py decides what it supports
+    elif device[0] not in ("cpu", "cuda"):
         raise ValueError(f"q: arrays on {device[0]} are not supported; expected a CUDA GPU or the CPU")
 
     if not isinstance(causal, bool) and type(causal).__name__ != "bool_":
@@ -72,7 +74,8 @@ def _check_inputs(q, k, v, causal, softmax_scale):
     return lib, device, dtypes[0], scale
 
 
-def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False):
+def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False,
+              deterministic: bool = False):
     """Exact attention, softmax(scale * Q K^T) V, computed FlashAttention-style: tiled, online softmax,
     no seqlen_q x seqlen_k matrix in memory.
 
@@ -106,6 +109,14 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
             A row that sees no key gets out = 0 and lse = -inf.
         softmax_scale: multiplies Q K^T before the softmax; default 1 / sqrt(head_dim). Must be > 0.
         return_lse: also return lse.
+        deterministic: passed to the backward pass (see `attention_backward`) when gradients are
+            taken through this call.
+
+    Gradients: torch tensors that require grad record an autograd node (saving q, k, v, out and
+    lse, never the probabilities); the op is a torch.library custom op, so torch.compile traces it
+    without a graph break. JAX arrays work with jax.grad / jax.vjp in eager mode (jax.custom_vjp);
+    under jax.jit the call raises NotImplementedError. lse is not differentiable: no gradient flows
+    back through it.
 
     Returns:
         out: q's shape and dtype, the caller's kind of array on q's device.
@@ -116,11 +127,30 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
         TypeError / ValueError naming the argument, before anything runs on the device.
     """
     lib, device, dtype, scale = _check_inputs(q, k, v, causal, softmax_scale)
-    if device[0] == "cpu":
-        out, lse = _attention_cpu(q, k, v, lib, bool(causal), scale)
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse: expected a bool; got {type(return_lse).__name__}")
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic: expected a bool; got {type(deterministic).__name__}")
+    if lib == "torch":
+        import torch
+
+        from . import _torch  # noqa: F401  (registers torch.ops.cuflash.*)
+
+        out, lse = torch.ops.cuflash.attention_fwd(q, k, v, bool(causal), scale, deterministic)
+    elif lib == "jax":
+        from . import _jax
+
+        out, lse = _jax.attention(q, k, v, bool(causal), scale, deterministic)
     else:
-        out, lse = _attention_gpu(q, k, v, lib, device[1], dtype, bool(causal), scale)
+        out, lse = forward_impl(q, k, v, lib, device, dtype, bool(causal), scale)
     return (out, lse) if return_lse else out
+
+
+def forward_impl(q, k, v, lib, device, dtype, causal, scale):
+    """The forward on validated, concrete arrays of one library: (out, lse)."""
+    if device[0] == "cpu":
+        return _attention_cpu(q, k, v, lib, causal, scale)
+    return _attention_gpu(q, k, v, lib, device[1], dtype, causal, scale)
 
 
 def _attention_cpu(q, k, v, lib, causal, scale):
@@ -155,3 +185,99 @@ def _attention_gpu(q, k, v, lib, device_id, dtype, causal, scale):
     _launch.launch_fwd(qv, kv, vv, ov, lv.ptr, dtype, causal, scale, device_id,
                        compute_capability(device_id), ctx.stream_ptr)
     return ctx.export(out), ctx.export(lse)
+
+
+def _check_backward_inputs(dout, q, k, v, out, lse, causal, softmax_scale, deterministic):
+    lib, device, dtype, scale = _check_inputs(q, k, v, causal, softmax_scale)
+    for name, x in (("dout", dout), ("out", out), ("lse", lse)):
+        xl = _interop.library_of(x)
+        if xl != lib:
+            raise TypeError(f"{name}: expected a {lib} array like q; got "
+                            f"{type(x).__module__}.{type(x).__qualname__}")
+        if _interop.device_of(x, lib) != device:
+            dv = _interop.device_of(x, lib)
+            raise ValueError(f"{name}: on {dv[0]}:{dv[1]}; expected q's device {device[0]}:{device[1]}")
+    b, sq, h, d = (int(n) for n in q.shape)
+    for name, x in (("dout", dout), ("out", out)):
+        if tuple(x.shape) != (b, sq, h, d):
+            raise ValueError(f"{name}: expected q's shape {(b, sq, h, d)}; got {tuple(x.shape)}")
+        if _interop.dtype_name(x, lib) != dtype:
+            raise TypeError(f"{name}: expected q's dtype {dtype}; got {_interop.dtype_name(x, lib)}")
+    if tuple(lse.shape) != (b, h, sq):
+        raise ValueError(f"lse: expected shape (batch, nheads, seqlen_q) = {(b, h, sq)}; got {tuple(lse.shape)}")
+    if _interop.dtype_name(lse, lib) != "float32":
+        raise TypeError(f"lse: expected float32; got {_interop.dtype_name(lse, lib)}")
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic: expected a bool; got {type(deterministic).__name__}")
+    return lib, device, dtype, scale
+
+
+def attention_backward(dout, q, k, v, out, lse, causal: bool = False, softmax_scale: float | None = None,
+                       deterministic: bool = False):
+    """Gradients of attention by recomputation: returns (dq, dk, dv).
+
+    Args:
+        dout: gradient of the loss with respect to out, q's shape and dtype.
+        q, k, v, causal, softmax_scale: as given to `attention`.
+        out, lse: what `attention(..., return_lse=True)` returned for them.
+        deterministic: if True, dq, dk and dv are bitwise identical from run to run. dK and dV are
+            always computed without atomics (a GQA group is summed inside one thread block). dQ has
+            two implementations: float atomics inside the dK/dV kernel (run-to-run order varies), or
+            a separate kernel over the forward's partition, which recomputes Q K^T and dO V^T but
+            needs no atomics. On an H200 the separate pass measured faster (bf16, batch 4, seqlen
+            4096, head_dim 128: 130 against 111 TFLOP/s; bench/NOTES.md), so today both settings
+            run it and deterministic=True costs nothing; the flag guarantees the property if a
+            faster atomic path is selected later (cuflash/_config.py:BWD_ATOMIC_DQ).
+
+    Returns:
+        dq, dk, dv with the shapes and dtype of q, k, v (dk and dv summed over the query heads of
+        each GQA group), the caller's kind of array. Rows that see no key contribute zero gradient.
+    """
+    lib, device, dtype, scale = _check_backward_inputs(dout, q, k, v, out, lse, causal, softmax_scale, deterministic)
+    if device[0] == "traced":
+        from ._jax import jit_error
+
+        raise jit_error("attention_backward")
+    return backward_impl(dout, q, k, v, out, lse, lib, device, dtype, bool(causal), scale, deterministic)
+
+
+def backward_impl(dout, q, k, v, out, lse, lib, device, dtype, causal, scale, deterministic):
+    """The backward on validated, concrete arrays of one library: (dq, dk, dv)."""
+    if device[0] == "cpu":
+        from ._cpu_backward import attention_backward_numpy
+
+        arrs = [_interop.to_numpy(x, lib) for x in (dout, q, k, v, out, lse)]
+        grads = attention_backward_numpy(*arrs, causal, scale)
+        return tuple(_interop.from_numpy(g, lib, like=q) for g in grads)
+    return _attention_backward_gpu(dout, q, k, v, out, lse, lib, device[1], dtype, causal, scale, deterministic)
+
+
+def _attention_backward_gpu(dout, q, k, v, out, lse, lib, device_id, dtype, causal, scale, deterministic):
+    from . import _launch
+    from ._gpu import compute_capability
+
+    ctx = _interop.GpuContext(lib, device_id)
+    views = []
+    for x in (dout, q, k, v, out):
+        t = ctx.view(x)
+        if _needs_copy(t):
+            t = ctx.view(ctx.contiguous(x))
+        views.append(t)
+    dov, qv, kv, vv, ov = views
+    lv = ctx.view(lse)
+    b, sq, h, d = qv.shape
+    if lv.strides != (h * sq, sq, 1):
+        lv = ctx.view(ctx.contiguous(lse))
+    dq, dqv = ctx.empty(tuple(qv.shape), dtype)
+    dk, dkv = ctx.empty(tuple(kv.shape), dtype)
+    dv, dvv = ctx.empty(tuple(vv.shape), dtype)
+    atomic = _launch.bwd_uses_atomics(deterministic)
+    n_rows, n_acc = _launch.bwd_scratch_sizes(b, h, sq, d, atomic)
+    _rows_buf, rows = ctx.empty((n_rows,), "float32")
+    acc_ptr = 0
+    if n_acc:
+        _acc_buf, acc = ctx.empty((n_acc,), "float32")
+        acc_ptr = acc.ptr
+    _launch.launch_bwd(dov, qv, kv, vv, ov, lv.ptr, dqv, dkv, dvv, rows.ptr, acc_ptr, dtype, causal, scale,
+                       atomic, device_id, compute_capability(device_id), ctx.stream_ptr)
+    return ctx.export(dq), ctx.export(dk), ctx.export(dv)

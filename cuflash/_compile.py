@@ -8,7 +8,8 @@ Compilation goes through NVRTC (CuPy's bindings) straight to a cubin for the dev
 Every header under cuda_src/ is handed to NVRTC in memory, so the source actually compiled is
 exactly what the cache key hashed. The key covers every file under cuda_src/, the options, the
 target architecture, the specialization and the cuflash version: a changed header can never load a
-stale kernel (CuPy's own cache key hashes only the main source string).
+stale kernel (CuPy's own cache key hashes only the main source string). The NVRTC version is in the
+key too.
 
 Caches:
   * in memory: (specialization, device) -> loaded kernel function;
@@ -25,6 +26,7 @@ Environment:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -87,8 +89,19 @@ class Specialization:
     checks: str = ""       # extra C++ appended to the translation unit
 
 
+@functools.lru_cache(maxsize=None)
+def nvrtc_version() -> tuple[int, int]:
+    from cupy_backends.cuda.libs import nvrtc
+
+    return tuple(nvrtc.getVersion())
+
+
 def base_options(target: str) -> list[str]:
     opts = ["-std=c++17", f"-arch={target}", "--ptxas-options=-v", "-DCUFLASH_NVRTC=1"]
+    if nvrtc_version() >= (12, 9):
+        # NVRTC 12.9+ keeps a cache of its own; on a hit it skips ptxas and returns no resource report.
+        # cuflash has its own disk cache (which keeps the report), so NVRTC's is turned off.
+        opts.append("--no-cache")
     if os.environ.get("CUFLASH_LINEINFO") == "1":
         opts.append("-lineinfo")
     if os.environ.get("CUFLASH_DEBUG") == "1":
@@ -104,7 +117,8 @@ def cache_dir() -> Path:
 def cache_key(spec: Specialization, target: str, options: list[str]) -> str:
     _, fingerprint = sources()
     h = hashlib.sha256()
-    for part in (__version__, fingerprint, target, " ".join(options), spec.source, spec.expression, spec.checks):
+    nvrtc = ".".join(map(str, nvrtc_version()))
+    for part in (__version__, nvrtc, fingerprint, target, " ".join(options), spec.source, spec.expression, spec.checks):
         h.update(part.encode() + b"\0")
     return h.hexdigest()[:24]
 

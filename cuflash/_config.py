@@ -30,14 +30,36 @@ class TileConfig:
     warps: int
 
 
-def fwd_smem_bytes(head_dim: int, cfg: TileConfig) -> int:
-    """Dynamic shared memory of the forward kernel: sQ plus two stages of sK and sV.
+def padded_pitch(cols: int) -> int:
+    """Row pitch (elements) of a 16-bit shared-memory tile: an odd number of 16-byte chunks, so that
+    ldmatrix is conflict-free (cuda_src/common.cuh:padded_pitch)."""
+    return cols if (cols // 8) % 2 == 1 else cols + 8
 
-    Rows are padded to an odd number of 16-byte chunks (conflict-free ldmatrix).
-    """
-    chunks = head_dim // 8
-    pitch = head_dim if chunks % 2 == 1 else head_dim + 8
-    return (cfg.block_m + 4 * cfg.block_n) * pitch * 2
+
+def fwd_smem_bytes(head_dim: int, cfg: TileConfig) -> int:
+    """Dynamic shared memory of the forward kernel: sQ plus two stages of sK and sV."""
+    return (cfg.block_m + 4 * cfg.block_n) * padded_pitch(head_dim) * 2
+
+
+def bwd_smem_bytes(head_dim: int, cfg: TileConfig) -> int:
+    """dK/dV kernel: sK, sV, two stages of sQ and sdO, sP^T and sdS^T, two stages of lse and delta."""
+    p, pp = padded_pitch(head_dim), padded_pitch(cfg.block_m)
+    return (2 * cfg.block_n * p + 4 * cfg.block_m * p + 2 * cfg.block_n * pp) * 2 + 4 * cfg.block_m * 4
+
+
+def bwd_dq_smem_bytes(head_dim: int, cfg: TileConfig) -> int:
+    """Deterministic dQ kernel: sQ, sdO, two stages of sK and sV."""
+    return (2 * cfg.block_m + 4 * cfg.block_n) * padded_pitch(head_dim) * 2
+
+
+# Every backward BLOCK_M divides this: the preprocess pads the per-row scratch to it.
+BWD_ROW_PAD = 128
+
+# dQ by float atomics inside the dK/dV kernel (True), or by the separate dQ kernel (False, also the
+# deterministic path). Measured on an H200, bf16, batch 4 x seqlen 4096, hidden 2048, backward
+# TFLOP/s atomic / separate: head_dim 64: 147 / 159 (causal 129 / 137); head_dim 128: 111 / 130
+# (causal 105 / 120). The separate pass wins everywhere measured, so it is the default.
+BWD_ATOMIC_DQ = False
 
 
 def arch_family(cc_major: int, cc_minor: int) -> str:
@@ -65,30 +87,30 @@ def family_of_target(target: str) -> str:
     return arch_family(int(digits[:-1]), int(digits[-1]))
 
 
-def fwd_config(family: str, head_dim: int, dtype: str) -> TileConfig:
-    """The forward tile configuration for one (architecture family, head_dim, dtype).
+def fwd_config(family: str, head_dim: int, dtype: str, causal: bool = False) -> TileConfig:
+    """The forward tile configuration for one (architecture family, head_dim, dtype, causal).
 
     dtype does not change the choice today: fp16 and bf16 have the same size and mma rate.
     """
-    if family not in SMEM_LIMIT:
-        raise KeyError(f"no tile table for architecture family {family!r}")
-    if head_dim not in HEAD_DIMS:
-        raise ValueError(f"head_dim {head_dim} has no configuration; expected a multiple of 8 in [8, 256]")
+    _check_family_head_dim(family, head_dim)
     if family == "sm90" or family == "sm80":
         # Measured on an H200 (bench/dev/smoke_fwd.py, bf16, batch 4 x seqlen 4096, hidden 2048,
         # forward TFLOP/s non-causal / causal; bench/NOTES.md, 2026-11-21). Not yet measured on A100:
         # sm80 takes the same choices, which fit its 163 KB.
         if head_dim <= 64:
-            # 128x64, 4 warps (2 m16 tiles each): 302 / 290. 64x64x4: 237 / 243; 128x64x8: 261 / 186;
-            # 128x32x4: 292 / 240. Two m16 tiles per warp reuse every K/V fragment twice.
+            # 128x64, 4 warps (2 m16 tiles each): 316 / 275. 128x32x4: 261 / 240; 64x64x4: 275 / 244;
+            # 128x128x8: 238 / 214. Two m16 tiles per warp reuse every K/V fragment twice.
             cfg = TileConfig(128, 64, 4)
         elif head_dim <= 128:
-            # 64x64, 4 warps: 285 / 253. 128x64x4: 217 / 224; 128x64x8: 215 / 191; 128x32x8: 246 / 196;
-            # 128x128x8: 263 / 248.
-            cfg = TileConfig(64, 64, 4)
+            # non-causal 128x32, 4 warps: 299 (64x64x4: 273; 64x32x4: 244; 128x32x8: 214; 64x128x4:
+            # 135). Causal 64x64x4: 255 (128x32x4: 251). 128x64x4 spills (320 B) at head_dim 128.
+            # 128x32x4 sits at 252-255 registers: for sm_90a it spills 8 B at head_dims 112 and 120
+            # (not at 128), and 32 B on sm_80 at 128; those take 64x64x4 (the compile gate checks).
+            wide = family == "sm90" and not causal and (head_dim <= 104 or head_dim == 128)
+            cfg = TileConfig(128, 32, 4) if wide else TileConfig(64, 64, 4)
         else:
-            # At head_dim 256: 128x32, 8 warps: 244 / 206. 64x32x4: 231 / 199; 64x64x4: 119 / 130
-            # (255 registers: O alone is 128 floats a thread).
+            # At head_dim 256: 128x32, 8 warps: 246 / 204. 64x32x4: 231 / 208; 128x16x8: 198 / 168;
+            # 64x16x4: 187 / 168; 64x64x4: 119 / 130 (255 registers: O alone is 128 floats a thread).
             cfg = TileConfig(128, 32, 8)
     else:
         # sm86 family (99 KB): not measured yet; the sm90 choices, shrunk to fit.
@@ -100,3 +122,57 @@ def fwd_config(family: str, head_dim: int, dtype: str) -> TileConfig:
             cfg = TileConfig(64, 32, 4)
     assert fwd_smem_bytes(head_dim, cfg) <= SMEM_LIMIT[family], (family, head_dim, cfg)
     return cfg
+
+
+def bwd_config(family: str, head_dim: int, dtype: str) -> TileConfig:
+    """The dK/dV kernel's tiles: BLOCK_M query rows per iteration, BLOCK_N keys per block, warps.
+
+    Constraints (static_asserts in BwdTraits): BLOCK_N / 16 <= warps and divides warps;
+    BLOCK_M / 16 <= warps and divides warps.
+    """
+    _check_family_head_dim(family, head_dim)
+    if family in ("sm90", "sm80"):
+        # Measured on an H200 (bench/dev/smoke_bwd.py, bf16, batch 4 x seqlen 4096, hidden 2048,
+        # backward TFLOP/s non-causal / causal, with the separate dQ pass; bench/NOTES.md).
+        if head_dim <= 64:
+            # 64x128x8: 159 / 138. 64x64x4: 153 / 138; 128x128x8: 152 / 132; 64x64x8: 125 / 111.
+            cfg = TileConfig(64, 128, 8)
+        elif head_dim <= 128:
+            # 32x128x8: 155 / 137. 64x128x8: 156 / 137 but spills at head_dim 128; 32x64x4:
+            # 152 / 136; 128x64x8: 133 / 121; 64x64x8: 130 / 119.
+            cfg = TileConfig(32, 128, 8)
+        elif head_dim <= 192:
+            cfg = TileConfig(32, 64, 8)
+        else:
+            cfg = TileConfig(32, 32, 8)
+    else:
+        if head_dim <= 64:
+            cfg = TileConfig(32, 64, 4)
+        elif head_dim <= 128:
+            cfg = TileConfig(32, 64, 8)
+        else:
+            cfg = TileConfig(16, 32, 4)
+    assert bwd_smem_bytes(head_dim, cfg) <= SMEM_LIMIT[family], (family, head_dim, cfg)
+    assert BWD_ROW_PAD % cfg.block_m == 0
+    return cfg
+
+
+def bwd_dq_config(family: str, head_dim: int, dtype: str) -> TileConfig:
+    """The deterministic dQ kernel's tiles: BLOCK_M = 16 * warps query rows, BLOCK_N keys per step."""
+    _check_family_head_dim(family, head_dim)
+    if head_dim <= 64:
+        cfg = TileConfig(64, 64, 4)
+    elif head_dim <= 128:
+        cfg = TileConfig(64, 32, 4)
+    else:
+        cfg = TileConfig(64, 16, 4) if family != "sm86" else TileConfig(32, 16, 2)
+    assert bwd_dq_smem_bytes(head_dim, cfg) <= SMEM_LIMIT[family], (family, head_dim, cfg)
+    assert BWD_ROW_PAD % cfg.block_m == 0
+    return cfg
+
+
+def _check_family_head_dim(family: str, head_dim: int) -> None:
+    if family not in SMEM_LIMIT:
+        raise KeyError(f"no tile table for architecture family {family!r}")
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim {head_dim} has no configuration; expected a multiple of 8 in [8, 256]")

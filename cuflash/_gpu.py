@@ -19,13 +19,15 @@ def compute_capability(device_id: int) -> tuple[int, int]:
     return int(props["major"]), int(props["minor"])
 
 
-def precompile(head_dims=None, dtypes=None, causal=(False, True), target=None, device=None, workers=None):
-    """Builds forward kernel specializations ahead of use, into the disk cache.
+def precompile(head_dims=None, dtypes=None, causal=(False, True), backward=True, target=None, device=None,
+               workers=None):
+    """Builds kernel specializations ahead of use, into the disk cache.
 
     Args:
         head_dims: iterable of head dims (default: every multiple of 8 from 8 to 256).
         dtypes: iterable of "float16" / "bfloat16" (default both).
         causal: iterable of bools (default both).
+        backward: also build the backward kernels (default True).
         target: an NVRTC target such as "sm_90a" or "sm_80". Needs no GPU: a deployment image can be
             built on a machine without one. Default: the architecture of `device`.
         device: CUDA device ordinal (default 0) when `target` is None; the kernels are also loaded
@@ -50,6 +52,9 @@ def precompile(head_dims=None, dtypes=None, causal=(False, True), target=None, d
             if dt not in _config.DTYPES:
                 raise ValueError(f"dtypes: {dt!r} is not supported; expected 'float16' or 'bfloat16'")
     specs = _launch.all_fwd_specializations(target, head_dims, dtypes, tuple(causal))
+    if backward:
+        atomic = (False, True) if _config.BWD_ATOMIC_DQ else (False,)  # what the dispatcher can select
+        specs += _launch.all_bwd_specializations(target, head_dims, dtypes, tuple(causal), atomic=atomic)
     names = compile_many([spec for spec, _ in specs], target, workers)
     if load:
         for spec, smem in specs:

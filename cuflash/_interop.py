@@ -33,6 +33,15 @@ def library_of(x) -> str | None:
     return None
 
 
+def is_jax_tracer(x) -> bool:
+    mod = type(x).__module__
+    if not mod.startswith(("jax", "jaxlib")):
+        return False
+    import jax
+
+    return isinstance(x, jax.core.Tracer)
+
+
 def dtype_name(x, lib: str) -> str:
     """'float16', 'bfloat16', 'float32', ... for any supported library."""
     if lib == "torch":
@@ -50,6 +59,8 @@ def device_of(x, lib: str) -> tuple[str, int]:
         d = x.device
         return ("cuda", d.index if d.index is not None else 0) if d.type == "cuda" else (d.type, 0)
     if lib == "jax":
+        if is_jax_tracer(x):
+            return ("traced", 0)  # a value being traced by a JAX transformation: no device yet
         devs = list(x.devices())
         dev = devs[0]
         plat = dev.platform

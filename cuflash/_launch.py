@@ -27,6 +27,19 @@ FWD_PARAMS = np.dtype(
 
 _FWD_CHECKS_PARAMS = _compile.params_layout_checks("cuflash", "FwdParams", FWD_PARAMS)
 
+# Mirror of cuflash::BwdParams (cuda_src/params.cuh).
+BWD_PARAMS = np.dtype(
+    [(n, np.uint64) for n in ("q", "k", "v", "o", "dout", "lse", "dq", "dk", "dv", "dq_accum", "lse_log2", "delta")]
+    + [(f"{t}_{s}_stride", np.int64) for t in ("q", "k", "v", "o", "do", "dq", "dk", "dv")
+       for s in ("batch", "row", "head")]
+    + [(n, np.int32) for n in ("batch", "nheads", "nheads_kv", "head_group", "seqlen_q", "seqlen_k",
+                               "seqlen_q_pad", "num_blocks")]
+    + [("scale_log2", np.float32), ("scale", np.float32)],
+    align=True,
+)
+
+_BWD_CHECKS_PARAMS = _compile.params_layout_checks("cuflash", "BwdParams", BWD_PARAMS)
+
 _DTYPE_TAG = {"float16": ("f16", "cuflash::f16"), "bfloat16": ("bf16", "cuflash::bf16")}
 
 MAX_GRID_X = 2**31 - 1
@@ -60,11 +73,80 @@ def all_fwd_specializations(target: str, head_dims=None, dtypes=None, causal=(Fa
     out = []
     for dtype in dtypes or _config.DTYPES:
         for d in head_dims or _config.HEAD_DIMS:
-            cfg = _config.fwd_config(family, d, dtype)
             for c in causal:
+                cfg = _config.fwd_config(family, d, dtype, c)
                 for e in even:
                     out.append(fwd_specialization(dtype, d, cfg, c, e))
     return out
+
+
+def _b(x: bool) -> str:
+    return "true" if x else "false"
+
+
+def bwd_uses_atomics(deterministic: bool) -> bool:
+    """Whether dQ is accumulated with float atomics inside the dK/dV kernel (never when
+    deterministic; otherwise as the measured choice in _config.BWD_ATOMIC_DQ says)."""
+    return (not deterministic) and _config.BWD_ATOMIC_DQ
+
+
+def bwd_specializations(dtype: str, head_dim: int, family: str, causal: bool, even_kv: bool, even_q: bool,
+                        atomic: bool):
+    """The backward kernels one call launches, in order: [(Specialization, smem bytes, TileConfig)].
+
+    even_kv / even_q: whether the lengths are multiples of the dK/dV and dQ kernels' tiles.
+    atomic: dQ by float atomics in the dK/dV kernel (then a conversion kernel), or by the separate,
+    deterministic dQ kernel."""
+    short, ctype = _DTYPE_TAG[dtype]
+    cfg = _config.bwd_config(family, head_dim, dtype)
+    pre = _compile.Specialization(
+        "flash_bwd.cu", f"cuflash::flash_bwd_preprocess_kernel<{ctype}, {head_dim}, {_b(atomic)}>",
+        f"bwd_pre_{short}_d{head_dim}{'_zero_dq' if atomic else ''}", _BWD_CHECKS_PARAMS)
+    smem = _config.bwd_smem_bytes(head_dim, cfg)
+    dkdv = _compile.Specialization(
+        "flash_bwd.cu",
+        f"cuflash::flash_bwd_dkdv_kernel<{ctype}, {head_dim}, {cfg.block_m}, {cfg.block_n}, {cfg.warps}, "
+        f"{_b(causal)}, {_b(even_kv)}, {_b(atomic)}>",
+        f"bwd_dkdv_{short}_d{head_dim}_m{cfg.block_m}_n{cfg.block_n}_w{cfg.warps}_{'causal' if causal else 'full'}"
+        f"_{'even' if even_kv else 'ragged'}_{'atomic_dq' if atomic else 'no_dq'}",
+        _BWD_CHECKS_PARAMS + "\n" +
+        f"static_assert(cuflash::BwdTraits<{head_dim}, {cfg.block_m}, {cfg.block_n}, {cfg.warps}>::SMEM_BYTES == {smem},"
+        f' "shared memory size differs from cuflash/_config.py:bwd_smem_bytes");')
+    out = [(pre, 0, None), (dkdv, smem, cfg)]
+    if atomic:
+        conv = _compile.Specialization(
+            "flash_bwd.cu", f"cuflash::flash_bwd_convert_dq_kernel<{ctype}, {head_dim}>",
+            f"bwd_convert_dq_{short}_d{head_dim}", _BWD_CHECKS_PARAMS)
+        out.append((conv, 0, None))
+    else:
+        qcfg = _config.bwd_dq_config(family, head_dim, dtype)
+        qsmem = _config.bwd_dq_smem_bytes(head_dim, qcfg)
+        dq = _compile.Specialization(
+            "flash_bwd.cu",
+            f"cuflash::flash_bwd_dq_kernel<{ctype}, {head_dim}, {qcfg.block_m}, {qcfg.block_n}, {qcfg.warps}, "
+            f"{_b(causal)}, {_b(even_q)}>",
+            f"bwd_dq_{short}_d{head_dim}_m{qcfg.block_m}_n{qcfg.block_n}_w{qcfg.warps}"
+            f"_{'causal' if causal else 'full'}_{'even' if even_q else 'ragged'}",
+            _BWD_CHECKS_PARAMS + "\n" +
+            f"static_assert(cuflash::BwdDqTraits<{head_dim}, {qcfg.block_m}, {qcfg.block_n}, {qcfg.warps}>::SMEM_BYTES"
+            f' == {qsmem}, "shared memory size differs from cuflash/_config.py:bwd_dq_smem_bytes");')
+        out.append((dq, qsmem, qcfg))
+    return out
+
+
+def all_bwd_specializations(target: str, head_dims=None, dtypes=None, causal=(False, True), even=(False, True),
+                            atomic=(False, True)):
+    """Every backward specialization for a compile target (both dQ paths by default), each once."""
+    family = _config.family_of_target(target)
+    seen = {}
+    for dtype in dtypes or _config.DTYPES:
+        for d in head_dims or _config.HEAD_DIMS:
+            for c in causal:
+                for e in even:
+                    for a in atomic:
+                        for spec, smem, _ in bwd_specializations(dtype, d, family, c, e, e, a):
+                            seen.setdefault(spec.expression, (spec, smem))
+    return list(seen.values())
 
 
 def launch_fwd(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTensor, lse_ptr: int,
@@ -76,7 +158,7 @@ def launch_fwd(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTenso
     _, seqlen_k, nheads_kv, _ = k.shape
     family = _config.arch_family(*cc)
     target = _config.compile_arch(*cc)
-    cfg = cfg or _config.fwd_config(family, head_dim, dtype)
+    cfg = cfg or _config.fwd_config(family, head_dim, dtype, causal)
     even = seqlen_q % cfg.block_m == 0 and seqlen_k % cfg.block_n == 0
     spec, smem = fwd_specialization(dtype, head_dim, cfg, causal, even)
     num_m_blocks = -(-seqlen_q // cfg.block_m)
@@ -88,14 +170,77 @@ def launch_fwd(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTenso
 
     p = np.zeros((), dtype=FWD_PARAMS)
     p["q"], p["k"], p["v"], p["o"], p["lse"] = q.ptr, k.ptr, v.ptr, o.ptr, lse_ptr
-    for name, t in (("q", q), ("k", k), ("v", v), ("o", o)):
-        p[f"{name}_batch_stride"], p[f"{name}_row_stride"], p[f"{name}_head_stride"] = t.strides[:3]
+    _set_strides(p, (("q", q), ("k", k), ("v", v), ("o", o)))
     p["batch"], p["nheads"], p["nheads_kv"] = batch, nheads, nheads_kv
     p["head_group"] = nheads // nheads_kv
     p["seqlen_q"], p["seqlen_k"], p["num_m_blocks"] = seqlen_q, seqlen_k, num_m_blocks
     p["scale_log2"] = softmax_scale * LOG2E
 
     launch(fn, device_id, grid, cfg.warps * 32, smem, stream_ptr, p)
+
+
+def _set_strides(p, named):
+    for name, t in named:
+        p[f"{name}_batch_stride"], p[f"{name}_row_stride"], p[f"{name}_head_stride"] = t.strides[:3]
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def bwd_scratch_sizes(batch: int, nheads: int, seqlen_q: int, head_dim: int, atomic: bool):
+    """Float32 element counts of the backward's scratch: (lse_log2 + delta, dq_accum)."""
+    pad = _cdiv(seqlen_q, _config.BWD_ROW_PAD) * _config.BWD_ROW_PAD
+    rows = batch * nheads * pad
+    return 2 * rows, (rows * head_dim if atomic else 0)
+
+
+def launch_bwd(dout: DeviceTensor, q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTensor,
+               lse_ptr: int, dq: DeviceTensor, dk: DeviceTensor, dv: DeviceTensor, rows_scratch_ptr: int,
+               dq_accum_ptr: int, dtype: str, causal: bool, softmax_scale: float, atomic: bool,
+               device_id: int, cc: tuple[int, int], stream_ptr: int) -> None:
+    """Launches the backward kernels. rows_scratch holds 2 * batch * nheads * seqlen_q_pad floats;
+    dq_accum (atomic path only) batch * nheads * seqlen_q_pad * head_dim floats."""
+    batch, seqlen_q, nheads, head_dim = q.shape
+    _, seqlen_k, nheads_kv, _ = k.shape
+    family = _config.arch_family(*cc)
+    target = _config.compile_arch(*cc)
+    cfg = _config.bwd_config(family, head_dim, dtype)
+    qcfg = _config.bwd_dq_config(family, head_dim, dtype)
+    even_kv = seqlen_q % cfg.block_m == 0 and seqlen_k % cfg.block_n == 0
+    even_q = seqlen_q % qcfg.block_m == 0 and seqlen_k % qcfg.block_n == 0
+    kernels = bwd_specializations(dtype, head_dim, family, causal, even_kv, even_q, atomic)
+    pad = _cdiv(seqlen_q, _config.BWD_ROW_PAD) * _config.BWD_ROW_PAD
+    rows_pad = batch * nheads * pad
+
+    p = np.zeros((), dtype=BWD_PARAMS)
+    p["q"], p["k"], p["v"], p["o"], p["dout"], p["lse"] = q.ptr, k.ptr, v.ptr, o.ptr, dout.ptr, lse_ptr
+    p["dq"], p["dk"], p["dv"] = dq.ptr, dk.ptr, dv.ptr
+    p["lse_log2"], p["delta"] = rows_scratch_ptr, rows_scratch_ptr + 4 * rows_pad
+    p["dq_accum"] = dq_accum_ptr
+    _set_strides(p, (("q", q), ("k", k), ("v", v), ("o", o), ("do", dout), ("dq", dq), ("dk", dk), ("dv", dv)))
+    p["batch"], p["nheads"], p["nheads_kv"] = batch, nheads, nheads_kv
+    p["head_group"] = nheads // nheads_kv
+    p["seqlen_q"], p["seqlen_k"], p["seqlen_q_pad"] = seqlen_q, seqlen_k, pad
+    p["scale_log2"], p["scale"] = softmax_scale * LOG2E, softmax_scale
+
+    (pre, _, _), (dkdv, smem, _), (last, last_smem, _) = kernels
+    grids = []
+    grids.append((pre, 0, _cdiv(rows_pad, 8), 256, 0))
+    n_blocks = _cdiv(seqlen_k, cfg.block_n)
+    grids.append((dkdv, smem, batch * nheads_kv * n_blocks, cfg.warps * 32, n_blocks))
+    if not atomic:
+        m_blocks = _cdiv(seqlen_q, qcfg.block_m)
+        grids.append((last, last_smem, batch * nheads * m_blocks, qcfg.warps * 32, m_blocks))
+    else:
+        grids.append((last, 0, _cdiv(batch * nheads * seqlen_q, 8), 256, 0))
+    for spec, sm, grid, threads, num_blocks in grids:
+        if grid > MAX_GRID_X:
+            raise ValueError(f"{spec.name}: {grid} thread blocks exceed the grid limit {MAX_GRID_X}; split the batch")
+    for spec, sm, grid, threads, num_blocks in grids:
+        fn = _compile.get_function(spec, target, device_id, sm)
+        p["num_blocks"] = num_blocks
+        launch(fn, device_id, grid, threads, sm, stream_ptr, p.copy())
 
 
 def launch(fn, device_id: int, grid: int, threads: int, smem: int, stream_ptr: int, params: np.ndarray) -> None:
