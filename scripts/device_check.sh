@@ -3,9 +3,11 @@
 #
 #   bash scripts/device_check.sh [quick|full]        (default: quick)
 #
-#   quick: pytest -m "gpu and not slow"  (the 216-case covering subset of the forward grid + API,
-#          stream and interop tests) and bench --quick (headline shape, causal off/on)
-#   full:  pytest -m gpu                 (all 1296 grid cases + the rest) and the full bench
+#   quick: pytest -m "gpu and not slow"  (the 216-case covering subsets of the forward and backward
+#          grids + API, stream, interop, torch.compile and CUDA graph tests) and bench --quick
+#          (headline shape, causal off/on)
+#   full:  pytest -m gpu                 (all 1296 forward and 2592 backward grid cases + the rest)
+#          and the full bench
 #
 # Steps: versions -> precompile (process pool) into the shared disk cache -> pytest (xdist workers sharing
 # CUFLASH_CACHE_DIR) -> bench -> a short summary, printed last. A failing or cut-off pytest still
@@ -26,7 +28,7 @@ set -o pipefail
 MODE="${1:-quick}"
 case "$MODE" in
   quick|full) ;;
-  -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+  -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
   *) echo "usage: bash scripts/device_check.sh [quick|full]" >&2; exit 2 ;;
 esac
 
@@ -92,13 +94,14 @@ EOF
 # ------------------------------------------------------------------ 2. precompile
 # cuflash.precompile compiles in a pool of processes (one per CPU) into the shared disk cache, so
 # the pytest workers load cubins instead of each compiling the same kernels. Best effort: a failure
-# is reported and the tests go on (kernels then compile at first use).
+# is reported and the tests go on (kernels then compile at first use). backward=True also builds
+# the backward kernels (both dQ paths) that tests/test_gpu_backward.py needs.
 PRECOMPILE_NOTE="skipped"
 if [ "${SKIP_PRECOMPILE:-0}" != 1 ]; then
   PT=$(( $(left) - BENCH_RESERVE - 150 ))
   [ "$PT" -gt 240 ] && PT=240
   if [ "$PT" -ge 30 ]; then
-    echo "=== precompile: head_dims of the tests, fp16+bf16, causal off+on (limit ${PT}s)"
+    echo "=== precompile: forward + backward, head_dims of the tests, fp16+bf16, causal off+on (limit ${PT}s)"
     t0=$SECONDS
     timeout -k 10 "$PT" "$PY" - <<'EOF' 2>&1 | tee "$OUT/precompile.log" | tail -n 5
 import sys, time
@@ -108,7 +111,7 @@ if not hasattr(cuflash, "precompile"):
     print("cuflash.precompile is missing; kernels compile at first use")
     sys.exit(0)
 names = cuflash.precompile(head_dims=[8, 32, 40, 64, 96, 128, 136, 200, 256],
-                           dtypes=["float16", "bfloat16"], causal=[False, True])
+                           dtypes=["float16", "bfloat16"], causal=[False, True], backward=True)
 n = len(names) if hasattr(names, "__len__") else "?"
 print(f"precompiled {n} specializations in {time.perf_counter() - t:.1f} s")
 EOF

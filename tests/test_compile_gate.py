@@ -30,15 +30,30 @@ def _ptxas_problems(name, smem, log, target):
     return problems
 
 
+def _all_specs(kind, target):
+    if kind == "fwd":
+        specs = _launch.all_fwd_specializations(target)
+        # One specialization per (dtype, head_dim, causal, even): nothing may be left out.
+        assert len(specs) == len(_config.DTYPES) * len(_config.HEAD_DIMS) * 4
+    else:
+        # The deterministic dQ path always; the atomic one only when the dispatcher selects it.
+        atomic = (False, True) if _config.BWD_ATOMIC_DQ else (False,)
+        specs = _launch.all_bwd_specializations(target, atomic=atomic)
+        # Per (dtype, head_dim): preprocess, 4 dK/dV (causal x even), 4 dQ [+ the atomic path's
+        # zeroing preprocess, 4 dK/dV and the conversion].
+        per = 9 + (6 if _config.BWD_ATOMIC_DQ else 0)
+        assert len(specs) == len(_config.DTYPES) * len(_config.HEAD_DIMS) * per
+    return specs
+
+
+@pytest.mark.parametrize("kind", ["fwd", "bwd"])
 @pytest.mark.parametrize("target", TARGETS)
-def test_every_forward_specialization_compiles_clean(target, tmp_path, monkeypatch):
-    specs = _launch.all_fwd_specializations(target)
-    # One specialization per (dtype, head_dim, causal, even): nothing may be left out.
-    assert len(specs) == len(_config.DTYPES) * len(_config.HEAD_DIMS) * 4
+def test_every_specialization_compiles_clean(kind, target, tmp_path, monkeypatch):
+    specs = _all_specs(kind, target)
     smem_of = {spec.name: smem for spec, smem in specs}
     # The run-time path (NVRTC via the disk cache, in worker processes), into an empty cache.
     monkeypatch.setenv("CUFLASH_CACHE_DIR", str(tmp_path))
-    results = compile_many([spec for spec, _ in specs], target, workers=4, return_logs=True)
+    results = compile_many([spec for spec, _ in specs], target, return_logs=True)
     assert all(seconds > 0 for _, seconds, _ in results), "a kernel came from a cache instead of NVRTC"
     problems = [p for name, _, log in results for p in _ptxas_problems(name, smem_of[name], log, target)]
     assert not problems, "\n".join(problems)
