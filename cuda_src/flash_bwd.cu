@@ -17,7 +17,8 @@
 //      and delta tiles double-buffered by cp.async. Each iteration has three phases:
 //        A. warps split (keys x queries): S^T = K Q^T and dP^T = V dO^T, then P^T and dS^T, written
 //           to shared memory as 16-bit values;
-//        B. warps split (keys x head_dim): dV += P^T dO, dK += dS^T Q (accumulated in registers);
+//        B. warps split (keys x head_dim), two m16 key tiles per warp where possible: dV += P^T dO,
+//           dK += dS^T Q (accumulated in registers);
 //        C. with ATOMIC_DQ, warps split (queries x head_dim): dQ_part = dS K, added with float
 //           atomics into dq_accum.
 //      dK and dV are written once, at the end, in the input dtype: summing the GQA group inside the
@@ -97,12 +98,17 @@ struct BwdTraits {
     static constexpr int PITCH = padded_pitch(HEAD_DIM);   // rows of K, V, Q, dO tiles
     static constexpr int PPITCH = padded_pitch(BLOCK_M);   // rows of the P^T, dS^T tiles (BLOCK_N x BLOCK_M)
     static constexpr int D_TILES = HEAD_DIM / 8;
-    // phase A and B: warps as (BLOCK_N / 16 key groups) x (column groups)
+    // phase A: warps as (BLOCK_N / 16 key groups) x (query column groups)
     static constexpr int KEY_GROUPS = BLOCK_N / 16;
     static constexpr int A_COL_GROUPS = WARPS / KEY_GROUPS;
     static constexpr int A_COLS = BLOCK_M / A_COL_GROUPS;                     // queries per warp
     static constexpr int A_TILES = A_COLS / 8;
-    static constexpr int B_TILES = (D_TILES + A_COL_GROUPS - 1) / A_COL_GROUPS;  // head_dim tiles per warp
+    // phase B: warps as (key groups of B_MT m16 tiles) x (head_dim column groups). Two m16 tiles
+    // per warp where the warps allow it: each dO / Q fragment then serves two mma.
+    static constexpr int B_MT = (BLOCK_N % 32 == 0 && WARPS % (BLOCK_N / 32) == 0) ? 2 : 1;
+    static constexpr int B_KEY_GROUPS = BLOCK_N / (16 * B_MT);
+    static constexpr int B_COL_GROUPS = WARPS / B_KEY_GROUPS;
+    static constexpr int B_TILES = (D_TILES + B_COL_GROUPS - 1) / B_COL_GROUPS;  // head_dim tiles per warp
     // phase C: warps as (BLOCK_M / 16 query groups) x (head_dim column groups)
     static constexpr int Q_GROUPS = BLOCK_M / 16;
     static constexpr int C_COL_GROUPS = WARPS / Q_GROUPS;
@@ -133,7 +139,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1)
 flash_bwd_dkdv_kernel(const __grid_constant__ BwdParams p) {
     using Tr = BwdTraits<HEAD_DIM, BLOCK_M, BLOCK_N, WARPS>;
     constexpr int THREADS = Tr::THREADS, PITCH = Tr::PITCH, PPITCH = Tr::PPITCH, D_TILES = Tr::D_TILES;
-    constexpr int A_TILES = Tr::A_TILES, B_TILES = Tr::B_TILES, C_TILES = Tr::C_TILES;
+    constexpr int A_TILES = Tr::A_TILES, B_TILES = Tr::B_TILES, C_TILES = Tr::C_TILES, B_MT = Tr::B_MT;
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* sK = reinterpret_cast<T*>(smem_raw);        // (BLOCK_N, PITCH)
@@ -190,16 +196,21 @@ flash_bwd_dkdv_kernel(const __grid_constant__ BwdParams p) {
         cp_async_commit();
     }
 
-    // Phase A / B warp coordinates: key group (16 keys) and column group.
+    // Phase A warp coordinates: key group (16 keys) and query column group.
     const int kg = warp % Tr::KEY_GROUPS, cg = warp / Tr::KEY_GROUPS;
-    const int b_tile0 = cg * B_TILES, b_count = min(B_TILES, D_TILES - b_tile0);
+    // Phase B: key group (16 * B_MT keys) and head_dim column group.
+    const int kgb = warp % Tr::B_KEY_GROUPS, cgb = warp / Tr::B_KEY_GROUPS;
+    const int b_tile0 = cgb * B_TILES, b_count = min(B_TILES, D_TILES - b_tile0);
     // Phase C: query group (16 queries) and head_dim column group.
     const int qg = warp % Tr::Q_GROUPS, cgc = warp / Tr::Q_GROUPS;
     const int c_tile0 = cgc * C_TILES, c_count = min(C_TILES, D_TILES - c_tile0);
 
-    float acc_dk[B_TILES][4], acc_dv[B_TILES][4];  // (16 keys, B_TILES * 8 of head_dim) per warp
-    zero_acc(acc_dk);
-    zero_acc(acc_dv);
+    float acc_dk[B_MT][B_TILES][4], acc_dv[B_MT][B_TILES][4];  // (16 * B_MT keys, B_TILES * 8 of head_dim) per warp
+#pragma unroll
+    for (int mt = 0; mt < B_MT; ++mt) {
+        zero_acc(acc_dk[mt]);
+        zero_acc(acc_dv[mt]);
+    }
 
     for (int it = 0; it < iters; ++it) {
         cp_async_wait<0>();
@@ -245,9 +256,10 @@ flash_bwd_dkdv_kernel(const __grid_constant__ BwdParams p) {
         }
         __syncthreads();
 
-        // ---- B: dV += P^T dO, dK += dS^T Q, (16 keys, B_TILES * 8 of head_dim) per warp ----
-        warp_mma<T, BLOCK_M, B_TILES, false, true>(acc_dv, sPt + kg * 16 * PPITCH, PPITCH, sdOs + b_tile0 * 8, PITCH, b_count, lane);
-        warp_mma<T, BLOCK_M, B_TILES, false, true>(acc_dk, sdSt + kg * 16 * PPITCH, PPITCH, sQs + b_tile0 * 8, PITCH, b_count, lane);
+        // ---- B: dV += P^T dO, dK += dS^T Q, (16 * B_MT keys, B_TILES * 8 of head_dim) per warp ----
+        const int krow = kgb * 16 * B_MT;
+        warp_mma_mt<T, BLOCK_M, B_MT, B_TILES, false, true>(acc_dv, sPt + krow * PPITCH, PPITCH, sdOs + b_tile0 * 8, PITCH, b_count, lane);
+        warp_mma_mt<T, BLOCK_M, B_MT, B_TILES, false, true>(acc_dk, sdSt + krow * PPITCH, PPITCH, sQs + b_tile0 * 8, PITCH, b_count, lane);
 
         // ---- C: dQ_part = dS K, (16 queries, C_TILES * 8 of head_dim) per warp, into dq_accum ----
         if (ATOMIC_DQ) {
@@ -277,24 +289,26 @@ flash_bwd_dkdv_kernel(const __grid_constant__ BwdParams p) {
     }
     cp_async_wait<0>();
 
-    // ---- dK = scale * dK, dV: this warp's 16 keys, B_TILES * 8 columns, in the input dtype ----
+    // ---- dK = scale * dK, dV: this warp's 16 * B_MT keys, B_TILES * 8 columns, in the input dtype ----
     T* gdK = static_cast<T*>(p.dk) + b * p.dk_batch_stride + h_kv * p.dk_head_stride;
     T* gdV = static_cast<T*>(p.dv) + b * p.dv_batch_stride + h_kv * p.dv_head_stride;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int key = n0 + kg * 16 + g + r * 8;
-        if (IS_EVEN || key < sk) {
+    for (int mt = 0; mt < B_MT; ++mt)
 #pragma unroll
-            for (int i = 0; i < B_TILES; ++i)
-                if (i < b_count) {
-                    const int col = (b_tile0 + i) * 8 + 2 * t;
-                    *reinterpret_cast<u32*>(gdK + key * p.dk_row_stride + col) =
-                        ElemOps<T>::pack(acc_dk[i][2 * r] * p.scale, acc_dk[i][2 * r + 1] * p.scale);
-                    *reinterpret_cast<u32*>(gdV + key * p.dv_row_stride + col) =
-                        ElemOps<T>::pack(acc_dv[i][2 * r], acc_dv[i][2 * r + 1]);
-                }
+        for (int r = 0; r < 2; ++r) {
+            const int key = n0 + kgb * 16 * B_MT + mt * 16 + g + r * 8;
+            if (IS_EVEN || key < sk) {
+#pragma unroll
+                for (int i = 0; i < B_TILES; ++i)
+                    if (i < b_count) {
+                        const int col = (b_tile0 + i) * 8 + 2 * t;
+                        *reinterpret_cast<u32*>(gdK + key * p.dk_row_stride + col) =
+                            ElemOps<T>::pack(acc_dk[mt][i][2 * r] * p.scale, acc_dk[mt][i][2 * r + 1] * p.scale);
+                        *reinterpret_cast<u32*>(gdV + key * p.dv_row_stride + col) =
+                            ElemOps<T>::pack(acc_dv[mt][i][2 * r], acc_dv[mt][i][2 * r + 1]);
+                    }
+            }
         }
-    }
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 // warp_gemm.cuh: one warp computes C (16 x 8*TILES, float C fragments) += A (16 x K) * B (K x 8*TILES)
-// with both operands in shared memory, through ldmatrix and mma.sync.
+// with both operands in shared memory, through ldmatrix and mma.sync (warp_mma_mt: MT such tiles
+// of A, stacked along m, sharing every B fragment).
 //
 // The backward pass multiplies the same tiles in several orientations (S^T = K Q^T, dV += P^T dO,
 // dQ += dS K, ...), so the operand layout is a template choice instead of being hand-written for
@@ -86,56 +87,78 @@ __device__ __forceinline__ void load_b_one_k8(u32& b0, const T* sB, int pitch, i
     }
 }
 
-template <typename T, int K, int TILES, bool A_T, bool B_KN>
-__device__ __forceinline__ void warp_mma(float (&acc)[TILES][4], const T* sA, int a_pitch, const T* sB, int b_pitch,
-                                         int count, int lane) {
+// MT m16 tiles at once (rows mt * 16 of A): every B fragment is loaded once and used MT times,
+// which is what cuts shared-memory traffic per mma.
+template <typename T, int K, int MT, int TILES, bool A_T, bool B_KN>
+__device__ __forceinline__ void warp_mma_mt(float (&acc)[MT][TILES][4], const T* sA, int a_pitch, const T* sB,
+                                            int b_pitch, int count, int lane) {
     using Ops = ElemOps<T>;
+    const int a_step = A_T ? 16 : 16 * a_pitch;  // from one m16 tile of A to the next
 #pragma unroll
     for (int kc = 0; kc < K / 16; ++kc) {
-        u32 a[4];
-        load_a_k16<A_T>(a, sA, a_pitch, kc * 16, lane);
+        u32 a[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) load_a_k16<A_T>(a[mt], sA + mt * a_step, a_pitch, kc * 16, lane);
 #pragma unroll
         for (int p = 0; p < TILES / 2; ++p) {
             if (2 * p + 1 < count) {
                 u32 b[4];
                 load_b_pair_k16<B_KN>(b, sB, b_pitch, kc * 16, 16 * p, lane);
-                Ops::mma16816(acc[2 * p], a, b[0], b[1]);
-                Ops::mma16816(acc[2 * p + 1], a, b[2], b[3]);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    Ops::mma16816(acc[mt][2 * p], a[mt], b[0], b[1]);
+                    Ops::mma16816(acc[mt][2 * p + 1], a[mt], b[2], b[3]);
+                }
             } else if (2 * p < count) {
                 u32 b0, b1;
                 load_b_one_k16<B_KN>(b0, b1, sB, b_pitch, kc * 16, 16 * p, lane);
-                Ops::mma16816(acc[2 * p], a, b0, b1);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) Ops::mma16816(acc[mt][2 * p], a[mt], b0, b1);
             }
         }
         if (TILES % 2 == 1 && TILES - 1 < count) {
             u32 b0, b1;
             load_b_one_k16<B_KN>(b0, b1, sB, b_pitch, kc * 16, 8 * (TILES - 1), lane);
-            Ops::mma16816(acc[TILES - 1], a, b0, b1);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) Ops::mma16816(acc[mt][TILES - 1], a[mt], b0, b1);
         }
     }
     if (K % 16 == 8) {
         constexpr int k0 = K - 8;
-        u32 a0, a1;
-        load_a_k8<A_T>(a0, a1, sA, a_pitch, k0, lane);
+        u32 a0[MT], a1[MT];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) load_a_k8<A_T>(a0[mt], a1[mt], sA + mt * a_step, a_pitch, k0, lane);
 #pragma unroll
         for (int p = 0; p < TILES / 2; ++p) {
             if (2 * p + 1 < count) {
                 u32 b0, b1;
                 load_b_pair_k8<B_KN>(b0, b1, sB, b_pitch, k0, 16 * p, lane);
-                Ops::mma1688(acc[2 * p], a0, a1, b0);
-                Ops::mma1688(acc[2 * p + 1], a0, a1, b1);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    Ops::mma1688(acc[mt][2 * p], a0[mt], a1[mt], b0);
+                    Ops::mma1688(acc[mt][2 * p + 1], a0[mt], a1[mt], b1);
+                }
             } else if (2 * p < count) {
                 u32 b0;
                 load_b_one_k8<B_KN>(b0, sB, b_pitch, k0, 16 * p, lane);
-                Ops::mma1688(acc[2 * p], a0, a1, b0);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) Ops::mma1688(acc[mt][2 * p], a0[mt], a1[mt], b0);
             }
         }
         if (TILES % 2 == 1 && TILES - 1 < count) {
             u32 b0;
             load_b_one_k8<B_KN>(b0, sB, b_pitch, k0, 8 * (TILES - 1), lane);
-            Ops::mma1688(acc[TILES - 1], a0, a1, b0);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) Ops::mma1688(acc[mt][TILES - 1], a0[mt], a1[mt], b0);
         }
     }
+}
+
+template <typename T, int K, int TILES, bool A_T, bool B_KN>
+__device__ __forceinline__ void warp_mma(float (&acc)[TILES][4], const T* sA, int a_pitch, const T* sB, int b_pitch,
+                                         int count, int lane) {
+    warp_mma_mt<T, K, 1, TILES, A_T, B_KN>(reinterpret_cast<float (&)[1][TILES][4]>(acc), sA, a_pitch, sB, b_pitch,
+                                           count, lane);
 }
 
 template <int TILES>

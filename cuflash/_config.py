@@ -135,16 +135,16 @@ def bwd_config(family: str, head_dim: int, dtype: str) -> TileConfig:
         # Measured on an H200 (bench/dev/smoke_bwd.py, bf16, batch 4 x seqlen 4096, hidden 2048,
         # backward TFLOP/s non-causal / causal, with the separate dQ pass; bench/NOTES.md).
         if head_dim <= 64:
-            # 64x128x8: 159 / 138. 64x64x4: 153 / 138; 128x128x8: 152 / 132; 64x64x8: 125 / 111.
+            # 64x128x8: 158 / 139. 32x128x8: 147 / 126; 64x64x4: 152 / 139; earlier: 128x128x8:
+            # 152 / 132; 64x64x8: 125 / 111.
             cfg = TileConfig(64, 128, 8)
         elif head_dim <= 128:
-            # 32x128x8: 155 / 137. 64x128x8: 156 / 137 but spills at head_dim 128; 32x64x4:
-            # 152 / 136; 128x64x8: 133 / 121; 64x64x8: 130 / 119.
+            # 32x128x8: 158 / 138. 64x128x8: 148 / 131; 64x64x8: 152 / 136; 32x64x4: 157 / 140
+            # (after phase B moved to two m16 key tiles per warp; before it: 155 / 137 for 32x128x8).
             cfg = TileConfig(32, 128, 8)
-        elif head_dim <= 192:
-            cfg = TileConfig(32, 64, 8)
         else:
-            cfg = TileConfig(32, 32, 8)
+            # head_dim 256: 32x64x8: 136 / 123. 64x64x8: 127 / 115; 32x32x8: 106 / 102.
+            cfg = TileConfig(32, 64, 8)
     else:
         if head_dim <= 64:
             cfg = TileConfig(32, 64, 4)

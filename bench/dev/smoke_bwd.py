@@ -109,8 +109,9 @@ for d, causal in ((64, False), (64, True), (128, False), (128, True)):
 # tile sweep of the dK/dV kernel (separate dQ pass), bf16, b4 s4096 hidden 2048, non-causal / causal
 from cuflash import _config
 orig = _config.bwd_config
-sweep = {64: [(64, 128, 8), (64, 64, 4), (128, 128, 8), (64, 64, 8)],
-         128: [(64, 64, 8), (64, 128, 8), (32, 64, 4), (128, 64, 8), (32, 128, 8)]}
+sweep = {64: [(64, 128, 8), (32, 128, 8), (64, 64, 4)],
+         128: [(32, 128, 8), (64, 128, 8), (64, 64, 8), (32, 64, 4)],
+         256: [(32, 32, 8), (32, 64, 8), (64, 64, 8)]}
 for d, cfgs in sweep.items():
     h = 2048 // d
     b, s = 4, 4096
