@@ -10,7 +10,6 @@ lse come from attention_forward_numpy, as users would call the backward.
 """
 
 import math
-import os
 
 import ml_dtypes
 import numpy as np
@@ -19,7 +18,8 @@ import pytest
 from _grad_reference import attention_grad_reference
 from cuflash._cpu import attention_forward_numpy
 from cuflash._cpu_backward import attention_backward_numpy
-from cuflash._reference import attention_reference, causal_mask, check_close, max_abs_err
+from cuflash._reference import attention_reference, check_close, max_abs_err
+from _cpu_helpers import _batch_for, _ctx, _new_seed, _no_key_rows, _randn
 
 # Any numpy floating-point warning (divide by zero, invalid value, overflow) is a test failure.
 pytestmark = pytest.mark.filterwarnings("error")
@@ -35,20 +35,7 @@ FACTOR = 3.0
 FLOOR = 1e-4
 
 
-def _new_seed():
-    env = os.environ.get("CUFLASH_TEST_SEED")
-    if env:
-        return int(env)
-    return int(np.random.SeedSequence().entropy % (1 << 63))
 
-
-def _ctx(seed, **kw):
-    parts = ", ".join(f"{key}={val}" for key, val in kw.items())
-    return f"seed={seed} ({parts})"
-
-
-def _randn(rng, shape, dtype, scale=1.0):
-    return (rng.standard_normal(shape) * scale).astype(dtype)
 
 
 def _make_inputs(rng, dtype, batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, qk_scale=1.0):
@@ -60,16 +47,6 @@ def _make_inputs(rng, dtype, batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_
     return q, k, v, dout
 
 
-def _batch_for(seqlen_q):
-    """Enough rows that the max error is a stable statistic (a single query row per head is noisy)."""
-    return 2 if seqlen_q >= 64 else 16
-
-
-def _no_key_rows(seqlen_q, seqlen_k, causal):
-    """Boolean (seqlen_q,) mask of query rows that see no key."""
-    if not causal:
-        return np.full(seqlen_q, seqlen_k == 0)
-    return ~causal_mask(seqlen_q, seqlen_k).any(axis=1)
 
 
 def _forward_backward(q, k, v, dout, causal, softmax_scale, block_m, block_n):

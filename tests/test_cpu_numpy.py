@@ -6,7 +6,6 @@ CUFLASH_TEST_SEED=<seed> replays it (e.g. `CUFLASH_TEST_SEED=123 pytest tests/te
 
 import itertools
 import math
-import os
 
 import ml_dtypes
 import numpy as np
@@ -14,6 +13,7 @@ import pytest
 
 from cuflash._cpu import attention_forward_numpy
 from cuflash._reference import attention_reference, causal_mask, check_close, max_abs_err
+from _cpu_helpers import _batch_for, _ctx, _new_seed, _no_key_rows, _randn
 
 # Any numpy floating-point warning (divide by zero, invalid value, overflow) is a test failure.
 pytestmark = pytest.mark.filterwarnings("error")
@@ -29,15 +29,6 @@ LSE_ATOL = 1e-4
 LSE_RTOL = 1e-5
 
 
-def _new_seed():
-    env = os.environ.get("CUFLASH_TEST_SEED")
-    if env:
-        return int(env)
-    return int(np.random.SeedSequence().entropy % (1 << 63))
-
-
-def _randn(rng, shape, dtype, scale=1.0):
-    return (rng.standard_normal(shape) * scale).astype(dtype)
 
 
 def _make_qkv(rng, dtype, batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, qk_scale=1.0):
@@ -47,16 +38,6 @@ def _make_qkv(rng, dtype, batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim
     return q, k, v
 
 
-def _batch_for(seqlen_q):
-    """Enough rows that the max error is a stable statistic (a single query row per head is noisy)."""
-    return 2 if seqlen_q >= 64 else 16
-
-
-def _no_key_rows(seqlen_q, seqlen_k, causal):
-    """Boolean (seqlen_q,) mask of query rows that see no key."""
-    if not causal:
-        return np.full(seqlen_q, seqlen_k == 0)
-    return ~causal_mask(seqlen_q, seqlen_k).any(axis=1)
 
 
 def _score_magnitude(q, k, softmax_scale):
@@ -113,10 +94,6 @@ def _check_forward(q, k, v, causal, softmax_scale, block_m, block_n, ctx):
     assert np.isfinite(lse[:, :, ~empty]).all(), f"rows with keys must have finite lse; {ctx}"
     return out, lse, int(empty.sum())
 
-
-def _ctx(seed, **kw):
-    parts = ", ".join(f"{key}={val}" for key, val in kw.items())
-    return f"seed={seed} ({parts})"
 
 
 @pytest.mark.parametrize("heads", HEADS)
