@@ -58,7 +58,8 @@ BWD_ROW_PAD = 128
 # dQ by float atomics inside the dK/dV kernel (True), or by the separate dQ kernel (False, also the
 # deterministic path). Measured on an H200, bf16, batch 4 x seqlen 4096, hidden 2048, backward
 # TFLOP/s atomic / separate: head_dim 64: 147 / 159 (causal 129 / 137); head_dim 128: 111 / 130
-# (causal 105 / 120). The separate pass wins everywhere measured, so it is the default.
+# (causal 105 / 120); again on the final kernels: head_dim 64: 142 / 157 (128 / 139), head_dim 128:
+# 148 / 157 (131 / 138). The separate pass wins everywhere measured, so it is the default.
 BWD_ATOMIC_DQ = False
 
 
