@@ -225,7 +225,7 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool = False, softmax_sc
             two implementations: float atomics inside the dK/dV kernel (run-to-run order varies), or
             a separate kernel over the forward's partition, which recomputes Q K^T and dO V^T but
             needs no atomics. On an H200 the separate pass measured faster (bf16, batch 4, seqlen
-            4096, head_dim 128: 130 against 111 TFLOP/s; bench/NOTES.md), so today both settings
+            4096, head_dim 128: 157 against 148 TFLOP/s; bench/NOTES.md), so today both settings
             run it and deterministic=True costs nothing; the flag guarantees the property if a
             faster atomic path is selected later (cuflash/_config.py:BWD_ATOMIC_DQ).
 
