@@ -244,24 +244,25 @@ def estimate_config_s(cfg, providers, args) -> float:
 
 # ------------------------------------------------------------------------------------ cuflash kernels
 
-def cuflash_specs(configs, passes, family):
+def cuflash_specs(configs, passes, target):
     """The cuflash specializations the run launches, in first-use order: [(Specialization, smem)].
     Mirrors the selection in cuflash/_launch.py (launch_fwd / launch_bwd); if it ever drifts, a
     kernel missed here compiles at its first call, which is a warm-up call, never a timed one."""
     from cuflash import _config, _launch
 
-    atomic = _launch.bwd_uses_atomics(False)
+    family = _config.family_of_target(target)
     seen = {}
     for cfg in configs:
         d, dt, c, s = cfg["head_dim"], cfg["dtype"], cfg["causal"], cfg["seqlen"]
-        fc = _config.fwd_config(family, d, dt, c)
+        fc = _config.fwd_config_for_target(target, d, dt, c)
         spec, smem = _launch.fwd_specialization(dt, d, fc, c, s % fc.block_m == 0 and s % fc.block_n == 0)
         seen.setdefault(spec.expression, (spec, smem))
         if needs_backward(passes):
-            bc, qc = _config.bwd_config(family, d, dt), _config.bwd_dq_config(family, d, dt)
+            bc, qc = _config.bwd_config_for_target(target, d, dt), _config.bwd_dq_config(family, d, dt)
             even_kv = s % bc.block_m == 0 and s % bc.block_n == 0
             even_q = s % qc.block_m == 0 and s % qc.block_n == 0
-            for spec, smem, _ in _launch.bwd_specializations(dt, d, family, c, even_kv, even_q, atomic):
+            atomic = _launch.bwd_uses_atomics(False, target, d)
+            for spec, smem, _ in _launch.bwd_specializations(dt, d, target, c, even_kv, even_q, atomic):
                 seen.setdefault(spec.expression, (spec, smem))
     return list(seen.values())
 
@@ -1080,7 +1081,7 @@ def main(argv=None) -> int:
 
             cc = torch.cuda.get_device_capability(device_index)
             family, target = _config.arch_family(*cc), _config.compile_arch(*cc)
-            specs = cuflash_specs(configs, args.passes, family)
+            specs = cuflash_specs(configs, args.passes, target)
             if not args.no_compile_timing:
                 print(f"compile timing: {len(pick_compile_subset(specs, args.compile_specs))} specialization(s) "
                       f"for {target}, cold then warm ...", flush=True)

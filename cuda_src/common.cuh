@@ -16,6 +16,7 @@
 typedef unsigned short u16;
 typedef unsigned int u32;
 typedef long long i64;
+typedef unsigned long long u64;
 
 #define CUFLASH_INF __int_as_float(0x7f800000)
 
@@ -108,6 +109,10 @@ __device__ __forceinline__ void ldmatrix_x2_trans(u32& r0, u32& r1, u32 addr) {
 // rows past the end of a sequence land as zeros, so P * V never meets uninitialised memory.
 __device__ __forceinline__ void cp_async_16(u32 dst, const void* src, int src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(src_bytes));
+}
+// 4-byte variant (through L1; .cg takes only 16): src_bytes = 0 writes 4 zero bytes.
+__device__ __forceinline__ void cp_async_4(u32 dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" :: "r"(dst), "l"(src), "r"(src_bytes));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N> __device__ __forceinline__ void cp_async_wait() {

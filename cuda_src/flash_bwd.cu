@@ -9,8 +9,9 @@
 // Kernels, in launch order:
 //   1. flash_bwd_preprocess_kernel: one warp per (batch, head, query row), rows padded to
 //      seqlen_q_pad: delta = rowsum(dO * O), lse_log2 = lse * log2(e) (+inf where the row sees no key
-//      or does not exist, so that P = exp2(s - inf) = 0 there), and zeroes the row of dq_accum when
-//      dQ is accumulated by atomics.
+//      or does not exist, so that P = exp2(s - inf) = 0 there; skipped when lse_log2 is null, as for
+//      the sm_90a kernel of flash_bwd_sm90.cu, which converts lse itself), and zeroes the row of
+//      dq_accum when dQ is accumulated by atomics.
 //   2. flash_bwd_dkdv_kernel: one block per (key block, kv head, batch). K and V of its BLOCK_N keys
 //      stay in shared memory; dK and dV stay in registers. It loops over every query head of its
 //      GQA group and every query block that can see its keys (bottom-right causal), with Q, dO, lse
@@ -32,6 +33,7 @@
 // Grids are 1-D: blockIdx.x enumerates (batch, head, block along the sequence), so batch * nheads
 // is not bounded by the 65535 limit of grid y / z.
 // Shared-memory rows use padded_pitch (conflict-free ldmatrix); see flash_fwd.cu for layouts.
+#include "blocks.cuh"
 #include "common.cuh"
 #include "params.cuh"
 #include "warp_gemm.cuh"
@@ -81,7 +83,7 @@ flash_bwd_preprocess_kernel(const __grid_constant__ BwdParams p) {
             const float l = p.lse[bh * p.seqlen_q + i];
             if (l != -CUFLASH_INF) l2 = l * LOG2E_F;
         }
-        p.lse_log2[row_id] = l2;
+        if (p.lse_log2 != nullptr) p.lse_log2[row_id] = l2;  // null when no kernel of the call reads it
     }
     if (ZERO_DQ) {
         float4* acc = reinterpret_cast<float4*>(p.dq_accum + row_id * HEAD_DIM);
@@ -155,21 +157,10 @@ flash_bwd_dkdv_kernel(const __grid_constant__ BwdParams p) {
     const int g = lane / 4, t = lane % 4;
     if (tid == 0 && dynamic_smem_bytes() < (u32)Tr::SMEM_BYTES) __trap();
 
-    const int n_block = (int)(blockIdx.x % (unsigned)p.num_blocks);
-    const int bh = (int)(blockIdx.x / (unsigned)p.num_blocks);
-    const int h_kv = bh % p.nheads_kv, b = bh / p.nheads_kv;
     const int sq = p.seqlen_q, sk = p.seqlen_k;
-    const int n0 = n_block * BLOCK_N;
-
-    // Query blocks that see at least one of keys [n0, n0 + BLOCK_N): query i sees key j iff
-    // j <= i + sk - sq, so the first is the block of query n0 - (sk - sq).
-    const int num_m_blocks = (sq + BLOCK_M - 1) / BLOCK_M;
-    int m_begin = 0;
-    if (IS_CAUSAL) {
-        const int first_q = n0 - (sk - sq);
-        m_begin = first_q <= 0 ? 0 : min(num_m_blocks, first_q / BLOCK_M);
-    }
-    const int m_iters = num_m_blocks - m_begin;
+    // Keys [n0, n0 + BLOCK_N) of kv head h_kv; the query blocks that see at least one of them.
+    const KeyBlock blk = key_block<BLOCK_M, BLOCK_N, IS_CAUSAL>(blockIdx.x, p.num_blocks, p.nheads_kv, sq, sk);
+    const int h_kv = blk.h_kv, b = blk.b, n0 = blk.n0, m_begin = blk.m_begin, m_iters = blk.m_iters;
     const int iters = m_iters * p.head_group;
 
     const T* gK = static_cast<const T*>(p.k) + b * p.k_batch_stride + h_kv * p.k_head_stride + (i64)n0 * p.k_row_stride;
@@ -371,18 +362,10 @@ flash_bwd_dq_kernel(const __grid_constant__ BwdParams p) {
     const int g = lane / 4, t = lane % 4;
     if (tid == 0 && dynamic_smem_bytes() < (u32)Tr::SMEM_BYTES) __trap();
 
-    const int m_block = p.num_blocks - 1 - (int)(blockIdx.x % (unsigned)p.num_blocks);
-    const int bh = (int)(blockIdx.x / (unsigned)p.num_blocks);
-    const int h = bh % p.nheads, b = bh / p.nheads;
-    const int h_kv = h / p.head_group;
-    const int m0 = m_block * BLOCK_M;
     const int sq = p.seqlen_q, sk = p.seqlen_k;
+    const QueryBlock blk = query_block<BLOCK_M, BLOCK_N, IS_CAUSAL>(blockIdx.x, p.num_blocks, p.nheads, p.head_group, sq, sk);
+    const int h = blk.h, b = blk.b, h_kv = blk.h_kv, m0 = blk.m0, n_blocks = blk.n_blocks;
 
-    int n_blocks = (sk + BLOCK_N - 1) / BLOCK_N;
-    if (IS_CAUSAL) {
-        const int visible = m0 + BLOCK_M + sk - sq;
-        n_blocks = min(n_blocks, visible <= 0 ? 0 : (visible + BLOCK_N - 1) / BLOCK_N);
-    }
 
     const T* gQ = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + (i64)m0 * p.q_row_stride;
     const T* gdO = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride + (i64)m0 * p.do_row_stride;

@@ -32,6 +32,7 @@
 // grid is not bounded by the 65535 limit of y/z, and within a head the longest causal blocks start
 // first.
 #include "common.cuh"
+#include "blocks.cuh"
 #include "params.cuh"
 #include "softmax.cuh"
 
@@ -77,25 +78,15 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
     // A launch with less dynamic shared memory than this specialization needs is a host bug.
     if (tid == 0 && dynamic_smem_bytes() < (u32)Tr::SMEM_BYTES) __trap();
 
-    // ---- which (batch, head, query block) this block owns ----
-    const int m_block = p.num_m_blocks - 1 - (int)(blockIdx.x % (unsigned)p.num_m_blocks);
-    const int bh = (int)(blockIdx.x / (unsigned)p.num_m_blocks);
-    const int h = bh % p.nheads, b = bh / p.nheads;
-    const int h_kv = h / p.head_group;
-    const int m0 = m_block * BLOCK_M;
+    // ---- which (batch, head, query block) this block owns, and its key tiles [0, n_blocks) ----
     const int sq = p.seqlen_q, sk = p.seqlen_k;
+    const QueryBlock blk = query_block<BLOCK_M, BLOCK_N, IS_CAUSAL>(blockIdx.x, p.num_m_blocks, p.nheads, p.head_group, sq, sk);
+    const int h = blk.h, b = blk.b, h_kv = blk.h_kv, m0 = blk.m0, n_blocks = blk.n_blocks;
 
     const T* gQ = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + (i64)m0 * p.q_row_stride;
     const T* gK = static_cast<const T*>(p.k) + b * p.k_batch_stride + h_kv * p.k_head_stride;
     const T* gV = static_cast<const T*>(p.v) + b * p.v_batch_stride + h_kv * p.v_head_stride;
 
-    // ---- key tiles this block visits: [0, n_blocks) ----
-    int n_blocks = (sk + BLOCK_N - 1) / BLOCK_N;
-    if (IS_CAUSAL) {
-        // Last key the last row of the block can see is m0 + BLOCK_M - 1 + sk - sq.
-        const int visible = m0 + BLOCK_M + sk - sq;  // keys [0, visible) cover the whole block
-        n_blocks = min(n_blocks, visible <= 0 ? 0 : (visible + BLOCK_N - 1) / BLOCK_N);
-    }
 
     load_tile_async<T, HEAD_DIM, PITCH, BLOCK_M, THREADS, !IS_EVEN>(sQ, gQ, p.q_row_stride, sq - m0, tid);
     cp_async_commit();

@@ -40,7 +40,8 @@ struct FwdParams {
 //   dout, dq: like q;  dk, dv: like k (strides of their own)
 //   lse:      (batch, nheads, seqlen_q) float32, contiguous (as the forward writes it)
 //   lse_log2, delta: (batch, nheads, seqlen_q_pad) float32 scratch written by the preprocess kernel:
-//             lse * log2(e) (+inf for a row that sees no key, or past seqlen_q) and rowsum(dO * O)
+//             lse * log2(e) (+inf for a row that sees no key, or past seqlen_q) and rowsum(dO * O);
+//             lse_log2 is null when no kernel of the call reads it
 //   dq_accum: (batch, nheads, seqlen_q_pad, head_dim) float32 scratch for the atomic dQ path
 // seqlen_q_pad is seqlen_q rounded up to a multiple of every backward BLOCK_M, so tiles of the
 // scratch arrays are read without bounds checks.

@@ -224,10 +224,13 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool = False, softmax_sc
             always computed without atomics (a GQA group is summed inside one thread block). dQ has
             two implementations: float atomics inside the dK/dV kernel (run-to-run order varies), or
             a separate kernel over the forward's partition, which recomputes Q K^T and dO V^T but
-            needs no atomics. On an H200 the separate pass measured faster (bf16, batch 4, seqlen
-            4096, head_dim 128: 157 against 148 TFLOP/s; bench/NOTES.md), so today both settings
-            run it and deterministic=True costs nothing; the flag guarantees the property if a
-            faster atomic path is selected later (cuflash/_config.py:BWD_ATOMIC_DQ).
+            needs no atomics. On Hopper (sm_90a) at head_dim 64 and 128, the wgmma dK/dV kernel
+            computes dQ from the dS it already holds and adds it with float atomics, and that is
+            what deterministic=False runs; deterministic=True runs the separate pass instead (on
+            an H100, bf16, batch 4, seqlen 4096, head_dim 128: 370 against 265 TFLOP/s, causal 311
+            against 225; bench/NOTES.md). Elsewhere both settings run the separate pass, which
+            measured faster there than the mma.sync kernel's atomics (cuflash/_config.py:
+            BWD_ATOMIC_DQ), so deterministic=True costs nothing.
 
     Returns:
         dq, dk, dv with the shapes and dtype of q, k, v (dk and dv summed over the query heads of
@@ -252,6 +255,12 @@ def backward_impl(dout, q, k, v, out, lse, lib, device, dtype, causal, scale, de
     return _attention_backward_gpu(dout, q, k, v, out, lse, lib, device[1], dtype, causal, scale, deterministic)
 
 
+def _config_target(cc):
+    from ._config import compile_arch
+
+    return compile_arch(*cc)
+
+
 def _attention_backward_gpu(dout, q, k, v, out, lse, lib, device_id, dtype, causal, scale, deterministic):
     from . import _launch
     from ._gpu import compute_capability
@@ -271,13 +280,15 @@ def _attention_backward_gpu(dout, q, k, v, out, lse, lib, device_id, dtype, caus
     dq, dqv = ctx.empty(tuple(qv.shape), dtype)
     dk, dkv = ctx.empty(tuple(kv.shape), dtype)
     dv, dvv = ctx.empty(tuple(vv.shape), dtype)
-    atomic = _launch.bwd_uses_atomics(deterministic)
-    n_rows, n_acc = _launch.bwd_scratch_sizes(b, h, sq, d, atomic)
+    cc = compute_capability(device_id)
+    target = _config_target(cc)
+    atomic = _launch.bwd_uses_atomics(deterministic, target, d)
+    n_rows, n_acc = _launch.bwd_scratch_sizes(b, h, sq, d, atomic, target)
     _rows_buf, rows = ctx.empty((n_rows,), "float32")
     acc_ptr = 0
     if n_acc:
         _acc_buf, acc = ctx.empty((n_acc,), "float32")
         acc_ptr = acc.ptr
     _launch.launch_bwd(dov, qv, kv, vv, ov, lv.ptr, dqv, dkv, dvv, rows.ptr, acc_ptr, dtype, causal, scale,
-                       atomic, device_id, compute_capability(device_id), ctx.stream_ptr)
+                       atomic, device_id, cc, ctx.stream_ptr)
     return ctx.export(dq), ctx.export(dk), ctx.export(dv)

@@ -28,6 +28,7 @@ class TileConfig:
     block_m: int
     block_n: int
     warps: int
+    wgmma: bool = False  # the sm_90a warpgroup kernel (cuda_src/flash_fwd_sm90.cu); warps = 4 per 64 rows
 
 
 def padded_pitch(cols: int) -> int:
@@ -37,12 +38,19 @@ def padded_pitch(cols: int) -> int:
 
 
 def fwd_smem_bytes(head_dim: int, cfg: TileConfig) -> int:
-    """Dynamic shared memory of the forward kernel: sQ plus two stages of sK and sV."""
+    """Dynamic shared memory of the forward kernel: sQ plus two stages of sK and sV (the wgmma
+    kernel: unpadded swizzled tiles, plus 1024 bytes to align them)."""
+    if cfg.wgmma:
+        return (cfg.block_m + 4 * cfg.block_n) * head_dim * 2 + 1024
     return (cfg.block_m + 4 * cfg.block_n) * padded_pitch(head_dim) * 2
 
 
 def bwd_smem_bytes(head_dim: int, cfg: TileConfig) -> int:
-    """dK/dV kernel: sK, sV, two stages of sQ and sdO, sP^T and sdS^T, two stages of lse and delta."""
+    """dK/dV kernel: sK, sV, two stages of sQ and sdO, sP^T and sdS^T, two stages of lse and delta
+    (the wgmma kernel: swizzled tiles, sdS^T only, and 1024 bytes of alignment slack)."""
+    if cfg.wgmma:
+        d, m, n = head_dim, cfg.block_m, cfg.block_n
+        return (2 * n * d + 4 * m * d + n * m) * 2 + 4 * m * 4 + 1024
     p, pp = padded_pitch(head_dim), padded_pitch(cfg.block_m)
     return (2 * cfg.block_n * p + 4 * cfg.block_m * p + 2 * cfg.block_n * pp) * 2 + 4 * cfg.block_m * 4
 
@@ -55,8 +63,9 @@ def bwd_dq_smem_bytes(head_dim: int, cfg: TileConfig) -> int:
 # Every backward BLOCK_M divides this: the preprocess pads the per-row scratch to it.
 BWD_ROW_PAD = 128
 
-# dQ by float atomics inside the dK/dV kernel (True), or by the separate dQ kernel (False, also the
-# deterministic path). Measured on an H200, bf16, batch 4 x seqlen 4096, hidden 2048, backward
+# For the mma.sync dK/dV kernel (every target but sm_90a at head_dim 64 / 128, where the wgmma
+# kernel always takes the atomic path unless deterministic=True): dQ by float atomics inside the
+# dK/dV kernel (True), or by the separate dQ kernel (False, also the deterministic path). Measured on an H200, bf16, batch 4 x seqlen 4096, hidden 2048, backward
 # TFLOP/s atomic / separate: head_dim 64: 147 / 159 (causal 129 / 137); head_dim 128: 111 / 130
 # (causal 105 / 120); again on the final kernels: head_dim 64: 142 / 157 (128 / 139), head_dim 128:
 # 148 / 157 (131 / 138). The separate pass wins everywhere measured, so it is the default.
@@ -125,6 +134,36 @@ def fwd_config(family: str, head_dim: int, dtype: str, causal: bool = False) -> 
     return cfg
 
 
+# head_dims served by the sm_90a wgmma forward kernel (its tiles are 64-column swizzled panels).
+WGMMA_FWD_HEAD_DIMS = (64, 128, 256)
+
+
+def fwd_config_for_target(target: str, head_dim: int, dtype: str, causal: bool = False) -> TileConfig:
+    """The forward kernel and tiles for an NVRTC target: on sm_90a the wgmma kernel where it serves
+    the head_dim, else the mma.sync kernel of `fwd_config`."""
+    family = family_of_target(target)
+    if target == "sm_90a" and head_dim in WGMMA_FWD_HEAD_DIMS:
+        _check_family_head_dim(family, head_dim)
+        # BLOCK_M = 64 per warpgroup (S is BLOCK_N / 2 floats a thread, O head_dim / 2, P BLOCK_N / 4
+        # registers). Measured on an H100 (bench/dev/smoke_fwd.py, bf16, batch 4 x seqlen 4096,
+        # hidden 2048, TFLOP/s non-causal / causal; SDPA-flash in the same run 303 / 279 at head_dim
+        # 64, 354 / 301 at 128, 324 / 281 at 256):
+        if head_dim <= 64:
+            # 128x64: 370 / 329. 128x128: 339 / 292; 128x192: 307 / 278; 192x64 (3 warpgroups):
+            # 278 / 242. mma.sync 128x64x4: 315 / 274.
+            cfg = TileConfig(128, 64, 8, wgmma=True)
+        elif head_dim <= 128:
+            # 128x128: 444 / 382. 128x64: 439 / 369; 192x64: 388 / 329. mma.sync 128x32x4: 298 / 251.
+            cfg = TileConfig(128, 128, 8, wgmma=True)
+        else:
+            # 128x32: 404 / 331. 128x64 measured 489 / 345 but spills (104 B, causal even-length
+            # variant): O alone is 128 floats a thread. mma.sync 128x32x8: 244 / 204.
+            cfg = TileConfig(128, 32, 8, wgmma=True)
+        assert fwd_smem_bytes(head_dim, cfg) <= SMEM_LIMIT[family], (target, head_dim, cfg)
+        return cfg
+    return fwd_config(family, head_dim, dtype, causal)
+
+
 def bwd_config(family: str, head_dim: int, dtype: str) -> TileConfig:
     """The dK/dV kernel's tiles: BLOCK_M query rows per iteration, BLOCK_N keys per block, warps.
 
@@ -156,6 +195,28 @@ def bwd_config(family: str, head_dim: int, dtype: str) -> TileConfig:
     assert bwd_smem_bytes(head_dim, cfg) <= SMEM_LIMIT[family], (family, head_dim, cfg)
     assert BWD_ROW_PAD % cfg.block_m == 0
     return cfg
+
+
+# head_dims served by the sm_90a wgmma dK/dV kernel (dK and dV of 64 keys x head_dim per warpgroup
+# must fit in registers: 128 floats a thread at head_dim 128).
+WGMMA_BWD_HEAD_DIMS = (64, 128)
+
+
+def bwd_config_for_target(target: str, head_dim: int, dtype: str) -> TileConfig:
+    """The dK/dV kernel and tiles for an NVRTC target: on sm_90a the wgmma kernel where it serves
+    the head_dim (BLOCK_N = 64 keys per warpgroup), else the mma.sync kernel of `bwd_config`."""
+    family = family_of_target(target)
+    if target == "sm_90a" and head_dim in WGMMA_BWD_HEAD_DIMS:
+        _check_family_head_dim(family, head_dim)
+        # Measured on an H100 (bench/dev/smoke_bwd.py, bf16, batch 4 x seqlen 4096, hidden 2048,
+        # backward TFLOP/s non-causal / causal, atomic dQ): head_dim 64: 270-299 / 234-244 (SDPA-flash
+        # 274 / 232); head_dim 128: 351-371 / 284-296 (SDPA-flash 285 / 245). 64x64 (one warpgroup):
+        # 248 / 218 and 217 / 208. The mma.sync kernel: 158 / 139 at both head_dims.
+        cfg = TileConfig(64, 128, 8, wgmma=True)
+        assert bwd_smem_bytes(head_dim, cfg) <= SMEM_LIMIT[family], (target, head_dim, cfg)
+        assert BWD_ROW_PAD % cfg.block_m == 0
+        return cfg
+    return bwd_config(family, head_dim, dtype)
 
 
 def bwd_dq_config(family: str, head_dim: int, dtype: str) -> TileConfig:

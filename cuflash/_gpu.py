@@ -53,8 +53,8 @@ def precompile(head_dims=None, dtypes=None, causal=(False, True), backward=True,
                 raise ValueError(f"dtypes: {dt!r} is not supported; expected 'float16' or 'bfloat16'")
     specs = _launch.all_fwd_specializations(target, head_dims, dtypes, tuple(causal))
     if backward:
-        atomic = (False, True) if _config.BWD_ATOMIC_DQ else (False,)  # what the dispatcher can select
-        specs += _launch.all_bwd_specializations(target, head_dims, dtypes, tuple(causal), atomic=atomic)
+        # both dQ paths where the dispatcher can select both (atomic=None)
+        specs += _launch.all_bwd_specializations(target, head_dims, dtypes, tuple(causal))
     names = compile_many([spec for spec, _ in specs], target, workers)
     if load:
         for spec, smem in specs:

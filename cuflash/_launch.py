@@ -54,27 +54,33 @@ class DeviceTensor:
 
 def fwd_specialization(dtype: str, head_dim: int, cfg: _config.TileConfig, causal: bool, even: bool):
     short, ctype = _DTYPE_TAG[dtype]
-    expr = (f"cuflash::flash_fwd_kernel<{ctype}, {head_dim}, {cfg.block_m}, {cfg.block_n}, {cfg.warps}, "
-            f"{'true' if causal else 'false'}, {'true' if even else 'false'}>")
-    name = (f"fwd_{short}_d{head_dim}_m{cfg.block_m}_n{cfg.block_n}_w{cfg.warps}"
-            f"_{'causal' if causal else 'full'}_{'even' if even else 'ragged'}")
     smem = _config.fwd_smem_bytes(head_dim, cfg)
+    flags = f"{'true' if causal else 'false'}, {'true' if even else 'false'}"
+    suffix = f"_{'causal' if causal else 'full'}_{'even' if even else 'ragged'}"
+    if cfg.wgmma:
+        assert cfg.warps * 16 == cfg.block_m, cfg
+        expr = f"cuflash::flash_fwd_sm90_kernel<{ctype}, {head_dim}, {cfg.block_m}, {cfg.block_n}, {flags}>"
+        name = f"fwd90_{short}_d{head_dim}_m{cfg.block_m}_n{cfg.block_n}" + suffix
+        traits, source = f"cuflash::FwdSm90Traits<{head_dim}, {cfg.block_m}, {cfg.block_n}>", "flash_fwd_sm90.cu"
+    else:
+        expr = f"cuflash::flash_fwd_kernel<{ctype}, {head_dim}, {cfg.block_m}, {cfg.block_n}, {cfg.warps}, {flags}>"
+        name = f"fwd_{short}_d{head_dim}_m{cfg.block_m}_n{cfg.block_n}_w{cfg.warps}" + suffix
+        traits, source = f"cuflash::FwdTraits<{head_dim}, {cfg.block_m}, {cfg.block_n}, {cfg.warps}>", "flash_fwd.cu"
     checks = "\n".join([
         _FWD_CHECKS_PARAMS,
-        f"static_assert(cuflash::FwdTraits<{head_dim}, {cfg.block_m}, {cfg.block_n}, {cfg.warps}>::SMEM_BYTES == {smem},"
+        f"static_assert({traits}::SMEM_BYTES == {smem},"
         f' "shared memory size differs from cuflash/_config.py:fwd_smem_bytes");',
     ])
-    return _compile.Specialization("flash_fwd.cu", expr, name, checks), smem
+    return _compile.Specialization(source, expr, name, checks), smem
 
 
 def all_fwd_specializations(target: str, head_dims=None, dtypes=None, causal=(False, True), even=(False, True)):
     """Every forward specialization the dispatcher can select for a compile target."""
-    family = _config.family_of_target(target)
     out = []
     for dtype in dtypes or _config.DTYPES:
         for d in head_dims or _config.HEAD_DIMS:
             for c in causal:
-                cfg = _config.fwd_config(family, d, dtype, c)
+                cfg = _config.fwd_config_for_target(target, d, dtype, c)
                 for e in even:
                     out.append(fwd_specialization(dtype, d, cfg, c, e))
     return out
@@ -84,33 +90,48 @@ def _b(x: bool) -> str:
     return "true" if x else "false"
 
 
-def bwd_uses_atomics(deterministic: bool) -> bool:
-    """Whether dQ is accumulated with float atomics inside the dK/dV kernel (never when
-    deterministic; otherwise as the measured choice in _config.BWD_ATOMIC_DQ says)."""
-    return (not deterministic) and _config.BWD_ATOMIC_DQ
+def bwd_uses_atomics(deterministic: bool, target: str | None = None, head_dim: int | None = None) -> bool:
+    """Whether dQ is accumulated with float atomics inside the dK/dV kernel: never when
+    deterministic; with the sm_90a wgmma kernel always otherwise (it computes dQ from the dS it
+    already holds); with the mma.sync kernel as the measured choice in _config.BWD_ATOMIC_DQ says."""
+    if deterministic:
+        return False
+    if target is not None and head_dim is not None and _config.bwd_config_for_target(target, head_dim, "float16").wgmma:
+        return True
+    return _config.BWD_ATOMIC_DQ
 
 
-def bwd_specializations(dtype: str, head_dim: int, family: str, causal: bool, even_kv: bool, even_q: bool,
-                        atomic: bool):
+def bwd_specializations(dtype: str, head_dim: int, target: str, causal: bool, even_kv: bool, even_q: bool,
+                        atomic: bool, cfg: _config.TileConfig | None = None):
     """The backward kernels one call launches, in order: [(Specialization, smem bytes, TileConfig)].
 
     even_kv / even_q: whether the lengths are multiples of the dK/dV and dQ kernels' tiles.
     atomic: dQ by float atomics in the dK/dV kernel (then a conversion kernel), or by the separate,
-    deterministic dQ kernel."""
+    deterministic dQ kernel. cfg overrides the dK/dV tile table (tuning scripts only)."""
     short, ctype = _DTYPE_TAG[dtype]
-    cfg = _config.bwd_config(family, head_dim, dtype)
+    family = _config.family_of_target(target)
+    cfg = cfg or _config.bwd_config_for_target(target, head_dim, dtype)
     pre = _compile.Specialization(
         "flash_bwd.cu", f"cuflash::flash_bwd_preprocess_kernel<{ctype}, {head_dim}, {_b(atomic)}>",
         f"bwd_pre_{short}_d{head_dim}{'_zero_dq' if atomic else ''}", _BWD_CHECKS_PARAMS)
     smem = _config.bwd_smem_bytes(head_dim, cfg)
+    flags = f"{_b(causal)}, {_b(even_kv)}, {_b(atomic)}"
+    suffix = (f"_{'causal' if causal else 'full'}_{'even' if even_kv else 'ragged'}"
+              f"_{'atomic_dq' if atomic else 'no_dq'}")
+    if cfg.wgmma:
+        assert cfg.warps * 16 == cfg.block_n, cfg
+        expr = f"cuflash::flash_bwd_dkdv_sm90_kernel<{ctype}, {head_dim}, {cfg.block_m}, {cfg.block_n}, {flags}>"
+        name = f"bwd90_dkdv_{short}_d{head_dim}_m{cfg.block_m}_n{cfg.block_n}" + suffix
+        traits, source = f"cuflash::BwdSm90Traits<{head_dim}, {cfg.block_m}, {cfg.block_n}>", "flash_bwd_sm90.cu"
+    else:
+        expr = (f"cuflash::flash_bwd_dkdv_kernel<{ctype}, {head_dim}, {cfg.block_m}, {cfg.block_n}, {cfg.warps}, "
+                + flags + ">")
+        name = f"bwd_dkdv_{short}_d{head_dim}_m{cfg.block_m}_n{cfg.block_n}_w{cfg.warps}" + suffix
+        traits, source = f"cuflash::BwdTraits<{head_dim}, {cfg.block_m}, {cfg.block_n}, {cfg.warps}>", "flash_bwd.cu"
     dkdv = _compile.Specialization(
-        "flash_bwd.cu",
-        f"cuflash::flash_bwd_dkdv_kernel<{ctype}, {head_dim}, {cfg.block_m}, {cfg.block_n}, {cfg.warps}, "
-        f"{_b(causal)}, {_b(even_kv)}, {_b(atomic)}>",
-        f"bwd_dkdv_{short}_d{head_dim}_m{cfg.block_m}_n{cfg.block_n}_w{cfg.warps}_{'causal' if causal else 'full'}"
-        f"_{'even' if even_kv else 'ragged'}_{'atomic_dq' if atomic else 'no_dq'}",
+        source, expr, name,
         _BWD_CHECKS_PARAMS + "\n" +
-        f"static_assert(cuflash::BwdTraits<{head_dim}, {cfg.block_m}, {cfg.block_n}, {cfg.warps}>::SMEM_BYTES == {smem},"
+        f"static_assert({traits}::SMEM_BYTES == {smem},"
         f' "shared memory size differs from cuflash/_config.py:bwd_smem_bytes");')
     out = [(pre, 0, None), (dkdv, smem, cfg)]
     if atomic:
@@ -134,17 +155,23 @@ def bwd_specializations(dtype: str, head_dim: int, family: str, causal: bool, ev
     return out
 
 
+def bwd_atomic_choices(target: str, head_dim: int) -> tuple[bool, ...]:
+    """The dQ paths the dispatcher can select for (target, head_dim): the deterministic one always,
+    the atomic one where a non-deterministic call takes it."""
+    return (False, True) if bwd_uses_atomics(False, target, head_dim) else (False,)
+
+
 def all_bwd_specializations(target: str, head_dims=None, dtypes=None, causal=(False, True), even=(False, True),
-                            atomic=(False, True)):
-    """Every backward specialization for a compile target (both dQ paths by default), each once."""
-    family = _config.family_of_target(target)
+                            atomic=None):
+    """Every backward specialization for a compile target, each once. atomic: the dQ paths to
+    build, (False, True) for both; default: those the dispatcher can select (bwd_atomic_choices)."""
     seen = {}
     for dtype in dtypes or _config.DTYPES:
         for d in head_dims or _config.HEAD_DIMS:
             for c in causal:
                 for e in even:
-                    for a in atomic:
-                        for spec, smem, _ in bwd_specializations(dtype, d, family, c, e, e, a):
+                    for a in (atomic if atomic is not None else bwd_atomic_choices(target, d)):
+                        for spec, smem, _ in bwd_specializations(dtype, d, target, c, e, e, a):
                             seen.setdefault(spec.expression, (spec, smem))
     return list(seen.values())
 
@@ -156,9 +183,8 @@ def launch_fwd(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTenso
     `cfg` overrides the tile table (tuning scripts only)."""
     batch, seqlen_q, nheads, head_dim = q.shape
     _, seqlen_k, nheads_kv, _ = k.shape
-    family = _config.arch_family(*cc)
     target = _config.compile_arch(*cc)
-    cfg = cfg or _config.fwd_config(family, head_dim, dtype, causal)
+    cfg = cfg or _config.fwd_config_for_target(target, head_dim, dtype, causal)
     even = seqlen_q % cfg.block_m == 0 and seqlen_k % cfg.block_n == 0
     spec, smem = fwd_specialization(dtype, head_dim, cfg, causal, even)
     num_m_blocks = -(-seqlen_q // cfg.block_m)
@@ -188,35 +214,48 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def bwd_scratch_sizes(batch: int, nheads: int, seqlen_q: int, head_dim: int, atomic: bool):
-    """Float32 element counts of the backward's scratch: (lse_log2 + delta, dq_accum)."""
+def bwd_needs_lse_log2(target: str | None, head_dim: int, atomic: bool) -> bool:
+    """Whether a backward call needs the lse * log2(e) scratch rows: the mma.sync kernels read them;
+    the sm_90a wgmma dK/dV kernel reads the forward's lse directly, so its atomic path needs none."""
+    if target is None:
+        return True
+    return not (atomic and _config.bwd_config_for_target(target, head_dim, "float16").wgmma)
+
+
+def bwd_scratch_sizes(batch: int, nheads: int, seqlen_q: int, head_dim: int, atomic: bool,
+                      target: str | None = None):
+    """Float32 element counts of the backward's scratch: (delta [+ lse_log2], dq_accum)."""
     pad = _cdiv(seqlen_q, _config.BWD_ROW_PAD) * _config.BWD_ROW_PAD
     rows = batch * nheads * pad
-    return 2 * rows, (rows * head_dim if atomic else 0)
+    per_row = 2 if bwd_needs_lse_log2(target, head_dim, atomic) else 1
+    return per_row * rows, (rows * head_dim if atomic else 0)
 
 
 def launch_bwd(dout: DeviceTensor, q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTensor,
                lse_ptr: int, dq: DeviceTensor, dk: DeviceTensor, dv: DeviceTensor, rows_scratch_ptr: int,
                dq_accum_ptr: int, dtype: str, causal: bool, softmax_scale: float, atomic: bool,
-               device_id: int, cc: tuple[int, int], stream_ptr: int) -> None:
-    """Launches the backward kernels. rows_scratch holds 2 * batch * nheads * seqlen_q_pad floats;
-    dq_accum (atomic path only) batch * nheads * seqlen_q_pad * head_dim floats."""
+               device_id: int, cc: tuple[int, int], stream_ptr: int,
+               cfg: _config.TileConfig | None = None) -> None:
+    """Launches the backward kernels. rows_scratch holds delta, then (where bwd_needs_lse_log2)
+    lse_log2: batch * nheads * seqlen_q_pad floats each (bwd_scratch_sizes); dq_accum (atomic path
+    only) batch * nheads * seqlen_q_pad * head_dim floats."""
     batch, seqlen_q, nheads, head_dim = q.shape
     _, seqlen_k, nheads_kv, _ = k.shape
     family = _config.arch_family(*cc)
     target = _config.compile_arch(*cc)
-    cfg = _config.bwd_config(family, head_dim, dtype)
+    cfg = cfg or _config.bwd_config_for_target(target, head_dim, dtype)
     qcfg = _config.bwd_dq_config(family, head_dim, dtype)
     even_kv = seqlen_q % cfg.block_m == 0 and seqlen_k % cfg.block_n == 0
     even_q = seqlen_q % qcfg.block_m == 0 and seqlen_k % qcfg.block_n == 0
-    kernels = bwd_specializations(dtype, head_dim, family, causal, even_kv, even_q, atomic)
+    kernels = bwd_specializations(dtype, head_dim, target, causal, even_kv, even_q, atomic, cfg)
     pad = _cdiv(seqlen_q, _config.BWD_ROW_PAD) * _config.BWD_ROW_PAD
     rows_pad = batch * nheads * pad
 
     p = np.zeros((), dtype=BWD_PARAMS)
     p["q"], p["k"], p["v"], p["o"], p["dout"], p["lse"] = q.ptr, k.ptr, v.ptr, o.ptr, dout.ptr, lse_ptr
     p["dq"], p["dk"], p["dv"] = dq.ptr, dk.ptr, dv.ptr
-    p["lse_log2"], p["delta"] = rows_scratch_ptr, rows_scratch_ptr + 4 * rows_pad
+    p["delta"] = rows_scratch_ptr
+    p["lse_log2"] = rows_scratch_ptr + 4 * rows_pad if bwd_needs_lse_log2(target, head_dim, atomic) else 0
     p["dq_accum"] = dq_accum_ptr
     _set_strides(p, (("q", q), ("k", k), ("v", v), ("o", o), ("do", dout), ("dq", dq), ("dk", dk), ("dv", dv)))
     p["batch"], p["nheads"], p["nheads_kv"] = batch, nheads, nheads_kv

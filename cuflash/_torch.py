@@ -55,6 +55,9 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic
     ctx.mark_non_differentiable(lse)
+    # lse gets no gradient: without this, autograd hands _backward a zero tensor of lse's shape for
+    # it, an allocation that SDPA's backward does not make (measured: +2 MiB of peak at head_dim 64).
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dout, dlse):

@@ -23,6 +23,8 @@ def _ptxas_problems(name, smem, log, target):
     for frame, st, ld in frames:
         if int(frame) or int(st) or int(ld):
             problems.append(f"{name} ({target}): {frame} B stack frame, {st} B spill stores, {ld} B spill loads")
+    if "wgmma.mma_async instructions are serialized" in log:  # ptxas C7519 and kin: a silent slowdown
+        problems.append(f"{name} ({target}): ptxas serializes its wgmma instructions")
     static = sum(int(x) for x in re.findall(r"(\d+) bytes smem", log))
     limit = _config.SMEM_LIMIT[_config.family_of_target(target)]
     if static + smem > limit:
@@ -35,14 +37,19 @@ def _all_specs(kind, target):
         specs = _launch.all_fwd_specializations(target)
         # One specialization per (dtype, head_dim, causal, even): nothing may be left out.
         assert len(specs) == len(_config.DTYPES) * len(_config.HEAD_DIMS) * 4
+        wgmma = [spec.name for spec, _ in specs if spec.name.startswith("fwd90_")]
+        assert len(wgmma) == (len(_config.DTYPES) * len(_config.WGMMA_FWD_HEAD_DIMS) * 4 if target == "sm_90a" else 0)
     else:
-        # The deterministic dQ path always; the atomic one only when the dispatcher selects it.
-        atomic = (False, True) if _config.BWD_ATOMIC_DQ else (False,)
-        specs = _launch.all_bwd_specializations(target, atomic=atomic)
+        # The deterministic dQ path always; the atomic one where the dispatcher selects it.
+        specs = _launch.all_bwd_specializations(target)
         # Per (dtype, head_dim): preprocess, 4 dK/dV (causal x even), 4 dQ [+ the atomic path's
         # zeroing preprocess, 4 dK/dV and the conversion].
-        per = 9 + (6 if _config.BWD_ATOMIC_DQ else 0)
-        assert len(specs) == len(_config.DTYPES) * len(_config.HEAD_DIMS) * per
+        expected = sum(9 + (6 if len(_launch.bwd_atomic_choices(target, d)) == 2 else 0) for d in _config.HEAD_DIMS)
+        assert len(specs) == len(_config.DTYPES) * expected
+        if target == "sm_90a":  # the wgmma kernels are among them
+            names = [spec.name for spec, _ in specs]
+            for d in _config.WGMMA_BWD_HEAD_DIMS:
+                assert sum(n.startswith(f"bwd90_dkdv_bf16_d{d}_") for n in names) == 8, d
     return specs
 
 
@@ -68,6 +75,8 @@ def test_gate_detects_spills_and_smem():
     assert _ptxas_problems("x", 170000, good, "sm_80")          # > 163 KB
     assert not _ptxas_problems("x", 170000, good, "sm_90a")     # < 227 KB
     assert _ptxas_problems("x", 1000, "no report", "sm_80")
+    serial = good + "\nptxas info    : (C7519) Potential Performance Loss: wgmma.mma_async instructions are serialized"
+    assert _ptxas_problems("x", 1000, serial, "sm_90a")
 
 
 def test_params_layout_matches_numpy_mirror():
@@ -98,6 +107,19 @@ def test_smem_formula_mismatch_fails_to_compile():
     bad = spec.checks.replace(f"== {smem}", f"== {smem + 16}")
     with pytest.raises(_compile.CompileError, match="shared memory size differs"):
         _compile.nvrtc_compile(_compile.Specialization(spec.source, spec.expression, spec.name, bad), "sm_80")
+
+
+@pytest.mark.parametrize("kind", ["fwd", "bwd"])
+def test_wgmma_smem_formula_mismatch_fails_to_compile(kind):
+    if kind == "fwd":
+        cfg = _config.fwd_config_for_target("sm_90a", 128, "bfloat16", True)
+        spec, smem = _launch.fwd_specialization("bfloat16", 128, cfg, True, False)
+    else:
+        (_, _, _), (spec, smem, cfg), _ = _launch.bwd_specializations("float16", 64, "sm_90a", False, True, True, True)
+    assert cfg.wgmma
+    bad = spec.checks.replace(f"== {smem}", f"== {smem - 1024}")
+    with pytest.raises(_compile.CompileError, match="shared memory size differs"):
+        _compile.nvrtc_compile(_compile.Specialization(spec.source, spec.expression, spec.name, bad), "sm_90a")
 
 
 def test_cache_key_covers_headers_options_and_target(tmp_path, monkeypatch):

@@ -51,3 +51,9 @@ def test_installed_package_finds_its_sources(wheel, tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env)
     assert r.returncode == 0, r.stderr
     assert Path(r.stdout.strip()) == target / "cuflash" / "cuda_src"
+
+
+def test_generated_wgmma_header_is_current():
+    """cuda_src/wgmma.cuh is the output of scripts/gen_wgmma.py, byte for byte."""
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_wgmma.py"), "--check"], capture_output=True)
+    assert r.returncode == 0, "cuda_src/wgmma.cuh differs from scripts/gen_wgmma.py's output; rerun the script"

@@ -59,6 +59,13 @@ cases = [
     (torch.float16, 136, False, 2, 2048, 512, 2, 2),
     (torch.bfloat16, 200, True, 2, 1, 300, 4, 4),
     (torch.float16, 96, True, 2, 128, 128, 4, 4),
+    # head_dims of the sm_90a wgmma dK/dV kernel: ragged, GQA, rows that see no key
+    (torch.float16, 64, True, 2, 1000, 333, 8, 2),
+    (torch.bfloat16, 128, False, 1, 1, 1, 2, 1),
+    (torch.float16, 128, True, 3, 257, 129, 6, 3),
+    (torch.bfloat16, 64, False, 2, 2048, 2048, 4, 4),
+    (torch.bfloat16, 128, True, 1, 128, 1, 2, 2),
+    (torch.float16, 64, False, 1, 77, 1500, 4, 1),
 ]
 t0 = time.time()
 for det in (False, True):
@@ -127,11 +134,14 @@ for d, causal in ((64, False), (64, True), (128, False), (128, True)):
           f"{flops / ms_det / 1e9:.0f}, SDPA-flash {flops / ms_fa / 1e9:.0f}", flush=True)
 if "--no-sweep" in sys.argv:
     sys.exit(1 if fails else 0)
-# tile sweep of the dK/dV kernel (separate dQ pass), bf16, b4 s4096 hidden 2048, non-causal / causal
-orig = _config.bwd_config
-sweep = {64: [(64, 128, 8), (32, 128, 8), (64, 64, 4)],
-         128: [(32, 128, 8), (64, 128, 8), (64, 64, 8), (32, 64, 4)],
-         256: [(32, 32, 8), (32, 64, 8), (64, 64, 8)]}
+# tile sweep of the dK/dV kernel, bf16, b4 s4096 hidden 2048, non-causal / causal. wgmma configs use
+# the atomic dQ path (deterministic=False), mma.sync ones the separate dQ pass.
+orig = _config.bwd_config_for_target
+T = _config.TileConfig
+cc = torch.cuda.get_device_capability()
+sweep = {64: [T(64, 128, 8, True), T(64, 64, 4, True), T(64, 128, 8)],
+         128: [T(64, 128, 8, True), T(64, 64, 4, True), T(32, 128, 8)],
+         256: [T(32, 64, 8)]}
 for d, cfgs in sweep.items():
     h = 2048 // d
     b, s = 4, 4096
@@ -140,16 +150,16 @@ for d, cfgs in sweep.items():
         out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
         flops = 2.5 * 4 * b * h * s * s * d / (2 if causal else 1)
         row = []
-        for bm, bn, w in cfgs:
-            c = _config.TileConfig(bm, bn, w)
-            if _config.bwd_smem_bytes(d, c) > 232448:
+        for c in cfgs:
+            if c.wgmma and cc != (9, 0):
                 continue
-            _config.bwd_config = lambda f, dd, dt, c=c: c
+            label = f"{'wg' if c.wgmma else 'mma'}{c.block_m}x{c.block_n}x{c.warps}"
+            _config.bwd_config_for_target = lambda tg, dd, dt, c=c: c
             try:
                 ms = bench(lambda: cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal))
-                row.append(f"{bm}x{bn}x{w}: {flops / ms / 1e9:.0f}")
+                row.append(f"{label}: {flops / ms / 1e9:.0f}")
             except Exception as e:
-                row.append(f"{bm}x{bn}x{w}: {type(e).__name__}")
-            _config.bwd_config = orig
+                row.append(f"{label}: {type(e).__name__} {str(e)[:200]}")
+            _config.bwd_config_for_target = orig
         print(f"bwd sweep d{d} causal={causal}: " + ", ".join(row), flush=True)
 sys.exit(1 if fails else 0)

@@ -57,6 +57,13 @@ cases = [
     (torch.float16, 136, False, 2, 2048, 512, 2, 2),
     (torch.bfloat16, 200, True, 2, 1, 300, 4, 4),
     (torch.float16, 96, True, 2, 128, 128, 4, 4),
+    # head_dims of the sm_90a wgmma kernel: ragged, GQA, rows that see no key, single rows
+    (torch.float16, 64, True, 2, 1000, 333, 8, 2),
+    (torch.bfloat16, 128, False, 1, 1, 1, 2, 1),
+    (torch.float16, 128, True, 3, 257, 129, 6, 3),
+    (torch.bfloat16, 64, False, 2, 4096, 4096, 4, 4),
+    (torch.float16, 256, False, 2, 200, 1111, 2, 2),
+    (torch.bfloat16, 128, True, 1, 128, 1, 2, 2),
 ]
 t0 = time.time()
 for dt, d, causal, b, sq, sk, h, hk in cases:
@@ -92,10 +99,11 @@ def bench(fn, iters=30):
 
 from torch.nn.attention import sdpa_kernel, SDPBackend
 results = []
+T = _config.TileConfig
 sweep = {
-    64: [(128, 64, 4), (128, 32, 4), (64, 64, 4), (128, 128, 8)],
-    128: [(64, 64, 4), (128, 32, 4), (64, 32, 4), (128, 32, 8), (64, 128, 4)],
-    256: [(128, 32, 8), (64, 32, 4), (128, 16, 8), (64, 16, 4)],
+    64: [T(128, 64, 4), T(128, 128, 8, True), T(128, 64, 8, True), T(128, 192, 8, True), T(192, 64, 12, True)],
+    128: [T(128, 32, 4), T(64, 64, 4), T(128, 128, 8, True), T(128, 64, 8, True), T(192, 64, 12, True)],
+    256: [T(128, 32, 8), T(128, 64, 8, True), T(128, 32, 8, True)],
 }
 cc = torch.cuda.get_device_capability()
 for d, causal in itertools.product((64, 128, 256), (False, True)):
@@ -108,8 +116,9 @@ for d, causal in itertools.product((64, 128, 256), (False, True)):
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         ms_fa = bench(lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))
     row = {"d": d, "causal": causal, "sdpa_flash_tflops": flops / ms_fa / 1e9}
-    for bm, bn, w in sweep[d]:
-        cfg = _config.TileConfig(bm, bn, w)
+    for cfg in sweep[d]:
+        if cfg.wgmma and cc != (9, 0):
+            continue
         if _config.fwd_smem_bytes(d, cfg) > _config.SMEM_LIMIT[_config.arch_family(*cc)]:
             continue
         o = torch.empty_like(q)
@@ -119,7 +128,7 @@ for d, causal in itertools.product((64, 128, 256), (False, True)):
         f = lambda: _launch.launch_fwd(V(q), V(k), V(v), V(o), lse.data_ptr(), "bfloat16", causal, d ** -0.5, 0, cc, st, cfg)
         t1 = time.time(); f(); torch.cuda.synchronize(); ct = time.time() - t1
         ms = bench(f)
-        row[f"m{bm}_n{bn}_w{w}"] = flops / ms / 1e9
+        row[f"{'wg' if cfg.wgmma else 'mma'}_m{cfg.block_m}_n{cfg.block_n}_w{cfg.warps}"] = flops / ms / 1e9
     results.append(row)
     print(json.dumps(row))
 out = os.environ.get("OUT", ".")

@@ -1,0 +1,63 @@
+// blocks.cuh: which part of the problem a thread block owns, shared by every kernel.
+//
+// Grids are 1-D (batch * heads is not bounded by the 65535 limit of grid y / z):
+//   query-block kernels (forward, deterministic dQ): block = (b * nheads + h) * num_m_blocks
+//     + (num_m_blocks - 1 - m_block), so within a head the longest causal blocks start first;
+//   key-block kernels (dK / dV): block = (b * nheads_kv + h_kv) * num_n_blocks + n_block.
+// Causal is bottom-right aligned: query i sees key j iff j <= i + seqlen_k - seqlen_q.
+#pragma once
+#include "common.cuh"
+
+namespace cuflash {
+
+struct QueryBlock {
+    int b, h, h_kv;
+    int m0;        // first query row
+    int n_blocks;  // key tiles [0, n_blocks) of BLOCK_N keys hold every key these rows see
+};
+
+template <int BLOCK_M, int BLOCK_N, bool IS_CAUSAL>
+__device__ __forceinline__ QueryBlock query_block(unsigned block, int num_m_blocks, int nheads, int head_group,
+                                                  int sq, int sk) {
+    QueryBlock r;
+    const int m_block = num_m_blocks - 1 - (int)(block % (unsigned)num_m_blocks);
+    const int bh = (int)(block / (unsigned)num_m_blocks);
+    r.h = bh % nheads;
+    r.b = bh / nheads;
+    r.h_kv = r.h / head_group;
+    r.m0 = m_block * BLOCK_M;
+    r.n_blocks = (sk + BLOCK_N - 1) / BLOCK_N;
+    if (IS_CAUSAL) {
+        // The block's last row sees keys [0, m0 + BLOCK_M + sk - sq).
+        const int visible = r.m0 + BLOCK_M + sk - sq;
+        r.n_blocks = min(r.n_blocks, visible <= 0 ? 0 : (visible + BLOCK_N - 1) / BLOCK_N);
+    }
+    return r;
+}
+
+struct KeyBlock {
+    int b, h_kv;
+    int n0;       // first key
+    int m_begin;  // first query block (of BLOCK_M rows) that sees one of the block's keys
+    int m_iters;  // query blocks [m_begin, m_begin + m_iters) per query head
+};
+
+template <int BLOCK_M, int BLOCK_N, bool IS_CAUSAL>
+__device__ __forceinline__ KeyBlock key_block(unsigned block, int num_n_blocks, int nheads_kv, int sq, int sk) {
+    KeyBlock r;
+    const int bh = (int)(block / (unsigned)num_n_blocks);
+    r.h_kv = bh % nheads_kv;
+    r.b = bh / nheads_kv;
+    r.n0 = (int)(block % (unsigned)num_n_blocks) * BLOCK_N;
+    const int num_m_blocks = (sq + BLOCK_M - 1) / BLOCK_M;
+    r.m_begin = 0;
+    if (IS_CAUSAL) {
+        // The first query that sees key n0 is n0 - (sk - sq).
+        const int first_q = r.n0 - (sk - sq);
+        r.m_begin = first_q <= 0 ? 0 : min(num_m_blocks, first_q / BLOCK_M);
+    }
+    r.m_iters = num_m_blocks - r.m_begin;
+    return r;
+}
+
+}  // namespace cuflash

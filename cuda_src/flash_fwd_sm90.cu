@@ -1,0 +1,222 @@
+// flash_fwd_sm90.cu: exact attention forward for Hopper (sm_90a), on wgmma tensor cores.
+//
+// Algorithm: the same online-softmax tiling as flash_fwd.cu (FlashAttention-2), with the two
+// products issued as warpgroup MMAs:
+//   S = Q K^T   wgmma m64n{BLOCK_N}k16, Q and K both read from shared memory (K-major)
+//   O += P V    wgmma m64n{HEAD_DIM}k16, P from registers (re-packed S accumulators), V read from
+//               shared memory MN-major (V's head_dim is contiguous)
+// Nothing of size seqlen_q x seqlen_k ever reaches device memory.
+//
+// Warps. BLOCK_M / 64 warpgroups; warpgroup w owns query rows [64 w, 64 w + 64) of the block and
+// computes all BLOCK_N columns of S and all HEAD_DIM columns of O for them. Every thread also takes
+// part in the cp.async copies.
+//
+// Pipeline. K and V each have two shared-memory stages; V runs one tile behind K. Iteration j:
+//   wait for {K_j, V_(j-1)}; barrier; start copying {K_(j+1), V_j} into the other stages
+//   issue S_j = Q K_j^T and O += P_(j-1) V_(j-1) back to back (two wgmma groups)
+//   wait for S_j only; mask and online softmax on S_j while the P V product still runs
+//   wait for P V; rescale O by alpha_j; pack P_j
+// and after the loop O += P_(n-1) V_(n-1). The softmax of one tile so overlaps the tensor cores'
+// work on the previous one inside each warpgroup (FlashAttention-3's intra-warpgroup pipelining).
+// Iteration 0 issues its P V product too, with P = 0 and a zero-filled V stage, rather than
+// branching around it: a wgmma inside a branch makes ptxas serialize every wgmma of the kernel
+// (warning C7519, which the compile gate rejects).
+//
+// Shared memory: sQ (BLOCK_M x HEAD_DIM), sK[2], sV[2] (BLOCK_N x HEAD_DIM), all in the SW128 panel
+// layout of wgmma_util.cuh. HEAD_DIM is a multiple of 64. The epilogue writes O through sQ.
+//
+// Causal alignment, the empty-row convention, the grid mapping and FwdParams are those of
+// flash_fwd.cu.
+#include "blocks.cuh"
+#include "common.cuh"
+#include "params.cuh"
+#include "softmax.cuh"
+#include "wgmma.cuh"
+#include "wgmma_util.cuh"
+
+namespace cuflash {
+
+template <int HEAD_DIM, int BLOCK_M, int BLOCK_N>
+struct FwdSm90Traits {
+    static constexpr int WARPGROUPS = BLOCK_M / 64;
+    static constexpr int THREADS = WARPGROUPS * 128;
+    static constexpr int N_TILES = BLOCK_N / 8;
+    static constexpr int D_TILES = HEAD_DIM / 8;
+    static constexpr int SQ_BYTES = BLOCK_M * HEAD_DIM * 2;
+    static constexpr int SKV_BYTES = BLOCK_N * HEAD_DIM * 2;
+    // sQ, sK[2], sV[2], plus 1024 bytes to align the start to 1024. Must equal
+    // cuflash/_config.py:fwd_sm90_smem_bytes.
+    static constexpr int SMEM_BYTES = SQ_BYTES + 4 * SKV_BYTES + 1024;
+
+    static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM <= 256, "head_dim: a multiple of 64 up to 256");
+    static_assert(BLOCK_M % 64 == 0 && BLOCK_N % 16 == 0 && BLOCK_N <= 256, "tile shape");
+};
+
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, bool IS_CAUSAL, bool IS_EVEN>
+__global__ void __launch_bounds__(BLOCK_M / 64 * 128, 1)
+flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p) {
+    using Tr = FwdSm90Traits<HEAD_DIM, BLOCK_M, BLOCK_N>;
+    using Ops = ElemOps<T>;
+    constexpr int THREADS = Tr::THREADS, N_TILES = Tr::N_TILES, D_TILES = Tr::D_TILES;
+    constexpr int K_STEPS = HEAD_DIM / 16, PV_STEPS = BLOCK_N / 16;
+
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const u32 raw_addr = smem_addr(smem_raw);
+    const u32 sQ = (raw_addr + 1023u) & ~1023u;
+    unsigned char* sQ_ptr = smem_raw + (sQ - raw_addr);
+    const u32 sK = sQ + Tr::SQ_BYTES;
+    const u32 sV = sK + 2 * Tr::SKV_BYTES;
+
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const int wg = warp / 4, g = lane / 4, t = lane % 4;
+    if (tid == 0 && dynamic_smem_bytes() < (u32)Tr::SMEM_BYTES) __trap();
+
+    const int sq = p.seqlen_q, sk = p.seqlen_k;
+    const QueryBlock blk = query_block<BLOCK_M, BLOCK_N, IS_CAUSAL>(blockIdx.x, p.num_m_blocks, p.nheads, p.head_group, sq, sk);
+    const int h = blk.h, b = blk.b, h_kv = blk.h_kv, m0 = blk.m0, n_blocks = blk.n_blocks;
+
+    const u16* gQ = static_cast<const u16*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + (i64)m0 * p.q_row_stride;
+    const u16* gK = static_cast<const u16*>(p.k) + b * p.k_batch_stride + h_kv * p.k_head_stride;
+    const u16* gV = static_cast<const u16*>(p.v) + b * p.v_batch_stride + h_kv * p.v_head_stride;
+
+    load_tile_sw128<HEAD_DIM, BLOCK_M, THREADS, !IS_EVEN>(sQ, gQ, p.q_row_stride, sq - m0, tid);
+    if (n_blocks > 0) load_tile_sw128<HEAD_DIM, BLOCK_N, THREADS, !IS_EVEN>(sK, gK, p.k_row_stride, sk, tid);
+    // Stage 1 of V stands for "V_(-1)" in iteration 0, whose product P V adds 0 * V: zero-fill it
+    // (cp.async with no source bytes), so that no stale NaN pattern in shared memory can leak in.
+    load_tile_sw128<HEAD_DIM, BLOCK_N, THREADS, true>(sV + Tr::SKV_BYTES, gV, p.v_row_stride, 0, tid);
+    cp_async_commit();
+
+    float acc_o[HEAD_DIM / 2];
+#pragma unroll
+    for (int i = 0; i < HEAD_DIM / 2; ++i) acc_o[i] = 0.f;
+    OnlineSoftmax<1, N_TILES> softmax;
+    softmax.init();
+    u32 pa[PV_STEPS][4];  // P of the previous tile, as wgmma A fragments (one per k16 step of keys)
+#pragma unroll
+    for (int kk = 0; kk < PV_STEPS; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
+
+    // This warp's first query row inside the block, and its warpgroup's rows of sQ.
+    const int warp_row0 = wg * 64 + (warp % 4) * 16;
+    const u32 sQ_wg = sQ + wg * 64 * 128;
+
+    for (int j = 0; j < n_blocks; ++j) {
+        cp_async_wait<0>();
+        fence_proxy_async();
+        __syncthreads();  // K_j and V_(j-1) are in; stages (j + 1) % 2 of K and j % 2 of V are free
+        {
+            const i64 n1 = (i64)(j + 1) * BLOCK_N;
+            if (j + 1 < n_blocks)
+                load_tile_sw128<HEAD_DIM, BLOCK_N, THREADS, !IS_EVEN>(
+                    sK + ((j + 1) % 2) * Tr::SKV_BYTES, gK + n1 * p.k_row_stride, p.k_row_stride, sk - (int)n1, tid);
+            const i64 n0 = (i64)j * BLOCK_N;
+            load_tile_sw128<HEAD_DIM, BLOCK_N, THREADS, !IS_EVEN>(
+                sV + (j % 2) * Tr::SKV_BYTES, gV + n0 * p.v_row_stride, p.v_row_stride, sk - (int)n0, tid);
+            cp_async_commit();
+        }
+        const u32 sKj = sK + (j % 2) * Tr::SKV_BYTES;
+        const u32 sVp = sV + ((j + 1) % 2) * Tr::SKV_BYTES;  // V_(j-1)
+
+        float s[BLOCK_N / 2];
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < K_STEPS; ++kk) {
+            const u64 da = make_smem_desc(sQ_wg + (kk / 4) * BLOCK_M * 128 + (kk % 4) * 32, 16, 1024);
+            const u64 db = make_smem_desc(sKj + (kk / 4) * BLOCK_N * 128 + (kk % 4) * 32, 16, 1024);
+            Wgmma<T, BLOCK_N>::template ss<0, 0>(s, da, db, kk > 0);
+        }
+        wgmma_commit();
+        // At j == 0 there is no previous tile: P is all zeros (pa was zeroed), the product adds 0.
+#pragma unroll
+        for (int kk = 0; kk < PV_STEPS; ++kk) {
+            const u64 db = make_smem_desc(sVp + kk * 16 * 128, BLOCK_N * 128, 1024);
+            Wgmma<T, HEAD_DIM>::template rs<1>(acc_o, pa[kk], db, 1);
+        }
+        wgmma_commit();
+        wgmma_wait<1>();
+        fence_regs(s);
+
+        // ---- mask, only on tiles that need it ----
+        const int n0 = j * BLOCK_N;
+        const bool tail = !IS_EVEN && n0 + BLOCK_N > sk;
+        const bool diag = IS_CAUSAL && n0 + BLOCK_N - 1 > m0 + warp_row0 + sk - sq;
+        if (tail || diag) {
+#pragma unroll
+            for (int i = 0; i < BLOCK_N / 2; ++i) {
+                const int row = m0 + warp_row0 + g + ((i % 4) / 2) * 8;
+                const int col = n0 + (i / 4) * 8 + 2 * t + (i % 2);
+                bool masked = col >= sk;
+                if (IS_CAUSAL) masked = masked || col > row + sk - sq;
+                if (masked) s[i] = -CUFLASH_INF;
+            }
+        }
+
+        float alpha[1][2];
+        softmax.update(*reinterpret_cast<float(*)[1][N_TILES][4]>(&s), p.scale_log2, alpha);
+
+        wgmma_wait<0>();
+        fence_regs(acc_o);
+        fence_regs(pa);
+#pragma unroll
+        for (int i = 0; i < HEAD_DIM / 2; ++i) acc_o[i] *= alpha[0][(i % 4) / 2];
+#pragma unroll
+        for (int kk = 0; kk < PV_STEPS; ++kk) {
+            pa[kk][0] = Ops::pack(s[8 * kk + 0], s[8 * kk + 1]);
+            pa[kk][1] = Ops::pack(s[8 * kk + 2], s[8 * kk + 3]);
+            pa[kk][2] = Ops::pack(s[8 * kk + 4], s[8 * kk + 5]);
+            pa[kk][3] = Ops::pack(s[8 * kk + 6], s[8 * kk + 7]);
+        }
+    }
+
+    cp_async_wait<0>();
+    fence_proxy_async();
+    __syncthreads();  // V_(n-1) is in (and with n_blocks == 0, the Q copy is done)
+    if (n_blocks > 0) {
+        const u32 sVp = sV + ((n_blocks - 1) % 2) * Tr::SKV_BYTES;
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < PV_STEPS; ++kk) {
+            const u64 db = make_smem_desc(sVp + kk * 16 * 128, BLOCK_N * 128, 1024);
+            Wgmma<T, HEAD_DIM>::template rs<1>(acc_o, pa[kk], db, 1);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(acc_o);
+    }
+    __syncthreads();  // every warpgroup is done reading sQ: O goes out through it
+
+    // ---- epilogue: O /= l, lse, O through this warp's 16 rows of sQ ----
+    float inv_l[1][2], lse[1][2];
+    softmax.finalize(inv_l, lse);
+#pragma unroll
+    for (int dt = 0; dt < D_TILES; ++dt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = warp_row0 + g + r * 8;
+            const u32 v = Ops::pack(acc_o[4 * dt + 2 * r] * inv_l[0][r], acc_o[4 * dt + 2 * r + 1] * inv_l[0][r]);
+            *reinterpret_cast<u32*>(sQ_ptr + sw128_offset(row, dt, BLOCK_M) + 4 * t) = v;
+        }
+    if (t == 0) {
+        float* g_lse = p.lse + ((i64)b * p.nheads + h) * sq;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = m0 + warp_row0 + g + r * 8;
+            if (IS_EVEN || row < sq) g_lse[row] = lse[0][r];
+        }
+    }
+    __syncwarp();
+
+    T* gO = static_cast<T*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride + (i64)m0 * p.o_row_stride;
+    constexpr int WARP_CHUNKS = 16 * D_TILES;
+#pragma unroll
+    for (int i = 0; i < WARP_CHUNKS / 32; ++i) {
+        const int c = lane + i * 32;
+        const int row = warp_row0 + c / D_TILES;
+        const int chunk = c % D_TILES;
+        if (IS_EVEN || m0 + row < sq) {
+            const uint4 v = *reinterpret_cast<const uint4*>(sQ_ptr + sw128_offset(row, chunk, BLOCK_M));
+            *reinterpret_cast<uint4*>(gO + row * p.o_row_stride + chunk * 8) = v;
+        }
+    }
+}
+
+}  // namespace cuflash

@@ -1,0 +1,101 @@
+// wgmma_util.cuh: what the sm_90a kernels need around wgmma: shared-memory descriptors, the
+// 128-byte-swizzled tile layout and its cp.async loader, and the fences of the async proxy.
+//
+// Tile layout ("SW128 panels"). A tile of ROWS rows by COLS 16-bit columns (COLS a multiple of 64)
+// is stored as COLS / 64 panels, one after the other; panel c holds columns [64 c, 64 c + 64) of
+// every row, 128 bytes a row, rows contiguous. Inside a panel the 16-byte chunk k of row r is
+// stored at chunk position k ^ (r % 8): the 128-byte swizzle wgmma reads natively. Panels start on
+// 1024-byte boundaries (8 rows x 128 bytes), which the swizzle pattern assumes.
+//
+// The same layout serves both operand majors (PTX ISA, "matrix descriptor" canonical layouts):
+//   K-major (rows = M or N, columns = K): SBO = 1024 (next 8 rows); LBO unused. A k16 step moves
+//     the start address 32 bytes inside the panel, or to the next panel every 4 steps.
+//   MN-major (rows = K, columns = M or N): SBO = 1024 (next 8 K rows), LBO = the panel size (next
+//     64 M or N columns). A k16 step moves the start address 16 rows = 2048 bytes.
+#pragma once
+#include "common.cuh"
+
+namespace cuflash {
+
+// Byte offset of 16-byte chunk `chunk` (of 8 elements) of row `row` in a SW128 tile of `rows` rows.
+__device__ __forceinline__ u32 sw128_offset(int row, int chunk, int rows) {
+    return (u32)((chunk >> 3) * rows * 128 + row * 128 + (((chunk & 7) ^ (row & 7)) << 4));
+}
+
+// Shared-memory matrix descriptor, 128-byte swizzle.
+__device__ __forceinline__ u64 make_smem_desc(u32 addr, u32 lbo_bytes, u32 sbo_bytes) {
+    u64 d = (u64)((addr & 0x3FFFF) >> 4);
+    d |= (u64)((lbo_bytes >> 4) & 0x3FFF) << 16;
+    d |= (u64)((sbo_bytes >> 4) & 0x3FFF) << 32;
+    d |= (u64)1 << 62;
+    return d;
+}
+
+// Returns x through an opaque move. Descriptors built from the result are recomputed where they are
+// used instead of being hoisted out of a loop and held in registers for its whole length (which
+// costs two registers per descriptor and made the backward spill).
+__device__ __forceinline__ u32 opaque(u32 x) {
+    u32 y;
+    asm volatile("mov.b32 %0, %1;" : "=r"(y) : "r"(x));
+    return y;
+}
+
+// Shared-memory accesses through 32-bit shared-window addresses (a generic pointer costs two
+// registers).
+__device__ __forceinline__ float2 ld_shared_f32x2(u32 addr) {
+    float2 v;
+    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(addr));
+    return v;
+}
+__device__ __forceinline__ void st_shared_u32(u32 addr, u32 v) {
+    asm volatile("st.shared.b32 [%0], %1;" :: "r"(addr), "r"(v) : "memory");
+}
+__device__ __forceinline__ uint4 ld_shared_u128(u32 addr) {
+    uint4 v;
+    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+    return v;
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory");
+}
+// Ordinary shared-memory writes (st.shared, cp.async) become visible to wgmma's reads only after
+// this fence in the writing thread, followed by a barrier.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// Keeps the compiler from moving reads or writes of accumulator registers across a wgmma issue or
+// wait: each register is an in-out operand of an empty asm.
+template <int N> __device__ __forceinline__ void fence_regs(float (&r)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i]) :: "memory");
+}
+template <int N> __device__ __forceinline__ void fence_regs(u32 (&r)[N][4]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(r[i][e]) :: "memory");
+}
+
+// cp.async copy of ROWS x COLS (16-bit) from global memory (row stride in elements) into a SW128
+// tile at shared address s_base. Rows at or past valid_rows are zero-filled.
+template <int COLS, int ROWS, int THREADS, bool CHECK>
+__device__ __forceinline__ void load_tile_sw128(u32 s_base, const u16* g, i64 row_stride, int valid_rows, int tid) {
+    constexpr int CHUNKS = COLS / 8;
+    constexpr int RPP = THREADS / CHUNKS;  // rows per pass
+    static_assert(COLS % 64 == 0 && THREADS % CHUNKS == 0, "SW128 tile split");
+    const int chunk = tid % CHUNKS;  // fixed per thread
+    const int row0 = tid / CHUNKS;
+#pragma unroll
+    for (int i = 0; i < (ROWS + RPP - 1) / RPP; ++i) {
+        const int row = row0 + i * RPP;
+        if (ROWS % RPP == 0 || row < ROWS) {
+            const bool ok = !CHECK || row < valid_rows;
+            const u16* src = g + (ok ? row * row_stride : 0) + chunk * 8;
+            cp_async_16(s_base + sw128_offset(row, chunk, ROWS), src, ok ? 16 : 0);
+        }
+    }
+}
+
+}  // namespace cuflash
