@@ -19,6 +19,7 @@ typedef long long i64;
 typedef unsigned long long u64;
 
 #define CUFLASH_INF __int_as_float(0x7f800000)
+#define CUFLASH_LOG2E 1.4426950408889634f
 
 namespace cuflash {
 

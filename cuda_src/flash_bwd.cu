@@ -40,7 +40,6 @@
 
 namespace cuflash {
 
-constexpr float LOG2E_F = 1.4426950408889634f;
 
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
@@ -81,7 +80,7 @@ flash_bwd_preprocess_kernel(const __grid_constant__ BwdParams p) {
         float l2 = CUFLASH_INF;
         if (i < p.seqlen_q) {
             const float l = p.lse[bh * p.seqlen_q + i];
-            if (l != -CUFLASH_INF) l2 = l * LOG2E_F;
+            if (l != -CUFLASH_INF) l2 = l * CUFLASH_LOG2E;
         }
         if (p.lse_log2 != nullptr) p.lse_log2[row_id] = l2;  // null when no kernel of the call reads it
     }

@@ -53,8 +53,6 @@ struct BwdSm90Traits {
     static_assert(DQ_N % 16 == 0, "dQ columns per warpgroup");
 };
 
-constexpr float LOG2E_SM90 = 1.4426950408889634f;
-
 __device__ __forceinline__ void red_add_v2(float* addr, float a, float b) {
     asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" :: "l"(addr), "f"(a), "f"(b) : "memory");
 }
@@ -65,7 +63,7 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ BwdParams p) {
     using Tr = BwdSm90Traits<HEAD_DIM, BLOCK_M, BLOCK_N>;
     using Ops = ElemOps<T>;
     constexpr int THREADS = Tr::THREADS, D_TILES = HEAD_DIM / 8;
-    constexpr int K_STEPS = HEAD_DIM / 16, Q_STEPS = BLOCK_M / 16, N_STEPS = BLOCK_N / 16;
+    constexpr int Q_STEPS = BLOCK_M / 16, N_STEPS = BLOCK_N / 16;
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const u32 raw_addr = smem_addr(smem_raw);
@@ -138,20 +136,8 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ BwdParams p) {
         // ---- S^T = K Q^T, dP^T = V dO^T: (64 keys, BLOCK_M queries) per warpgroup ----
         float s[BLOCK_M / 2], dp[BLOCK_M / 2];
         wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < K_STEPS; ++kk) {
-            const u32 koff = (kk / 4) * BLOCK_N * 128 + (kk % 4) * 32;
-            const u32 qoff = (kk / 4) * BLOCK_M * 128 + (kk % 4) * 32;
-            Wgmma<T, BLOCK_M>::template ss<0, 0>(s, make_smem_desc(sK_it + koff, 16, 1024),
-                                                 make_smem_desc(sQs + qoff, 16, 1024), kk > 0);
-        }
-#pragma unroll
-        for (int kk = 0; kk < K_STEPS; ++kk) {
-            const u32 koff = (kk / 4) * BLOCK_N * 128 + (kk % 4) * 32;
-            const u32 qoff = (kk / 4) * BLOCK_M * 128 + (kk % 4) * 32;
-            Wgmma<T, BLOCK_M>::template ss<0, 0>(dp, make_smem_desc(sV_it + koff, 16, 1024),
-                                                 make_smem_desc(sdOs + qoff, 16, 1024), kk > 0);
-        }
+        wgmma_ss_kmajor<T, BLOCK_M, HEAD_DIM, BLOCK_N, BLOCK_M>(s, sK_it, sQs);
+        wgmma_ss_kmajor<T, BLOCK_M, HEAD_DIM, BLOCK_N, BLOCK_M>(dp, sV_it, sdOs);
         wgmma_commit();
         wgmma_wait<0>();
         fence_regs(s);
@@ -175,8 +161,8 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ BwdParams p) {
             // Q = dO = 0, delta = 0: P = 1 but dS = 0, so they add nothing to dV (dO = 0) or dK, and
             // their dQ rows are scratch padding.
             float2 l2 = ld_shared_f32x2(lse_s + 32 * j);
-            l2.x *= LOG2E_SM90;
-            l2.y *= LOG2E_SM90;
+            l2.x *= CUFLASH_LOG2E;
+            l2.y *= CUFLASH_LOG2E;
             const float2 dl = ld_shared_f32x2(dlt_s + 32 * j);
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
@@ -214,12 +200,8 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ BwdParams p) {
 
         // ---- dV += P^T dO, dK += dS^T Q ----
         wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < Q_STEPS; ++kk)
-            Wgmma<T, HEAD_DIM>::template rs<1>(acc_dv, pa[kk], make_smem_desc(sdOs + kk * 2048, BLOCK_M * 128, 1024), 1);
-#pragma unroll
-        for (int kk = 0; kk < Q_STEPS; ++kk)
-            Wgmma<T, HEAD_DIM>::template rs<1>(acc_dk, da[kk], make_smem_desc(sQs + kk * 2048, BLOCK_M * 128, 1024), 1);
+        wgmma_rs_mnmajor<T, HEAD_DIM, Q_STEPS, BLOCK_M>(acc_dv, pa, sdOs);
+        wgmma_rs_mnmajor<T, HEAD_DIM, Q_STEPS, BLOCK_M>(acc_dk, da, sQs);
         wgmma_commit();
 
         if (ATOMIC_DQ) {
@@ -259,37 +241,37 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ BwdParams p) {
 
     // ---- epilogue: dV, dK = scale * dK, this warp's 16 keys, in the input dtype ----
     {
-    // Thread coordinates again, from an opaque copy of the thread index: nothing derived from it
-    // has to survive the main loop in a register (such values were spilled at head_dim 128).
-    const int tid = (int)opaque(threadIdx.x), lane = tid % 32, warp = tid / 32;
-    const int g = lane / 4, t = lane % 4;
-    const int key_row0 = (warp / 4) * 64 + (warp % 4) * 16;
-    // Likewise the block's coordinates (their 64-bit products with strides were held across the loop).
-    const KeyBlock eblk = key_block<BLOCK_M, BLOCK_N, IS_CAUSAL>(opaque(blockIdx.x), p.num_blocks, p.nheads_kv,
-                                                                 p.seqlen_q, p.seqlen_k);
-    const int n0 = eblk.n0, h_kv = eblk.h_kv, b = eblk.b;
+        // Thread coordinates again, from an opaque copy of the thread index: nothing derived from it
+        // has to survive the main loop in a register (such values were spilled at head_dim 128).
+        const int tid = (int)opaque(threadIdx.x), lane = tid % 32, warp = tid / 32;
+        const int g = lane / 4, t = lane % 4;
+        const int key_row0 = (warp / 4) * 64 + (warp % 4) * 16;
+        // Likewise the block's coordinates (their 64-bit products with strides were held across the loop).
+        const KeyBlock eblk = key_block<BLOCK_M, BLOCK_N, IS_CAUSAL>(opaque(blockIdx.x), p.num_blocks, p.nheads_kv,
+                                                                     p.seqlen_q, p.seqlen_k);
+        const int n0 = eblk.n0, h_kv = eblk.h_kv, b = eblk.b;
 #pragma unroll
-    for (int dt = 0; dt < D_TILES; ++dt)
+        for (int dt = 0; dt < D_TILES; ++dt)
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int row = key_row0 + g + r * 8;
-            const u32 off = sw128_offset(row, dt, BLOCK_N) + 4 * t;
-            st_shared_u32(sV + off, Ops::pack(acc_dv[4 * dt + 2 * r], acc_dv[4 * dt + 2 * r + 1]));
-            st_shared_u32(sK + off, Ops::pack(acc_dk[4 * dt + 2 * r] * p.scale, acc_dk[4 * dt + 2 * r + 1] * p.scale));
+            for (int r = 0; r < 2; ++r) {
+                const int row = key_row0 + g + r * 8;
+                const u32 off = sw128_offset(row, dt, BLOCK_N) + 4 * t;
+                st_shared_u32(sV + off, Ops::pack(acc_dv[4 * dt + 2 * r], acc_dv[4 * dt + 2 * r + 1]));
+                st_shared_u32(sK + off, Ops::pack(acc_dk[4 * dt + 2 * r] * p.scale, acc_dk[4 * dt + 2 * r + 1] * p.scale));
+            }
+        __syncwarp();
+        T* gdK = static_cast<T*>(p.dk) + b * p.dk_batch_stride + h_kv * p.dk_head_stride + (i64)n0 * p.dk_row_stride;
+        T* gdV = static_cast<T*>(p.dv) + b * p.dv_batch_stride + h_kv * p.dv_head_stride + (i64)n0 * p.dv_row_stride;
+#pragma unroll
+        for (int i = 0; i < 16 * D_TILES / 32; ++i) {
+            const int c = lane + i * 32;
+            const int row = key_row0 + c / D_TILES, chunk = c % D_TILES;
+            if (IS_EVEN || n0 + row < sk) {
+                const u32 off = sw128_offset(row, chunk, BLOCK_N);
+                *reinterpret_cast<uint4*>(gdK + row * p.dk_row_stride + chunk * 8) = ld_shared_u128(sK + off);
+                *reinterpret_cast<uint4*>(gdV + row * p.dv_row_stride + chunk * 8) = ld_shared_u128(sV + off);
+            }
         }
-    __syncwarp();
-    T* gdK = static_cast<T*>(p.dk) + b * p.dk_batch_stride + h_kv * p.dk_head_stride + (i64)n0 * p.dk_row_stride;
-    T* gdV = static_cast<T*>(p.dv) + b * p.dv_batch_stride + h_kv * p.dv_head_stride + (i64)n0 * p.dv_row_stride;
-#pragma unroll
-    for (int i = 0; i < 16 * D_TILES / 32; ++i) {
-        const int c = lane + i * 32;
-        const int row = key_row0 + c / D_TILES, chunk = c % D_TILES;
-        if (IS_EVEN || n0 + row < sk) {
-            const u32 off = sw128_offset(row, chunk, BLOCK_N);
-            *reinterpret_cast<uint4*>(gdK + row * p.dk_row_stride + chunk * 8) = ld_shared_u128(sK + off);
-            *reinterpret_cast<uint4*>(gdV + row * p.dv_row_stride + chunk * 8) = ld_shared_u128(sV + off);
-        }
-    }
     }
 }
 

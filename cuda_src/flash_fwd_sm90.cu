@@ -58,7 +58,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p) {
     using Tr = FwdSm90Traits<HEAD_DIM, BLOCK_M, BLOCK_N>;
     using Ops = ElemOps<T>;
     constexpr int THREADS = Tr::THREADS, N_TILES = Tr::N_TILES, D_TILES = Tr::D_TILES;
-    constexpr int K_STEPS = HEAD_DIM / 16, PV_STEPS = BLOCK_N / 16;
+    constexpr int PV_STEPS = BLOCK_N / 16;
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const u32 raw_addr = smem_addr(smem_raw);
@@ -118,19 +118,10 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p) {
 
         float s[BLOCK_N / 2];
         wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < K_STEPS; ++kk) {
-            const u64 da = make_smem_desc(sQ_wg + (kk / 4) * BLOCK_M * 128 + (kk % 4) * 32, 16, 1024);
-            const u64 db = make_smem_desc(sKj + (kk / 4) * BLOCK_N * 128 + (kk % 4) * 32, 16, 1024);
-            Wgmma<T, BLOCK_N>::template ss<0, 0>(s, da, db, kk > 0);
-        }
+        wgmma_ss_kmajor<T, BLOCK_N, HEAD_DIM, BLOCK_M, BLOCK_N>(s, sQ_wg, sKj);
         wgmma_commit();
         // At j == 0 there is no previous tile: P is all zeros (pa was zeroed), the product adds 0.
-#pragma unroll
-        for (int kk = 0; kk < PV_STEPS; ++kk) {
-            const u64 db = make_smem_desc(sVp + kk * 16 * 128, BLOCK_N * 128, 1024);
-            Wgmma<T, HEAD_DIM>::template rs<1>(acc_o, pa[kk], db, 1);
-        }
+        wgmma_rs_mnmajor<T, HEAD_DIM, PV_STEPS, BLOCK_N>(acc_o, pa, sVp);
         wgmma_commit();
         wgmma_wait<1>();
         fence_regs(s);
@@ -173,11 +164,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p) {
     if (n_blocks > 0) {
         const u32 sVp = sV + ((n_blocks - 1) % 2) * Tr::SKV_BYTES;
         wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < PV_STEPS; ++kk) {
-            const u64 db = make_smem_desc(sVp + kk * 16 * 128, BLOCK_N * 128, 1024);
-            Wgmma<T, HEAD_DIM>::template rs<1>(acc_o, pa[kk], db, 1);
-        }
+        wgmma_rs_mnmajor<T, HEAD_DIM, PV_STEPS, BLOCK_N>(acc_o, pa, sVp);
         wgmma_commit();
         wgmma_wait<0>();
         fence_regs(acc_o);

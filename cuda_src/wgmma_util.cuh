@@ -14,6 +14,7 @@
 //     64 M or N columns). A k16 step moves the start address 16 rows = 2048 bytes.
 #pragma once
 #include "common.cuh"
+#include "wgmma.cuh"
 
 namespace cuflash {
 
@@ -76,6 +77,27 @@ template <int N> __device__ __forceinline__ void fence_regs(u32 (&r)[N][4]) {
     for (int i = 0; i < N; ++i)
 #pragma unroll
         for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(r[i][e]) :: "memory");
+}
+
+// The two product shapes of the attention kernels, each a whole loop of k16 steps (T = element type,
+// N = the instruction's n, Wgmma<T, N>):
+//   acc = A B^T over K = K_DIM, A (64 rows at a_base, inside a tile of A_ROWS rows) and B (N rows, a
+//       tile of B_ROWS rows) both K-major SW128 tiles: Q K^T, K Q^T, V dO^T;
+//   acc += A B, A from registers (one fragment per k16 step), B an MN-major SW128 tile of B_ROWS
+//       rows (= K) starting at b_base: P V, P^T dO, dS^T Q.
+template <typename T, int N, int K_DIM, int A_ROWS, int B_ROWS>
+__device__ __forceinline__ void wgmma_ss_kmajor(float (&acc)[N / 2], u32 a_base, u32 b_base) {
+#pragma unroll
+    for (int kk = 0; kk < K_DIM / 16; ++kk)
+        Wgmma<T, N>::template ss<0, 0>(acc, make_smem_desc(a_base + (kk / 4) * A_ROWS * 128 + (kk % 4) * 32, 16, 1024),
+                                       make_smem_desc(b_base + (kk / 4) * B_ROWS * 128 + (kk % 4) * 32, 16, 1024),
+                                       kk > 0);
+}
+template <typename T, int N, int K_STEPS, int B_ROWS>
+__device__ __forceinline__ void wgmma_rs_mnmajor(float (&acc)[N / 2], const u32 (&a)[K_STEPS][4], u32 b_base) {
+#pragma unroll
+    for (int kk = 0; kk < K_STEPS; ++kk)
+        Wgmma<T, N>::template rs<1>(acc, a[kk], make_smem_desc(b_base + kk * 16 * 128, B_ROWS * 128, 1024), 1);
 }
 
 // cp.async copy of ROWS x COLS (16-bit) from global memory (row stride in elements) into a SW128

@@ -255,14 +255,8 @@ def backward_impl(dout, q, k, v, out, lse, lib, device, dtype, causal, scale, de
     return _attention_backward_gpu(dout, q, k, v, out, lse, lib, device[1], dtype, causal, scale, deterministic)
 
 
-def _config_target(cc):
-    from ._config import compile_arch
-
-    return compile_arch(*cc)
-
-
 def _attention_backward_gpu(dout, q, k, v, out, lse, lib, device_id, dtype, causal, scale, deterministic):
-    from . import _launch
+    from . import _config, _launch
     from ._gpu import compute_capability
 
     ctx = _interop.GpuContext(lib, device_id)
@@ -281,7 +275,7 @@ def _attention_backward_gpu(dout, q, k, v, out, lse, lib, device_id, dtype, caus
     dk, dkv = ctx.empty(tuple(kv.shape), dtype)
     dv, dvv = ctx.empty(tuple(vv.shape), dtype)
     cc = compute_capability(device_id)
-    target = _config_target(cc)
+    target = _config.compile_arch(*cc)
     atomic = _launch.bwd_uses_atomics(deterministic, target, d)
     n_rows, n_acc = _launch.bwd_scratch_sizes(b, h, sq, d, atomic, target)
     _rows_buf, rows = ctx.empty((n_rows,), "float32")
