@@ -30,6 +30,15 @@
 //      dQ = dS K in registers; no atomics, so dq is bitwise reproducible. It redoes Q K^T and dO V^T
 //      (two of the five products) on top of the dK/dV kernel.
 //
+// Features (FEAT = true; mask.cuh). Each kernel finds its sequence (seq_info) and walks only the
+// tiles the mask leaves visible: the dK/dV kernel the query blocks of query_range, the dQ kernel the
+// key tiles of key_tiles. Scores become log2-unit logits as in the forward (softcap, ALiBi), and
+// with softcap dS is multiplied by the derivative 1 - tanh^2. The preprocess reads lse through the
+// mask's strides (lse of a packed batch is (nheads, total_q)); the per-row scratch stays
+// (batch, nheads, seqlen_q_pad) with seqlen_q = max_seqlen_q, so its tiles stay aligned. With sink
+// logits it also writes each row's term of d sink = -sum_i exp(sink - lse_i) D_i, which the host
+// sums. The atomic dQ path is not built with FEAT.
+//
 // Grids are 1-D: blockIdx.x enumerates (batch, head, block along the sequence), so batch * nheads
 // is not bounded by the 65535 limit of grid y / z.
 // Shared-memory rows use padded_pitch (conflict-free ldmatrix); see flash_fwd.cu for layouts.
@@ -50,7 +59,7 @@ __device__ __forceinline__ float warp_sum(float x) {
 // ------------------------------------------------------------------------------------------------
 // 1. preprocess
 // ------------------------------------------------------------------------------------------------
-template <typename T, int HEAD_DIM, bool ZERO_DQ>
+template <typename T, int HEAD_DIM, bool ZERO_DQ, bool FEAT = false>
 __global__ void __launch_bounds__(256)
 flash_bwd_preprocess_kernel(const __grid_constant__ BwdParams p) {
     using Ops = ElemOps<T>;
@@ -61,10 +70,19 @@ flash_bwd_preprocess_kernel(const __grid_constant__ BwdParams p) {
     const i64 bh = row_id / p.seqlen_q_pad;
     const int h = (int)(bh % p.nheads), b = (int)(bh / p.nheads);
 
+    i64 q_row0 = 0;
+    int sq = p.seqlen_q;
+    if constexpr (FEAT) {
+        const SeqInfo si = seq_info(p.mask, b, p.seqlen_q, p.seqlen_k);
+        q_row0 = si.q_row0;
+        sq = si.sq;
+    }
+
     float d = 0.f;
-    if (i < p.seqlen_q) {
-        const T* o = static_cast<const T*>(p.o) + b * p.o_batch_stride + i * p.o_row_stride + h * p.o_head_stride;
-        const T* dO = static_cast<const T*>(p.dout) + b * p.do_batch_stride + i * p.do_row_stride + h * p.do_head_stride;
+    if (i < sq) {
+        const i64 r = q_row0 + i;
+        const T* o = static_cast<const T*>(p.o) + b * p.o_batch_stride + r * p.o_row_stride + h * p.o_head_stride;
+        const T* dO = static_cast<const T*>(p.dout) + b * p.do_batch_stride + r * p.do_row_stride + h * p.do_head_stride;
         for (int c = lane; c < HEAD_DIM / 8; c += 32) {
             const uint4 ov = *reinterpret_cast<const uint4*>(o + c * 8);
             const uint4 dv = *reinterpret_cast<const uint4*>(dO + c * 8);
@@ -78,11 +96,17 @@ flash_bwd_preprocess_kernel(const __grid_constant__ BwdParams p) {
     if (lane == 0) {
         p.delta[row_id] = d;
         float l2 = CUFLASH_INF;
-        if (i < p.seqlen_q) {
-            const float l = p.lse[bh * p.seqlen_q + i];
+        if (i < sq) {
+            const float l = FEAT ? p.lse[b * p.mask.lse_batch_stride + h * p.mask.lse_head_stride + q_row0 + i]
+                                 : p.lse[bh * p.seqlen_q + i];
             if (l != -CUFLASH_INF) l2 = l * CUFLASH_LOG2E;
         }
         if (p.lse_log2 != nullptr) p.lse_log2[row_id] = l2;  // null when no kernel of the call reads it
+        if constexpr (FEAT) {
+            // This row's term of d sink_logits[h] = -sum_i exp(sink - lse_i) * D_i (0 for padding).
+            if (p.mask.dsink_rows != nullptr)
+                p.mask.dsink_rows[row_id] = -fast_exp2(p.mask.sink_logits[h] * CUFLASH_LOG2E - l2) * d;
+        }
     }
     if (ZERO_DQ) {
         float4* acc = reinterpret_cast<float4*>(p.dq_accum + row_id * HEAD_DIM);
@@ -135,7 +159,8 @@ __device__ __forceinline__ void load_row_floats_async(float* s_dst, const float*
     for (int c = tid; c < BLOCK_M / 4; c += THREADS) cp_async_16(smem_addr(s_dst + 4 * c), g_src + 4 * c, 16);
 }
 
-template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, bool IS_CAUSAL, bool IS_EVEN, bool ATOMIC_DQ>
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, bool IS_CAUSAL, bool IS_EVEN, bool ATOMIC_DQ,
+          bool FEAT = false>
 __global__ void __launch_bounds__(WARPS * 32, 1)
 flash_bwd_dkdv_kernel(const __grid_constant__ BwdParams p) {
     using Tr = BwdTraits<HEAD_DIM, BLOCK_M, BLOCK_N, WARPS>;
@@ -159,29 +184,47 @@ flash_bwd_dkdv_kernel(const __grid_constant__ BwdParams p) {
     const int sq = p.seqlen_q, sk = p.seqlen_k;
     // Keys [n0, n0 + BLOCK_N) of kv head h_kv; the query blocks that see at least one of them.
     const KeyBlock blk = key_block<BLOCK_M, BLOCK_N, IS_CAUSAL>(blockIdx.x, p.num_blocks, p.nheads_kv, sq, sk);
-    const int h_kv = blk.h_kv, b = blk.b, n0 = blk.n0, m_begin = blk.m_begin, m_iters = blk.m_iters;
-    const int iters = m_iters * p.head_group;
+    const int h_kv = blk.h_kv, b = blk.b, n0 = blk.n0;
+    int m_begin = blk.m_begin, m_iters = blk.m_iters;
 
-    const T* gK = static_cast<const T*>(p.k) + b * p.k_batch_stride + h_kv * p.k_head_stride + (i64)n0 * p.k_row_stride;
-    const T* gV = static_cast<const T*>(p.v) + b * p.v_batch_stride + h_kv * p.v_head_stride + (i64)n0 * p.v_row_stride;
+    // With FEAT: the sequence, its mask, and the query blocks whose rows may see these keys.
+    SeqInfo si;
+    MaskInfo mi;
+    int q_valid = sq, k_valid = sk;  // rows / keys past these are zero-filled in shared memory
+    if constexpr (FEAT) {
+        static_assert(!ATOMIC_DQ && !IS_CAUSAL && !IS_EVEN, "FEAT kernels: masks are run-time");
+        si = seq_info(p.mask, b, sq, sk);
+        if (n0 >= si.k_rows) return;  // packed batch: the block lies past its sequence
+        mi.init(p.mask, si, b, h_kv * p.head_group);
+        query_range<BLOCK_M, BLOCK_N>(p.mask, mi, n0, m_begin, m_iters);
+        q_valid = si.sq;
+        k_valid = si.sk;
+    } else {
+        si.q_row0 = si.k_row0 = 0;
+    }
+    const int iters = m_iters * p.head_group;
+    const bool score_mod = FEAT && (p.mask.softcap > 0.f || p.mask.alibi_slopes != nullptr);
+
+    const T* gK = static_cast<const T*>(p.k) + b * p.k_batch_stride + h_kv * p.k_head_stride + (si.k_row0 + n0) * p.k_row_stride;
+    const T* gV = static_cast<const T*>(p.v) + b * p.v_batch_stride + h_kv * p.v_head_stride + (si.k_row0 + n0) * p.v_row_stride;
 
     // Issues the copies of iteration `it` (query head, query block) into stage it % 2.
     auto load_q_tiles = [&](int it) {
         const int hq = h_kv * p.head_group + it / m_iters;
         const int m0 = (m_begin + it % m_iters) * BLOCK_M;
         const int st = it % 2;
-        const T* gQ = static_cast<const T*>(p.q) + b * p.q_batch_stride + hq * p.q_head_stride + (i64)m0 * p.q_row_stride;
-        const T* gdO = static_cast<const T*>(p.dout) + b * p.do_batch_stride + hq * p.do_head_stride + (i64)m0 * p.do_row_stride;
-        load_tile_async<T, HEAD_DIM, PITCH, BLOCK_M, THREADS, !IS_EVEN>(sQ + st * Tr::SQ_ELEMS, gQ, p.q_row_stride, sq - m0, tid);
-        load_tile_async<T, HEAD_DIM, PITCH, BLOCK_M, THREADS, !IS_EVEN>(sdO + st * Tr::SQ_ELEMS, gdO, p.do_row_stride, sq - m0, tid);
+        const T* gQ = static_cast<const T*>(p.q) + b * p.q_batch_stride + hq * p.q_head_stride + (si.q_row0 + m0) * p.q_row_stride;
+        const T* gdO = static_cast<const T*>(p.dout) + b * p.do_batch_stride + hq * p.do_head_stride + (si.q_row0 + m0) * p.do_row_stride;
+        load_tile_async<T, HEAD_DIM, PITCH, BLOCK_M, THREADS, !IS_EVEN>(sQ + st * Tr::SQ_ELEMS, gQ, p.q_row_stride, q_valid - m0, tid);
+        load_tile_async<T, HEAD_DIM, PITCH, BLOCK_M, THREADS, !IS_EVEN>(sdO + st * Tr::SQ_ELEMS, gdO, p.do_row_stride, q_valid - m0, tid);
         const i64 row = ((i64)b * p.nheads + hq) * p.seqlen_q_pad + m0;
         load_row_floats_async<BLOCK_M, THREADS>(sLse + st * BLOCK_M, p.lse_log2 + row, tid);
         load_row_floats_async<BLOCK_M, THREADS>(sDelta + st * BLOCK_M, p.delta + row, tid);
     };
 
     if (iters > 0) {
-        load_tile_async<T, HEAD_DIM, PITCH, BLOCK_N, THREADS, !IS_EVEN>(sK, gK, p.k_row_stride, sk - n0, tid);
-        load_tile_async<T, HEAD_DIM, PITCH, BLOCK_N, THREADS, !IS_EVEN>(sV, gV, p.v_row_stride, sk - n0, tid);
+        load_tile_async<T, HEAD_DIM, PITCH, BLOCK_N, THREADS, !IS_EVEN>(sK, gK, p.k_row_stride, k_valid - n0, tid);
+        load_tile_async<T, HEAD_DIM, PITCH, BLOCK_N, THREADS, !IS_EVEN>(sV, gV, p.v_row_stride, k_valid - n0, tid);
         load_q_tiles(0);
         cp_async_commit();
     }
@@ -224,6 +267,29 @@ flash_bwd_dkdv_kernel(const __grid_constant__ BwdParams p) {
             warp_mma<T, HEAD_DIM, A_TILES, false, false>(dp, sV + kg * 16 * PITCH, PITCH, sdOs + cg * Tr::A_COLS * PITCH, PITCH, A_TILES, lane);
             const bool tail = !IS_EVEN && n0 + BLOCK_N > sk;
             const bool diag = IS_CAUSAL && n0 + BLOCK_N - 1 > m0 + sk - sq;
+            // FEAT: tiles inside every bound, without softcap or ALiBi, take the plain path below.
+            bool slow = false, edge = false;
+            if constexpr (FEAT) {
+                mi.set_head(p.mask, b, hq);
+                edge = mi.needs_mask(p.mask, m0, BLOCK_M, n0, BLOCK_N);
+                slow = score_mod || edge;
+            }
+            if (slow) {
+#pragma unroll
+                for (int nt = 0; nt < A_TILES; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int kl = kg * 16 + g + (e / 2) * 8;
+                        const int ql = cg * Tr::A_COLS + nt * 8 + 2 * t + (e % 2);
+                        const int key = n0 + kl, query = m0 + ql;
+                        float tanh_s;
+                        const float x = mi.logit_log2(p.mask, p.scale_log2, s[nt][e], query, key, tanh_s);
+                        const float pv = (edge && !mi.visible(p.mask, query, key)) ? 0.f : fast_exp2(x - sLse[st * BLOCK_M + ql]);
+                        s[nt][e] = pv;
+                        // softcap: d logit / d s = 1 - tanh^2 (tanh_s = 0 without softcap)
+                        dp[nt][e] = pv * (dp[nt][e] - sDelta[st * BLOCK_M + ql]) * (1.f - tanh_s * tanh_s);
+                    }
+            } else {
 #pragma unroll
             for (int nt = 0; nt < A_TILES; ++nt)
 #pragma unroll
@@ -241,6 +307,7 @@ flash_bwd_dkdv_kernel(const __grid_constant__ BwdParams p) {
                     s[nt][e] = pv;
                     dp[nt][e] = pv * (dp[nt][e] - sDelta[st * BLOCK_M + ql]);
                 }
+            }
             store_acc_smem<T, A_TILES>(sPt + kg * 16 * PPITCH + cg * Tr::A_COLS, PPITCH, s, A_TILES, lane);
             store_acc_smem<T, A_TILES>(sdSt + kg * 16 * PPITCH + cg * Tr::A_COLS, PPITCH, dp, A_TILES, lane);
         }
@@ -280,14 +347,15 @@ flash_bwd_dkdv_kernel(const __grid_constant__ BwdParams p) {
     cp_async_wait<0>();
 
     // ---- dK = scale * dK, dV: this warp's 16 * B_MT keys, B_TILES * 8 columns, in the input dtype ----
-    T* gdK = static_cast<T*>(p.dk) + b * p.dk_batch_stride + h_kv * p.dk_head_stride;
-    T* gdV = static_cast<T*>(p.dv) + b * p.dv_batch_stride + h_kv * p.dv_head_stride;
+    T* gdK = static_cast<T*>(p.dk) + b * p.dk_batch_stride + h_kv * p.dk_head_stride + si.k_row0 * p.dk_row_stride;
+    T* gdV = static_cast<T*>(p.dv) + b * p.dv_batch_stride + h_kv * p.dv_head_stride + si.k_row0 * p.dv_row_stride;
+    const int k_rows = FEAT ? si.k_rows : sk;  // keys this block writes
 #pragma unroll
     for (int mt = 0; mt < B_MT; ++mt)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const int key = n0 + kgb * 16 * B_MT + mt * 16 + g + r * 8;
-            if (IS_EVEN || key < sk) {
+            if (IS_EVEN || key < k_rows) {
 #pragma unroll
                 for (int i = 0; i < B_TILES; ++i)
                     if (i < b_count) {
@@ -344,7 +412,7 @@ struct BwdDqTraits {
     static_assert(BLOCK_N % 16 == 0, "dS is re-used as an A operand in k16 steps");
 };
 
-template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, bool IS_CAUSAL, bool IS_EVEN>
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, bool IS_CAUSAL, bool IS_EVEN, bool FEAT = false>
 __global__ void __launch_bounds__(WARPS * 32, 1)
 flash_bwd_dq_kernel(const __grid_constant__ BwdParams p) {
     using Tr = BwdDqTraits<HEAD_DIM, BLOCK_M, BLOCK_N, WARPS>;
@@ -363,19 +431,41 @@ flash_bwd_dq_kernel(const __grid_constant__ BwdParams p) {
 
     const int sq = p.seqlen_q, sk = p.seqlen_k;
     const QueryBlock blk = query_block<BLOCK_M, BLOCK_N, IS_CAUSAL>(blockIdx.x, p.num_blocks, p.nheads, p.head_group, sq, sk);
-    const int h = blk.h, b = blk.b, h_kv = blk.h_kv, m0 = blk.m0, n_blocks = blk.n_blocks;
+    const int h = blk.h, b = blk.b, h_kv = blk.h_kv, m0 = blk.m0;
+    int n_blocks = blk.n_blocks;
 
+    // With FEAT: the sequence, its mask and the key tiles to visit (as in the forward).
+    SeqInfo si;
+    MaskInfo mi;
+    KeyTiles kt;
+    int q_valid = sq, k_valid = sk;
+    if constexpr (FEAT) {
+        si = seq_info(p.mask, b, sq, sk);
+        if (m0 >= si.q_rows) return;  // packed batch: the block lies past its sequence
+        mi.init(p.mask, si, b, h);
+        kt = key_tiles<BLOCK_M, BLOCK_N>(p.mask, mi, m0);
+        n_blocks = kt.count;
+        q_valid = si.sq;
+        k_valid = si.sk;
+    } else {
+        si.q_row0 = si.k_row0 = 0;
+    }
+    auto tile_of = [&](int it) { if constexpr (FEAT) return kt.tile(it); else return it; };
+    const bool score_mod = FEAT && (p.mask.softcap > 0.f || p.mask.alibi_slopes != nullptr);
 
-    const T* gQ = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + (i64)m0 * p.q_row_stride;
-    const T* gdO = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride + (i64)m0 * p.do_row_stride;
-    const T* gK = static_cast<const T*>(p.k) + b * p.k_batch_stride + h_kv * p.k_head_stride;
-    const T* gV = static_cast<const T*>(p.v) + b * p.v_batch_stride + h_kv * p.v_head_stride;
+    const T* gQ = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + (si.q_row0 + m0) * p.q_row_stride;
+    const T* gdO = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride + (si.q_row0 + m0) * p.do_row_stride;
+    const T* gK = static_cast<const T*>(p.k) + b * p.k_batch_stride + h_kv * p.k_head_stride + si.k_row0 * p.k_row_stride;
+    const T* gV = static_cast<const T*>(p.v) + b * p.v_batch_stride + h_kv * p.v_head_stride + si.k_row0 * p.v_row_stride;
 
-    load_tile_async<T, HEAD_DIM, PITCH, BLOCK_M, THREADS, !IS_EVEN>(sQ, gQ, p.q_row_stride, sq - m0, tid);
-    load_tile_async<T, HEAD_DIM, PITCH, BLOCK_M, THREADS, !IS_EVEN>(sdO, gdO, p.do_row_stride, sq - m0, tid);
+    load_tile_async<T, HEAD_DIM, PITCH, BLOCK_M, THREADS, !IS_EVEN>(sQ, gQ, p.q_row_stride, q_valid - m0, tid);
+    load_tile_async<T, HEAD_DIM, PITCH, BLOCK_M, THREADS, !IS_EVEN>(sdO, gdO, p.do_row_stride, q_valid - m0, tid);
     if (n_blocks > 0) {
-        load_tile_async<T, HEAD_DIM, PITCH, BLOCK_N, THREADS, !IS_EVEN>(sK, gK, p.k_row_stride, sk, tid);
-        load_tile_async<T, HEAD_DIM, PITCH, BLOCK_N, THREADS, !IS_EVEN>(sV, gV, p.v_row_stride, sk, tid);
+        const int n_first = tile_of(0) * BLOCK_N;
+        load_tile_async<T, HEAD_DIM, PITCH, BLOCK_N, THREADS, !IS_EVEN>(
+            sK, gK + (i64)n_first * p.k_row_stride, p.k_row_stride, k_valid - n_first, tid);
+        load_tile_async<T, HEAD_DIM, PITCH, BLOCK_N, THREADS, !IS_EVEN>(
+            sV, gV + (i64)n_first * p.v_row_stride, p.v_row_stride, k_valid - n_first, tid);
     }
     cp_async_commit();
 
@@ -392,16 +482,16 @@ flash_bwd_dq_kernel(const __grid_constant__ BwdParams p) {
         __syncthreads();
         if (j + 1 < n_blocks) {
             const int st = (j + 1) % 2;
-            const i64 n1 = (i64)(j + 1) * BLOCK_N;
+            const i64 n1 = (i64)tile_of(j + 1) * BLOCK_N;
             load_tile_async<T, HEAD_DIM, PITCH, BLOCK_N, THREADS, !IS_EVEN>(
-                sK + st * Tr::SK_ELEMS, gK + n1 * p.k_row_stride, p.k_row_stride, sk - (int)n1, tid);
+                sK + st * Tr::SK_ELEMS, gK + n1 * p.k_row_stride, p.k_row_stride, k_valid - (int)n1, tid);
             load_tile_async<T, HEAD_DIM, PITCH, BLOCK_N, THREADS, !IS_EVEN>(
-                sV + st * Tr::SK_ELEMS, gV + n1 * p.v_row_stride, p.v_row_stride, sk - (int)n1, tid);
+                sV + st * Tr::SK_ELEMS, gV + n1 * p.v_row_stride, p.v_row_stride, k_valid - (int)n1, tid);
             cp_async_commit();
         }
         const T* sKj = sK + (j % 2) * Tr::SK_ELEMS;
         const T* sVj = sV + (j % 2) * Tr::SK_ELEMS;
-        const int n0 = j * BLOCK_N;
+        const int n0 = tile_of(j) * BLOCK_N;
 
         // S = Q K^T, dP = dO V^T: (16 rows, BLOCK_N) per warp
         float s[N_TILES][4], dp[N_TILES][4];
@@ -412,6 +502,25 @@ flash_bwd_dq_kernel(const __grid_constant__ BwdParams p) {
 
         const bool tail = !IS_EVEN && n0 + BLOCK_N > sk;
         const bool diag = IS_CAUSAL && n0 + BLOCK_N - 1 > m0 + sk - sq;
+        // FEAT: tiles inside every bound, without softcap or ALiBi, take the plain path below.
+        bool slow = false, edge = false;
+        if constexpr (FEAT) {
+            edge = mi.needs_mask(p.mask, m0, BLOCK_M, n0, BLOCK_N);
+            slow = score_mod || edge;
+        }
+        if (slow) {
+#pragma unroll
+            for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int row = m0 + warp * 16 + g + (e / 2) * 8;
+                    const int col = n0 + nt * 8 + 2 * t + (e % 2);
+                    float tanh_s;
+                    const float x = mi.logit_log2(p.mask, p.scale_log2, s[nt][e], row, col, tanh_s);
+                    const float pv = (edge && !mi.visible(p.mask, row, col)) ? 0.f : fast_exp2(x - lse2[e / 2]);
+                    dp[nt][e] = pv * (dp[nt][e] - dlt[e / 2]) * (1.f - tanh_s * tanh_s);  // dS
+                }
+        } else {
 #pragma unroll
         for (int nt = 0; nt < N_TILES; ++nt)
 #pragma unroll
@@ -426,6 +535,7 @@ flash_bwd_dq_kernel(const __grid_constant__ BwdParams p) {
                 }
                 dp[nt][e] = pv * (dp[nt][e] - dlt[e / 2]);  // dS
             }
+        }
 
         // dQ += dS K: dS from registers as the A operand, K (BLOCK_N, HEAD_DIM) as B (k = key)
 #pragma unroll
@@ -451,11 +561,12 @@ flash_bwd_dq_kernel(const __grid_constant__ BwdParams p) {
     }
     cp_async_wait<0>();
 
-    T* gdQ = static_cast<T*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride;
+    T* gdQ = static_cast<T*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride + si.q_row0 * p.dq_row_stride;
+    const int q_rows = FEAT ? si.q_rows : sq;  // rows this block writes
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int row = m0 + warp * 16 + g + r * 8;
-        if (IS_EVEN || row < sq) {
+        if (IS_EVEN || row < q_rows) {
 #pragma unroll
             for (int i = 0; i < D_TILES; ++i)
                 *reinterpret_cast<u32*>(gdQ + row * p.dq_row_stride + i * 8 + 2 * t) =

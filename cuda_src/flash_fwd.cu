@@ -28,6 +28,12 @@
 // Causal (bottom-right). Query row i sees key j iff j <= i + seqlen_k - seqlen_q. Tiles wholly
 // above the diagonal are never loaded. A row that sees no key gets O = 0 and lse = -inf.
 //
+// Features (FEAT = true; mask.cuh): per-sequence lengths of padded or packed batches, sliding
+// window, sink tokens and logits, ALiBi and softcap. The block's key tiles come from key_tiles (sink
+// tiles, then the window's), scores become log2-unit logits with the window / length mask on the
+// tiles that cross a bound, and a sink logit seeds the online softmax as a key of value 0 (m = sink,
+// l = 1). With FEAT = false none of this code exists: the plain kernel is unchanged.
+//
 // Grid. 1-D: blockIdx.x = (b * nheads + h) * num_m_blocks + (num_m_blocks - 1 - m_block), so the
 // grid is not bounded by the 65535 limit of y/z, and within a head the longest causal blocks start
 // first.
@@ -59,7 +65,7 @@ struct FwdTraits {
     static_assert(BLOCK_N % 16 == 0, "P is re-used as an A operand in k16 steps");
 };
 
-template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, bool IS_CAUSAL, bool IS_EVEN>
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, bool IS_CAUSAL, bool IS_EVEN, bool FEAT = false>
 __global__ void __launch_bounds__(WARPS * 32, 1)
 flash_fwd_kernel(const __grid_constant__ FwdParams p) {
     using Tr = FwdTraits<HEAD_DIM, BLOCK_M, BLOCK_N, WARPS>;
@@ -81,18 +87,40 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
     // ---- which (batch, head, query block) this block owns, and its key tiles [0, n_blocks) ----
     const int sq = p.seqlen_q, sk = p.seqlen_k;
     const QueryBlock blk = query_block<BLOCK_M, BLOCK_N, IS_CAUSAL>(blockIdx.x, p.num_m_blocks, p.nheads, p.head_group, sq, sk);
-    const int h = blk.h, b = blk.b, h_kv = blk.h_kv, m0 = blk.m0, n_blocks = blk.n_blocks;
+    const int h = blk.h, b = blk.b, h_kv = blk.h_kv, m0 = blk.m0;
+    int n_blocks = blk.n_blocks;
 
-    const T* gQ = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + (i64)m0 * p.q_row_stride;
-    const T* gK = static_cast<const T*>(p.k) + b * p.k_batch_stride + h_kv * p.k_head_stride;
-    const T* gV = static_cast<const T*>(p.v) + b * p.v_batch_stride + h_kv * p.v_head_stride;
+    // With FEAT: the sequence's rows, its valid lengths, its mask and the key tiles to visit.
+    SeqInfo si;
+    MaskInfo mi;
+    KeyTiles kt;
+    int q_valid = sq, k_valid = sk;  // rows / keys past these are zero-filled in shared memory
+    if constexpr (FEAT) {
+        si = seq_info(p.mask, b, sq, sk);
+        if (m0 >= si.q_rows) return;  // packed batch: the block lies past its sequence
+        mi.init(p.mask, si, b, h);
+        kt = key_tiles<BLOCK_M, BLOCK_N>(p.mask, mi, m0);
+        n_blocks = kt.count;
+        q_valid = si.sq;
+        k_valid = si.sk;
+    } else {
+        si.q_row0 = si.k_row0 = 0;
+    }
+    auto tile_of = [&](int it) { if constexpr (FEAT) return kt.tile(it); else return it; };
+    const bool score_mod = FEAT && (p.mask.softcap > 0.f || mi.alibi_log2 != 0.f);
 
+    const T* gQ = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + (si.q_row0 + m0) * p.q_row_stride;
+    const T* gK = static_cast<const T*>(p.k) + b * p.k_batch_stride + h_kv * p.k_head_stride + si.k_row0 * p.k_row_stride;
+    const T* gV = static_cast<const T*>(p.v) + b * p.v_batch_stride + h_kv * p.v_head_stride + si.k_row0 * p.v_row_stride;
 
-    load_tile_async<T, HEAD_DIM, PITCH, BLOCK_M, THREADS, !IS_EVEN>(sQ, gQ, p.q_row_stride, sq - m0, tid);
+    load_tile_async<T, HEAD_DIM, PITCH, BLOCK_M, THREADS, !IS_EVEN>(sQ, gQ, p.q_row_stride, q_valid - m0, tid);
     cp_async_commit();
     if (n_blocks > 0) {
-        load_tile_async<T, HEAD_DIM, PITCH, BLOCK_N, THREADS, !IS_EVEN>(sK, gK, p.k_row_stride, sk, tid);
-        load_tile_async<T, HEAD_DIM, PITCH, BLOCK_N, THREADS, !IS_EVEN>(sV, gV, p.v_row_stride, sk, tid);
+        const int n_first = tile_of(0) * BLOCK_N;
+        load_tile_async<T, HEAD_DIM, PITCH, BLOCK_N, THREADS, !IS_EVEN>(
+            sK, gK + (i64)n_first * p.k_row_stride, p.k_row_stride, k_valid - n_first, tid);
+        load_tile_async<T, HEAD_DIM, PITCH, BLOCK_N, THREADS, !IS_EVEN>(
+            sV, gV + (i64)n_first * p.v_row_stride, p.v_row_stride, k_valid - n_first, tid);
         cp_async_commit();
     }
 
@@ -105,6 +133,9 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
             for (int e = 0; e < 4; ++e) acc_o[mt][dt][e] = 0.f;
     OnlineSoftmax<M_TILES, N_TILES> softmax;
     softmax.init();
+    if constexpr (FEAT) {
+        if (p.mask.sink_logits != nullptr) softmax.seed(p.mask.sink_logits[h] * CUFLASH_LOG2E, t == 0);
+    }
 
     const int warp_row0 = warp * Tr::ROWS_PER_WARP;
     // ldmatrix lane offsets (see common.cuh for the fragment layouts):
@@ -121,16 +152,16 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
         __syncthreads();  // tile j is in smem for all; everyone is done with stage (j + 1) % 2
         if (j + 1 < n_blocks) {
             const int st = (j + 1) % 2;
-            const i64 n1 = (i64)(j + 1) * BLOCK_N;
+            const i64 n1 = (i64)tile_of(j + 1) * BLOCK_N;
             load_tile_async<T, HEAD_DIM, PITCH, BLOCK_N, THREADS, !IS_EVEN>(
-                sK + st * Tr::SKV_ELEMS, gK + n1 * p.k_row_stride, p.k_row_stride, sk - (int)n1, tid);
+                sK + st * Tr::SKV_ELEMS, gK + n1 * p.k_row_stride, p.k_row_stride, k_valid - (int)n1, tid);
             load_tile_async<T, HEAD_DIM, PITCH, BLOCK_N, THREADS, !IS_EVEN>(
-                sV + st * Tr::SKV_ELEMS, gV + n1 * p.v_row_stride, p.v_row_stride, sk - (int)n1, tid);
+                sV + st * Tr::SKV_ELEMS, gV + n1 * p.v_row_stride, p.v_row_stride, k_valid - (int)n1, tid);
             cp_async_commit();
         }
         const T* sKj = sK + (j % 2) * Tr::SKV_ELEMS;
         const T* sVj = sV + (j % 2) * Tr::SKV_ELEMS;
-        const int n0 = j * BLOCK_N;
+        const int n0 = tile_of(j) * BLOCK_N;
 
         // ---- S = Q K^T: (ROWS_PER_WARP, BLOCK_N) per warp ----
         float s[M_TILES][N_TILES][4];
@@ -178,27 +209,48 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
             }
         }
 
-        // ---- mask, only on tiles that need it ----
-        const bool tail = !IS_EVEN && n0 + BLOCK_N > sk;
-        const bool diag = IS_CAUSAL && n0 + BLOCK_N - 1 > m0 + sk - sq;
-        if (tail || diag) {
-#pragma unroll
-            for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-                for (int nt = 0; nt < N_TILES; ++nt)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int row = m0 + warp_row0 + mt * 16 + g + (e / 2) * 8;
-                        const int col = n0 + nt * 8 + 2 * t + (e % 2);
-                        bool masked = col >= sk;
-                        if (IS_CAUSAL) masked = masked || col > row + sk - sq;
-                        if (masked) s[mt][nt][e] = -CUFLASH_INF;
-                    }
-        }
-
-        // ---- online softmax: s becomes p, O rescaled ----
+        // ---- mask, only on tiles that need it; then online softmax: s becomes p, O rescaled ----
         float alpha[M_TILES][2];
-        softmax.update(s, p.scale_log2, alpha);
+        if constexpr (FEAT) {
+            // Tiles inside every bound, without softcap or ALiBi, take the plain kernel's path. The
+            // others: scores become log2-unit logits (softcap, ALiBi), masked where a bound crosses.
+            float sc = p.scale_log2;
+            const bool edge = mi.needs_mask(p.mask, m0, BLOCK_M, n0, BLOCK_N);
+            if (score_mod || edge) {
+#pragma unroll
+                for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+                    for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const int row = m0 + warp_row0 + mt * 16 + g + (e / 2) * 8;
+                            const int col = n0 + nt * 8 + 2 * t + (e % 2);
+                            float tanh_s;
+                            const float x = mi.logit_log2(p.mask, p.scale_log2, s[mt][nt][e], row, col, tanh_s);
+                            s[mt][nt][e] = (edge && !mi.visible(p.mask, row, col)) ? -CUFLASH_INF : x;
+                        }
+                sc = 1.f;  // already in log2 units
+            }
+            softmax.update(s, sc, alpha);
+        } else {
+            const bool tail = !IS_EVEN && n0 + BLOCK_N > sk;
+            const bool diag = IS_CAUSAL && n0 + BLOCK_N - 1 > m0 + sk - sq;
+            if (tail || diag) {
+#pragma unroll
+                for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+                    for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const int row = m0 + warp_row0 + mt * 16 + g + (e / 2) * 8;
+                            const int col = n0 + nt * 8 + 2 * t + (e % 2);
+                            bool masked = col >= sk;
+                            if (IS_CAUSAL) masked = masked || col > row + sk - sq;
+                            if (masked) s[mt][nt][e] = -CUFLASH_INF;
+                        }
+            }
+            softmax.update(s, p.scale_log2, alpha);
+        }
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
@@ -245,6 +297,17 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
     __syncthreads();
     float inv_l[M_TILES][2], lse[M_TILES][2];
     softmax.finalize(inv_l, lse);
+    if constexpr (FEAT) {
+        // Rows past the sequence's valid length (padding of a padded batch): out = 0, lse = -inf.
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+                if (m0 + warp_row0 + mt * 16 + g + r * 8 >= si.sq) {
+                    inv_l[mt][r] = 0.f;
+                    lse[mt][r] = -CUFLASH_INF;
+                }
+    }
 
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt)
@@ -257,19 +320,22 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
                 *reinterpret_cast<u32*>(sQ + row * PITCH + dt * 8 + 2 * t) = v;
             }
 
+    // Rows this block writes: [m0, q_rows) of the sequence (FEAT), or of seqlen_q.
+    const int q_rows = FEAT ? si.q_rows : sq;
     if (t == 0) {
-        float* g_lse = p.lse + ((i64)b * p.nheads + h) * sq;
+        float* g_lse = FEAT ? p.lse + b * p.mask.lse_batch_stride + h * p.mask.lse_head_stride + si.q_row0
+                            : p.lse + ((i64)b * p.nheads + h) * sq;
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 const int row = m0 + warp_row0 + mt * 16 + g + r * 8;
-                if (IS_EVEN || row < sq) g_lse[row] = lse[mt][r];
+                if (IS_EVEN || row < q_rows) g_lse[row] = lse[mt][r];
             }
     }
     __syncwarp();
 
-    T* gO = static_cast<T*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride + (i64)m0 * p.o_row_stride;
+    T* gO = static_cast<T*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride + (si.q_row0 + m0) * p.o_row_stride;
     constexpr int CHUNKS = Tr::CHUNKS;
     constexpr int WARP_CHUNKS = Tr::ROWS_PER_WARP * CHUNKS;
 #pragma unroll
@@ -278,7 +344,7 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
         if (WARP_CHUNKS % 32 == 0 || c < WARP_CHUNKS) {
             const int row = warp_row0 + c / CHUNKS;
             const int col = (c % CHUNKS) * 8;
-            if (IS_EVEN || m0 + row < sq) {
+            if (IS_EVEN || m0 + row < q_rows) {
                 const uint4 v = *reinterpret_cast<const uint4*>(sQ + row * PITCH + col);
                 *reinterpret_cast<uint4*>(gO + row * p.o_row_stride + col) = v;
             }

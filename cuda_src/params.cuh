@@ -11,6 +11,7 @@
 // offset too, and a GPU test reads the offsets back from a probe kernel.
 #pragma once
 #include "common.cuh"
+#include "mask.cuh"
 
 namespace cuflash {
 
@@ -34,6 +35,8 @@ struct FwdParams {
     int seqlen_k;
     int num_m_blocks;  // ceil(seqlen_q / BLOCK_M): the grid is batch * nheads * num_m_blocks, on x
     float scale_log2;  // softmax_scale * log2(e): scores go straight into exp2
+    MaskParams mask;   // read only by the FEAT kernels (mask.cuh); seqlen_q / seqlen_k are then the
+                       // max lengths of a packed batch
 };
 
 // Backward. Extra layouts:
@@ -78,6 +81,7 @@ struct BwdParams {
     int num_blocks;    // blocks per (batch, head) of the kernel being launched, along its sequence
     float scale_log2;  // softmax_scale * log2(e)
     float scale;       // softmax_scale: dQ = scale * dS K, dK = scale * dS^T Q
+    MaskParams mask;   // read only by the FEAT kernels (mask.cuh)
 };
 
 }  // namespace cuflash

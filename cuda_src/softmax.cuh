@@ -42,6 +42,15 @@ struct OnlineSoftmax {
             for (int r = 0; r < 2; ++r) { row_m[mt][r] = -CUFLASH_INF; row_l[mt][r] = 0.f; }
     }
 
+    // A sink logit (log2 units) acts as a key of value 0 seen first: m = sink, l = exp2(0) = 1, the
+    // 1 held by one thread of the quad (finalize sums the quad's shares).
+    __device__ __forceinline__ void seed(float sink_log2, bool owner) {
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) { row_m[mt][r] = sink_log2; row_l[mt][r] = owner ? 1.f : 0.f; }
+    }
+
     // Turns scores s into probabilities p in place and returns the factor alpha by which each row's
     // output accumulator must be rescaled.
     __device__ __forceinline__ void update(float (&s)[M_TILES][N_TILES][4], float scale_log2,

@@ -238,3 +238,29 @@ def _check_family_head_dim(family: str, head_dim: int) -> None:
         raise KeyError(f"no tile table for architecture family {family!r}")
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head_dim {head_dim} has no configuration; expected a multiple of 8 in [8, 256]")
+
+
+# ---- the kernels with the optional features (lengths, packed batches, window, sinks, ALiBi,
+# softcap; cuda_src/mask.cuh). They are the mma.sync kernels with FEAT = true on every target,
+# sm_90a included: the wgmma kernels do not take the features yet.
+
+def feat_fwd_config(target: str, head_dim: int, dtype: str) -> TileConfig:
+    """Forward tiles of the feature kernel: the mma.sync table's causal choice, whose shorter key
+    tiles suit windows (a window (256, 0) visits about 256 / BLOCK_N + 2 tiles a row block)."""
+    return fwd_config(family_of_target(target), head_dim, dtype, causal=True)
+
+
+def feat_bwd_config(target: str, head_dim: int, dtype: str) -> TileConfig:
+    """dK/dV tiles of the feature kernel: the mma.sync table, except at head_dim 120 and 128 on
+    sm80 / sm90, where the table's 32x128x8 spills with the mask code on sm_90a (16-24 B of stack;
+    32x64x4 too). 64x64x8 fits (204-212 registers) and measured within 4 % of 32x128x8 for the
+    plain kernel (152 / 136 against 158 / 138)."""
+    family = family_of_target(target)
+    if family in ("sm80", "sm90") and 112 < head_dim <= 128:
+        return TileConfig(64, 64, 8)
+    return bwd_config(family, head_dim, dtype)
+
+
+def feat_dq_config(target: str, head_dim: int, dtype: str) -> TileConfig:
+    """dQ tiles of the feature kernel: the mma.sync table."""
+    return bwd_dq_config(family_of_target(target), head_dim, dtype)

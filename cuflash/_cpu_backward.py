@@ -55,11 +55,37 @@ P^T and dS^T to shared memory as 16-bit values and feeds them (and dS, for dQ) t
 MMAs that accumulate in float32. The deterministic dQ kernel (``flash_bwd_dq_kernel``) computes the
 same products in the forward's partition (one query block, looping over key blocks); it differs from
 step 2's dQ only in the float32 summation order.
+
+Features
+--------
+With the optional features of cuflash/_features.py (visibility rule, lengths and tile bookkeeping as in
+cuflash._cpu, whose module docstring states them; batch entries with equal valid lengths sq, sk share the
+loops):
+
+* Step 1 also sets lse_log2 = +inf on the padded rows i >= sq (whatever lse says there), and, with sink
+  logits, computes their gradient from D and lse alone, in float32::
+
+      dsink[h] = -sum over b and rows i < sq of exp2(sink[h] * log2(e) - lse_log2) * D
+
+  (the sink is an extra key with value 0: its dP is 0, so its dS is -P_sink * D).
+* Step 2 visits the key blocks of [0, sk) only (dK = dV = 0 for keys past sk), and for each only the query
+  blocks of rows [0, sq) that can see one of its keys: rows from max(0, n_start - (sk - sq) - right)
+  (0 when right < 0) up to min(sq, n_end + left - (sk - sq)) (sq when left < 0 or the block holds sink
+  keys). The elementwise mask is applied only on tiles that need it, as in the forward.
+* The exponent is the forward's score in log2 units, softcap and ALiBi included::
+
+      t   = tanh(S * (scale / c))                                          softcap c > 0
+      P   = exp2((c ? t * (c * log2 e) : S * scale * log2 e) - slope * log2 e * |i' - j| - lse_log2_i)
+      dS  = P * (dP - D_i), times (1 - t^2) with a softcap (the derivative of c * tanh(x / c))
+
+  and dQ = scale * dS K, dK = scale * dS^T Q as before. Rows i >= sq keep dq = 0.
 """
 
 import math
 
 import numpy as np
+
+from ._cpu import _alibi_distance, _Feat, _query_tiles, _tile_needs_mask, _tile_visible
 
 __all__ = ["attention_backward_numpy"]
 
@@ -78,15 +104,19 @@ def _heads_first_f32(x, nheads_kv):
 
 
 def attention_backward_numpy(dout, q, k, v, out, lse, causal: bool, softmax_scale: float,
-                             block_m: int = 64, block_n: int = 64):
+                             block_m: int = 64, block_n: int = 64, *, q_lengths=None, kv_lengths=None,
+                             window=(-1, -1), num_sink_tokens: int = 0, sink_logits=None, alibi_slopes=None,
+                             softcap: float = 0.0):
     """FlashAttention-2 backward on the CPU (recomputation, see the module docstring).
 
     dout, q, out: (batch, seqlen_q, nheads, head_dim); k, v: (batch, seqlen_k, nheads_kv, head_dim); numpy
     arrays of dtype numpy.float16 or ml_dtypes.bfloat16 (arbitrary strides allowed), nheads % nheads_kv == 0.
     lse: float32 (batch, nheads, seqlen_q), the natural-log logsumexp returned by the forward (-inf for a row
-    that sees no key). Inputs are assumed already validated by the caller.
+    that sees no key). Inputs are assumed already validated by the caller. The feature keywords are those of
+    cuflash._cpu.attention_forward_numpy and must be the forward's.
 
-    -> (dq, dk, dv) with the shapes and dtypes of q, k, v (C-contiguous).
+    -> (dq, dk, dv) with the shapes and dtypes of q, k, v (C-contiguous); with sink_logits,
+    (dq, dk, dv, dsink) with dsink float32 (nheads,).
     """
     dtype = q.dtype
     batch, seqlen_q, nheads, head_dim = q.shape
@@ -94,6 +124,8 @@ def attention_backward_numpy(dout, q, k, v, out, lse, causal: bool, softmax_scal
     group = nheads // nheads_kv
     block_m = int(block_m)
     block_n = int(block_n)
+    feat = _Feat(batch, nheads, seqlen_q, seqlen_k, causal, q_lengths, kv_lengths, window, num_sink_tokens,
+                 sink_logits, alibi_slopes, softcap)
 
     # Load (upcast) to float32 in heads-first slabs: q, dout, out -> (b, hkv, group, seqlen_q, d),
     # k, v -> (b, hkv, seqlen_k, d).
@@ -107,40 +139,77 @@ def attention_backward_numpy(dout, q, k, v, out, lse, causal: bool, softmax_scal
     delta = (dof * of).sum(axis=-1)  # (b, hkv, group, seqlen_q), float32
     lse = np.asarray(lse, dtype=np.float32).reshape(batch, nheads_kv, group, seqlen_q)
     lse_log2 = np.where(lse == -np.inf, np.float32(np.inf), lse * np.float32(_LOG2E))
-
-    scale = np.float32(softmax_scale)
-    # Scale folded into exp2: P = exp2(S * scale_log2 - lse_log2).
-    scale_log2 = np.float32(softmax_scale * _LOG2E)
-    # Bottom-right causal alignment: row i sees key j iff j <= i + diag_offset.
-    diag_offset = seqlen_k - seqlen_q
-    num_m_blocks = -(-seqlen_q // block_m)
+    padded = np.arange(seqlen_q)[None, :] >= feat.sq[:, None]  # (b, seqlen_q): rows i >= q_lengths[b]
+    if padded.any():
+        lse_log2 = np.where(padded[:, None, None, :], np.float32(np.inf), lse_log2)
+    dsink = None
+    if feat.sink_log2 is not None:
+        # d sink[h] = -sum over b and valid rows of exp(sink[h] - lse) * D (P_sink = 0 where lse_log2 = +inf).
+        sink_log2 = feat.sink_log2.reshape(1, nheads_kv, group, 1)
+        dsink = -(np.exp2(sink_log2 - lse_log2) * delta).sum(axis=(0, 3), dtype=np.float32).reshape(nheads)
 
     dq_accum = np.zeros((batch, nheads_kv, group, seqlen_q, head_dim), dtype=np.float32)
     dk = np.zeros((batch, nheads_kv, seqlen_k, head_dim), dtype=np.float32)
     dv = np.zeros((batch, nheads_kv, seqlen_k, head_dim), dtype=np.float32)
+    slope_log2 = None if feat.slope_log2 is None else feat.slope_log2.reshape(batch, nheads_kv, group)
 
-    # ---- 2. one "thread block" per key block: dK, dV accumulate over the group heads and query blocks ----
-    for n_start in range(0, seqlen_k, block_n):
-        # The last key block may be partial; the slice simply ends at seqlen_k (the kernel masks
-        # keys >= seqlen_k instead).
-        n_end = min(n_start + block_n, seqlen_k)
+    # ---- 2. the dK/dV "kernel", per set of batch entries with equal valid lengths (all of them without lengths) ----
+    for idx, sq, sk in feat.groups():
+        if isinstance(idx, slice):
+            views = (qf, dof, kf, vf, delta, lse_log2, dq_accum, dk, dv)
+        else:
+            views = tuple(x[idx] for x in (qf, dof, kf, vf, delta, lse_log2, dq_accum, dk, dv))
+        _dkdv_tiles(*views, sq, sk, feat, softmax_scale, None if slope_log2 is None else slope_log2[idx],
+                    dtype, block_m, block_n)
+        if not isinstance(idx, slice):
+            dq_accum[idx], dk[idx], dv[idx] = views[6], views[7], views[8]
+
+    # ---- 3. dq = scale * dQ; everything back to (batch, seqlen, heads, head_dim) in the input dtype ----
+    scale = np.float32(softmax_scale)
+    dq = (dq_accum * scale).reshape(batch, nheads, seqlen_q, head_dim).transpose(0, 2, 1, 3)
+    dq = np.ascontiguousarray(dq.astype(dtype))
+    dk = np.ascontiguousarray(dk.astype(dtype).transpose(0, 2, 1, 3))
+    dv = np.ascontiguousarray(dv.astype(dtype).transpose(0, 2, 1, 3))
+    if dsink is None:
+        return dq, dk, dv
+    return dq, dk, dv, dsink
+
+
+def _dkdv_tiles(qf, dof, kf, vf, delta, lse_log2, dq_accum, dk, dv, sq, sk, feat, softmax_scale, slope_log2, dtype,
+                block_m, block_n):
+    """Step 2 for batch entries with valid lengths sq, sk: accumulates into dq_accum and writes dk, dv (in place).
+
+    qf, dof (b, hkv, group, seqlen_q, d), kf, vf (b, hkv, seqlen_k, d), delta, lse_log2 (b, hkv, group, seqlen_q),
+    float32; slope_log2 (b, hkv, group) or None.
+    """
+    group = qf.shape[2]
+    left, right, nsink, softcap = feat.left, feat.right, feat.nsink, feat.softcap
+    scale = np.float32(softmax_scale)
+    # Scale folded into exp2: P = exp2(S * scale_log2 - lse_log2); with a softcap c the exponent's score is
+    # tanh(S * (scale / c)) * (c * log2(e)), as in the forward.
+    scale_log2 = np.float32(softmax_scale * _LOG2E)
+    if softcap > 0:
+        scale_over_cap = np.float32(softmax_scale / softcap)
+        cap_log2 = np.float32(softcap * _LOG2E)
+    # Bottom-right alignment (causal, window, ALiBi): query i is aligned with key i + diag_offset.
+    diag_offset = sk - sq
+
+    # One "thread block" per key block of [0, sk): dK, dV accumulate over the group heads and query blocks.
+    for n_start in range(0, sk, block_n):
+        # The last key block may be partial; the slice simply ends at sk (the kernel masks keys >= sk instead).
+        n_end = min(n_start + block_n, sk)
         k_blk = kf[:, :, n_start:n_end]  # (b, hkv, cols, d)
         v_blk = vf[:, :, n_start:n_end]
 
-        # First query block that sees a key of this block: query i sees key n_start iff
-        # i >= n_start - diag_offset. Earlier query blocks see none of these keys and are skipped.
-        m_begin = 0
-        if causal:
-            first_q = n_start - diag_offset
-            m_begin = 0 if first_q <= 0 else min(num_m_blocks, first_q // block_m)
+        # The query blocks with a row that sees a key of this block (causal / window / sinks); the others see none
+        # of these keys and are skipped.
+        m_tiles = _query_tiles(n_start, n_end, diag_offset, sq, left, right, nsink, block_m)
 
-        acc_dk = np.zeros((batch, nheads_kv, n_end - n_start, head_dim), dtype=np.float32)
+        acc_dk = np.zeros(k_blk.shape, dtype=np.float32)
         acc_dv = np.zeros_like(acc_dk)
 
         for g in range(group):
-            for m_block in range(m_begin, num_m_blocks):
-                m_start = m_block * block_m
-                m_end = min(m_start + block_m, seqlen_q)
+            for m_start, m_end in m_tiles:
                 q_blk = qf[:, :, g, m_start:m_end]  # (b, hkv, rows, d)
                 do_blk = dof[:, :, g, m_start:m_end]
 
@@ -150,21 +219,28 @@ def attention_backward_numpy(dout, q, k, v, out, lse, causal: bool, softmax_scal
                 # padding rows past seqlen_q too.)
                 s = np.matmul(q_blk, k_blk.swapaxes(-1, -2))  # (b, hkv, rows, cols)
                 # (The kernel forms the exponent with one fused multiply-add; here it is rounded twice.)
-                x = s * scale_log2 - lse_log2[:, :, g, m_start:m_end, None]
+                if softcap > 0:
+                    t = np.tanh(s * scale_over_cap)
+                    x = t * cap_log2
+                else:
+                    x = s * scale_log2
+                if slope_log2 is not None:  # ALiBi: - slope * log2(e) * |i' - j|
+                    x -= slope_log2[:, :, g, None, None] * _alibi_distance(m_start, m_end, n_start, n_end,
+                                                                           diag_offset)
+                x = x - lse_log2[:, :, g, m_start:m_end, None]
 
-                # Causal mask, only on tiles that cross the diagonal (some key of the block lies beyond
-                # what the first row of the query block may see): P = 0 where the key is hidden. The kernel
-                # zeroes P after the exp2; here the exponent is set to -inf before it, which gives the same
+                # Mask, only on tiles where some key is hidden from some row: P = 0 where the key is hidden. The
+                # kernel zeroes P after the exp2; here the exponent is set to -inf before it, which gives the same
                 # P without the overflow warning a hidden key with a huge score would raise.
-                if causal and n_end - 1 > m_start + diag_offset:
-                    row_idx = np.arange(m_start, m_end)[:, None]
-                    col_idx = np.arange(n_start, n_end)[None, :]
-                    x[..., col_idx > row_idx + diag_offset] = -np.inf
+                if _tile_needs_mask(m_start, m_end, n_start, n_end, diag_offset, left, right, nsink):
+                    x[..., ~_tile_visible(m_start, m_end, n_start, n_end, diag_offset, left, right, nsink)] = -np.inf
                 p = np.exp2(x)
 
-                # dP = dO V^T, dS = P * (dP - D) with the float32 P.
+                # dP = dO V^T, dS = P * (dP - D) with the float32 P; through the softcap, dS *= 1 - t^2.
                 dp = np.matmul(do_blk, v_blk.swapaxes(-1, -2))
                 ds = p * (dp - delta[:, :, g, m_start:m_end, None])
+                if softcap > 0:
+                    ds *= 1 - t * t
 
                 # P^T and dS^T go through 16-bit shared memory into the MMAs: round them to the input dtype.
                 p_r = p.astype(dtype).astype(np.float32)
@@ -179,10 +255,3 @@ def attention_backward_numpy(dout, q, k, v, out, lse, causal: bool, softmax_scal
         # dK, dV of this key block are written once, complete: the group sum happened in the accumulators.
         dk[:, :, n_start:n_end] = acc_dk * scale
         dv[:, :, n_start:n_end] = acc_dv
-
-    # ---- 3. dq = scale * dQ; everything back to (batch, seqlen, heads, head_dim) in the input dtype ----
-    dq = (dq_accum * scale).reshape(batch, nheads, seqlen_q, head_dim).transpose(0, 2, 1, 3)
-    dq = np.ascontiguousarray(dq.astype(dtype))
-    dk = np.ascontiguousarray(dk.astype(dtype).transpose(0, 2, 1, 3))
-    dv = np.ascontiguousarray(dv.astype(dtype).transpose(0, 2, 1, 3))
-    return dq, dk, dv

@@ -20,7 +20,7 @@ def compute_capability(device_id: int) -> tuple[int, int]:
 
 
 def precompile(head_dims=None, dtypes=None, causal=(False, True), backward=True, target=None, device=None,
-               workers=None):
+               workers=None, features=False):
     """Builds kernel specializations ahead of use, into the disk cache.
 
     Args:
@@ -33,6 +33,8 @@ def precompile(head_dims=None, dtypes=None, causal=(False, True), backward=True,
         device: CUDA device ordinal (default 0) when `target` is None; the kernels are also loaded
             onto it, so the first call pays nothing.
         workers: compile processes (default: CPU count).
+        features: also build the feature kernels (lengths, attention_varlen, window, sinks, ALiBi,
+            softcap) for these head_dims and dtypes.
 
     Returns:
         The readable names of the specializations built or found in the cache.
@@ -55,6 +57,8 @@ def precompile(head_dims=None, dtypes=None, causal=(False, True), backward=True,
     if backward:
         # both dQ paths where the dispatcher can select both (atomic=None)
         specs += _launch.all_bwd_specializations(target, head_dims, dtypes, tuple(causal))
+    if features:
+        specs += _launch.all_feat_specializations(target, head_dims, dtypes, backward)
     names = compile_many([spec for spec, _ in specs], target, workers)
     if load:
         for spec, smem in specs:

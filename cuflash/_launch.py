@@ -15,17 +15,31 @@ from . import _compile, _config
 
 LOG2E = 1.4426950408889634
 
+# Mirror of cuflash::MaskParams (cuda_src/mask.cuh), the last member of both Params structs.
+MASK_PARAMS = np.dtype(
+    [(n, np.uint64) for n in ("cu_seqlens_q", "cu_seqlens_k", "q_lengths", "kv_lengths", "alibi_slopes",
+                              "sink_logits", "dsink_rows")]
+    + [("lse_batch_stride", np.int64), ("lse_head_stride", np.int64)]
+    + [(n, np.int32) for n in ("total_q", "total_k", "alibi_batch_stride", "window_left", "window_right",
+                               "num_sink_tokens")]
+    + [(n, np.float32) for n in ("softcap", "softcap_pre", "softcap_log2")],
+    align=True,
+)
+
+_MASK_CHECKS_PARAMS = _compile.params_layout_checks("cuflash", "MaskParams", MASK_PARAMS)
+
 # Mirror of cuflash::FwdParams (cuda_src/params.cuh). Field order and types must match; every
 # compile static_asserts sizeof, the compile gate each offset (see params_layout_checks).
 FWD_PARAMS = np.dtype(
     [("q", np.uint64), ("k", np.uint64), ("v", np.uint64), ("o", np.uint64), ("lse", np.uint64)]
     + [(f"{t}_{s}_stride", np.int64) for t in "qkvo" for s in ("batch", "row", "head")]
     + [(n, np.int32) for n in ("batch", "nheads", "nheads_kv", "head_group", "seqlen_q", "seqlen_k", "num_m_blocks")]
-    + [("scale_log2", np.float32)],
+    + [("scale_log2", np.float32), ("mask", MASK_PARAMS)],
     align=True,
 )
 
-_FWD_CHECKS_PARAMS = _compile.params_layout_checks("cuflash", "FwdParams", FWD_PARAMS)
+_FWD_CHECKS_PARAMS = (_compile.params_layout_checks("cuflash", "FwdParams", FWD_PARAMS) + "\n"
+                      + _MASK_CHECKS_PARAMS)
 
 # Mirror of cuflash::BwdParams (cuda_src/params.cuh).
 BWD_PARAMS = np.dtype(
@@ -34,11 +48,20 @@ BWD_PARAMS = np.dtype(
        for s in ("batch", "row", "head")]
     + [(n, np.int32) for n in ("batch", "nheads", "nheads_kv", "head_group", "seqlen_q", "seqlen_k",
                                "seqlen_q_pad", "num_blocks")]
-    + [("scale_log2", np.float32), ("scale", np.float32)],
+    + [("scale_log2", np.float32), ("scale", np.float32), ("mask", MASK_PARAMS)],
     align=True,
 )
 
 _BWD_CHECKS_PARAMS = _compile.params_layout_checks("cuflash", "BwdParams", BWD_PARAMS)
+
+# Mirror of cuflash::TailParams (cuda_src/varlen.cu).
+TAIL_PARAMS = np.dtype(
+    [("ptr", np.uint64), ("row_stride", np.int64), ("head_stride", np.int64), ("start", np.uint64)]
+    + [(n, np.int32) for n in ("total_rows", "nheads", "row_elems")] + [("fill", np.uint32)],
+    align=True,
+)
+
+_TAIL_CHECKS_PARAMS = _compile.params_layout_checks("cuflash", "TailParams", TAIL_PARAMS)
 
 _DTYPE_TAG = {"float16": ("f16", "cuflash::f16"), "bfloat16": ("bf16", "cuflash::bf16")}
 
@@ -52,11 +75,61 @@ class DeviceTensor:
     strides: tuple[int, ...]  # in elements
 
 
-def fwd_specialization(dtype: str, head_dim: int, cfg: _config.TileConfig, causal: bool, even: bool):
+@dataclass(frozen=True)
+class MaskArgs:
+    """What the feature kernels read beyond the plain call (cuda_src/mask.cuh: MaskParams): device
+    pointers (0 = absent) and scalars, validated by the caller. A packed batch (cu_seqlens_q != 0)
+    hands the launchers q / k / v / out as 4-D views (batch, max_seqlen, heads, head_dim) with batch
+    stride 0, and total_q / total_k rows in the arrays."""
+
+    cu_seqlens_q: int = 0
+    cu_seqlens_k: int = 0
+    q_lengths: int = 0
+    kv_lengths: int = 0
+    alibi_slopes: int = 0
+    alibi_batch_stride: int = 0
+    sink_logits: int = 0
+    dsink_rows: int = 0   # backward with sink logits: (batch, nheads, seqlen_q_pad) float32
+    window_left: int = -1
+    window_right: int = -1
+    num_sink_tokens: int = 0
+    softcap: float = 0.0
+    total_q: int = 0
+    total_k: int = 0
+
+    @property
+    def packed(self) -> bool:
+        return self.cu_seqlens_q != 0
+
+
+def _set_mask(p, m: MaskArgs, softmax_scale: float, nheads: int, seqlen_q: int) -> None:
+    pm = p["mask"]
+    for name in ("cu_seqlens_q", "cu_seqlens_k", "q_lengths", "kv_lengths", "alibi_slopes", "sink_logits",
+                 "dsink_rows", "alibi_batch_stride", "window_left", "window_right", "num_sink_tokens",
+                 "total_q", "total_k"):
+        pm[name] = getattr(m, name)
+    if m.packed:  # lse (nheads, total_q)
+        pm["lse_batch_stride"], pm["lse_head_stride"] = 0, m.total_q
+    else:         # lse (batch, nheads, seqlen_q)
+        pm["lse_batch_stride"], pm["lse_head_stride"] = nheads * seqlen_q, seqlen_q
+    if m.softcap > 0:
+        pm["softcap"] = m.softcap
+        pm["softcap_pre"] = softmax_scale / m.softcap
+        pm["softcap_log2"] = m.softcap * LOG2E
+
+
+def fwd_specialization(dtype: str, head_dim: int, cfg: _config.TileConfig, causal: bool, even: bool,
+                       feat: bool = False):
+    """feat: the kernel with the optional features (cuda_src/mask.cuh); causal and even are then
+    run-time properties of the mask and must be False."""
     short, ctype = _DTYPE_TAG[dtype]
     smem = _config.fwd_smem_bytes(head_dim, cfg)
     flags = f"{'true' if causal else 'false'}, {'true' if even else 'false'}"
     suffix = f"_{'causal' if causal else 'full'}_{'even' if even else 'ragged'}"
+    if feat:
+        assert not (causal or even or cfg.wgmma), (causal, even, cfg)
+        flags += ", true"
+        suffix = "_feat"
     if cfg.wgmma:
         assert cfg.warps * 16 == cfg.block_m, cfg
         expr = f"cuflash::flash_fwd_sm90_kernel<{ctype}, {head_dim}, {cfg.block_m}, {cfg.block_n}, {flags}>"
@@ -86,6 +159,29 @@ def all_fwd_specializations(target: str, head_dims=None, dtypes=None, causal=(Fa
     return out
 
 
+def all_feat_specializations(target: str, head_dims=None, dtypes=None, backward=True):
+    """Every specialization of the feature kernels for a compile target: the forward, the backward
+    (preprocess, dK/dV, dQ) and the packed batch's tail fill."""
+    out = []
+    for dtype in dtypes or _config.DTYPES:
+        for d in head_dims or _config.HEAD_DIMS:
+            out.append(fwd_specialization(dtype, d, _config.feat_fwd_config(target, d, dtype), False, False, True))
+            if backward:
+                out += [(spec, smem) for spec, smem, _ in
+                        bwd_specializations(dtype, d, target, False, False, False, False, feat=True)]
+    out += [(tail_specialization(e), 0) for e in ("u16", "u32")]
+    return out
+
+
+_TAIL_CTYPE = {"u16": "unsigned short", "u32": "unsigned int"}
+
+
+def tail_specialization(elem: str):
+    """The packed batch's tail fill (cuda_src/varlen.cu) for 16-bit ('u16') or 32-bit elements."""
+    return _compile.Specialization("varlen.cu", f"cuflash::varlen_fill_tail_kernel<{_TAIL_CTYPE[elem]}>",
+                                   f"varlen_fill_tail_{elem}", _TAIL_CHECKS_PARAMS)
+
+
 def _b(x: bool) -> str:
     return "true" if x else "false"
 
@@ -102,22 +198,30 @@ def bwd_uses_atomics(deterministic: bool, target: str | None = None, head_dim: i
 
 
 def bwd_specializations(dtype: str, head_dim: int, target: str, causal: bool, even_kv: bool, even_q: bool,
-                        atomic: bool, cfg: _config.TileConfig | None = None):
+                        atomic: bool, cfg: _config.TileConfig | None = None, feat: bool = False):
     """The backward kernels one call launches, in order: [(Specialization, smem bytes, TileConfig)].
 
     even_kv / even_q: whether the lengths are multiples of the dK/dV and dQ kernels' tiles.
     atomic: dQ by float atomics in the dK/dV kernel (then a conversion kernel), or by the separate,
-    deterministic dQ kernel. cfg overrides the dK/dV tile table (tuning scripts only)."""
+    deterministic dQ kernel. cfg overrides the dK/dV tile table (tuning scripts only).
+    feat: the kernels with the optional features (mma.sync, separate dQ pass; causal, even_* and
+    atomic must be False)."""
     short, ctype = _DTYPE_TAG[dtype]
     family = _config.family_of_target(target)
+    if feat:
+        assert not (causal or even_kv or even_q or atomic), (causal, even_kv, even_q, atomic)
+        cfg = cfg or _config.feat_bwd_config(target, head_dim, dtype)
     cfg = cfg or _config.bwd_config_for_target(target, head_dim, dtype)
+    fx = ", true" if feat else ""
     pre = _compile.Specialization(
-        "flash_bwd.cu", f"cuflash::flash_bwd_preprocess_kernel<{ctype}, {head_dim}, {_b(atomic)}>",
-        f"bwd_pre_{short}_d{head_dim}{'_zero_dq' if atomic else ''}", _BWD_CHECKS_PARAMS)
+        "flash_bwd.cu", f"cuflash::flash_bwd_preprocess_kernel<{ctype}, {head_dim}, {_b(atomic)}{fx}>",
+        f"bwd_pre_{short}_d{head_dim}{'_zero_dq' if atomic else ''}{'_feat' if feat else ''}", _BWD_CHECKS_PARAMS)
     smem = _config.bwd_smem_bytes(head_dim, cfg)
-    flags = f"{_b(causal)}, {_b(even_kv)}, {_b(atomic)}"
+    flags = f"{_b(causal)}, {_b(even_kv)}, {_b(atomic)}{fx}"
     suffix = (f"_{'causal' if causal else 'full'}_{'even' if even_kv else 'ragged'}"
               f"_{'atomic_dq' if atomic else 'no_dq'}")
+    if feat:
+        suffix = "_feat"
     if cfg.wgmma:
         assert cfg.warps * 16 == cfg.block_n, cfg
         expr = f"cuflash::flash_bwd_dkdv_sm90_kernel<{ctype}, {head_dim}, {cfg.block_m}, {cfg.block_n}, {flags}>"
@@ -140,14 +244,14 @@ def bwd_specializations(dtype: str, head_dim: int, target: str, causal: bool, ev
             f"bwd_convert_dq_{short}_d{head_dim}", _BWD_CHECKS_PARAMS)
         out.append((conv, 0, None))
     else:
-        qcfg = _config.bwd_dq_config(family, head_dim, dtype)
+        qcfg = _config.feat_dq_config(target, head_dim, dtype) if feat else _config.bwd_dq_config(family, head_dim, dtype)
         qsmem = _config.bwd_dq_smem_bytes(head_dim, qcfg)
         dq = _compile.Specialization(
             "flash_bwd.cu",
             f"cuflash::flash_bwd_dq_kernel<{ctype}, {head_dim}, {qcfg.block_m}, {qcfg.block_n}, {qcfg.warps}, "
-            f"{_b(causal)}, {_b(even_q)}>",
+            f"{_b(causal)}, {_b(even_q)}{fx}>",
             f"bwd_dq_{short}_d{head_dim}_m{qcfg.block_m}_n{qcfg.block_n}_w{qcfg.warps}"
-            f"_{'causal' if causal else 'full'}_{'even' if even_q else 'ragged'}",
+            + ("_feat" if feat else f"_{'causal' if causal else 'full'}_{'even' if even_q else 'ragged'}"),
             _BWD_CHECKS_PARAMS + "\n" +
             f"static_assert(cuflash::BwdDqTraits<{head_dim}, {qcfg.block_m}, {qcfg.block_n}, {qcfg.warps}>::SMEM_BYTES"
             f' == {qsmem}, "shared memory size differs from cuflash/_config.py:bwd_dq_smem_bytes");')
@@ -178,20 +282,28 @@ def all_bwd_specializations(target: str, head_dims=None, dtypes=None, causal=(Fa
 
 def launch_fwd(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTensor, lse_ptr: int,
                dtype: str, causal: bool, softmax_scale: float, device_id: int, cc: tuple[int, int],
-               stream_ptr: int, cfg: _config.TileConfig | None = None) -> None:
+               stream_ptr: int, cfg: _config.TileConfig | None = None, mask: MaskArgs | None = None) -> None:
     """Launches the forward kernel. All checks on shapes and strides were done by the caller.
-    `cfg` overrides the tile table (tuning scripts only)."""
+    `cfg` overrides the tile table (tuning scripts only). With `mask`, the feature kernel runs and
+    `causal` must already be folded into mask.window_right."""
     batch, seqlen_q, nheads, head_dim = q.shape
     _, seqlen_k, nheads_kv, _ = k.shape
     target = _config.compile_arch(*cc)
-    cfg = cfg or _config.fwd_config_for_target(target, head_dim, dtype, causal)
-    even = seqlen_q % cfg.block_m == 0 and seqlen_k % cfg.block_n == 0
-    spec, smem = fwd_specialization(dtype, head_dim, cfg, causal, even)
+    if mask is not None:
+        assert not causal
+        cfg = cfg or _config.feat_fwd_config(target, head_dim, dtype)
+        spec, smem = fwd_specialization(dtype, head_dim, cfg, False, False, feat=True)
+    else:
+        cfg = cfg or _config.fwd_config_for_target(target, head_dim, dtype, causal)
+        even = seqlen_q % cfg.block_m == 0 and seqlen_k % cfg.block_n == 0
+        spec, smem = fwd_specialization(dtype, head_dim, cfg, causal, even)
     num_m_blocks = -(-seqlen_q // cfg.block_m)
     grid = batch * nheads * num_m_blocks
     if grid > MAX_GRID_X:
         raise ValueError(f"batch * nheads * ceil(seqlen_q / {cfg.block_m}) = {grid} thread blocks exceeds the "
                          f"grid limit {MAX_GRID_X}; split the batch")
+    if grid == 0:  # a packed batch whose sequences are all empty
+        return
     fn = _compile.get_function(spec, target, device_id, smem)
 
     p = np.zeros((), dtype=FWD_PARAMS)
@@ -201,8 +313,27 @@ def launch_fwd(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTenso
     p["head_group"] = nheads // nheads_kv
     p["seqlen_q"], p["seqlen_k"], p["num_m_blocks"] = seqlen_q, seqlen_k, num_m_blocks
     p["scale_log2"] = softmax_scale * LOG2E
+    if mask is not None:
+        _set_mask(p, mask, softmax_scale, nheads, seqlen_q)
 
     launch(fn, device_id, grid, cfg.warps * 32, smem, stream_ptr, p)
+
+
+def launch_fill_tail(t: DeviceTensor, start_ptr: int, elem: str, fill_bits: int, device_id: int,
+                     cc: tuple[int, int], stream_ptr: int) -> None:
+    """Fills rows [*start_ptr, rows) of t (rows, heads, row_elems) with fill_bits: the rows of a
+    packed tensor that belong to no sequence (cuda_src/varlen.cu)."""
+    rows, heads, row_elems = t.shape
+    if rows * heads * row_elems == 0:
+        return
+    target = _config.compile_arch(*cc)
+    fn = _compile.get_function(tail_specialization(elem), target, device_id, 0)
+    p = np.zeros((), dtype=TAIL_PARAMS)
+    p["ptr"], p["row_stride"], p["head_stride"], p["start"] = t.ptr, t.strides[0], t.strides[1], start_ptr
+    p["total_rows"], p["nheads"], p["row_elems"], p["fill"] = rows, heads, row_elems, fill_bits
+    # A grid-stride loop: the tail's length is only known on the device (usually 0).
+    grid = max(1, min(_cdiv(rows * heads * row_elems, 256), 264))
+    launch(fn, device_id, grid, 256, 0, stream_ptr, p)
 
 
 def _set_strides(p, named):
@@ -222,6 +353,11 @@ def bwd_needs_lse_log2(target: str | None, head_dim: int, atomic: bool) -> bool:
     return not (atomic and _config.bwd_config_for_target(target, head_dim, "float16").wgmma)
 
 
+def bwd_row_pad(seqlen_q: int) -> int:
+    """seqlen_q_pad: the per-row scratch's rows per (batch, head)."""
+    return _cdiv(seqlen_q, _config.BWD_ROW_PAD) * _config.BWD_ROW_PAD
+
+
 def bwd_scratch_sizes(batch: int, nheads: int, seqlen_q: int, head_dim: int, atomic: bool,
                       target: str | None = None):
     """Float32 element counts of the backward's scratch: (delta [+ lse_log2], dq_accum)."""
@@ -235,19 +371,26 @@ def launch_bwd(dout: DeviceTensor, q: DeviceTensor, k: DeviceTensor, v: DeviceTe
                lse_ptr: int, dq: DeviceTensor, dk: DeviceTensor, dv: DeviceTensor, rows_scratch_ptr: int,
                dq_accum_ptr: int, dtype: str, causal: bool, softmax_scale: float, atomic: bool,
                device_id: int, cc: tuple[int, int], stream_ptr: int,
-               cfg: _config.TileConfig | None = None) -> None:
+               cfg: _config.TileConfig | None = None, mask: MaskArgs | None = None) -> None:
     """Launches the backward kernels. rows_scratch holds delta, then (where bwd_needs_lse_log2)
     lse_log2: batch * nheads * seqlen_q_pad floats each (bwd_scratch_sizes); dq_accum (atomic path
-    only) batch * nheads * seqlen_q_pad * head_dim floats."""
+    only) batch * nheads * seqlen_q_pad * head_dim floats. With `mask`, the feature kernels run
+    (separate dQ pass, atomic must be False; causal folded into mask.window_right)."""
     batch, seqlen_q, nheads, head_dim = q.shape
     _, seqlen_k, nheads_kv, _ = k.shape
     family = _config.arch_family(*cc)
     target = _config.compile_arch(*cc)
-    cfg = cfg or _config.bwd_config_for_target(target, head_dim, dtype)
-    qcfg = _config.bwd_dq_config(family, head_dim, dtype)
-    even_kv = seqlen_q % cfg.block_m == 0 and seqlen_k % cfg.block_n == 0
-    even_q = seqlen_q % qcfg.block_m == 0 and seqlen_k % qcfg.block_n == 0
-    kernels = bwd_specializations(dtype, head_dim, target, causal, even_kv, even_q, atomic, cfg)
+    if mask is not None:
+        assert not (causal or atomic)
+        cfg = cfg or _config.feat_bwd_config(target, head_dim, dtype)
+        qcfg = _config.feat_dq_config(target, head_dim, dtype)
+        kernels = bwd_specializations(dtype, head_dim, target, False, False, False, False, cfg, feat=True)
+    else:
+        cfg = cfg or _config.bwd_config_for_target(target, head_dim, dtype)
+        qcfg = _config.bwd_dq_config(family, head_dim, dtype)
+        even_kv = seqlen_q % cfg.block_m == 0 and seqlen_k % cfg.block_n == 0
+        even_q = seqlen_q % qcfg.block_m == 0 and seqlen_k % qcfg.block_n == 0
+        kernels = bwd_specializations(dtype, head_dim, target, causal, even_kv, even_q, atomic, cfg)
     pad = _cdiv(seqlen_q, _config.BWD_ROW_PAD) * _config.BWD_ROW_PAD
     rows_pad = batch * nheads * pad
 
@@ -262,6 +405,8 @@ def launch_bwd(dout: DeviceTensor, q: DeviceTensor, k: DeviceTensor, v: DeviceTe
     p["head_group"] = nheads // nheads_kv
     p["seqlen_q"], p["seqlen_k"], p["seqlen_q_pad"] = seqlen_q, seqlen_k, pad
     p["scale_log2"], p["scale"] = softmax_scale * LOG2E, softmax_scale
+    if mask is not None:
+        _set_mask(p, mask, softmax_scale, nheads, seqlen_q)
 
     (pre, _, _), (dkdv, smem, _), (last, last_smem, _) = kernels
     grids = []
@@ -277,6 +422,8 @@ def launch_bwd(dout: DeviceTensor, q: DeviceTensor, k: DeviceTensor, v: DeviceTe
         if grid > MAX_GRID_X:
             raise ValueError(f"{spec.name}: {grid} thread blocks exceed the grid limit {MAX_GRID_X}; split the batch")
     for spec, sm, grid, threads, num_blocks in grids:
+        if grid == 0:  # a packed batch with max_seqlen 0 on one side
+            continue
         fn = _compile.get_function(spec, target, device_id, sm)
         p["num_blocks"] = num_blocks
         launch(fn, device_id, grid, threads, sm, stream_ptr, p.copy())

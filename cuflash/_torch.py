@@ -70,3 +70,115 @@ def _backward(ctx, dout, dlse):
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---- the optional features (cuflash/_features.py): one op pair for padded and packed batches ----
+# Array options are optional tensors; scalars are plain arguments. max_seqlen_q < 0 marks a padded
+# batch (q is 4-D); otherwise q, k, v are packed (3-D) and cu_seqlens_q / cu_seqlens_k are given.
+
+def _feats(window_left, window_right, num_sink_tokens, softcap, has_lengths, sink_logits, alibi_slopes):
+    from ._features import Features
+
+    return Features(window_left, window_right, num_sink_tokens, softcap, has_lengths, sink_logits is not None,
+                    alibi_slopes is not None)
+
+
+def _arrays(q_lengths, kv_lengths, cu_seqlens_q, cu_seqlens_k, sink_logits, alibi_slopes):
+    from ._features import FeatureArrays
+
+    return FeatureArrays(q_lengths, kv_lengths, cu_seqlens_q, cu_seqlens_k, sink_logits, alibi_slopes)
+
+
+@torch.library.custom_op("cuflash::attention_feat_fwd", mutates_args=())
+def attention_feat_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_lengths: torch.Tensor | None,
+                       kv_lengths: torch.Tensor | None, cu_seqlens_q: torch.Tensor | None,
+                       cu_seqlens_k: torch.Tensor | None, sink_logits: torch.Tensor | None,
+                       alibi_slopes: torch.Tensor | None, softmax_scale: float, deterministic: bool,
+                       window_left: int, window_right: int, num_sink_tokens: int, softcap: float,
+                       max_seqlen_q: int, max_seqlen_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    dtype = str(q.dtype).replace("torch.", "")
+    packed = (max_seqlen_q, max_seqlen_k) if max_seqlen_q >= 0 else None
+    has_lengths = packed is not None or q_lengths is not None or kv_lengths is not None
+    feats = _feats(window_left, window_right, num_sink_tokens, softcap, has_lengths, sink_logits, alibi_slopes)
+    arrays = _arrays(q_lengths, kv_lengths, cu_seqlens_q, cu_seqlens_k, sink_logits, alibi_slopes)
+    return _api.forward_feat_impl(q, k, v, "torch", _device(q), dtype, softmax_scale, feats, arrays, packed)
+
+
+@attention_feat_fwd.register_fake
+def _attention_feat_fwd_fake(q, k, v, q_lengths, kv_lengths, cu_seqlens_q, cu_seqlens_k, sink_logits, alibi_slopes,
+                             softmax_scale, deterministic, window_left, window_right, num_sink_tokens, softcap,
+                             max_seqlen_q, max_seqlen_k):
+    if max_seqlen_q >= 0:
+        total_q, h, _ = q.shape
+        return q.new_empty(q.shape), q.new_empty((h, total_q), dtype=torch.float32)
+    b, sq, h, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((b, h, sq), dtype=torch.float32)
+
+
+@torch.library.custom_op("cuflash::attention_feat_bwd", mutates_args=())
+def attention_feat_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                       lse: torch.Tensor, q_lengths: torch.Tensor | None, kv_lengths: torch.Tensor | None,
+                       cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
+                       sink_logits: torch.Tensor | None, alibi_slopes: torch.Tensor | None, softmax_scale: float,
+                       window_left: int, window_right: int, num_sink_tokens: int, softcap: float,
+                       max_seqlen_q: int, max_seqlen_k: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dsink); dsink is an empty tensor without sink logits."""
+    dtype = str(q.dtype).replace("torch.", "")
+    packed = (max_seqlen_q, max_seqlen_k) if max_seqlen_q >= 0 else None
+    has_lengths = packed is not None or q_lengths is not None or kv_lengths is not None
+    feats = _feats(window_left, window_right, num_sink_tokens, softcap, has_lengths, sink_logits, alibi_slopes)
+    arrays = _arrays(q_lengths, kv_lengths, cu_seqlens_q, cu_seqlens_k, sink_logits, alibi_slopes)
+    dq, dk, dv, dsink = _api.backward_feat_impl(dout, q, k, v, out, lse, "torch", _device(q), dtype, softmax_scale,
+                                                feats, arrays, packed)
+    if dsink is None:
+        dsink = q.new_empty((0,), dtype=torch.float32)
+    return dq, dk, dv, dsink
+
+
+@attention_feat_bwd.register_fake
+def _attention_feat_bwd_fake(dout, q, k, v, out, lse, q_lengths, kv_lengths, cu_seqlens_q, cu_seqlens_k, sink_logits,
+                             alibi_slopes, softmax_scale, window_left, window_right, num_sink_tokens, softcap,
+                             max_seqlen_q, max_seqlen_k):
+    n = 0 if sink_logits is None else sink_logits.shape[0]
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), q.new_empty((n,), dtype=torch.float32)
+
+
+_FEAT_ARRAYS = ("q_lengths", "kv_lengths", "cu_seqlens_q", "cu_seqlens_k", "sink_logits", "alibi_slopes")
+
+
+def _feat_setup_context(ctx, inputs, output):
+    q, k, v = inputs[:3]
+    arrays = inputs[3:9]
+    ctx.scalars = inputs[9:]  # softmax_scale, deterministic, window_left, window_right, sinks, softcap, max_q, max_k
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, *arrays)
+    ctx.has_array = [a is not None for a in arrays]
+    ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)
+
+
+def _feat_backward(ctx, dout, dlse):
+    q, k, v, out, lse, *arrays = ctx.saved_tensors
+    arrays = [a if has else None for a, has in zip(arrays, ctx.has_array)]
+    scale, _det, left, right, sinks, cap, mq, mk = ctx.scalars
+    none_rest = (None,) * 9  # alibi_slopes and the 8 scalars
+    if dout is None:
+        sink = arrays[4]
+        return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None, None, None, None,
+                None if sink is None else torch.zeros_like(sink)) + none_rest
+    dq, dk, dv, dsink = torch.ops.cuflash.attention_feat_bwd(dout, q, k, v, out, lse, *arrays, scale, left, right,
+                                                             sinks, cap, mq, mk)
+    return (dq, dk, dv, None, None, None, None, dsink if arrays[4] is not None else None) + none_rest
+
+
+attention_feat_fwd.register_autograd(_feat_backward, setup_context=_feat_setup_context)
+
+
+def attention_features(q, k, v, scale, feats, arrays, packed, deterministic):
+    """The feature forward through the custom op (autograd, torch.compile): (out, lse)."""
+    mq, mk = packed if packed is not None else (-1, -1)
+    return torch.ops.cuflash.attention_feat_fwd(
+        q, k, v, arrays.q_lengths, arrays.kv_lengths, arrays.cu_seqlens_q, arrays.cu_seqlens_k, arrays.sink_logits,
+        arrays.alibi_slopes, float(scale), bool(deterministic), feats.window_left, feats.window_right,
+        feats.num_sink_tokens, float(feats.softcap), int(mq), int(mk))

@@ -9,34 +9,23 @@ no gradient (its dq row is 0), never NaN.
 The analytic backward of O = softmax(scale * Q K^T, masked) V for a loss with dL/dO = dO::
 
     dV = P^T dO,  dP = dO V^T,  dS = P * (dP - rowsum(dP * P)),  dQ = scale dS K,  dK = scale dS^T Q
-"""
 
-import math
+With the features of cuflash/_features.py (the forward is cuflash._reference.attention_reference's, with the
+dense mask and ALiBi bias of feature_mask_bias):
+
+* the mask and the ALiBi bias change P only (the bias is a constant: slopes get no gradient);
+* softcap c: S = c * tanh(S_raw / c), so dS_raw = dS * (1 - tanh(S_raw / c)^2) before the two products;
+* sink logits: the sink is an extra key with logit sink[h] and value 0; its dP is 0, so its dS is
+  -P_sink * rowsum(dP * P) = -exp(sink - lse) * D with D = rowsum(dO * O), and
+  d sink[h] = sum over batch and rows of that;
+* padded rows (i >= q_len) and keys past kv_len have P = 0: zero dq rows and zero dk / dv rows.
+"""
 
 import numpy as np
 
-from cuflash._reference import causal_mask
+from cuflash._reference import _NaiveForward
 
 __all__ = ["attention_grad_reference"]
-
-
-def _heads_first(x, repeat, acc):
-    """(batch, seqlen, heads, d) -> acc (batch, heads * repeat, seqlen, d), each head repeated `repeat` times."""
-    x = np.swapaxes(np.asarray(x), 1, 2).astype(acc)
-    return np.repeat(x, repeat, axis=1) if repeat > 1 else x
-
-
-def _softmax(s, visible):
-    """Softmax over the last axis of s with hidden keys removed; rows without a visible key give 0 (no warnings)."""
-    if visible is not None:
-        s = np.where(visible, s, -np.inf).astype(s.dtype, copy=False)
-    if s.shape[-1] == 0:
-        return np.zeros_like(s)
-    m = s.max(axis=-1, keepdims=True)
-    m = np.where(m == -np.inf, 0, m).astype(s.dtype, copy=False)
-    e = np.exp(s - m)
-    denom = e.sum(axis=-1, keepdims=True)
-    return e / np.where(denom > 0, denom, 1).astype(s.dtype, copy=False)
 
 
 def _group_sum(x, nheads_kv, rnd):
@@ -46,7 +35,9 @@ def _group_sum(x, nheads_kv, rnd):
     return np.ascontiguousarray(np.swapaxes(x, 1, 2))
 
 
-def attention_grad_reference(dout, q, k, v, causal=False, softmax_scale=None, compute_dtype=None):
+def attention_grad_reference(dout, q, k, v, causal=False, softmax_scale=None, compute_dtype=None, *, q_lengths=None,
+                             kv_lengths=None, window=(-1, -1), num_sink_tokens=0, sink_logits=None,
+                             alibi_slopes=None, softcap=0.0):
     """Gradients (dq, dk, dv) of sum(attention(q, k, v) * dout), computed naively (full score matrix).
 
     compute_dtype=None: exact, in float64 from the (upcast) inputs; returns float64 arrays.
@@ -56,52 +47,44 @@ def attention_grad_reference(dout, q, k, v, causal=False, softmax_scale=None, co
       cuflash._reference.attention_reference(..., compute_dtype='input'): S = round(scale * Q K^T) (one op),
       P = round(softmax(S)). Backward, op by op:
         dV_h = round(P^T dO),  dP = round(dO V^T),  dS = round(P * (dP - rowsum(dP * P))),
+        [softcap: dS = round(dS * (1 - t^2)), t = the forward's float32 tanh]
         dQ = round(scale * dS K),  dK_h = round(scale * dS^T Q),
       and the GQA repeat's backward sums dK_h, dV_h over the group in float32, rounded once.
       Returns arrays in the input dtype.
+    Feature keywords as attention_reference's (see the module docstring for their gradients).
     Shapes: dq like q, dk and dv like k (C-contiguous).
+    -> (dq, dk, dv), or (dq, dk, dv, dsink) when sink_logits is given: dsink (nheads,), float64 in exact mode,
+    float32 in 'input' mode (there: -sum exp(sink - lse) * rowsum(dO * out) in float32 from the naive input-dtype
+    forward's out and float32 lse, i.e. the formula of cuflash/_features.py evaluated on the naive forward).
     """
-    q, k, v, dout = (np.asarray(x) for x in (q, k, v, dout))
-    dtype = q.dtype
-    batch, seqlen_q, nheads, head_dim = q.shape
-    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
-    group = nheads // nheads_kv
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(head_dim)
-    visible = causal_mask(seqlen_q, seqlen_k) if causal else None
+    dtype = np.asarray(q).dtype
+    nheads_kv = np.asarray(k).shape[2]
+    fw = _NaiveForward(q, k, v, causal, softmax_scale, compute_dtype, q_lengths, kv_lengths, window,
+                       num_sink_tokens, sink_logits, alibi_slopes, softcap)
+    rnd, scale, p = fw.rnd, fw.scale, fw.p
+    doh = np.swapaxes(np.asarray(dout), 1, 2).astype(fw.acc)
 
-    if compute_dtype is None:
-        acc = np.float64
-
-        def rnd(x):
-            return x
-    elif compute_dtype == "input":
-        acc = np.float32
-
-        def rnd(x):
-            return x.astype(dtype).astype(np.float32)
-    else:
-        raise ValueError(f"compute_dtype must be None or 'input', got {compute_dtype!r}")
-
-    qh = _heads_first(q, 1, acc)
-    kh = _heads_first(k, group, acc)
-    vh = _heads_first(v, group, acc)
-    doh = _heads_first(dout, 1, acc)
-    scale = acc(softmax_scale)
-
-    # Forward (what the backward needs of it): P.
-    s = rnd(scale * np.matmul(qh, np.swapaxes(kh, -1, -2)))
-    p = rnd(_softmax(s, visible))
-    # Backward.
     dv_h = rnd(np.matmul(np.swapaxes(p, -1, -2), doh))
-    dp = rnd(np.matmul(doh, np.swapaxes(vh, -1, -2)))
-    ds = rnd(p * (dp - (dp * p).sum(axis=-1, keepdims=True)))
-    dq = rnd(scale * np.matmul(ds, kh))
-    dk_h = rnd(scale * np.matmul(np.swapaxes(ds, -1, -2), qh))
+    dp = rnd(np.matmul(doh, np.swapaxes(fw.vh, -1, -2)))
+    d_row = (dp * p).sum(axis=-1, keepdims=True)  # = rowsum(dO * O): the sink's value is 0
+    ds = rnd(p * (dp - d_row))
+    if fw.tanh is not None:
+        ds = rnd(ds * (1 - fw.tanh * fw.tanh))  # through c * tanh(s / c)
+    dq = rnd(scale * np.matmul(ds, fw.kh))
+    dk_h = rnd(scale * np.matmul(np.swapaxes(ds, -1, -2), fw.qh))
 
     dq = np.ascontiguousarray(np.swapaxes(dq, 1, 2))
     dk = _group_sum(dk_h, nheads_kv, rnd)
     dv = _group_sum(dv_h, nheads_kv, rnd)
     if compute_dtype == "input":
         dq, dk, dv = (x.astype(dtype) for x in (dq, dk, dv))
-    return dq, dk, dv
+    if sink_logits is None:
+        return dq, dk, dv
+    # The sink column of dS is -P_sink * D; its sum over batch and rows is d sink[h]. Exact mode: D = rowsum(dP * P)
+    # (= rowsum(dO * O)). 'input' mode: the formula of cuflash/_features.py on the naive input-dtype forward,
+    # D = rowsum(dO * out) with out rounded to the input dtype, P_sink = exp(sink - lse) from its float32 lse, in
+    # float32 (as any implementation that computes D from the returned out, FlashAttention's included, does).
+    if compute_dtype == "input":
+        d_row = (doh * rnd(np.matmul(p, fw.vh))).sum(axis=-1, keepdims=True)
+    dsink = -(fw.p_sink * d_row[..., 0]).sum(axis=(0, 2))
+    return dq, dk, dv, dsink

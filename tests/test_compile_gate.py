@@ -33,6 +33,13 @@ def _ptxas_problems(name, smem, log, target):
 
 
 def _all_specs(kind, target):
+    if kind == "feat":
+        # The feature kernels (lengths, packed batches, window, sinks, ALiBi, softcap): per (dtype,
+        # head_dim) the forward, preprocess, dK/dV and dQ; plus the packed batch's two tail fills.
+        specs = _launch.all_feat_specializations(target)
+        assert len(specs) == len(_config.DTYPES) * len(_config.HEAD_DIMS) * 4 + 2
+        assert len({spec.name for spec, _ in specs}) == len(specs)
+        return specs
     if kind == "fwd":
         specs = _launch.all_fwd_specializations(target)
         # One specialization per (dtype, head_dim, causal, even): nothing may be left out.
@@ -53,7 +60,7 @@ def _all_specs(kind, target):
     return specs
 
 
-@pytest.mark.parametrize("kind", ["fwd", "bwd"])
+@pytest.mark.parametrize("kind", ["fwd", "bwd", "feat"])
 @pytest.mark.parametrize("target", TARGETS)
 def test_every_specialization_compiles_clean(kind, target, tmp_path, monkeypatch):
     specs = _all_specs(kind, target)
@@ -80,12 +87,17 @@ def test_gate_detects_spills_and_smem():
 
 
 def test_params_layout_matches_numpy_mirror():
-    """sizeof and every field offset of FwdParams equal the NumPy dtype's (static_assert in C++)."""
-    cfg = _config.fwd_config("sm90", 64, "float16")
-    spec, _ = _launch.fwd_specialization("float16", 64, cfg, False, True)
-    checks = _compile.params_layout_checks("cuflash", "FwdParams", _launch.FWD_PARAMS, offsets=True)
+    """sizeof and every field offset of FwdParams, BwdParams, MaskParams (nested in both) and
+    TailParams equal the NumPy dtypes' (static_assert in C++)."""
+    cfg = _config.feat_fwd_config("sm_90a", 64, "float16")
+    spec, _ = _launch.fwd_specialization("float16", 64, cfg, False, False, feat=True)
+    checks = "\n".join(_compile.params_layout_checks("cuflash", name, dt, offsets=True) for name, dt in (
+        ("FwdParams", _launch.FWD_PARAMS), ("BwdParams", _launch.BWD_PARAMS), ("MaskParams", _launch.MASK_PARAMS)))
     spec = _compile.Specialization(spec.source, spec.expression, spec.name, checks)
     _compile.nvrtc_compile(spec, "sm_90a")
+    tail = _launch.tail_specialization("u16")
+    checks = _compile.params_layout_checks("cuflash", "TailParams", _launch.TAIL_PARAMS, offsets=True)
+    _compile.nvrtc_compile(_compile.Specialization(tail.source, tail.expression, tail.name, checks), "sm_90a")
 
 
 def test_params_layout_check_can_fail():

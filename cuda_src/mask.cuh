@@ -1,0 +1,172 @@
+// mask.cuh: the optional features of the FEAT kernels (template flag FEAT of flash_fwd.cu and
+// flash_bwd.cu): per-sequence lengths (padded or packed batches), sliding window, sink tokens,
+// sink logits, ALiBi and softcap. cuflash/_features.py states the semantics; in short, for query
+// row i and key j of one sequence (valid lengths sq, sk, bottom-right shift i' = i + sk - sq):
+//   visible(i, j) = j < sk && (right < 0 || j <= i' + right)
+//                          && (left < 0 || j >= i' - left || j < num_sink_tokens)
+//   logit(i, j)   = cap(scale * q.k) - slope * |i' - j|,   cap(x) = c * tanh(x / c) (or x)
+// and the sink logit joins each row's softmax denominator as a key of value 0.
+//
+// Which tiles a block visits. A query block visits the sink tiles [0, ceil(min(sinks, hi) / BN))
+// and then the window's tiles [max(lo / BN, sink tiles), ceil(hi / BN)), where [lo, hi) bounds the
+// keys any of its rows may see; a key block visits the query blocks whose rows may see one of its
+// keys. Every other tile is fully masked: it is neither loaded nor computed. Of the visited tiles
+// only those that cross a bound pay for the element-wise mask (needs_mask).
+//
+// Padded rows. Rows i >= sq of a padded batch are not masked in the forward's loop (they are
+// finite garbage there); the epilogue writes out = 0 and lse = -inf for them. In the backward the
+// preprocess gives them lse_log2 = +inf, hence P = 0 and no gradient.
+#pragma once
+#include "common.cuh"
+
+namespace cuflash {
+
+// Appended to FwdParams and BwdParams; cuflash/_launch.py mirrors it (MASK_PARAMS).
+struct MaskParams {
+    const int* cu_seqlens_q;   // (batch + 1,) row offsets of a packed batch; null for a padded batch
+    const int* cu_seqlens_k;
+    const int* q_lengths;      // (batch,) valid query rows of a padded batch; null: seqlen_q
+    const int* kv_lengths;     // (batch,) valid keys; null: seqlen_k
+    const float* alibi_slopes; // slope of (b, h) at b * alibi_batch_stride + h; null: no ALiBi
+    const float* sink_logits;  // (nheads,), natural-log units; null: none
+    float* dsink_rows;         // backward: (batch, nheads, seqlen_q_pad) per-row terms of d sink_logits
+    i64 lse_batch_stride;      // lse element (b, h, row) = b * lse_batch_stride + h * lse_head_stride
+    i64 lse_head_stride;       //   + row0 + row: padded (nheads * seqlen_q, seqlen_q), packed (0, total_q)
+    int total_q, total_k;      // rows of the q / k arrays (cu_seqlens values are clamped to them)
+    int alibi_batch_stride;    // 0 for slopes of shape (nheads,)
+    int window_left;           // -1: unbounded
+    int window_right;          // -1: unbounded (causal is right = 0)
+    int num_sink_tokens;
+    float softcap;             // 0: off
+    float softcap_pre;         // softmax_scale / softcap: tanh's argument is s * softcap_pre
+    float softcap_log2;        // softcap * log2(e)
+};
+
+// Where one sequence lives and how long it is.
+struct SeqInfo {
+    i64 q_row0, k_row0;  // first row of the sequence in q / k (0 in a padded batch)
+    int sq, sk;          // valid query rows and keys
+    int q_rows, k_rows;  // rows of the output arrays that belong to the sequence: written by it
+};
+
+__device__ __forceinline__ SeqInfo seq_info(const MaskParams& m, int b, int seqlen_q, int seqlen_k) {
+    SeqInfo s;
+    if (m.cu_seqlens_q != nullptr) {
+        // Packed: seqlen_q / seqlen_k hold max_seqlen_q / max_seqlen_k, which bound the grid.
+        const int q0 = min(max(m.cu_seqlens_q[b], 0), m.total_q);
+        const int q1 = min(max(m.cu_seqlens_q[b + 1], q0), m.total_q);
+        const int k0 = min(max(m.cu_seqlens_k[b], 0), m.total_k);
+        const int k1 = min(max(m.cu_seqlens_k[b + 1], k0), m.total_k);
+        s.q_row0 = q0;
+        s.k_row0 = k0;
+        s.sq = s.q_rows = min(q1 - q0, seqlen_q);
+        s.sk = s.k_rows = min(k1 - k0, seqlen_k);
+    } else {
+        s.q_row0 = s.k_row0 = 0;
+        s.q_rows = seqlen_q;
+        s.k_rows = seqlen_k;
+        s.sq = m.q_lengths != nullptr ? min(max(m.q_lengths[b], 0), seqlen_q) : seqlen_q;
+        s.sk = m.kv_lengths != nullptr ? min(max(m.kv_lengths[b], 0), seqlen_k) : seqlen_k;
+    }
+    return s;
+}
+
+// The mask and score modification of one (sequence, head). It holds only what differs per block;
+// the window, sinks and softcap are read from the kernel's __grid_constant__ params at each use
+// (constant-bank operands), which keeps them out of registers in kernels that sit near 255.
+struct MaskInfo {
+    int sq, sk, shift;  // shift = sk - sq: query i sits at key position i' = i + shift
+    float alibi_log2;   // slope * log2(e) (0: off)
+
+    __device__ __forceinline__ void init(const MaskParams& m, const SeqInfo& s, int b, int h) {
+        sq = s.sq;
+        sk = s.sk;
+        shift = s.sk - s.sq;
+        alibi_log2 = 0.f;
+        set_head(m, b, h);
+    }
+
+    // ALiBi's slope belongs to the query head: the dK/dV kernel walks the heads of a GQA group.
+    __device__ __forceinline__ void set_head(const MaskParams& m, int b, int h) {
+        if (m.alibi_slopes != nullptr) alibi_log2 = m.alibi_slopes[(i64)b * m.alibi_batch_stride + h] * CUFLASH_LOG2E;
+    }
+
+    __device__ __forceinline__ bool visible(const MaskParams& m, int i, int j) const {
+        const int ip = i + shift;
+        return j < sk && (m.window_right < 0 || j - ip <= m.window_right)
+               && (m.window_left < 0 || ip - j <= m.window_left || j < m.num_sink_tokens);
+    }
+
+    // Keys [key_lo(r0), key_hi(r1)) hold every key that rows [r0, r1] (r1 inclusive) may see
+    // through the window; sink keys come on top of key_lo.
+    __device__ __forceinline__ int key_hi(const MaskParams& m, int r1) const {
+        return m.window_right < 0 ? sk : max(0, min(sk, r1 + shift + m.window_right + 1));
+    }
+    __device__ __forceinline__ int key_lo(const MaskParams& m, int r0) const {
+        return m.window_left < 0 ? 0 : max(0, r0 + shift - m.window_left);
+    }
+
+    // Whether the tile rows [m0, m0 + bm) x keys [n0, n0 + bn) has a key some row may not see.
+    __device__ __forceinline__ bool needs_mask(const MaskParams& m, int m0, int bm, int n0, int bn) const {
+        return n0 + bn > sk || (m.window_right >= 0 && n0 + bn - 1 > m0 + shift + m.window_right)
+               || (m.window_left >= 0 && n0 < m0 + bm - 1 + shift - m.window_left);
+    }
+
+    // The logit in log2 units of raw score s = q.k at (i, j); t gets tanh's value (softcap's
+    // derivative is 1 - t^2; t = 0 without softcap).
+    __device__ __forceinline__ float logit_log2(const MaskParams& m, float scale_log2, float s, int i, int j,
+                                                float& t) const {
+        float x;
+        if (m.softcap > 0.f) {
+            // tanh(y) = 1 - 2 / (exp(2y) + 1): saturates to +-1 without NaN (exp2 -> inf or 0); its
+            // absolute error stays near 1e-7, so the logit's error is ~1e-7 * softcap.
+            const float e = fast_exp2(s * m.softcap_pre * (2.f * CUFLASH_LOG2E));
+            t = 1.f - __fdividef(2.f, e + 1.f);
+            x = t * m.softcap_log2;
+        } else {
+            t = 0.f;
+            x = s * scale_log2;
+        }
+        if (alibi_log2 != 0.f) x -= alibi_log2 * fabsf((float)(i + shift - j));
+        return x;
+    }
+};
+
+// The key tiles a query block walks: the sink tiles [0, n_sink), then [start, end).
+struct KeyTiles {
+    int n_sink, start, count;
+    __device__ __forceinline__ int tile(int it) const { return it < n_sink ? it : start + (it - n_sink); }
+};
+
+template <int BLOCK_M, int BLOCK_N>
+__device__ __forceinline__ KeyTiles key_tiles(const MaskParams& m, const MaskInfo& mi, int m0) {
+    KeyTiles r;
+    r.n_sink = r.start = r.count = 0;
+    if (m0 >= mi.sq) return r;  // padding rows only
+    const int r1 = min(m0 + BLOCK_M, mi.sq) - 1;
+    const int hi = mi.key_hi(m, r1);
+    const int lo = mi.key_lo(m, m0);
+    const int sink_hi = (m.window_left < 0) ? 0 : min(m.num_sink_tokens, hi);
+    r.n_sink = (sink_hi + BLOCK_N - 1) / BLOCK_N;
+    const int end = (hi + BLOCK_N - 1) / BLOCK_N;
+    r.start = max(lo / BLOCK_N, r.n_sink);
+    r.count = r.n_sink + (lo < hi ? max(0, end - r.start) : 0);
+    return r;
+}
+
+// The query blocks [m_begin, m_end) whose valid rows may see a key of [n0, n0 + BLOCK_N).
+template <int BLOCK_M, int BLOCK_N>
+__device__ __forceinline__ void query_range(const MaskParams& m, const MaskInfo& mi, int n0, int& m_begin, int& m_iters) {
+    int q_lo = 0, q_hi = mi.sq;
+    if (m.window_right >= 0) q_lo = max(q_lo, n0 - m.window_right - mi.shift);
+    if (m.window_left >= 0 && n0 >= m.num_sink_tokens) q_hi = min(q_hi, n0 + BLOCK_N + m.window_left - mi.shift);
+    if (n0 >= mi.sk || q_lo >= q_hi) {
+        m_begin = 0;
+        m_iters = 0;
+        return;
+    }
+    m_begin = q_lo / BLOCK_M;
+    m_iters = (q_hi + BLOCK_M - 1) / BLOCK_M - m_begin;
+}
+
+}  // namespace cuflash
