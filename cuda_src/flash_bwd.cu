@@ -37,7 +37,8 @@
 // mask's strides (lse of a packed batch is (nheads, total_q)); the per-row scratch stays
 // (batch, nheads, seqlen_q_pad) with seqlen_q = max_seqlen_q, so its tiles stay aligned. With sink
 // logits it also writes each row's term of d sink = -sum_i exp(sink - lse_i) D_i, which the host
-// sums. The atomic dQ path is not built with FEAT.
+// sums. The atomic dQ path with FEAT is the sm_90a wgmma kernel's (flash_bwd_sm90.cu), whose
+// conversion kernel then also finds each row's sequence.
 //
 // Grids are 1-D: blockIdx.x enumerates (batch, head, block along the sequence), so batch * nheads
 // is not bounded by the 65535 limit of grid y / z.
@@ -203,7 +204,8 @@ flash_bwd_dkdv_kernel(const __grid_constant__ BwdParams p) {
         si.q_row0 = si.k_row0 = 0;
     }
     const int iters = m_iters * p.head_group;
-    const bool score_mod = FEAT && (p.mask.softcap > 0.f || p.mask.alibi_slopes != nullptr);
+    bool score_mod = false;  // softcap or ALiBi: every tile's scores are modified
+    if constexpr (FEAT) score_mod = p.mask.softcap > 0.f || p.mask.alibi_slopes != nullptr;
 
     const T* gK = static_cast<const T*>(p.k) + b * p.k_batch_stride + h_kv * p.k_head_stride + (si.k_row0 + n0) * p.k_row_stride;
     const T* gV = static_cast<const T*>(p.v) + b * p.v_batch_stride + h_kv * p.v_head_stride + (si.k_row0 + n0) * p.v_row_stride;
@@ -372,7 +374,7 @@ flash_bwd_dkdv_kernel(const __grid_constant__ BwdParams p) {
 // ------------------------------------------------------------------------------------------------
 // 3a. dq = scale * dq_accum (atomic path); one warp per (batch, head, query row)
 // ------------------------------------------------------------------------------------------------
-template <typename T, int HEAD_DIM>
+template <typename T, int HEAD_DIM, bool FEAT = false>
 __global__ void __launch_bounds__(256)
 flash_bwd_convert_dq_kernel(const __grid_constant__ BwdParams p) {
     const int lane = threadIdx.x % 32;
@@ -383,6 +385,13 @@ flash_bwd_convert_dq_kernel(const __grid_constant__ BwdParams p) {
     const int h = (int)(bh % p.nheads), b = (int)(bh / p.nheads);
     const float* acc = p.dq_accum + (bh * p.seqlen_q_pad + i) * HEAD_DIM;
     T* dq = static_cast<T*>(p.dq) + b * p.dq_batch_stride + i * p.dq_row_stride + h * p.dq_head_stride;
+    if constexpr (FEAT) {
+        // The row among the sequence's own rows (packed: offset by cu_seqlens_q; rows past it are
+        // another sequence's). Padding rows of a padded batch get 0 (nothing was added to them).
+        const SeqInfo si = seq_info(p.mask, b, p.seqlen_q, p.seqlen_k);
+        if (i >= si.q_rows) return;
+        dq += si.q_row0 * p.dq_row_stride;
+    }
     for (int c = lane; c < HEAD_DIM / 8; c += 32) {
         const float4 x = reinterpret_cast<const float4*>(acc)[2 * c];
         const float4 y = reinterpret_cast<const float4*>(acc)[2 * c + 1];
@@ -451,7 +460,8 @@ flash_bwd_dq_kernel(const __grid_constant__ BwdParams p) {
         si.q_row0 = si.k_row0 = 0;
     }
     auto tile_of = [&](int it) { if constexpr (FEAT) return kt.tile(it); else return it; };
-    const bool score_mod = FEAT && (p.mask.softcap > 0.f || p.mask.alibi_slopes != nullptr);
+    bool score_mod = false;  // softcap or ALiBi: every tile's scores are modified
+    if constexpr (FEAT) score_mod = p.mask.softcap > 0.f || p.mask.alibi_slopes != nullptr;
 
     const T* gQ = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + (si.q_row0 + m0) * p.q_row_stride;
     const T* gdO = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride + (si.q_row0 + m0) * p.do_row_stride;

@@ -53,11 +53,24 @@ struct BwdSm90Traits {
     static_assert(DQ_N % 16 == 0, "dQ columns per warpgroup");
 };
 
+// The plain kernel's own expressions when !F (the FEAT additions then leave its code untouched).
+template <bool F>
+__device__ __forceinline__ i64 row_offset(i64 row0, int r) {
+    if constexpr (F) return row0 + r;
+    else return (i64)r;
+}
+template <bool F>
+__device__ __forceinline__ int pick(int feat_value, int plain_value) {
+    if constexpr (F) return feat_value;
+    else return plain_value;
+}
+
 __device__ __forceinline__ void red_add_v2(float* addr, float a, float b) {
     asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" :: "l"(addr), "f"(a), "f"(b) : "memory");
 }
 
-template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, bool IS_CAUSAL, bool IS_EVEN, bool ATOMIC_DQ>
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, bool IS_CAUSAL, bool IS_EVEN, bool ATOMIC_DQ,
+          bool FEAT = false>
 __global__ void __launch_bounds__(BLOCK_N / 64 * 128, 1)
 flash_bwd_dkdv_sm90_kernel(const __grid_constant__ BwdParams p) {
     using Tr = BwdSm90Traits<HEAD_DIM, BLOCK_M, BLOCK_N>;
@@ -80,24 +93,51 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ BwdParams p) {
 
     const int sq = p.seqlen_q, sk = p.seqlen_k;
     const KeyBlock blk = key_block<BLOCK_M, BLOCK_N, IS_CAUSAL>(blockIdx.x, p.num_blocks, p.nheads_kv, sq, sk);
-    const int h_kv = blk.h_kv, b = blk.b, n0 = blk.n0, m_begin = blk.m_begin, m_iters = blk.m_iters;
+    const int h_kv = blk.h_kv, b = blk.b, n0 = blk.n0;
+    int m_begin = blk.m_begin, m_iters = blk.m_iters;
+
+    // With FEAT (mask.cuh): the sequence, its mask, and the query blocks
+    // whose rows may see these keys. A block past its sequence runs no iteration and writes nothing
+    // (no early return: a branch around the wgmma code would serialize it).
+    SeqInfo si;
+    MaskInfo mi;
+    int q_valid = sq, k_valid = sk;
+    bool score_mod = false;
+    if constexpr (FEAT) {
+        static_assert(!IS_CAUSAL && !IS_EVEN, "FEAT kernels: masks are run-time");
+        si = seq_info(p.mask, b, sq, sk);
+        mi.init(p.mask, si, b, h_kv * p.head_group);
+        query_range<BLOCK_M, BLOCK_N>(p.mask, mi, n0, m_begin, m_iters);
+        q_valid = si.sq;
+        k_valid = si.sk;
+        score_mod = p.mask.softcap > 0.f || p.mask.alibi_slopes != nullptr;
+    } else {
+        si.q_row0 = si.k_row0 = 0;
+    }
     const int iters = m_iters * p.head_group;
 
-    const u16* gK = static_cast<const u16*>(p.k) + b * p.k_batch_stride + h_kv * p.k_head_stride + (i64)n0 * p.k_row_stride;
-    const u16* gV = static_cast<const u16*>(p.v) + b * p.v_batch_stride + h_kv * p.v_head_stride + (i64)n0 * p.v_row_stride;
+    const u16* gK = static_cast<const u16*>(p.k) + b * p.k_batch_stride + h_kv * p.k_head_stride + row_offset<FEAT>(si.k_row0, n0) * p.k_row_stride;
+    const u16* gV = static_cast<const u16*>(p.v) + b * p.v_batch_stride + h_kv * p.v_head_stride + row_offset<FEAT>(si.k_row0, n0) * p.v_row_stride;
 
     auto load_q_tiles = [&](int it) {
         const int hq = h_kv * p.head_group + it / m_iters;
         const int m0 = (m_begin + it % m_iters) * BLOCK_M;
         const int st = it % 2;
-        const u16* gQ = static_cast<const u16*>(p.q) + b * p.q_batch_stride + hq * p.q_head_stride + (i64)m0 * p.q_row_stride;
-        const u16* gdO = static_cast<const u16*>(p.dout) + b * p.do_batch_stride + hq * p.do_head_stride + (i64)m0 * p.do_row_stride;
-        load_tile_sw128<HEAD_DIM, BLOCK_M, THREADS, !IS_EVEN>(sQ + st * Tr::SQ_BYTES, gQ, p.q_row_stride, sq - m0, tid);
-        load_tile_sw128<HEAD_DIM, BLOCK_M, THREADS, !IS_EVEN>(sdO + st * Tr::SQ_BYTES, gdO, p.do_row_stride, sq - m0, tid);
+        const u16* gQ = static_cast<const u16*>(p.q) + b * p.q_batch_stride + hq * p.q_head_stride + row_offset<FEAT>(si.q_row0, m0) * p.q_row_stride;
+        const u16* gdO = static_cast<const u16*>(p.dout) + b * p.do_batch_stride + hq * p.do_head_stride + row_offset<FEAT>(si.q_row0, m0) * p.do_row_stride;
+        load_tile_sw128<HEAD_DIM, BLOCK_M, THREADS, !IS_EVEN>(sQ + st * Tr::SQ_BYTES, gQ, p.q_row_stride, pick<FEAT>(q_valid, sq) - m0, tid);
+        load_tile_sw128<HEAD_DIM, BLOCK_M, THREADS, !IS_EVEN>(sdO + st * Tr::SQ_BYTES, gdO, p.do_row_stride, pick<FEAT>(q_valid, sq) - m0, tid);
         // lse straight from the forward's (batch, nheads, seqlen_q) array, 4 bytes a row, rows past
-        // seqlen_q zero-filled; delta from the padded scratch, 16 bytes at a time.
+        // seqlen_q zero-filled; delta from the padded scratch, 16 bytes at a time. FEAT reads the
+        // preprocess's lse * log2(e) scratch instead (+inf on padding rows: P = 0 there).
         const i64 bhq = (i64)b * p.nheads + hq;
-        if (tid < BLOCK_M) {
+        if (FEAT && tid < BLOCK_M / 4) {
+            cp_async_16(sRows + (st * BLOCK_M + 4 * tid) * 4, p.lse_log2 + bhq * p.seqlen_q_pad + m0 + 4 * tid, 16);
+        } else if (FEAT && tid >= BLOCK_M && tid < BLOCK_M + BLOCK_M / 4) {
+            const int c = tid - BLOCK_M;
+            cp_async_16(sRows + ((2 + st) * BLOCK_M + 4 * c) * 4, p.delta + bhq * p.seqlen_q_pad + m0 + 4 * c, 16);
+        } else if (FEAT) {
+        } else if (tid < BLOCK_M) {
             const bool ok = m0 + tid < sq;
             cp_async_4(sRows + (st * BLOCK_M + tid) * 4, p.lse + (ok ? bhq * sq + m0 + tid : 0), ok ? 4 : 0);
         } else if (tid < BLOCK_M + BLOCK_M / 4) {
@@ -106,8 +146,8 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ BwdParams p) {
         }
     };
 
-    load_tile_sw128<HEAD_DIM, BLOCK_N, THREADS, !IS_EVEN>(sK, gK, p.k_row_stride, sk - n0, tid);
-    load_tile_sw128<HEAD_DIM, BLOCK_N, THREADS, !IS_EVEN>(sV, gV, p.v_row_stride, sk - n0, tid);
+    load_tile_sw128<HEAD_DIM, BLOCK_N, THREADS, !IS_EVEN>(sK, gK, p.k_row_stride, pick<FEAT>(k_valid, sk) - n0, tid);
+    load_tile_sw128<HEAD_DIM, BLOCK_N, THREADS, !IS_EVEN>(sV, gV, p.v_row_stride, pick<FEAT>(k_valid, sk) - n0, tid);
     if (iters > 0) load_q_tiles(0);
     cp_async_commit();
 
@@ -153,8 +193,36 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ BwdParams p) {
         // per-element test is a compile-time constant against one register.
         const int diag_lim = m0 + diag_base;
         u32 pa[Q_STEPS][4], da[Q_STEPS][4];  // P^T and dS^T as wgmma A fragments, one per k16 step
+        bool slow = false, edge = false;  // FEAT: this warp's 16 keys x BLOCK_M queries
+        if constexpr (FEAT) {
+            mi.set_head(p.mask, b, hq);
+            edge = mi.needs_mask(p.mask, m0, BLOCK_M, n0 + key_row0, 16);
+            slow = score_mod || edge;
+        }
 #pragma unroll
         for (int j = 0; j < BLOCK_M / 8; ++j) {
+          if (FEAT) {
+            // lse_log2 from the scratch (+inf for padding rows); logits and masks as the forward.
+            const float2 l2 = ld_shared_f32x2(lse_s + 32 * j);
+            const float2 dl = ld_shared_f32x2(dlt_s + 32 * j);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int i = 4 * j + e;
+                float pv, dsv;
+                if (slow) {
+                    const int key = n0 + key_row0 + g + (e / 2) * 8, query = m0 + 8 * j + 2 * t + (e % 2);
+                    float tanh_s;
+                    const float x = mi.logit_log2(p.mask, p.scale_log2, s[i], query, key, tanh_s);
+                    pv = (edge && !mi.visible(p.mask, query, key)) ? 0.f : fast_exp2(x - (e % 2 ? l2.y : l2.x));
+                    dsv = pv * (dp[i] - (e % 2 ? dl.y : dl.x)) * (1.f - tanh_s * tanh_s);
+                } else {
+                    pv = fast_exp2(fmaf(s[i], p.scale_log2, -(e % 2 ? l2.y : l2.x)));
+                    dsv = pv * (dp[i] - (e % 2 ? dl.y : dl.x));
+                }
+                s[i] = pv;
+                dp[i] = dsv;
+            }
+          } else {
             // lse -> lse * log2(e). A query that sees no key (lse = -inf) exists only under causal
             // with seqlen_q > seqlen_k, and every tile holding it crosses the diagonal, where the
             // mask below overwrites its P (+inf here) with 0. Rows past seqlen_q read lse = 0 and have
@@ -176,6 +244,7 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ BwdParams p) {
                 s[i] = pv;
                 dp[i] = pv * (dp[i] - (e % 2 ? dl.y : dl.x));
             }
+          }
             // n8 tile j is half of k16 step j / 2: registers 2 (j % 2) and 2 (j % 2) + 1 of it.
             const int kk = j / 2, r = 2 * (j % 2);
             pa[kk][r] = Ops::pack(s[4 * j], s[4 * j + 1]);
@@ -250,6 +319,13 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ BwdParams p) {
         const KeyBlock eblk = key_block<BLOCK_M, BLOCK_N, IS_CAUSAL>(opaque(blockIdx.x), p.num_blocks, p.nheads_kv,
                                                                      p.seqlen_q, p.seqlen_k);
         const int n0 = eblk.n0, h_kv = eblk.h_kv, b = eblk.b;
+        i64 k_row0 = 0;
+        int k_rows = p.seqlen_k;  // keys this block writes
+        if constexpr (FEAT) {
+            const SeqInfo esi = seq_info(p.mask, b, p.seqlen_q, p.seqlen_k);
+            k_row0 = esi.k_row0;
+            k_rows = esi.k_rows;
+        }
 #pragma unroll
         for (int dt = 0; dt < D_TILES; ++dt)
 #pragma unroll
@@ -260,13 +336,13 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ BwdParams p) {
                 st_shared_u32(sK + off, Ops::pack(acc_dk[4 * dt + 2 * r] * p.scale, acc_dk[4 * dt + 2 * r + 1] * p.scale));
             }
         __syncwarp();
-        T* gdK = static_cast<T*>(p.dk) + b * p.dk_batch_stride + h_kv * p.dk_head_stride + (i64)n0 * p.dk_row_stride;
-        T* gdV = static_cast<T*>(p.dv) + b * p.dv_batch_stride + h_kv * p.dv_head_stride + (i64)n0 * p.dv_row_stride;
+        T* gdK = static_cast<T*>(p.dk) + b * p.dk_batch_stride + h_kv * p.dk_head_stride + row_offset<FEAT>(k_row0, n0) * p.dk_row_stride;
+        T* gdV = static_cast<T*>(p.dv) + b * p.dv_batch_stride + h_kv * p.dv_head_stride + row_offset<FEAT>(k_row0, n0) * p.dv_row_stride;
 #pragma unroll
         for (int i = 0; i < 16 * D_TILES / 32; ++i) {
             const int c = lane + i * 32;
             const int row = key_row0 + c / D_TILES, chunk = c % D_TILES;
-            if (IS_EVEN || n0 + row < sk) {
+            if (IS_EVEN || n0 + row < k_rows) {
                 const u32 off = sw128_offset(row, chunk, BLOCK_N);
                 *reinterpret_cast<uint4*>(gdK + row * p.dk_row_stride + chunk * 8) = ld_shared_u128(sK + off);
                 *reinterpret_cast<uint4*>(gdV + row * p.dv_row_stride + chunk * 8) = ld_shared_u128(sV + off);

@@ -107,7 +107,8 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
         si.q_row0 = si.k_row0 = 0;
     }
     auto tile_of = [&](int it) { if constexpr (FEAT) return kt.tile(it); else return it; };
-    const bool score_mod = FEAT && (p.mask.softcap > 0.f || mi.alibi_log2 != 0.f);
+    bool score_mod = false;  // softcap or ALiBi: every tile's scores are modified
+    if constexpr (FEAT) score_mod = p.mask.softcap > 0.f || p.mask.alibi_slopes != nullptr;
 
     const T* gQ = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + (si.q_row0 + m0) * p.q_row_stride;
     const T* gK = static_cast<const T*>(p.k) + b * p.k_batch_stride + h_kv * p.k_head_stride + si.k_row0 * p.k_row_stride;

@@ -26,7 +26,10 @@
 // layout of wgmma_util.cuh. HEAD_DIM is a multiple of 64. The epilogue writes O through sQ.
 //
 // Causal alignment, the empty-row convention, the grid mapping and FwdParams are those of
-// flash_fwd.cu.
+// flash_fwd.cu, and so is FEAT (the optional features of mask.cuh): the key tiles of key_tiles,
+// masks on the tiles a bound crosses, log2-unit logits for softcap / ALiBi, a sink logit seeding the
+// softmax. A block that lies past its sequence in a packed batch runs no iteration and writes nothing
+// (no early return: any branch around the wgmma code would serialize it).
 #include "blocks.cuh"
 #include "common.cuh"
 #include "params.cuh"
@@ -52,7 +55,7 @@ struct FwdSm90Traits {
     static_assert(BLOCK_M % 64 == 0 && BLOCK_N % 16 == 0 && BLOCK_N <= 256, "tile shape");
 };
 
-template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, bool IS_CAUSAL, bool IS_EVEN>
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, bool IS_CAUSAL, bool IS_EVEN, bool FEAT = false>
 __global__ void __launch_bounds__(BLOCK_M / 64 * 128, 1)
 flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p) {
     using Tr = FwdSm90Traits<HEAD_DIM, BLOCK_M, BLOCK_N>;
@@ -73,14 +76,39 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p) {
 
     const int sq = p.seqlen_q, sk = p.seqlen_k;
     const QueryBlock blk = query_block<BLOCK_M, BLOCK_N, IS_CAUSAL>(blockIdx.x, p.num_m_blocks, p.nheads, p.head_group, sq, sk);
-    const int h = blk.h, b = blk.b, h_kv = blk.h_kv, m0 = blk.m0, n_blocks = blk.n_blocks;
+    const int h = blk.h, b = blk.b, h_kv = blk.h_kv, m0 = blk.m0;
+    int n_blocks = blk.n_blocks;
 
-    const u16* gQ = static_cast<const u16*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + (i64)m0 * p.q_row_stride;
-    const u16* gK = static_cast<const u16*>(p.k) + b * p.k_batch_stride + h_kv * p.k_head_stride;
-    const u16* gV = static_cast<const u16*>(p.v) + b * p.v_batch_stride + h_kv * p.v_head_stride;
+    // With FEAT: the sequence's rows, its valid lengths, its mask and the key tiles to visit.
+    SeqInfo si;
+    MaskInfo mi;
+    KeyTiles kt;
+    int q_valid = sq, k_valid = sk, q_rows = sq;  // rows past q_rows are not written
+    if constexpr (FEAT) {
+        si = seq_info(p.mask, b, sq, sk);
+        mi.init(p.mask, si, b, h);
+        kt = key_tiles<BLOCK_M, BLOCK_N>(p.mask, mi, m0);
+        n_blocks = m0 < si.q_rows ? kt.count : 0;
+        q_valid = si.sq;
+        k_valid = si.sk;
+        q_rows = si.q_rows;
+    } else {
+        si.q_row0 = si.k_row0 = 0;
+    }
+    auto tile_of = [&](int it) { if constexpr (FEAT) return kt.tile(it); else return it; };
+    bool score_mod = false;  // softcap or ALiBi: every tile's scores are modified
+    if constexpr (FEAT) score_mod = p.mask.softcap > 0.f || p.mask.alibi_slopes != nullptr;
 
-    load_tile_sw128<HEAD_DIM, BLOCK_M, THREADS, !IS_EVEN>(sQ, gQ, p.q_row_stride, sq - m0, tid);
-    if (n_blocks > 0) load_tile_sw128<HEAD_DIM, BLOCK_N, THREADS, !IS_EVEN>(sK, gK, p.k_row_stride, sk, tid);
+    const u16* gQ = static_cast<const u16*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + (si.q_row0 + m0) * p.q_row_stride;
+    const u16* gK = static_cast<const u16*>(p.k) + b * p.k_batch_stride + h_kv * p.k_head_stride + si.k_row0 * p.k_row_stride;
+    const u16* gV = static_cast<const u16*>(p.v) + b * p.v_batch_stride + h_kv * p.v_head_stride + si.k_row0 * p.v_row_stride;
+
+    load_tile_sw128<HEAD_DIM, BLOCK_M, THREADS, !IS_EVEN>(sQ, gQ, p.q_row_stride, q_valid - m0, tid);
+    if (n_blocks > 0) {
+        const int n_first = tile_of(0) * BLOCK_N;
+        load_tile_sw128<HEAD_DIM, BLOCK_N, THREADS, !IS_EVEN>(sK, gK + (i64)n_first * p.k_row_stride, p.k_row_stride,
+                                                              k_valid - n_first, tid);
+    }
     // Stage 1 of V stands for "V_(-1)" in iteration 0, whose product P V adds 0 * V: zero-fill it
     // (cp.async with no source bytes), so that no stale NaN pattern in shared memory can leak in.
     load_tile_sw128<HEAD_DIM, BLOCK_N, THREADS, true>(sV + Tr::SKV_BYTES, gV, p.v_row_stride, 0, tid);
@@ -91,6 +119,9 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p) {
     for (int i = 0; i < HEAD_DIM / 2; ++i) acc_o[i] = 0.f;
     OnlineSoftmax<1, N_TILES> softmax;
     softmax.init();
+    if constexpr (FEAT) {
+        if (p.mask.sink_logits != nullptr) softmax.seed(p.mask.sink_logits[h] * CUFLASH_LOG2E, t == 0);
+    }
     u32 pa[PV_STEPS][4];  // P of the previous tile, as wgmma A fragments (one per k16 step of keys)
 #pragma unroll
     for (int kk = 0; kk < PV_STEPS; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
@@ -104,13 +135,13 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p) {
         fence_proxy_async();
         __syncthreads();  // K_j and V_(j-1) are in; stages (j + 1) % 2 of K and j % 2 of V are free
         {
-            const i64 n1 = (i64)(j + 1) * BLOCK_N;
+            const i64 n1 = (i64)tile_of(j + 1) * BLOCK_N;
             if (j + 1 < n_blocks)
                 load_tile_sw128<HEAD_DIM, BLOCK_N, THREADS, !IS_EVEN>(
-                    sK + ((j + 1) % 2) * Tr::SKV_BYTES, gK + n1 * p.k_row_stride, p.k_row_stride, sk - (int)n1, tid);
-            const i64 n0 = (i64)j * BLOCK_N;
+                    sK + ((j + 1) % 2) * Tr::SKV_BYTES, gK + n1 * p.k_row_stride, p.k_row_stride, k_valid - (int)n1, tid);
+            const i64 n0 = (i64)tile_of(j) * BLOCK_N;
             load_tile_sw128<HEAD_DIM, BLOCK_N, THREADS, !IS_EVEN>(
-                sV + (j % 2) * Tr::SKV_BYTES, gV + n0 * p.v_row_stride, p.v_row_stride, sk - (int)n0, tid);
+                sV + (j % 2) * Tr::SKV_BYTES, gV + n0 * p.v_row_stride, p.v_row_stride, k_valid - (int)n0, tid);
             cp_async_commit();
         }
         const u32 sKj = sK + (j % 2) * Tr::SKV_BYTES;
@@ -127,22 +158,39 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p) {
         fence_regs(s);
 
         // ---- mask, only on tiles that need it ----
-        const int n0 = j * BLOCK_N;
-        const bool tail = !IS_EVEN && n0 + BLOCK_N > sk;
-        const bool diag = IS_CAUSAL && n0 + BLOCK_N - 1 > m0 + warp_row0 + sk - sq;
-        if (tail || diag) {
+        const int n0 = tile_of(j) * BLOCK_N;
+        float sc = p.scale_log2;
+        if constexpr (FEAT) {
+            // As flash_fwd.cu: logits in log2 units (softcap, ALiBi) and the mask, where needed.
+            const bool edge = mi.needs_mask(p.mask, m0 + warp_row0, 16, n0, BLOCK_N);
+            if (score_mod || edge) {
 #pragma unroll
-            for (int i = 0; i < BLOCK_N / 2; ++i) {
-                const int row = m0 + warp_row0 + g + ((i % 4) / 2) * 8;
-                const int col = n0 + (i / 4) * 8 + 2 * t + (i % 2);
-                bool masked = col >= sk;
-                if (IS_CAUSAL) masked = masked || col > row + sk - sq;
-                if (masked) s[i] = -CUFLASH_INF;
+                for (int i = 0; i < BLOCK_N / 2; ++i) {
+                    const int row = m0 + warp_row0 + g + ((i % 4) / 2) * 8;
+                    const int col = n0 + (i / 4) * 8 + 2 * t + (i % 2);
+                    float tanh_s;
+                    const float x = mi.logit_log2(p.mask, p.scale_log2, s[i], row, col, tanh_s);
+                    s[i] = (edge && !mi.visible(p.mask, row, col)) ? -CUFLASH_INF : x;
+                }
+                sc = 1.f;
+            }
+        } else {
+            const bool tail = !IS_EVEN && n0 + BLOCK_N > sk;
+            const bool diag = IS_CAUSAL && n0 + BLOCK_N - 1 > m0 + warp_row0 + sk - sq;
+            if (tail || diag) {
+#pragma unroll
+                for (int i = 0; i < BLOCK_N / 2; ++i) {
+                    const int row = m0 + warp_row0 + g + ((i % 4) / 2) * 8;
+                    const int col = n0 + (i / 4) * 8 + 2 * t + (i % 2);
+                    bool masked = col >= sk;
+                    if (IS_CAUSAL) masked = masked || col > row + sk - sq;
+                    if (masked) s[i] = -CUFLASH_INF;
+                }
             }
         }
 
         float alpha[1][2];
-        softmax.update(*reinterpret_cast<float(*)[1][N_TILES][4]>(&s), p.scale_log2, alpha);
+        softmax.update(*reinterpret_cast<float(*)[1][N_TILES][4]>(&s), sc, alpha);
 
         wgmma_wait<0>();
         fence_regs(acc_o);
@@ -174,6 +222,15 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p) {
     // ---- epilogue: O /= l, lse, O through this warp's 16 rows of sQ ----
     float inv_l[1][2], lse[1][2];
     softmax.finalize(inv_l, lse);
+    if constexpr (FEAT) {
+        // Rows past the sequence's valid length (padding of a padded batch): out = 0, lse = -inf.
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+            if (m0 + warp_row0 + g + r * 8 >= si.sq) {
+                inv_l[0][r] = 0.f;
+                lse[0][r] = -CUFLASH_INF;
+            }
+    }
 #pragma unroll
     for (int dt = 0; dt < D_TILES; ++dt)
 #pragma unroll
@@ -183,23 +240,24 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p) {
             *reinterpret_cast<u32*>(sQ_ptr + sw128_offset(row, dt, BLOCK_M) + 4 * t) = v;
         }
     if (t == 0) {
-        float* g_lse = p.lse + ((i64)b * p.nheads + h) * sq;
+        float* g_lse = FEAT ? p.lse + b * p.mask.lse_batch_stride + h * p.mask.lse_head_stride + si.q_row0
+                            : p.lse + ((i64)b * p.nheads + h) * sq;
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const int row = m0 + warp_row0 + g + r * 8;
-            if (IS_EVEN || row < sq) g_lse[row] = lse[0][r];
+            if (IS_EVEN || row < q_rows) g_lse[row] = lse[0][r];
         }
     }
     __syncwarp();
 
-    T* gO = static_cast<T*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride + (i64)m0 * p.o_row_stride;
+    T* gO = static_cast<T*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride + (si.q_row0 + m0) * p.o_row_stride;
     constexpr int WARP_CHUNKS = 16 * D_TILES;
 #pragma unroll
     for (int i = 0; i < WARP_CHUNKS / 32; ++i) {
         const int c = lane + i * 32;
         const int row = warp_row0 + c / D_TILES;
         const int chunk = c % D_TILES;
-        if (IS_EVEN || m0 + row < sq) {
+        if (IS_EVEN || m0 + row < q_rows) {
             const uint4 v = *reinterpret_cast<const uint4*>(sQ_ptr + sw128_offset(row, chunk, BLOCK_M));
             *reinterpret_cast<uint4*>(gO + row * p.o_row_stride + chunk * 8) = v;
         }

@@ -157,16 +157,13 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
         raise TypeError(f"return_lse: expected a bool; got {type(return_lse).__name__}")
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic: expected a bool; got {type(deterministic).__name__}")
-    b, sq, h, _ = (int(n) for n in q.shape)
-    arrays = FeatureArrays(q_lengths=q_lengths, kv_lengths=kv_lengths, sink_logits=sink_logits,
-                           alibi_slopes=alibi_slopes)
-    feats, plain = check_features(lib, device, batch=b, nheads=h, seqlen_q=sq, seqlen_k=int(k.shape[1]),
-                                  causal=bool(causal), window=window, num_sink_tokens=num_sink_tokens,
-                                  softcap=softcap, arrays=arrays, packed=False)
-    if not plain:
-        out, lse = _feature_forward(q, k, v, lib, device, dtype, scale, feats, arrays, None, deterministic)
-        return (out, lse) if return_lse else out
-    causal = feats.window_right == 0  # a window (-1, 0) is causal attention
+    if _any_feature(q_lengths, kv_lengths, window, num_sink_tokens, sink_logits, alibi_slopes, softcap):
+        feats, plain, arrays = _padded_features(q, k, lib, device, causal, q_lengths, kv_lengths, window,
+                                                num_sink_tokens, sink_logits, alibi_slopes, softcap)
+        if not plain:
+            out, lse = _feature_forward(q, k, v, lib, device, dtype, scale, feats, arrays, None, deterministic)
+            return (out, lse) if return_lse else out
+        causal = feats.window_right == 0  # a window (-1, 0) is causal attention
     if lib == "torch":
         import torch
 
@@ -274,23 +271,21 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool = False, softmax_sc
         dq, dk, dv with the shapes and dtype of q, k, v (dk and dv summed over the query heads of
         each GQA group), the caller's kind of array. Rows that see no key contribute zero gradient.
         With sink_logits, a fourth result: d sink_logits, float32 (nheads,).
-        The feature kernels always take the separate, deterministic dQ pass.
     """
     lib, device, dtype, scale = _check_backward_inputs(dout, q, k, v, out, lse, causal, softmax_scale, deterministic)
     if device[0] == "traced":
         from ._jax import jit_error
 
         raise jit_error("attention_backward")
-    b, sq, h, _ = (int(n) for n in q.shape)
-    arrays = FeatureArrays(q_lengths=q_lengths, kv_lengths=kv_lengths, sink_logits=sink_logits,
-                           alibi_slopes=alibi_slopes)
-    feats, plain = check_features(lib, device, batch=b, nheads=h, seqlen_q=sq, seqlen_k=int(k.shape[1]),
-                                  causal=bool(causal), window=window, num_sink_tokens=num_sink_tokens,
-                                  softcap=softcap, arrays=arrays, packed=False)
-    if not plain:
-        grads = backward_feat_impl(dout, q, k, v, out, lse, lib, device, dtype, scale, feats, arrays, None)
-        return grads if sink_logits is not None else grads[:3]
-    return backward_impl(dout, q, k, v, out, lse, lib, device, dtype, feats.window_right == 0, scale, deterministic)
+    if _any_feature(q_lengths, kv_lengths, window, num_sink_tokens, sink_logits, alibi_slopes, softcap):
+        feats, plain, arrays = _padded_features(q, k, lib, device, causal, q_lengths, kv_lengths, window,
+                                                num_sink_tokens, sink_logits, alibi_slopes, softcap)
+        if not plain:
+            grads = backward_feat_impl(dout, q, k, v, out, lse, lib, device, dtype, scale, feats, arrays, None,
+                                       deterministic)
+            return grads if sink_logits is not None else grads[:3]
+        causal = feats.window_right == 0
+    return backward_impl(dout, q, k, v, out, lse, lib, device, dtype, bool(causal), scale, deterministic)
 
 
 def backward_impl(dout, q, k, v, out, lse, lib, device, dtype, causal, scale, deterministic):
@@ -341,6 +336,25 @@ def _attention_backward_gpu(dout, q, k, v, out, lse, lib, device_id, dtype, caus
 # The optional features (cuflash/_features.py): padded and packed batches, window, sinks, ALiBi,
 # softcap. `packed` is (max_seqlen_q, max_seqlen_k) for attention_varlen, else None.
 # ------------------------------------------------------------------------------------------------
+
+def _any_feature(q_lengths, kv_lengths, window, num_sink_tokens, sink_logits, alibi_slopes, softcap) -> bool:
+    """Whether any option is set: a plain call skips their checks (it is host time on every call)."""
+    return not (q_lengths is None and kv_lengths is None and window is None and sink_logits is None
+                and alibi_slopes is None and softcap is None and type(num_sink_tokens) is int
+                and num_sink_tokens == 0)
+
+
+def _padded_features(q, k, lib, device, causal, q_lengths, kv_lengths, window, num_sink_tokens, sink_logits,
+                     alibi_slopes, softcap):
+    """check_features for a padded (4-D) call: (Features, plain, FeatureArrays)."""
+    b, sq, h, _ = (int(n) for n in q.shape)
+    arrays = FeatureArrays(q_lengths=q_lengths, kv_lengths=kv_lengths, sink_logits=sink_logits,
+                           alibi_slopes=alibi_slopes)
+    feats, plain = check_features(lib, device, batch=b, nheads=h, seqlen_q=sq, seqlen_k=int(k.shape[1]),
+                                  causal=bool(causal), window=window, num_sink_tokens=num_sink_tokens,
+                                  softcap=softcap, arrays=arrays, packed=False)
+    return feats, plain, arrays
+
 
 def _check_varlen_inputs(q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
     """Validates a packed call: 3-D q, k, v, then the checks of `attention` on their 4-D views."""
@@ -429,7 +443,8 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
                               seqlen_q=packed[0], seqlen_k=packed[1], causal=bool(causal), window=window,
                               num_sink_tokens=num_sink_tokens, softcap=softcap, arrays=arrays, packed=True,
                               total_q=int(q.shape[0]), total_k=int(k.shape[0]))
-    grads = backward_feat_impl(dout, q, k, v, out, lse, lib, device, dtype, scale, feats, arrays, packed)
+    grads = backward_feat_impl(dout, q, k, v, out, lse, lib, device, dtype, scale, feats, arrays, packed,
+                               deterministic)
     return grads if sink_logits is not None else grads[:3]
 
 
@@ -473,11 +488,12 @@ def forward_feat_impl(q, k, v, lib, device, dtype, scale, feats: Features, array
 
 
 def backward_feat_impl(dout, q, k, v, out, lse, lib, device, dtype, scale, feats: Features, arrays: FeatureArrays,
-                       packed):
+                       packed, deterministic=False):
     """The feature backward: (dq, dk, dv, dsink), dsink None without sink logits."""
     if device[0] == "cpu":
         return _backward_feat_cpu(dout, q, k, v, out, lse, lib, scale, feats, arrays, packed)
-    return _backward_feat_gpu(dout, q, k, v, out, lse, lib, device[1], dtype, scale, feats, arrays, packed)
+    return _backward_feat_gpu(dout, q, k, v, out, lse, lib, device[1], dtype, scale, feats, arrays, packed,
+                              deterministic)
 
 
 # ---- CPU (NumPy): a packed batch runs one sequence at a time ----
@@ -641,8 +657,8 @@ def _forward_feat_gpu(q, k, v, lib, device_id, dtype, scale, feats, arrays, pack
     return ctx.export(out), ctx.export(lse)
 
 
-def _backward_feat_gpu(dout, q, k, v, out, lse, lib, device_id, dtype, scale, feats, arrays, packed):
-    from . import _launch
+def _backward_feat_gpu(dout, q, k, v, out, lse, lib, device_id, dtype, scale, feats, arrays, packed, deterministic):
+    from . import _config, _launch
     from ._gpu import compute_capability
 
     ctx = _interop.GpuContext(lib, device_id)
@@ -663,7 +679,14 @@ def _backward_feat_gpu(dout, q, k, v, out, lse, lib, device_id, dtype, scale, fe
         sq, h = packed[0], qv.shape[1]
         total_q, total_k = qv.shape[0], kv.shape[0]
     pad = _launch.bwd_row_pad(sq)
+    d = qv.shape[-1]
+    # dQ by float atomics from sm_90a's wgmma dK/dV kernel where it fits, unless deterministic.
+    atomic = _config.feat_bwd_uses_atomics(deterministic, _config.compile_arch(*cc), d)
     _rows_buf, rows = ctx.empty((max(1, 2 * batch * h * pad),), "float32")
+    acc_ptr = 0
+    if atomic:
+        _acc_buf, acc = ctx.empty((max(1, batch * h * pad * d),), "float32")
+        acc_ptr = acc.ptr
     dsink_rows = dsv = None
     if arrays.sink_logits is not None:
         dsink_rows, dsv = ctx.empty((batch, h, pad), "float32")
@@ -675,7 +698,7 @@ def _backward_feat_gpu(dout, q, k, v, out, lse, lib, device_id, dtype, scale, fe
         views = (_packed4(dov, batch, mq), _packed4(qv, batch, mq), _packed4(kv, batch, mk), _packed4(vv, batch, mk),
                  _packed4(ov, batch, mq), _packed4(dqv, batch, mq), _packed4(dkv, batch, mk), _packed4(dvv, batch, mk))
     d4, q4, k4, v4, o4, dq4, dk4, dv4 = views
-    _launch.launch_bwd(d4, q4, k4, v4, o4, lv.ptr, dq4, dk4, dv4, rows.ptr, 0, dtype, False, scale, False,
+    _launch.launch_bwd(d4, q4, k4, v4, o4, lv.ptr, dq4, dk4, dv4, rows.ptr, acc_ptr, dtype, False, scale, atomic,
                        device_id, cc, ctx.stream_ptr, mask=m)
     if packed is not None:
         for t, cu in ((dqv, m.cu_seqlens_q), (dkv, m.cu_seqlens_k), (dvv, m.cu_seqlens_k)):

@@ -241,13 +241,23 @@ def _check_family_head_dim(family: str, head_dim: int) -> None:
 
 
 # ---- the kernels with the optional features (lengths, packed batches, window, sinks, ALiBi,
-# softcap; cuda_src/mask.cuh). They are the mma.sync kernels with FEAT = true on every target,
-# sm_90a included: the wgmma kernels do not take the features yet.
+# softcap; cuda_src/mask.cuh): the kernels above with FEAT = true, on both the mma.sync and the
+# sm_90a wgmma kernels. The backward always takes the separate (mma.sync) dQ pass.
 
-def feat_fwd_config(target: str, head_dim: int, dtype: str) -> TileConfig:
-    """Forward tiles of the feature kernel: the mma.sync table's causal choice, whose shorter key
-    tiles suit windows (a window (256, 0) visits about 256 / BLOCK_N + 2 tiles a row block)."""
-    return fwd_config(family_of_target(target), head_dim, dtype, causal=True)
+# A bounded window narrower than this many keys takes the mma.sync forward on sm_90a too: each
+# query block then visits a few tiles, and the wgmma kernel's 128 x 128 tiles waste more of them. At
+# window (256, 0), bf16, batch 2 x seqlen 16384, 16 heads, head_dim 128, on an H100 (CUDA-graph
+# replay, bench/dev/window_ab.py): mma.sync 0.58 ms, wgmma 0.71 ms. Wider windows were not measured.
+NARROW_WINDOW = 1024
+
+
+def feat_fwd_config(target: str, head_dim: int, dtype: str, narrow_window: bool = False) -> TileConfig:
+    """Forward tiles of the feature kernel: the causal choice of the target's table (on sm_90a the
+    wgmma kernel where it serves the head_dim, unless narrow_window); causal tiles suit windows,
+    which the feature kernel masks the same way."""
+    if narrow_window:
+        return fwd_config(family_of_target(target), head_dim, dtype, causal=True)
+    return fwd_config_for_target(target, head_dim, dtype, causal=True)
 
 
 def feat_bwd_config(target: str, head_dim: int, dtype: str) -> TileConfig:
@@ -256,9 +266,23 @@ def feat_bwd_config(target: str, head_dim: int, dtype: str) -> TileConfig:
     32x64x4 too). 64x64x8 fits (204-212 registers) and measured within 4 % of 32x128x8 for the
     plain kernel (152 / 136 against 158 / 138)."""
     family = family_of_target(target)
+    if target == "sm_90a" and head_dim in WGMMA_BWD_HEAD_DIMS:
+        return bwd_config_for_target(target, head_dim, dtype)  # the wgmma kernel, without atomics
     if family in ("sm80", "sm90") and 112 < head_dim <= 128:
         return TileConfig(64, 64, 8)
     return bwd_config(family, head_dim, dtype)
+
+
+# head_dims at which the feature backward on sm_90a adds dQ with float atomics from the wgmma dK/dV
+# kernel when deterministic=False, as the plain backward does. At 128 that kernel spills (104 B of
+# stack) with the mask code on top of the dQ product, so 128 keeps the separate dQ pass.
+FEAT_ATOMIC_DQ_HEAD_DIMS = (64,)
+
+
+def feat_bwd_uses_atomics(deterministic: bool, target: str, head_dim: int) -> bool:
+    """Whether the feature backward accumulates dQ with float atomics (see FEAT_ATOMIC_DQ_HEAD_DIMS)."""
+    return (not deterministic and target == "sm_90a" and head_dim in FEAT_ATOMIC_DQ_HEAD_DIMS
+            and feat_bwd_config(target, head_dim, "float16").wgmma)
 
 
 def feat_dq_config(target: str, head_dim: int, dtype: str) -> TileConfig:

@@ -79,7 +79,7 @@ def attention_features(q, k, v, scale, feats, arrays, packed, deterministic):
         a = replace(arrays, sink_logits=sink)
         lib, device, dtype, _ = _api._check_inputs(*(x if q.ndim == 4 else x[None] for x in (q, k, v)), False, scale)
         dq, dk, dv, dsink = _api.backward_feat_impl(dout, q, k, v, out, lse, lib, device, dtype, scale, feats, a,
-                                                    packed)
+                                                    packed, deterministic)
         return dq, dk, dv, dsink
 
     @jax.custom_vjp

@@ -127,7 +127,7 @@ def fwd_specialization(dtype: str, head_dim: int, cfg: _config.TileConfig, causa
     flags = f"{'true' if causal else 'false'}, {'true' if even else 'false'}"
     suffix = f"_{'causal' if causal else 'full'}_{'even' if even else 'ragged'}"
     if feat:
-        assert not (causal or even or cfg.wgmma), (causal, even, cfg)
+        assert not (causal or even), (causal, even, cfg)
         flags += ", true"
         suffix = "_feat"
     if cfg.wgmma:
@@ -165,15 +165,24 @@ def all_feat_specializations(target: str, head_dims=None, dtypes=None, backward=
     out = []
     for dtype in dtypes or _config.DTYPES:
         for d in head_dims or _config.HEAD_DIMS:
-            out.append(fwd_specialization(dtype, d, _config.feat_fwd_config(target, d, dtype), False, False, True))
+            fwd_cfgs = {_config.feat_fwd_config(target, d, dtype, narrow) for narrow in (False, True)}
+            for cfg in sorted(fwd_cfgs, key=lambda c: c.wgmma):
+                out.append(fwd_specialization(dtype, d, cfg, False, False, True))
             if backward:
-                out += [(spec, smem) for spec, smem, _ in
-                        bwd_specializations(dtype, d, target, False, False, False, False, feat=True)]
+                for atomic in feat_bwd_atomic_choices(target, d):
+                    out += [(spec, smem) for spec, smem, _ in
+                            bwd_specializations(dtype, d, target, False, False, False, atomic, feat=True)]
     out += [(tail_specialization(e), 0) for e in ("u16", "u32")]
     return out
 
 
 _TAIL_CTYPE = {"u16": "unsigned short", "u32": "unsigned int"}
+
+
+def feat_bwd_atomic_choices(target: str, head_dim: int) -> tuple[bool, ...]:
+    """The dQ paths of the feature backward: the separate pass always; float atomics too where
+    deterministic=False takes them (_config.feat_bwd_uses_atomics)."""
+    return (False, True) if _config.feat_bwd_uses_atomics(False, target, head_dim) else (False,)
 
 
 def tail_specialization(elem: str):
@@ -204,13 +213,14 @@ def bwd_specializations(dtype: str, head_dim: int, target: str, causal: bool, ev
     even_kv / even_q: whether the lengths are multiples of the dK/dV and dQ kernels' tiles.
     atomic: dQ by float atomics in the dK/dV kernel (then a conversion kernel), or by the separate,
     deterministic dQ kernel. cfg overrides the dK/dV tile table (tuning scripts only).
-    feat: the kernels with the optional features (mma.sync, separate dQ pass; causal, even_* and
-    atomic must be False)."""
+    feat: the kernels with the optional features (causal and even_* must be False; atomic only with
+    the sm_90a wgmma dK/dV kernel)."""
     short, ctype = _DTYPE_TAG[dtype]
     family = _config.family_of_target(target)
     if feat:
-        assert not (causal or even_kv or even_q or atomic), (causal, even_kv, even_q, atomic)
+        assert not (causal or even_kv or even_q), (causal, even_kv, even_q)
         cfg = cfg or _config.feat_bwd_config(target, head_dim, dtype)
+        assert cfg.wgmma or not atomic, cfg
     cfg = cfg or _config.bwd_config_for_target(target, head_dim, dtype)
     fx = ", true" if feat else ""
     pre = _compile.Specialization(
@@ -221,7 +231,7 @@ def bwd_specializations(dtype: str, head_dim: int, target: str, causal: bool, ev
     suffix = (f"_{'causal' if causal else 'full'}_{'even' if even_kv else 'ragged'}"
               f"_{'atomic_dq' if atomic else 'no_dq'}")
     if feat:
-        suffix = "_feat"
+        suffix = "_feat" + ("_atomic_dq" if atomic else "")
     if cfg.wgmma:
         assert cfg.warps * 16 == cfg.block_n, cfg
         expr = f"cuflash::flash_bwd_dkdv_sm90_kernel<{ctype}, {head_dim}, {cfg.block_m}, {cfg.block_n}, {flags}>"
@@ -240,8 +250,8 @@ def bwd_specializations(dtype: str, head_dim: int, target: str, causal: bool, ev
     out = [(pre, 0, None), (dkdv, smem, cfg)]
     if atomic:
         conv = _compile.Specialization(
-            "flash_bwd.cu", f"cuflash::flash_bwd_convert_dq_kernel<{ctype}, {head_dim}>",
-            f"bwd_convert_dq_{short}_d{head_dim}", _BWD_CHECKS_PARAMS)
+            "flash_bwd.cu", f"cuflash::flash_bwd_convert_dq_kernel<{ctype}, {head_dim}{fx}>",
+            f"bwd_convert_dq_{short}_d{head_dim}{'_feat' if feat else ''}", _BWD_CHECKS_PARAMS)
         out.append((conv, 0, None))
     else:
         qcfg = _config.feat_dq_config(target, head_dim, dtype) if feat else _config.bwd_dq_config(family, head_dim, dtype)
@@ -291,7 +301,8 @@ def launch_fwd(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTenso
     target = _config.compile_arch(*cc)
     if mask is not None:
         assert not causal
-        cfg = cfg or _config.feat_fwd_config(target, head_dim, dtype)
+        narrow = 0 <= mask.window_left and mask.window_left + max(mask.window_right, 0) < _config.NARROW_WINDOW
+        cfg = cfg or _config.feat_fwd_config(target, head_dim, dtype, narrow)
         spec, smem = fwd_specialization(dtype, head_dim, cfg, False, False, feat=True)
     else:
         cfg = cfg or _config.fwd_config_for_target(target, head_dim, dtype, causal)
@@ -381,10 +392,10 @@ def launch_bwd(dout: DeviceTensor, q: DeviceTensor, k: DeviceTensor, v: DeviceTe
     family = _config.arch_family(*cc)
     target = _config.compile_arch(*cc)
     if mask is not None:
-        assert not (causal or atomic)
+        assert not causal
         cfg = cfg or _config.feat_bwd_config(target, head_dim, dtype)
         qcfg = _config.feat_dq_config(target, head_dim, dtype)
-        kernels = bwd_specializations(dtype, head_dim, target, False, False, False, False, cfg, feat=True)
+        kernels = bwd_specializations(dtype, head_dim, target, False, False, False, atomic, cfg, feat=True)
     else:
         cfg = cfg or _config.bwd_config_for_target(target, head_dim, dtype)
         qcfg = _config.bwd_dq_config(family, head_dim, dtype)
@@ -398,7 +409,9 @@ def launch_bwd(dout: DeviceTensor, q: DeviceTensor, k: DeviceTensor, v: DeviceTe
     p["q"], p["k"], p["v"], p["o"], p["dout"], p["lse"] = q.ptr, k.ptr, v.ptr, o.ptr, dout.ptr, lse_ptr
     p["dq"], p["dk"], p["dv"] = dq.ptr, dk.ptr, dv.ptr
     p["delta"] = rows_scratch_ptr
-    p["lse_log2"] = rows_scratch_ptr + 4 * rows_pad if bwd_needs_lse_log2(target, head_dim, atomic) else 0
+    # The feature kernels always read lse * log2(e) from the scratch (+inf marks padding rows).
+    needs_lse_log2 = mask is not None or bwd_needs_lse_log2(target, head_dim, atomic)
+    p["lse_log2"] = rows_scratch_ptr + 4 * rows_pad if needs_lse_log2 else 0
     p["dq_accum"] = dq_accum_ptr
     _set_strides(p, (("q", q), ("k", k), ("v", v), ("o", o), ("do", dout), ("dq", dq), ("dk", dk), ("dv", dv)))
     p["batch"], p["nheads"], p["nheads_kv"] = batch, nheads, nheads_kv
@@ -426,7 +439,9 @@ def launch_bwd(dout: DeviceTensor, q: DeviceTensor, k: DeviceTensor, v: DeviceTe
             continue
         fn = _compile.get_function(spec, target, device_id, sm)
         p["num_blocks"] = num_blocks
-        launch(fn, device_id, grid, threads, sm, stream_ptr, p.copy())
+        # cuLaunchKernel copies the argument bytes at the call, so one struct serves every launch
+        # (a copy per launch cost ~25 us of host time each).
+        launch(fn, device_id, grid, threads, sm, stream_ptr, p)
 
 
 def launch(fn, device_id: int, grid: int, threads: int, smem: int, stream_ptr: int, params: np.ndarray) -> None:

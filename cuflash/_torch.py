@@ -120,8 +120,8 @@ def attention_feat_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                        lse: torch.Tensor, q_lengths: torch.Tensor | None, kv_lengths: torch.Tensor | None,
                        cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
                        sink_logits: torch.Tensor | None, alibi_slopes: torch.Tensor | None, softmax_scale: float,
-                       window_left: int, window_right: int, num_sink_tokens: int, softcap: float,
-                       max_seqlen_q: int, max_seqlen_k: int
+                       deterministic: bool, window_left: int, window_right: int, num_sink_tokens: int,
+                       softcap: float, max_seqlen_q: int, max_seqlen_k: int
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dsink); dsink is an empty tensor without sink logits."""
     dtype = str(q.dtype).replace("torch.", "")
@@ -130,7 +130,7 @@ def attention_feat_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     feats = _feats(window_left, window_right, num_sink_tokens, softcap, has_lengths, sink_logits, alibi_slopes)
     arrays = _arrays(q_lengths, kv_lengths, cu_seqlens_q, cu_seqlens_k, sink_logits, alibi_slopes)
     dq, dk, dv, dsink = _api.backward_feat_impl(dout, q, k, v, out, lse, "torch", _device(q), dtype, softmax_scale,
-                                                feats, arrays, packed)
+                                                feats, arrays, packed, deterministic)
     if dsink is None:
         dsink = q.new_empty((0,), dtype=torch.float32)
     return dq, dk, dv, dsink
@@ -138,8 +138,8 @@ def attention_feat_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
 
 @attention_feat_bwd.register_fake
 def _attention_feat_bwd_fake(dout, q, k, v, out, lse, q_lengths, kv_lengths, cu_seqlens_q, cu_seqlens_k, sink_logits,
-                             alibi_slopes, softmax_scale, window_left, window_right, num_sink_tokens, softcap,
-                             max_seqlen_q, max_seqlen_k):
+                             alibi_slopes, softmax_scale, deterministic, window_left, window_right, num_sink_tokens,
+                             softcap, max_seqlen_q, max_seqlen_k):
     n = 0 if sink_logits is None else sink_logits.shape[0]
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), q.new_empty((n,), dtype=torch.float32)
 
@@ -161,14 +161,14 @@ def _feat_setup_context(ctx, inputs, output):
 def _feat_backward(ctx, dout, dlse):
     q, k, v, out, lse, *arrays = ctx.saved_tensors
     arrays = [a if has else None for a, has in zip(arrays, ctx.has_array)]
-    scale, _det, left, right, sinks, cap, mq, mk = ctx.scalars
+    scale, det, left, right, sinks, cap, mq, mk = ctx.scalars
     none_rest = (None,) * 9  # alibi_slopes and the 8 scalars
     if dout is None:
         sink = arrays[4]
         return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None, None, None, None,
                 None if sink is None else torch.zeros_like(sink)) + none_rest
-    dq, dk, dv, dsink = torch.ops.cuflash.attention_feat_bwd(dout, q, k, v, out, lse, *arrays, scale, left, right,
-                                                             sinks, cap, mq, mk)
+    dq, dk, dv, dsink = torch.ops.cuflash.attention_feat_bwd(dout, q, k, v, out, lse, *arrays, scale, det, left,
+                                                             right, sinks, cap, mq, mk)
     return (dq, dk, dv, None, None, None, None, dsink if arrays[4] is not None else None) + none_rest
 
 

@@ -35,9 +35,12 @@ def _ptxas_problems(name, smem, log, target):
 def _all_specs(kind, target):
     if kind == "feat":
         # The feature kernels (lengths, packed batches, window, sinks, ALiBi, softcap): per (dtype,
-        # head_dim) the forward, preprocess, dK/dV and dQ; plus the packed batch's two tail fills.
+        # head_dim) the forward, preprocess, dK/dV and dQ; on sm_90a the wgmma forward as well where
+        # it serves the head_dim (narrow windows keep the mma.sync one); the two tail fills.
+        # With the wgmma dK/dV kernel, also its atomic dQ path (preprocess zeroing dQ, dK/dV, conversion).
         specs = _launch.all_feat_specializations(target)
-        assert len(specs) == len(_config.DTYPES) * len(_config.HEAD_DIMS) * 4 + 2
+        wgmma = 0 if target != "sm_90a" else len(_config.WGMMA_FWD_HEAD_DIMS) + 3 * len(_config.FEAT_ATOMIC_DQ_HEAD_DIMS)
+        assert len(specs) == len(_config.DTYPES) * (len(_config.HEAD_DIMS) * 4 + wgmma) + 2
         assert len({spec.name for spec, _ in specs}) == len(specs)
         return specs
     if kind == "fwd":

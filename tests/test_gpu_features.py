@@ -1194,7 +1194,8 @@ def test_torch_varlen_autograd(cf, torch_cuda, dtype, causal):
     k = rng.standard_normal((tq, hkv, d)).astype(npdt)
     v = rng.standard_normal((tq, hkv, d)).astype(npdt)
     w = rng.standard_normal((tq, h, d)).astype(npdt)
-    feat = {"window": causal_window((20, 5), causal), "sink_logits": sink_values(rng, h), "alibi_slopes": alibi_slopes("h", rng, 6, h)}
+    feat = {"window": causal_window((20, 5), causal), "sink_logits": sink_values(rng, h),
+            "alibi_slopes": alibi_slopes("h", rng, 6, h)}
     msg = seed_msg(seed, f"torch varlen autograd {dtype} causal={causal} " + describe(feat))
     kw = api_kwargs(feat, lambda a: _np_to_torch(torch, a))
     kw["sink_logits"].requires_grad_(True)
