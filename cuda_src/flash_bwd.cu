@@ -444,29 +444,24 @@ flash_bwd_dq_kernel(const __grid_constant__ BwdParams p) {
     int n_blocks = blk.n_blocks;
 
     // With FEAT: the sequence, its mask and the key tiles to visit (as in the forward).
-    SeqInfo si;
-    MaskInfo mi;
-    KeyTiles kt;
-    int q_valid = sq, k_valid = sk;
+    QueryFeat qf;
+    int q_valid = sq, k_valid = sk;  // rows / keys past these are zero-filled in shared memory
     if constexpr (FEAT) {
-        si = seq_info(p.mask, b, sq, sk);
-        if (m0 >= si.q_rows) return;  // packed batch: the block lies past its sequence
-        mi.init(p.mask, si, b, h);
-        kt = key_tiles<BLOCK_M, BLOCK_N>(p.mask, mi, m0);
-        n_blocks = kt.count;
-        q_valid = si.sq;
-        k_valid = si.sk;
+        qf = query_feat<BLOCK_M, BLOCK_N>(p.mask, b, h, m0, sq, sk);
+        if (qf.past_end) return;
+        n_blocks = qf.kt.count;
+        q_valid = qf.si.sq;
+        k_valid = qf.si.sk;
     } else {
-        si.q_row0 = si.k_row0 = 0;
+        qf.si.q_row0 = qf.si.k_row0 = 0;
+        qf.score_mod = false;
     }
-    auto tile_of = [&](int it) { if constexpr (FEAT) return kt.tile(it); else return it; };
-    bool score_mod = false;  // softcap or ALiBi: every tile's scores are modified
-    if constexpr (FEAT) score_mod = p.mask.softcap > 0.f || p.mask.alibi_slopes != nullptr;
+    auto tile_of = [&](int it) { if constexpr (FEAT) return qf.kt.tile(it); else return it; };
 
-    const T* gQ = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + (si.q_row0 + m0) * p.q_row_stride;
-    const T* gdO = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride + (si.q_row0 + m0) * p.do_row_stride;
-    const T* gK = static_cast<const T*>(p.k) + b * p.k_batch_stride + h_kv * p.k_head_stride + si.k_row0 * p.k_row_stride;
-    const T* gV = static_cast<const T*>(p.v) + b * p.v_batch_stride + h_kv * p.v_head_stride + si.k_row0 * p.v_row_stride;
+    const T* gQ = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + (qf.si.q_row0 + m0) * p.q_row_stride;
+    const T* gdO = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride + (qf.si.q_row0 + m0) * p.do_row_stride;
+    const T* gK = static_cast<const T*>(p.k) + b * p.k_batch_stride + h_kv * p.k_head_stride + qf.si.k_row0 * p.k_row_stride;
+    const T* gV = static_cast<const T*>(p.v) + b * p.v_batch_stride + h_kv * p.v_head_stride + qf.si.k_row0 * p.v_row_stride;
 
     load_tile_async<T, HEAD_DIM, PITCH, BLOCK_M, THREADS, !IS_EVEN>(sQ, gQ, p.q_row_stride, q_valid - m0, tid);
     load_tile_async<T, HEAD_DIM, PITCH, BLOCK_M, THREADS, !IS_EVEN>(sdO, gdO, p.do_row_stride, q_valid - m0, tid);
@@ -515,8 +510,8 @@ flash_bwd_dq_kernel(const __grid_constant__ BwdParams p) {
         // FEAT: tiles inside every bound, without softcap or ALiBi, take the plain path below.
         bool slow = false, edge = false;
         if constexpr (FEAT) {
-            edge = mi.needs_mask(p.mask, m0, BLOCK_M, n0, BLOCK_N);
-            slow = score_mod || edge;
+            edge = qf.mi.needs_mask(p.mask, m0, BLOCK_M, n0, BLOCK_N);
+            slow = qf.score_mod || edge;
         }
         if (slow) {
 #pragma unroll
@@ -526,8 +521,8 @@ flash_bwd_dq_kernel(const __grid_constant__ BwdParams p) {
                     const int row = m0 + warp * 16 + g + (e / 2) * 8;
                     const int col = n0 + nt * 8 + 2 * t + (e % 2);
                     float tanh_s;
-                    const float x = mi.logit_log2(p.mask, p.scale_log2, s[nt][e], row, col, tanh_s);
-                    const float pv = (edge && !mi.visible(p.mask, row, col)) ? 0.f : fast_exp2(x - lse2[e / 2]);
+                    const float x = qf.mi.logit_log2(p.mask, p.scale_log2, s[nt][e], row, col, tanh_s);
+                    const float pv = (edge && !qf.mi.visible(p.mask, row, col)) ? 0.f : fast_exp2(x - lse2[e / 2]);
                     dp[nt][e] = pv * (dp[nt][e] - dlt[e / 2]) * (1.f - tanh_s * tanh_s);  // dS
                 }
         } else {
@@ -571,8 +566,8 @@ flash_bwd_dq_kernel(const __grid_constant__ BwdParams p) {
     }
     cp_async_wait<0>();
 
-    T* gdQ = static_cast<T*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride + si.q_row0 * p.dq_row_stride;
-    const int q_rows = FEAT ? si.q_rows : sq;  // rows this block writes
+    T* gdQ = static_cast<T*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride + qf.si.q_row0 * p.dq_row_stride;
+    const int q_rows = FEAT ? qf.si.q_rows : sq;  // rows this block writes
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int row = m0 + warp * 16 + g + r * 8;

@@ -91,28 +91,23 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
     int n_blocks = blk.n_blocks;
 
     // With FEAT: the sequence's rows, its valid lengths, its mask and the key tiles to visit.
-    SeqInfo si;
-    MaskInfo mi;
-    KeyTiles kt;
+    QueryFeat qf;
     int q_valid = sq, k_valid = sk;  // rows / keys past these are zero-filled in shared memory
     if constexpr (FEAT) {
-        si = seq_info(p.mask, b, sq, sk);
-        if (m0 >= si.q_rows) return;  // packed batch: the block lies past its sequence
-        mi.init(p.mask, si, b, h);
-        kt = key_tiles<BLOCK_M, BLOCK_N>(p.mask, mi, m0);
-        n_blocks = kt.count;
-        q_valid = si.sq;
-        k_valid = si.sk;
+        qf = query_feat<BLOCK_M, BLOCK_N>(p.mask, b, h, m0, sq, sk);
+        if (qf.past_end) return;
+        n_blocks = qf.kt.count;
+        q_valid = qf.si.sq;
+        k_valid = qf.si.sk;
     } else {
-        si.q_row0 = si.k_row0 = 0;
+        qf.si.q_row0 = qf.si.k_row0 = 0;
+        qf.score_mod = false;
     }
-    auto tile_of = [&](int it) { if constexpr (FEAT) return kt.tile(it); else return it; };
-    bool score_mod = false;  // softcap or ALiBi: every tile's scores are modified
-    if constexpr (FEAT) score_mod = p.mask.softcap > 0.f || p.mask.alibi_slopes != nullptr;
+    auto tile_of = [&](int it) { if constexpr (FEAT) return qf.kt.tile(it); else return it; };
 
-    const T* gQ = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + (si.q_row0 + m0) * p.q_row_stride;
-    const T* gK = static_cast<const T*>(p.k) + b * p.k_batch_stride + h_kv * p.k_head_stride + si.k_row0 * p.k_row_stride;
-    const T* gV = static_cast<const T*>(p.v) + b * p.v_batch_stride + h_kv * p.v_head_stride + si.k_row0 * p.v_row_stride;
+    const T* gQ = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + (qf.si.q_row0 + m0) * p.q_row_stride;
+    const T* gK = static_cast<const T*>(p.k) + b * p.k_batch_stride + h_kv * p.k_head_stride + qf.si.k_row0 * p.k_row_stride;
+    const T* gV = static_cast<const T*>(p.v) + b * p.v_batch_stride + h_kv * p.v_head_stride + qf.si.k_row0 * p.v_row_stride;
 
     load_tile_async<T, HEAD_DIM, PITCH, BLOCK_M, THREADS, !IS_EVEN>(sQ, gQ, p.q_row_stride, q_valid - m0, tid);
     cp_async_commit();
@@ -216,8 +211,8 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
             // Tiles inside every bound, without softcap or ALiBi, take the plain kernel's path. The
             // others: scores become log2-unit logits (softcap, ALiBi), masked where a bound crosses.
             float sc = p.scale_log2;
-            const bool edge = mi.needs_mask(p.mask, m0, BLOCK_M, n0, BLOCK_N);
-            if (score_mod || edge) {
+            const bool edge = qf.mi.needs_mask(p.mask, m0, BLOCK_M, n0, BLOCK_N);
+            if (qf.score_mod || edge) {
 #pragma unroll
                 for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
@@ -227,8 +222,8 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
                             const int row = m0 + warp_row0 + mt * 16 + g + (e / 2) * 8;
                             const int col = n0 + nt * 8 + 2 * t + (e % 2);
                             float tanh_s;
-                            const float x = mi.logit_log2(p.mask, p.scale_log2, s[mt][nt][e], row, col, tanh_s);
-                            s[mt][nt][e] = (edge && !mi.visible(p.mask, row, col)) ? -CUFLASH_INF : x;
+                            const float x = qf.mi.logit_log2(p.mask, p.scale_log2, s[mt][nt][e], row, col, tanh_s);
+                            s[mt][nt][e] = (edge && !qf.mi.visible(p.mask, row, col)) ? -CUFLASH_INF : x;
                         }
                 sc = 1.f;  // already in log2 units
             }
@@ -304,7 +299,7 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
         for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
             for (int r = 0; r < 2; ++r)
-                if (m0 + warp_row0 + mt * 16 + g + r * 8 >= si.sq) {
+                if (m0 + warp_row0 + mt * 16 + g + r * 8 >= qf.si.sq) {
                     inv_l[mt][r] = 0.f;
                     lse[mt][r] = -CUFLASH_INF;
                 }
@@ -322,9 +317,9 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
             }
 
     // Rows this block writes: [m0, q_rows) of the sequence (FEAT), or of seqlen_q.
-    const int q_rows = FEAT ? si.q_rows : sq;
+    const int q_rows = FEAT ? qf.si.q_rows : sq;
     if (t == 0) {
-        float* g_lse = FEAT ? p.lse + b * p.mask.lse_batch_stride + h * p.mask.lse_head_stride + si.q_row0
+        float* g_lse = FEAT ? p.lse + b * p.mask.lse_batch_stride + h * p.mask.lse_head_stride + qf.si.q_row0
                             : p.lse + ((i64)b * p.nheads + h) * sq;
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt)
@@ -336,7 +331,7 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
     }
     __syncwarp();
 
-    T* gO = static_cast<T*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride + (si.q_row0 + m0) * p.o_row_stride;
+    T* gO = static_cast<T*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride + (qf.si.q_row0 + m0) * p.o_row_stride;
     constexpr int CHUNKS = Tr::CHUNKS;
     constexpr int WARP_CHUNKS = Tr::ROWS_PER_WARP * CHUNKS;
 #pragma unroll

@@ -80,28 +80,23 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p) {
     int n_blocks = blk.n_blocks;
 
     // With FEAT: the sequence's rows, its valid lengths, its mask and the key tiles to visit.
-    SeqInfo si;
-    MaskInfo mi;
-    KeyTiles kt;
+    QueryFeat qf;
     int q_valid = sq, k_valid = sk, q_rows = sq;  // rows past q_rows are not written
     if constexpr (FEAT) {
-        si = seq_info(p.mask, b, sq, sk);
-        mi.init(p.mask, si, b, h);
-        kt = key_tiles<BLOCK_M, BLOCK_N>(p.mask, mi, m0);
-        n_blocks = m0 < si.q_rows ? kt.count : 0;
-        q_valid = si.sq;
-        k_valid = si.sk;
-        q_rows = si.q_rows;
+        qf = query_feat<BLOCK_M, BLOCK_N>(p.mask, b, h, m0, sq, sk);  // past_end: no tile
+        n_blocks = qf.kt.count;
+        q_valid = qf.si.sq;
+        k_valid = qf.si.sk;
+        q_rows = qf.si.q_rows;
     } else {
-        si.q_row0 = si.k_row0 = 0;
+        qf.si.q_row0 = qf.si.k_row0 = 0;
+        qf.score_mod = false;
     }
-    auto tile_of = [&](int it) { if constexpr (FEAT) return kt.tile(it); else return it; };
-    bool score_mod = false;  // softcap or ALiBi: every tile's scores are modified
-    if constexpr (FEAT) score_mod = p.mask.softcap > 0.f || p.mask.alibi_slopes != nullptr;
+    auto tile_of = [&](int it) { if constexpr (FEAT) return qf.kt.tile(it); else return it; };
 
-    const u16* gQ = static_cast<const u16*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + (si.q_row0 + m0) * p.q_row_stride;
-    const u16* gK = static_cast<const u16*>(p.k) + b * p.k_batch_stride + h_kv * p.k_head_stride + si.k_row0 * p.k_row_stride;
-    const u16* gV = static_cast<const u16*>(p.v) + b * p.v_batch_stride + h_kv * p.v_head_stride + si.k_row0 * p.v_row_stride;
+    const u16* gQ = static_cast<const u16*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + (qf.si.q_row0 + m0) * p.q_row_stride;
+    const u16* gK = static_cast<const u16*>(p.k) + b * p.k_batch_stride + h_kv * p.k_head_stride + qf.si.k_row0 * p.k_row_stride;
+    const u16* gV = static_cast<const u16*>(p.v) + b * p.v_batch_stride + h_kv * p.v_head_stride + qf.si.k_row0 * p.v_row_stride;
 
     load_tile_sw128<HEAD_DIM, BLOCK_M, THREADS, !IS_EVEN>(sQ, gQ, p.q_row_stride, q_valid - m0, tid);
     if (n_blocks > 0) {
@@ -162,15 +157,15 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p) {
         float sc = p.scale_log2;
         if constexpr (FEAT) {
             // As flash_fwd.cu: logits in log2 units (softcap, ALiBi) and the mask, where needed.
-            const bool edge = mi.needs_mask(p.mask, m0 + warp_row0, 16, n0, BLOCK_N);
-            if (score_mod || edge) {
+            const bool edge = qf.mi.needs_mask(p.mask, m0 + warp_row0, 16, n0, BLOCK_N);
+            if (qf.score_mod || edge) {
 #pragma unroll
                 for (int i = 0; i < BLOCK_N / 2; ++i) {
                     const int row = m0 + warp_row0 + g + ((i % 4) / 2) * 8;
                     const int col = n0 + (i / 4) * 8 + 2 * t + (i % 2);
                     float tanh_s;
-                    const float x = mi.logit_log2(p.mask, p.scale_log2, s[i], row, col, tanh_s);
-                    s[i] = (edge && !mi.visible(p.mask, row, col)) ? -CUFLASH_INF : x;
+                    const float x = qf.mi.logit_log2(p.mask, p.scale_log2, s[i], row, col, tanh_s);
+                    s[i] = (edge && !qf.mi.visible(p.mask, row, col)) ? -CUFLASH_INF : x;
                 }
                 sc = 1.f;
             }
@@ -226,7 +221,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p) {
         // Rows past the sequence's valid length (padding of a padded batch): out = 0, lse = -inf.
 #pragma unroll
         for (int r = 0; r < 2; ++r)
-            if (m0 + warp_row0 + g + r * 8 >= si.sq) {
+            if (m0 + warp_row0 + g + r * 8 >= qf.si.sq) {
                 inv_l[0][r] = 0.f;
                 lse[0][r] = -CUFLASH_INF;
             }
@@ -240,7 +235,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p) {
             *reinterpret_cast<u32*>(sQ_ptr + sw128_offset(row, dt, BLOCK_M) + 4 * t) = v;
         }
     if (t == 0) {
-        float* g_lse = FEAT ? p.lse + b * p.mask.lse_batch_stride + h * p.mask.lse_head_stride + si.q_row0
+        float* g_lse = FEAT ? p.lse + b * p.mask.lse_batch_stride + h * p.mask.lse_head_stride + qf.si.q_row0
                             : p.lse + ((i64)b * p.nheads + h) * sq;
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
@@ -250,7 +245,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p) {
     }
     __syncwarp();
 
-    T* gO = static_cast<T*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride + (si.q_row0 + m0) * p.o_row_stride;
+    T* gO = static_cast<T*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride + (qf.si.q_row0 + m0) * p.o_row_stride;
     constexpr int WARP_CHUNKS = 16 * D_TILES;
 #pragma unroll
     for (int i = 0; i < WARP_CHUNKS / 32; ++i) {

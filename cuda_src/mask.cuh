@@ -154,6 +154,27 @@ __device__ __forceinline__ KeyTiles key_tiles(const MaskParams& m, const MaskInf
     return r;
 }
 
+// What a query-block kernel (forward, dQ) knows of its sequence with FEAT.
+struct QueryFeat {
+    SeqInfo si;
+    MaskInfo mi;
+    KeyTiles kt;
+    bool past_end;   // packed batch: the block lies past its sequence (it visits and writes nothing)
+    bool score_mod;  // softcap or ALiBi: every tile's scores are modified
+};
+
+template <int BLOCK_M, int BLOCK_N>
+__device__ __forceinline__ QueryFeat query_feat(const MaskParams& m, int b, int h, int m0, int seqlen_q, int seqlen_k) {
+    QueryFeat f;
+    f.si = seq_info(m, b, seqlen_q, seqlen_k);
+    f.past_end = m0 >= f.si.q_rows;
+    f.mi.init(m, f.si, b, h);
+    f.kt = key_tiles<BLOCK_M, BLOCK_N>(m, f.mi, m0);
+    if (f.past_end) f.kt.count = 0;
+    f.score_mod = m.softcap > 0.f || m.alibi_slopes != nullptr;
+    return f;
+}
+
 // The query blocks [m_begin, m_end) whose valid rows may see a key of [n0, n0 + BLOCK_N).
 template <int BLOCK_M, int BLOCK_N>
 __device__ __forceinline__ void query_range(const MaskParams& m, const MaskInfo& mi, int n0, int& m_begin, int& m_iters) {

@@ -49,12 +49,6 @@ class Features:
     has_sink_logits: bool = False
     has_alibi: bool = False
 
-    @property
-    def active(self) -> bool:
-        """Whether the call needs the feature kernels at all (anything beyond plain / causal)."""
-        return (self.window_left >= 0 or self.window_right >= 0 or self.num_sink_tokens > 0
-                or self.softcap > 0 or self.has_lengths or self.has_sink_logits or self.has_alibi)
-
 
 @dataclass(frozen=True)
 class FeatureArrays:
