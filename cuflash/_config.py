@@ -247,7 +247,7 @@ def _check_family_head_dim(family: str, head_dim: int) -> None:
 # A bounded window narrower than this many keys takes the mma.sync forward on sm_90a too: each
 # query block then visits a few tiles, and the wgmma kernel's 128 x 128 tiles waste more of them. At
 # window (256, 0), bf16, batch 2 x seqlen 16384, 16 heads, head_dim 128, on an H100 (CUDA-graph
-# replay, bench/dev/window_tiles.py): mma.sync 0.58 ms, wgmma 0.71 ms. Wider windows were not measured.
+# replay, bench/dev/window_tiles.py): mma.sync 0.585 ms, wgmma 0.728 ms. Wider windows not measured.
 NARROW_WINDOW = 1024
 
 
