@@ -277,20 +277,38 @@ flash_bwd_dkdv_kernel(const __grid_constant__ BwdParams p) {
                 slow = score_mod || edge;
             }
             if (slow) {
+                QuerySpan qs[2];  // the query spans of this thread's two keys (used on edge tiles)
+                if constexpr (FEAT) {
+                    qs[0] = mi.query_span(p.mask, n0 + kg * 16 + g);
+                    qs[1] = mi.query_span(p.mask, n0 + kg * 16 + g + 8);
+                }
+                if (score_mod) {
 #pragma unroll
-                for (int nt = 0; nt < A_TILES; ++nt)
+                    for (int nt = 0; nt < A_TILES; ++nt)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int kl = kg * 16 + g + (e / 2) * 8;
-                        const int ql = cg * Tr::A_COLS + nt * 8 + 2 * t + (e % 2);
-                        const int key = n0 + kl, query = m0 + ql;
-                        float tanh_s;
-                        const float x = mi.logit_log2(p.mask, p.scale_log2, s[nt][e], query, key, tanh_s);
-                        const float pv = (edge && !mi.visible(p.mask, query, key)) ? 0.f : fast_exp2(x - sLse[st * BLOCK_M + ql]);
-                        s[nt][e] = pv;
-                        // softcap: d logit / d s = 1 - tanh^2 (tanh_s = 0 without softcap)
-                        dp[nt][e] = pv * (dp[nt][e] - sDelta[st * BLOCK_M + ql]) * (1.f - tanh_s * tanh_s);
-                    }
+                        for (int e = 0; e < 4; ++e) {
+                            const int kl = kg * 16 + g + (e / 2) * 8;
+                            const int ql = cg * Tr::A_COLS + nt * 8 + 2 * t + (e % 2);
+                            const int key = n0 + kl, query = m0 + ql;
+                            float tanh_s;
+                            const float x = mi.logit_log2(p.mask, p.scale_log2, s[nt][e], query, key, tanh_s);
+                            const float pv = (edge && !qs[e / 2].has(query)) ? 0.f : fast_exp2(x - sLse[st * BLOCK_M + ql]);
+                            s[nt][e] = pv;
+                            // softcap: d logit / d s = 1 - tanh^2 (tanh_s = 0 without softcap)
+                            dp[nt][e] = pv * (dp[nt][e] - sDelta[st * BLOCK_M + ql]) * (1.f - tanh_s * tanh_s);
+                        }
+                } else {  // an edge tile without softcap / ALiBi
+#pragma unroll
+                    for (int nt = 0; nt < A_TILES; ++nt)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const int ql = cg * Tr::A_COLS + nt * 8 + 2 * t + (e % 2);
+                            const float pv = qs[e / 2].has(m0 + ql)
+                                                 ? fast_exp2(fmaf(s[nt][e], p.scale_log2, -sLse[st * BLOCK_M + ql])) : 0.f;
+                            s[nt][e] = pv;
+                            dp[nt][e] = pv * (dp[nt][e] - sDelta[st * BLOCK_M + ql]);
+                        }
+                }
             } else {
 #pragma unroll
             for (int nt = 0; nt < A_TILES; ++nt)
@@ -514,17 +532,33 @@ flash_bwd_dq_kernel(const __grid_constant__ BwdParams p) {
             slow = qf.score_mod || edge;
         }
         if (slow) {
+            KeySpan ks[2];  // the key spans of this thread's two rows (used on edge tiles)
+            if constexpr (FEAT) {
+                ks[0] = qf.mi.key_span(p.mask, m0 + warp * 16 + g);
+                ks[1] = qf.mi.key_span(p.mask, m0 + warp * 16 + g + 8);
+            }
+            if (qf.score_mod) {
 #pragma unroll
-            for (int nt = 0; nt < N_TILES; ++nt)
+                for (int nt = 0; nt < N_TILES; ++nt)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int row = m0 + warp * 16 + g + (e / 2) * 8;
-                    const int col = n0 + nt * 8 + 2 * t + (e % 2);
-                    float tanh_s;
-                    const float x = qf.mi.logit_log2(p.mask, p.scale_log2, s[nt][e], row, col, tanh_s);
-                    const float pv = (edge && !qf.mi.visible(p.mask, row, col)) ? 0.f : fast_exp2(x - lse2[e / 2]);
-                    dp[nt][e] = pv * (dp[nt][e] - dlt[e / 2]) * (1.f - tanh_s * tanh_s);  // dS
-                }
+                    for (int e = 0; e < 4; ++e) {
+                        const int row = m0 + warp * 16 + g + (e / 2) * 8;
+                        const int col = n0 + nt * 8 + 2 * t + (e % 2);
+                        float tanh_s;
+                        const float x = qf.mi.logit_log2(p.mask, p.scale_log2, s[nt][e], row, col, tanh_s);
+                        const float pv = (edge && !ks[e / 2].has(p.mask, col)) ? 0.f : fast_exp2(x - lse2[e / 2]);
+                        dp[nt][e] = pv * (dp[nt][e] - dlt[e / 2]) * (1.f - tanh_s * tanh_s);  // dS
+                    }
+            } else {  // an edge tile without softcap / ALiBi
+#pragma unroll
+                for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int col = n0 + nt * 8 + 2 * t + (e % 2);
+                        const float pv = ks[e / 2].has(p.mask, col) ? fast_exp2(fmaf(s[nt][e], p.scale_log2, -lse2[e / 2])) : 0.f;
+                        dp[nt][e] = pv * (dp[nt][e] - dlt[e / 2]);  // dS
+                    }
+            }
         } else {
 #pragma unroll
         for (int nt = 0; nt < N_TILES; ++nt)

@@ -199,30 +199,59 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ BwdParams p) {
             edge = mi.needs_mask(p.mask, m0, BLOCK_M, n0 + key_row0, 16);
             slow = score_mod || edge;
         }
+        QuerySpan qs[2];  // FEAT: the query spans of this thread's two keys (used on edge tiles)
+        if constexpr (FEAT) {
+            qs[0] = mi.query_span(p.mask, n0 + key_row0 + g);
+            qs[1] = mi.query_span(p.mask, n0 + key_row0 + g + 8);
+        }
+        if constexpr (FEAT) {
+            // One of three element loops, chosen once per tile: the plain one (no bound crosses
+            // this warp's keys x queries and no softcap / ALiBi), the mask only, or logits in log2
+            // units (softcap, ALiBi) and the mask. lse_log2 comes from the scratch (+inf for padding
+            // rows: P = 0 there).
+            // f(i, query, lse_log2, delta) for each element i of s / dp.
+            auto each = [&](auto&& f) {
 #pragma unroll
-        for (int j = 0; j < BLOCK_M / 8; ++j) {
-          if (FEAT) {
-            // lse_log2 from the scratch (+inf for padding rows); logits and masks as the forward.
-            const float2 l2 = ld_shared_f32x2(lse_s + 32 * j);
-            const float2 dl = ld_shared_f32x2(dlt_s + 32 * j);
+                for (int j = 0; j < BLOCK_M / 8; ++j) {
+                    const float2 l2 = ld_shared_f32x2(lse_s + 32 * j);
+                    const float2 dl = ld_shared_f32x2(dlt_s + 32 * j);
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int i = 4 * j + e;
-                float pv, dsv;
-                if (slow) {
-                    const int key = n0 + key_row0 + g + (e / 2) * 8, query = m0 + 8 * j + 2 * t + (e % 2);
+                    for (int e = 0; e < 4; ++e)
+                        f(4 * j + e, m0 + 8 * j + 2 * t + (e % 2), e % 2 ? l2.y : l2.x, e % 2 ? dl.y : dl.x);
+                }
+            };
+            if (!slow) {
+                each([&](int i, int, float l2, float dl) {
+                    s[i] = fast_exp2(fmaf(s[i], p.scale_log2, -l2));
+                    dp[i] = s[i] * (dp[i] - dl);
+                });
+            } else if (!score_mod) {
+                each([&](int i, int query, float l2, float dl) {
+                    s[i] = qs[(i % 4) / 2].has(query) ? fast_exp2(fmaf(s[i], p.scale_log2, -l2)) : 0.f;
+                    dp[i] = s[i] * (dp[i] - dl);
+                });
+            } else {
+                each([&](int i, int query, float l2, float dl) {
+                    const int key = n0 + key_row0 + g + ((i % 4) / 2) * 8;
                     float tanh_s;
                     const float x = mi.logit_log2(p.mask, p.scale_log2, s[i], query, key, tanh_s);
-                    pv = (edge && !mi.visible(p.mask, query, key)) ? 0.f : fast_exp2(x - (e % 2 ? l2.y : l2.x));
-                    dsv = pv * (dp[i] - (e % 2 ? dl.y : dl.x)) * (1.f - tanh_s * tanh_s);
-                } else {
-                    pv = fast_exp2(fmaf(s[i], p.scale_log2, -(e % 2 ? l2.y : l2.x)));
-                    dsv = pv * (dp[i] - (e % 2 ? dl.y : dl.x));
-                }
-                s[i] = pv;
-                dp[i] = dsv;
+                    s[i] = (edge && !qs[(i % 4) / 2].has(query)) ? 0.f : fast_exp2(x - l2);
+                    // softcap: d logit / d s = 1 - tanh^2 (tanh_s = 0 without softcap)
+                    dp[i] = s[i] * (dp[i] - dl) * (1.f - tanh_s * tanh_s);
+                });
             }
-          } else {
+#pragma unroll
+            for (int j = 0; j < BLOCK_M / 8; ++j) {
+                // n8 tile j is half of k16 step j / 2: registers 2 (j % 2) and 2 (j % 2) + 1 of it.
+                const int kk = j / 2, r = 2 * (j % 2);
+                pa[kk][r] = Ops::pack(s[4 * j], s[4 * j + 1]);
+                pa[kk][r + 1] = Ops::pack(s[4 * j + 2], s[4 * j + 3]);
+                da[kk][r] = Ops::pack(dp[4 * j], dp[4 * j + 1]);
+                da[kk][r + 1] = Ops::pack(dp[4 * j + 2], dp[4 * j + 3]);
+            }
+        } else {
+#pragma unroll
+        for (int j = 0; j < BLOCK_M / 8; ++j) {
             // lse -> lse * log2(e). A query that sees no key (lse = -inf) exists only under causal
             // with seqlen_q > seqlen_k, and every tile holding it crosses the diagonal, where the
             // mask below overwrites its P (+inf here) with 0. Rows past seqlen_q read lse = 0 and have
@@ -244,13 +273,13 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ BwdParams p) {
                 s[i] = pv;
                 dp[i] = pv * (dp[i] - (e % 2 ? dl.y : dl.x));
             }
-          }
             // n8 tile j is half of k16 step j / 2: registers 2 (j % 2) and 2 (j % 2) + 1 of it.
             const int kk = j / 2, r = 2 * (j % 2);
             pa[kk][r] = Ops::pack(s[4 * j], s[4 * j + 1]);
             pa[kk][r + 1] = Ops::pack(s[4 * j + 2], s[4 * j + 3]);
             da[kk][r] = Ops::pack(dp[4 * j], dp[4 * j + 1]);
             da[kk][r + 1] = Ops::pack(dp[4 * j + 2], dp[4 * j + 3]);
+        }
         }
 
         if (ATOMIC_DQ) {

@@ -209,10 +209,10 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
         float alpha[M_TILES][2];
         if constexpr (FEAT) {
             // Tiles inside every bound, without softcap or ALiBi, take the plain kernel's path. The
-            // others: scores become log2-unit logits (softcap, ALiBi), masked where a bound crosses.
+            // others: scores become log2-unit logits (softcap, ALiBi), then are masked where a
+            // bound crosses the tile (each row's key span worked out once).
             float sc = p.scale_log2;
-            const bool edge = qf.mi.needs_mask(p.mask, m0, BLOCK_M, n0, BLOCK_N);
-            if (qf.score_mod || edge) {
+            if (qf.score_mod) {
 #pragma unroll
                 for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
@@ -222,10 +222,29 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
                             const int row = m0 + warp_row0 + mt * 16 + g + (e / 2) * 8;
                             const int col = n0 + nt * 8 + 2 * t + (e % 2);
                             float tanh_s;
-                            const float x = qf.mi.logit_log2(p.mask, p.scale_log2, s[mt][nt][e], row, col, tanh_s);
-                            s[mt][nt][e] = (edge && !qf.mi.visible(p.mask, row, col)) ? -CUFLASH_INF : x;
+                            s[mt][nt][e] = qf.mi.logit_log2(p.mask, p.scale_log2, s[mt][nt][e], row, col, tanh_s);
                         }
                 sc = 1.f;  // already in log2 units
+            }
+            if (qf.mi.needs_mask(p.mask, m0, BLOCK_M, n0, BLOCK_N)) {
+                // Key spans relative to this thread's first column, so each element compares with
+                // an immediate.
+                const int base = n0 + 2 * t;
+                const int sink_rel = p.mask.num_sink_tokens - base;
+#pragma unroll
+                for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+                    for (int r = 0; r < 2; ++r) {
+                        const KeySpan ks = qf.mi.key_span(p.mask, m0 + warp_row0 + mt * 16 + g + r * 8);
+                        const int lo = ks.lo - base, hi = ks.hi - base;
+#pragma unroll
+                        for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+                            for (int c = 0; c < 2; ++c) {
+                                const int d = nt * 8 + c;
+                                if (!(d < hi && (d >= lo || d < sink_rel))) s[mt][nt][2 * r + c] = -CUFLASH_INF;
+                            }
+                    }
             }
             softmax.update(s, sc, alpha);
         } else {

@@ -157,17 +157,22 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p) {
         float sc = p.scale_log2;
         if constexpr (FEAT) {
             // As flash_fwd.cu: logits in log2 units (softcap, ALiBi) and the mask, where needed.
-            const bool edge = qf.mi.needs_mask(p.mask, m0 + warp_row0, 16, n0, BLOCK_N);
-            if (qf.score_mod || edge) {
+            if (qf.score_mod) {
 #pragma unroll
                 for (int i = 0; i < BLOCK_N / 2; ++i) {
                     const int row = m0 + warp_row0 + g + ((i % 4) / 2) * 8;
                     const int col = n0 + (i / 4) * 8 + 2 * t + (i % 2);
                     float tanh_s;
-                    const float x = qf.mi.logit_log2(p.mask, p.scale_log2, s[i], row, col, tanh_s);
-                    s[i] = (edge && !qf.mi.visible(p.mask, row, col)) ? -CUFLASH_INF : x;
+                    s[i] = qf.mi.logit_log2(p.mask, p.scale_log2, s[i], row, col, tanh_s);
                 }
                 sc = 1.f;
+            }
+            if (qf.mi.needs_mask(p.mask, m0 + warp_row0, 16, n0, BLOCK_N)) {
+                const KeySpan ks[2] = {qf.mi.key_span(p.mask, m0 + warp_row0 + g),
+                                       qf.mi.key_span(p.mask, m0 + warp_row0 + g + 8)};
+#pragma unroll
+                for (int i = 0; i < BLOCK_N / 2; ++i)
+                    if (!ks[(i % 4) / 2].has(p.mask, n0 + (i / 4) * 8 + 2 * t + (i % 2))) s[i] = -CUFLASH_INF;
             }
         } else {
             const bool tail = !IS_EVEN && n0 + BLOCK_N > sk;

@@ -71,6 +71,24 @@ __device__ __forceinline__ SeqInfo seq_info(const MaskParams& m, int b, int seql
     return s;
 }
 
+constexpr int INT_LOWEST = -2147483647 - 1;
+constexpr int INT_HIGHEST = 2147483647;
+
+// The keys query row i sees: j in [lo, hi), or j < num_sink_tokens (the sink keys lift only the
+// left bound). For keys j >= 0, has(m, j) == MaskInfo::visible(i, j).
+struct KeySpan {
+    int lo, hi;
+    __device__ __forceinline__ bool has(const MaskParams& m, int j) const {
+        return j < hi && (j >= lo || j < m.num_sink_tokens);
+    }
+};
+
+// The queries that see key j: i in [lo, hi). has(i) == MaskInfo::visible(i, j).
+struct QuerySpan {
+    int lo, hi;
+    __device__ __forceinline__ bool has(int i) const { return i >= lo && i < hi; }
+};
+
 // The mask and score modification of one (sequence, head). It holds only what differs per block;
 // the window, sinks and softcap are read from the kernel's __grid_constant__ params at each use
 // (constant-bank operands), which keeps them out of registers in kernels that sit near 255.
@@ -95,6 +113,24 @@ struct MaskInfo {
         const int ip = i + shift;
         return j < sk && (m.window_right < 0 || j - ip <= m.window_right)
                && (m.window_left < 0 || ip - j <= m.window_left || j < m.num_sink_tokens);
+    }
+
+    // visible() for one query row and many keys (query-major tiles: forward, dQ), or for one key and
+    // many queries (key-major tiles: dK / dV): the bounds are worked out once per row / key, and each
+    // element then costs two compares.
+    __device__ __forceinline__ KeySpan key_span(const MaskParams& m, int i) const {
+        const int ip = i + shift;
+        KeySpan r;
+        r.hi = m.window_right < 0 ? sk : min(sk, ip + m.window_right + 1);
+        r.lo = m.window_left < 0 ? 0 : ip - m.window_left;
+        return r;
+    }
+    __device__ __forceinline__ QuerySpan query_span(const MaskParams& m, int j) const {
+        QuerySpan r;
+        r.lo = m.window_right < 0 ? INT_LOWEST : j - m.window_right - shift;
+        r.hi = (m.window_left < 0 || j < m.num_sink_tokens) ? INT_HIGHEST : j + m.window_left - shift + 1;
+        if (j >= sk) r.hi = INT_LOWEST;
+        return r;
     }
 
     // Keys [key_lo(r0), key_hi(r1)) hold every key that rows [r0, r1] (r1 inclusive) may see

@@ -244,18 +244,23 @@ def _check_family_head_dim(family: str, head_dim: int) -> None:
 # softcap; cuda_src/mask.cuh): the kernels above with FEAT = true, on both the mma.sync and the
 # sm_90a wgmma kernels. The backward always takes the separate (mma.sync) dQ pass.
 
-# A bounded window narrower than this many keys takes the mma.sync forward on sm_90a too: each
-# query block then visits a few tiles, and the wgmma kernel's 128 x 128 tiles waste more of them. At
-# window (256, 0), bf16, batch 2 x seqlen 16384, 16 heads, head_dim 128, on an H100 (CUDA-graph
-# replay, bench/dev/window_tiles.py): mma.sync 0.585 ms, wgmma 0.728 ms. Wider windows not measured.
+# A bounded window narrower than this many keys visits only a few key tiles per query block; it takes
+# 64-row tiles, which visit fewer masked keys: on sm_90a the wgmma kernel with 64 x 64 tiles (one
+# warpgroup, two blocks per multiprocessor) at head_dim 64 and 128, elsewhere the mma.sync table's.
+# Window (256, 0), bf16, batch 2 x seqlen 16384, 16 heads, head_dim 128, on an H100 (CUDA-graph
+# replay, bench/dev/window_tiles.py): wgmma 64x64 0.405 ms, 128x64 0.536, 128x128 0.529, 64x128
+# 0.833; mma.sync 64x64x4 0.526. At head_dim 256 the 64 x 64 wgmma kernel spills with the mask code.
 NARROW_WINDOW = 1024
+NARROW_WGMMA_HEAD_DIMS = (64, 128)
 
 
 def feat_fwd_config(target: str, head_dim: int, dtype: str, narrow_window: bool = False) -> TileConfig:
     """Forward tiles of the feature kernel: the causal choice of the target's table (on sm_90a the
-    wgmma kernel where it serves the head_dim, unless narrow_window); causal tiles suit windows,
-    which the feature kernel masks the same way."""
+    wgmma kernel where it serves the head_dim); causal tiles suit windows, which the feature kernel
+    masks the same way. narrow_window: see NARROW_WINDOW."""
     if narrow_window:
+        if target == "sm_90a" and head_dim in NARROW_WGMMA_HEAD_DIMS:
+            return TileConfig(64, 64, 4, wgmma=True)
         return fwd_config(family_of_target(target), head_dim, dtype, causal=True)
     return fwd_config_for_target(target, head_dim, dtype, causal=True)
 
@@ -274,9 +279,9 @@ def feat_bwd_config(target: str, head_dim: int, dtype: str) -> TileConfig:
 
 
 # head_dims at which the feature backward on sm_90a adds dQ with float atomics from the wgmma dK/dV
-# kernel when deterministic=False, as the plain backward does. At 128 that kernel spills (104 B of
-# stack) with the mask code on top of the dQ product, so 128 keeps the separate dQ pass.
-FEAT_ATOMIC_DQ_HEAD_DIMS = (64,)
+# kernel when deterministic=False, as the plain backward does (both wgmma head_dims: at 128 it fits
+# in 255 registers since edge tiles mask through per-key query spans, mask.cuh).
+FEAT_ATOMIC_DQ_HEAD_DIMS = (64, 128)
 
 
 def feat_bwd_uses_atomics(deterministic: bool, target: str, head_dim: int) -> bool:

@@ -36,7 +36,7 @@ def _all_specs(kind, target):
     if kind == "feat":
         # The feature kernels (lengths, packed batches, window, sinks, ALiBi, softcap): per (dtype,
         # head_dim) the forward, preprocess, dK/dV and dQ; on sm_90a the wgmma forward as well where
-        # it serves the head_dim (narrow windows keep the mma.sync one); the two tail fills.
+        # it serves the head_dim (narrow windows take 64-row tiles); the two tail fills.
         # With the wgmma dK/dV kernel, also its atomic dQ path (preprocess zeroing dQ, dK/dV, conversion).
         specs = _launch.all_feat_specializations(target)
         wgmma = 0 if target != "sm_90a" else len(_config.WGMMA_FWD_HEAD_DIMS) + 3 * len(_config.FEAT_ATOMIC_DQ_HEAD_DIMS)
