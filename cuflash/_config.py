@@ -248,8 +248,10 @@ def _check_family_head_dim(family: str, head_dim: int) -> None:
 # 64-row tiles, which visit fewer masked keys: on sm_90a the wgmma kernel with 64 x 64 tiles (one
 # warpgroup, two blocks per multiprocessor) at head_dim 64 and 128, elsewhere the mma.sync table's.
 # Window (256, 0), bf16, batch 2 x seqlen 16384, 16 heads, head_dim 128, on an H100 (CUDA-graph
-# replay, bench/dev/window_tiles.py): wgmma 64x64 0.405 ms, 128x64 0.536, 128x128 0.529, 64x128
-# 0.833; mma.sync 64x64x4 0.526. At head_dim 256 the 64 x 64 wgmma kernel spills with the mask code.
+# replay, bench/dev/window_tiles.py, final mask code): wgmma 64x64 0.402 ms, 128x64 0.537, 128x128
+# 0.524; mma.sync 64x64x4 0.455. Wider windows, wgmma 64x64 / 128x128 (one earlier run): (512, 0)
+# 0.588 / 0.718, (1024, 0) 0.918 / 0.943, (2048, 0) 1.615 / 1.557 ms. At head_dim 256 the 64 x 64
+# wgmma kernel spills with the mask code.
 NARROW_WINDOW = 1024
 NARROW_WGMMA_HEAD_DIMS = (64, 128)
 
