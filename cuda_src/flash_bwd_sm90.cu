@@ -53,6 +53,19 @@ struct BwdSm90Traits {
     static_assert(DQ_N % 16 == 0, "dQ columns per warpgroup");
 };
 
+// f(i, query, lse_log2, delta) for each score element i = 4 j + e of a warp's (16 keys, BLOCK_M
+// queries) tile: query q0 + 8 j + e % 2, lse_log2 / delta of that query from shared memory.
+template <int BLOCK_M, typename F>
+__device__ __forceinline__ void each_score(u32 lse_s, u32 dlt_s, int q0, F&& f) {
+#pragma unroll
+    for (int j = 0; j < BLOCK_M / 8; ++j) {
+        const float2 l2 = ld_shared_f32x2(lse_s + 32 * j);
+        const float2 dl = ld_shared_f32x2(dlt_s + 32 * j);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) f(4 * j + e, q0 + 8 * j + (e % 2), e % 2 ? l2.y : l2.x, e % 2 ? dl.y : dl.x);
+    }
+}
+
 // The plain kernel's own expressions when !F (the FEAT additions then leave its code untouched).
 template <bool F>
 __device__ __forceinline__ i64 row_offset(i64 row0, int r) {
@@ -209,29 +222,19 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ BwdParams p) {
             // this warp's keys x queries and no softcap / ALiBi), the mask only, or logits in log2
             // units (softcap, ALiBi) and the mask. lse_log2 comes from the scratch (+inf for padding
             // rows: P = 0 there).
-            // f(i, query, lse_log2, delta) for each element i of s / dp.
-            auto each = [&](auto&& f) {
-#pragma unroll
-                for (int j = 0; j < BLOCK_M / 8; ++j) {
-                    const float2 l2 = ld_shared_f32x2(lse_s + 32 * j);
-                    const float2 dl = ld_shared_f32x2(dlt_s + 32 * j);
-#pragma unroll
-                    for (int e = 0; e < 4; ++e)
-                        f(4 * j + e, m0 + 8 * j + 2 * t + (e % 2), e % 2 ? l2.y : l2.x, e % 2 ? dl.y : dl.x);
-                }
-            };
+            const int q0 = m0 + 2 * t;
             if (!slow) {
-                each([&](int i, int, float l2, float dl) {
+                each_score<BLOCK_M>(lse_s, dlt_s, q0, [&](int i, int, float l2, float dl) {
                     s[i] = fast_exp2(fmaf(s[i], p.scale_log2, -l2));
                     dp[i] = s[i] * (dp[i] - dl);
                 });
             } else if (!score_mod) {
-                each([&](int i, int query, float l2, float dl) {
+                each_score<BLOCK_M>(lse_s, dlt_s, q0, [&](int i, int query, float l2, float dl) {
                     s[i] = qs[(i % 4) / 2].has(query) ? fast_exp2(fmaf(s[i], p.scale_log2, -l2)) : 0.f;
                     dp[i] = s[i] * (dp[i] - dl);
                 });
             } else {
-                each([&](int i, int query, float l2, float dl) {
+                each_score<BLOCK_M>(lse_s, dlt_s, q0, [&](int i, int query, float l2, float dl) {
                     const int key = n0 + key_row0 + g + ((i % 4) / 2) * 8;
                     float tanh_s;
                     const float x = mi.logit_log2(p.mask, p.scale_log2, s[i], query, key, tanh_s);
