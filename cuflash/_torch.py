@@ -89,19 +89,21 @@ def _arrays(q_lengths, kv_lengths, cu_seqlens_q, cu_seqlens_k, sink_logits, alib
     return FeatureArrays(q_lengths, kv_lengths, cu_seqlens_q, cu_seqlens_k, sink_logits, alibi_slopes)
 
 
-@torch.library.custom_op("cuflash::attention_feat_fwd", mutates_args=())
-def attention_feat_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_lengths: torch.Tensor | None,
-                       kv_lengths: torch.Tensor | None, cu_seqlens_q: torch.Tensor | None,
-                       cu_seqlens_k: torch.Tensor | None, sink_logits: torch.Tensor | None,
-                       alibi_slopes: torch.Tensor | None, softmax_scale: float, deterministic: bool,
-                       window_left: int, window_right: int, num_sink_tokens: int, softcap: float,
-                       max_seqlen_q: int, max_seqlen_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _feat_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_lengths: torch.Tensor | None,
+                   kv_lengths: torch.Tensor | None, cu_seqlens_q: torch.Tensor | None,
+                   cu_seqlens_k: torch.Tensor | None, sink_logits: torch.Tensor | None,
+                   alibi_slopes: torch.Tensor | None, softmax_scale: float, deterministic: bool,
+                   window_left: int, window_right: int, num_sink_tokens: int, softcap: float,
+                   max_seqlen_q: int, max_seqlen_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     dtype = str(q.dtype).replace("torch.", "")
     packed = (max_seqlen_q, max_seqlen_k) if max_seqlen_q >= 0 else None
     has_lengths = packed is not None or q_lengths is not None or kv_lengths is not None
     feats = _feats(window_left, window_right, num_sink_tokens, softcap, has_lengths, sink_logits, alibi_slopes)
     arrays = _arrays(q_lengths, kv_lengths, cu_seqlens_q, cu_seqlens_k, sink_logits, alibi_slopes)
     return _api.forward_feat_impl(q, k, v, "torch", _device(q), dtype, softmax_scale, feats, arrays, packed)
+
+
+attention_feat_fwd = torch.library.custom_op("cuflash::attention_feat_fwd", mutates_args=())(_feat_fwd_impl)
 
 
 @attention_feat_fwd.register_fake
@@ -115,14 +117,13 @@ def _attention_feat_fwd_fake(q, k, v, q_lengths, kv_lengths, cu_seqlens_q, cu_se
     return q.new_empty(q.shape), q.new_empty((b, h, sq), dtype=torch.float32)
 
 
-@torch.library.custom_op("cuflash::attention_feat_bwd", mutates_args=())
-def attention_feat_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                       lse: torch.Tensor, q_lengths: torch.Tensor | None, kv_lengths: torch.Tensor | None,
-                       cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
-                       sink_logits: torch.Tensor | None, alibi_slopes: torch.Tensor | None, softmax_scale: float,
-                       deterministic: bool, window_left: int, window_right: int, num_sink_tokens: int,
-                       softcap: float, max_seqlen_q: int, max_seqlen_k: int
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _feat_bwd_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor, q_lengths: torch.Tensor | None, kv_lengths: torch.Tensor | None,
+                   cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
+                   sink_logits: torch.Tensor | None, alibi_slopes: torch.Tensor | None, softmax_scale: float,
+                   deterministic: bool, window_left: int, window_right: int, num_sink_tokens: int,
+                   softcap: float, max_seqlen_q: int, max_seqlen_k: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dsink); dsink is an empty tensor without sink logits."""
     dtype = str(q.dtype).replace("torch.", "")
     packed = (max_seqlen_q, max_seqlen_k) if max_seqlen_q >= 0 else None
@@ -134,6 +135,9 @@ def attention_feat_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     if dsink is None:
         dsink = q.new_empty((0,), dtype=torch.float32)
     return dq, dk, dv, dsink
+
+
+attention_feat_bwd = torch.library.custom_op("cuflash::attention_feat_bwd", mutates_args=())(_feat_bwd_impl)
 
 
 @attention_feat_bwd.register_fake
@@ -158,7 +162,9 @@ def _feat_setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _feat_backward(ctx, dout, dlse):
+def _feat_backward(ctx, dout, dlse, bwd=None):
+    """The autograd backward of the feature forward; bwd: the backward op (default: the custom op)."""
+    bwd = bwd or torch.ops.cuflash.attention_feat_bwd
     q, k, v, out, lse, *arrays = ctx.saved_tensors
     arrays = [a if has else None for a, has in zip(arrays, ctx.has_array)]
     scale, det, left, right, sinks, cap, mq, mk = ctx.scalars
@@ -167,18 +173,38 @@ def _feat_backward(ctx, dout, dlse):
         sink = arrays[4]
         return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None, None, None, None,
                 None if sink is None else torch.zeros_like(sink)) + none_rest
-    dq, dk, dv, dsink = torch.ops.cuflash.attention_feat_bwd(dout, q, k, v, out, lse, *arrays, scale, det, left,
-                                                             right, sinks, cap, mq, mk)
+    dq, dk, dv, dsink = bwd(dout, q, k, v, out, lse, *arrays, scale, det, left, right, sinks, cap, mq, mk)
     return (dq, dk, dv, None, None, None, None, dsink if arrays[4] is not None else None) + none_rest
 
 
 attention_feat_fwd.register_autograd(_feat_backward, setup_context=_feat_setup_context)
 
 
+class _FeatFunction(torch.autograd.Function):
+    """The custom op pair's eager twin: the same forward, context and backward without the
+    torch.library dispatch, whose Python argument handling (17 arguments) cost ~0.6 ms of host time
+    per call on an H100 host (bench/dev/host_profile.py window), more than the kernels of a
+    window (256, 0) at seqlen 16k take."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        out, lse = _feat_fwd_impl(*inputs)
+        _feat_setup_context(ctx, inputs, (out, lse))
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        return _feat_backward(ctx, dout, dlse, bwd=_feat_bwd_impl)
+
+
 def attention_features(q, k, v, scale, feats, arrays, packed, deterministic):
-    """The feature forward through the custom op (autograd, torch.compile): (out, lse)."""
+    """The feature forward with autograd: (out, lse). Under torch.compile (and any other tracing)
+    through the custom op, which torch.compile sees as one opaque node; in eager mode through
+    _FeatFunction, which runs the same code with less host time."""
     mq, mk = packed if packed is not None else (-1, -1)
-    return torch.ops.cuflash.attention_feat_fwd(
-        q, k, v, arrays.q_lengths, arrays.kv_lengths, arrays.cu_seqlens_q, arrays.cu_seqlens_k, arrays.sink_logits,
-        arrays.alibi_slopes, float(scale), bool(deterministic), feats.window_left, feats.window_right,
-        feats.num_sink_tokens, float(feats.softcap), int(mq), int(mk))
+    args = (q, k, v, arrays.q_lengths, arrays.kv_lengths, arrays.cu_seqlens_q, arrays.cu_seqlens_k,
+            arrays.sink_logits, arrays.alibi_slopes, float(scale), bool(deterministic), feats.window_left,
+            feats.window_right, feats.num_sink_tokens, float(feats.softcap), int(mq), int(mk))
+    if torch.compiler.is_compiling():
+        return torch.ops.cuflash.attention_feat_fwd(*args)
+    return _FeatFunction.apply(*args)
