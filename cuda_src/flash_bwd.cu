@@ -462,17 +462,10 @@ flash_bwd_dq_kernel(const __grid_constant__ BwdParams p) {
     int n_blocks = blk.n_blocks;
 
     // With FEAT: the sequence, its mask and the key tiles to visit (as in the forward).
-    QueryFeat qf;
     int q_valid = sq, k_valid = sk;  // rows / keys past these are zero-filled in shared memory
+    const QueryFeat qf = query_setup<FEAT, BLOCK_M, BLOCK_N>(p.mask, b, h, m0, sq, sk, n_blocks, q_valid, k_valid);
     if constexpr (FEAT) {
-        qf = query_feat<BLOCK_M, BLOCK_N>(p.mask, b, h, m0, sq, sk);
         if (qf.past_end) return;
-        n_blocks = qf.kt.count;
-        q_valid = qf.si.sq;
-        k_valid = qf.si.sk;
-    } else {
-        qf.si.q_row0 = qf.si.k_row0 = 0;
-        qf.score_mod = false;
     }
     auto tile_of = [&](int it) { if constexpr (FEAT) return qf.kt.tile(it); else return it; };
 

@@ -80,18 +80,10 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p) {
     int n_blocks = blk.n_blocks;
 
     // With FEAT: the sequence's rows, its valid lengths, its mask and the key tiles to visit.
-    QueryFeat qf;
-    int q_valid = sq, k_valid = sk, q_rows = sq;  // rows past q_rows are not written
-    if constexpr (FEAT) {
-        qf = query_feat<BLOCK_M, BLOCK_N>(p.mask, b, h, m0, sq, sk);  // past_end: no tile
-        n_blocks = qf.kt.count;
-        q_valid = qf.si.sq;
-        k_valid = qf.si.sk;
-        q_rows = qf.si.q_rows;
-    } else {
-        qf.si.q_row0 = qf.si.k_row0 = 0;
-        qf.score_mod = false;
-    }
+    // past_end: no tile (no early return here: see the header).
+    int q_valid = sq, k_valid = sk;
+    const QueryFeat qf = query_setup<FEAT, BLOCK_M, BLOCK_N>(p.mask, b, h, m0, sq, sk, n_blocks, q_valid, k_valid);
+    const int q_rows = FEAT ? qf.si.q_rows : sq;  // rows past q_rows are not written
     auto tile_of = [&](int it) { if constexpr (FEAT) return qf.kt.tile(it); else return it; };
 
     const u16* gQ = static_cast<const u16*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + (qf.si.q_row0 + m0) * p.q_row_stride;

@@ -211,6 +211,26 @@ __device__ __forceinline__ QueryFeat query_feat(const MaskParams& m, int b, int 
     return f;
 }
 
+// The setup a query-block kernel (forward, dQ) shares: with FEAT, query_feat, and the key tiles to
+// visit and the rows / keys that hold data (past q_valid / k_valid shared memory is zero-filled)
+// come from the sequence; without, the plain kernel's values stay and qf only carries the zero row
+// offsets (and no score modification).
+template <bool FEAT, int BLOCK_M, int BLOCK_N>
+__device__ __forceinline__ QueryFeat query_setup(const MaskParams& m, int b, int h, int m0, int seqlen_q, int seqlen_k,
+                                                 int& n_blocks, int& q_valid, int& k_valid) {
+    QueryFeat qf;
+    if constexpr (FEAT) {
+        qf = query_feat<BLOCK_M, BLOCK_N>(m, b, h, m0, seqlen_q, seqlen_k);
+        n_blocks = qf.kt.count;
+        q_valid = qf.si.sq;
+        k_valid = qf.si.sk;
+    } else {
+        qf.si.q_row0 = qf.si.k_row0 = 0;
+        qf.score_mod = false;
+    }
+    return qf;
+}
+
 // The query blocks [m_begin, m_end) whose valid rows may see a key of [n0, n0 + BLOCK_N).
 template <int BLOCK_M, int BLOCK_N>
 __device__ __forceinline__ void query_range(const MaskParams& m, const MaskInfo& mi, int n0, int& m_begin, int& m_iters) {
