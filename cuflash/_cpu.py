@@ -78,10 +78,12 @@ right = 0)::
       S = -inf where not visible
 
   (the softcap as tanh(S * (scale / c)) * (c * log2 e), all in float32).
-* Sink logits: the online softmax starts from m = sink[h] * log2 e, l = 1
-  instead of m = -inf, l = 0: the sink is an extra key with value 0, so it is
-  part of l and of the lse, and a row with no visible key gets out = 0 and
-  lse = sink[h].
+* Sink logits: the sink is an extra key with value 0, joined once the keys
+  are done: m' = max(m, sink[h] * log2 e), O and l rescaled by exp2(m - m'),
+  l += exp2(sink[h] * log2 e - m'). It is part of l and of the lse, and a row
+  with no visible key gets out = 0 and lse = sink[h]. Joining it last keeps
+  P relative to the keys' own max, so the largest key's P is exactly 1 before
+  the rounding to the input dtype.
 * Rows i >= sq of a padded batch entry are not computed: out = 0, lse = -inf.
 """
 
@@ -285,14 +287,9 @@ def _forward_tiles(qf, kf, vf, out_acc, lse, idx, sq, sk, feat, softmax_scale, s
         rows = m_end - m_start
         q_blk = qf[..., m_start:m_end, :]  # (b, hkv, g, rows, d)
 
-        # Running row max (log2 units) and row sum. A sink logit is an extra key with value 0, already seen:
-        # m = sink * log2(e), l = exp2(sink * log2(e) - m) = 1. Without one, m = -inf and l = 0.
-        if sink_log2 is None:
-            m_i = np.full((nb, nheads_kv, group, rows), -np.inf, dtype=np.float32)
-            l_i = np.zeros((nb, nheads_kv, group, rows), dtype=np.float32)
-        else:
-            m_i = np.broadcast_to(sink_log2[None, :, :, None], (nb, nheads_kv, group, rows)).copy()
-            l_i = np.ones((nb, nheads_kv, group, rows), dtype=np.float32)
+        # Running row max (log2 units) and row sum over the keys (a sink logit joins after the last tile).
+        m_i = np.full((nb, nheads_kv, group, rows), -np.inf, dtype=np.float32)
+        l_i = np.zeros((nb, nheads_kv, group, rows), dtype=np.float32)
         acc = np.zeros((nb, nheads_kv, group, rows, head_dim), dtype=np.float32)  # unnormalized O
 
         # Only the key tiles that can hold a key visible to a row of this block (causal / window / sinks): the
@@ -337,6 +334,17 @@ def _forward_tiles(qf, kf, vf, out_acc, lse, idx, sq, sk, feat, softmax_scale, s
             acc *= alpha[..., None]
             acc += np.matmul(p_rounded, v_blk)
 
+            m_i = m_new
+
+        if sink_log2 is not None:
+            # The sink: a key of value 0 with logit sink * log2(e), seen last. The same guard as above for a row
+            # whose max stays -inf (no visible key and a -inf sink).
+            sink = sink_log2[None, :, :, None]
+            m_new = np.maximum(m_i, sink)
+            m_base = np.where(m_new == -np.inf, np.float32(0.0), m_new)
+            alpha = np.exp2(m_i - m_base)
+            l_i = l_i * alpha + np.exp2(sink - m_base)
+            acc *= alpha[..., None]
             m_i = m_new
 
         # Finalize: O /= l once; lse = (m + log2 l) * ln 2. Rows that saw no key (and have no sink) have l = 0 and
