@@ -6,7 +6,8 @@
 //   mask S only on tiles that cross the causal diagonal or the end of the keys
 //   online softmax: running row max / row sum, P = exp2(S * scale_log2 - m), O rescaled by alpha
 //   O += P V                  (P re-packed from the S accumulators as the A operand, no smem trip)
-// At the end O /= l, O goes out through shared memory as 16-byte stores, and lse is written.
+// At the end O /= l, O goes out through shared memory as 16-byte stores, and lse is written
+// (unless p.lse is null: a call that wants O alone skips its allocation).
 // Nothing of size seqlen_q x seqlen_k ever reaches device memory.
 //
 // Pipeline. K and V have two shared-memory stages. At the top of iteration j the tile j copy is
@@ -330,7 +331,8 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
 
     // Rows this block writes: [m0, q_rows) of the sequence (FEAT), or of seqlen_q.
     const int q_rows = FEAT ? qf.si.q_rows : sq;
-    if (t == 0) {
+    // lse == nullptr: the caller wants only O (an eager forward with no gradient and no lse).
+    if (t == 0 && p.lse != nullptr) {
         float* g_lse = FEAT ? p.lse + b * p.mask.lse_batch_stride + h * p.mask.lse_head_stride + qf.si.q_row0
                             : p.lse + ((i64)b * p.nheads + h) * sq;
 #pragma unroll

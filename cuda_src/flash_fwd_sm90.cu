@@ -231,7 +231,8 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p) {
             const u32 v = Ops::pack(acc_o[4 * dt + 2 * r] * inv_l[0][r], acc_o[4 * dt + 2 * r + 1] * inv_l[0][r]);
             *reinterpret_cast<u32*>(sQ_ptr + sw128_offset(row, dt, BLOCK_M) + 4 * t) = v;
         }
-    if (t == 0) {
+    // lse == nullptr: the caller wants only O (an eager forward with no gradient and no lse).
+    if (t == 0 && p.lse != nullptr) {
         float* g_lse = FEAT ? p.lse + b * p.mask.lse_batch_stride + h * p.mask.lse_head_stride + qf.si.q_row0
                             : p.lse + ((i64)b * p.nheads + h) * sq;
 #pragma unroll

@@ -20,7 +20,7 @@ struct FwdParams {
     const void* k;
     const void* v;
     void* o;
-    float* lse;
+    float* lse;      // may be nullptr: the forward then writes no lse (cuflash/_plan.py: lse_optional)
 
     i64 q_batch_stride, q_row_stride, q_head_stride;
     i64 k_batch_stride, k_row_stride, k_head_stride;

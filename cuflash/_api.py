@@ -1,80 +1,46 @@
-"""The public entry points: argument checks first, then the GPU kernels or the NumPy path."""
+"""The public entry points: the front door of the pipeline.
+
+    adapter (_adapters/)  ->  Call (_call.py)  ->  Plan (_plan.py)  ->  run
+
+Each function picks the adapter of q's library and hands it the call. The adapter looks the
+call's signature up in the plan cache; on a miss the arguments are validated into a Call and
+planned (kernels chosen, compiled or loaded, Params filled), and bad input gets its
+ValueError / TypeError there, before anything runs. A repeat call with the same signature only
+reads pointers, allocates the outputs and launches. `plan` / `plan_varlen` return the same plans as
+objects a caller can hold for a fixed shape.
+"""
 
 from __future__ import annotations
 
-import math
+from ._adapters import adapter_for, info_of
+from ._adapters._base import Adapter
 
-from . import _interop
-from ._config import HEAD_DIMS
-from ._features import FeatureArrays, Features, check_features
-
-SUPPORTED_DTYPES = ("float16", "bfloat16")
-_NAMES = ("q", "k", "v")
+_NO_ADAPTER = Adapter()  # arguments of no known library: validation names the argument
 
 
-def _check_inputs(q, k, v, causal, softmax_scale):
-    """Validates everything that does not need a device. Returns (lib, device, dtype, scale)."""
-    libs = [_interop.library_of(x) for x in (q, k, v)]
-    for name, x, lib in zip(_NAMES, (q, k, v), libs):
-        if lib is None:
-            raise TypeError(f"{name}: expected a torch.Tensor, jax.Array, cupy.ndarray or numpy.ndarray; "
-                            f"got {type(x).__module__}.{type(x).__qualname__}")
-    if len(set(libs)) != 1:
-        got = ", ".join(f"{n} is {lib}" for n, lib in zip(_NAMES, libs))
-        raise TypeError(f"q, k and v must come from one array library; got {got}")
-    lib = libs[0]
+def _adapter(q) -> Adapter:
+    return adapter_for(q) or _NO_ADAPTER
 
-    for name, x in zip(_NAMES, (q, k, v)):
-        if len(x.shape) != 4:
-            layout = "(batch, seqlen_q, nheads, head_dim)" if name == "q" else "(batch, seqlen_k, nheads_kv, head_dim)"
-            raise ValueError(f"{name}: expected 4 dimensions {layout}; got shape {tuple(x.shape)}")
 
-    dtypes = [_interop.dtype_name(x, lib) for x in (q, k, v)]
-    for name, dt in zip(_NAMES, dtypes):
-        if dt not in SUPPORTED_DTYPES:
-            raise TypeError(f"{name}: dtype {dt} is not supported; expected float16 or bfloat16")
-    if len(set(dtypes)) != 1:
-        raise TypeError(f"q, k and v must have one dtype; got q {dtypes[0]}, k {dtypes[1]}, v {dtypes[2]}")
-
-    b, sq, h, d = (int(s) for s in q.shape)
-    bk, sk, hk, dk = (int(s) for s in k.shape)
-    if tuple(k.shape) != tuple(v.shape):
-        raise ValueError(f"v: expected the shape of k {tuple(k.shape)}; got {tuple(v.shape)}")
-    if bk != b:
-        raise ValueError(f"k: batch {bk} differs from q's batch {b} (q shape {tuple(q.shape)}, k shape {tuple(k.shape)})")
-    if dk != d:
-        raise ValueError(f"k: head_dim {dk} differs from q's head_dim {d} (q shape {tuple(q.shape)}, k shape {tuple(k.shape)})")
-    if d not in HEAD_DIMS:
-        raise ValueError(f"q: head_dim {d} is not supported; expected a multiple of 8 from 8 to 256 (q shape {tuple(q.shape)})")
-    if hk < 1 or h % hk != 0:
-        raise ValueError(f"k: nheads_kv {hk} must divide q's nheads {h} (MQA/GQA); q shape {tuple(q.shape)}, k shape {tuple(k.shape)}")
-    for name, x in (("q", q), ("k", k)):
-        if min(int(s) for s in x.shape) < 1:
-            raise ValueError(f"{name}: every dimension must be at least 1; got shape {tuple(x.shape)}")
-
-    devices = [_interop.device_of(x, lib) for x in (q, k, v)]
-    # Under jax.grad only the differentiated arguments are traced: compare the concrete ones.
-    concrete = [dv for dv in devices if dv[0] != "traced"]
-    if len(set(concrete)) > 1:
-        got = ", ".join(f"{n} on {dv[0]}:{dv[1]}" for n, dv in zip(_NAMES, devices))
-        raise ValueError(f"q, k and v must be on one device; got {got}")
-    device = devices[0]
-    if device[0] == "traced" and lib == "jax":
-        pass  # under a JAX transformation; cuflash/_jax.py decides what it supports
-    elif device[0] not in ("cpu", "cuda"):
-        raise ValueError(f"q: arrays on {device[0]} are not supported; expected a CUDA GPU or the CPU")
-
-    if not isinstance(causal, bool) and type(causal).__name__ != "bool_":
-        raise TypeError(f"causal: expected a bool; got {type(causal).__name__}")
-    if softmax_scale is None:
-        scale = 1.0 / math.sqrt(d)
-    else:
-        if isinstance(softmax_scale, (str, bytes, bool)) or not hasattr(softmax_scale, "__float__"):
-            raise TypeError(f"softmax_scale: expected a float or None; got {type(softmax_scale).__name__}")
-        scale = float(softmax_scale)
-        if not (math.isfinite(scale) and scale > 0):
-            raise ValueError(f"softmax_scale: expected a finite number > 0; got {softmax_scale!r}")
-    return lib, device, dtypes[0], scale
+def _options(q_lengths, kv_lengths, window, num_sink_tokens, sink_logits, alibi_slopes, softcap):
+    """The options given (name -> value, the defaults left out: each entry costs host time in the
+    signature key), or None when none is (the plain call: no option key, no checks)."""
+    opts = {}
+    if q_lengths is not None:
+        opts["q_lengths"] = q_lengths
+    if kv_lengths is not None:
+        opts["kv_lengths"] = kv_lengths
+    if window is not None:
+        opts["window"] = window
+    if num_sink_tokens.__class__ is not int or num_sink_tokens != 0:
+        opts["num_sink_tokens"] = num_sink_tokens
+    if sink_logits is not None:
+        opts["sink_logits"] = sink_logits
+    if alibi_slopes is not None:
+        opts["alibi_slopes"] = alibi_slopes
+    if softcap is not None:
+        opts["softcap"] = softcap
+    return opts or None
 
 
 def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False,
@@ -134,15 +100,18 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
             is off.
 
     Gradients: torch tensors that require grad record an autograd node (saving q, k, v, out and
-    lse, never the probabilities); the op is a torch.library custom op, so torch.compile traces it
-    without a graph break. JAX arrays work with jax.grad / jax.vjp in eager mode (jax.custom_vjp);
-    under jax.jit the call raises NotImplementedError. lse is not differentiable: no gradient flows
-    back through it.
+    lse, never the probabilities); under torch.compile the call is a torch.library custom op, so
+    it traces without a graph break. JAX arrays work with jax.grad / jax.vjp in eager mode
+    (jax.custom_vjp); under jax.jit the call raises NotImplementedError. lse is not
+    differentiable: no gradient flows back through it.
 
     Every combination of the options is accepted. Calls that use none of them (or only a window
     equivalent to plain / causal attention) run the plain kernels; the others run the feature
-    kernels (mma.sync on every GPU, Hopper included), which visit only the tiles the mask leaves
-    visible.
+    kernels, which visit only the tiles the mask leaves visible.
+
+    Host cost: the checks and the kernel choice are made once per call signature (dtypes,
+    shapes, strides, devices, options) and cached; a repeat call only allocates the outputs,
+    reads the pointers and launches. `plan` returns that work as an object.
 
     Returns:
         out: q's shape and dtype, the caller's kind of array on q's device.
@@ -152,97 +121,8 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
     Raises:
         TypeError / ValueError naming the argument, before anything runs on the device.
     """
-    lib, device, dtype, scale = _check_inputs(q, k, v, causal, softmax_scale)
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse: expected a bool; got {type(return_lse).__name__}")
-    if not isinstance(deterministic, bool):
-        raise TypeError(f"deterministic: expected a bool; got {type(deterministic).__name__}")
-    if _any_feature(q_lengths, kv_lengths, window, num_sink_tokens, sink_logits, alibi_slopes, softcap):
-        feats, plain, arrays = _padded_features(q, k, lib, device, causal, q_lengths, kv_lengths, window,
-                                                num_sink_tokens, sink_logits, alibi_slopes, softcap)
-        if not plain:
-            out, lse = _feature_forward(q, k, v, lib, device, dtype, scale, feats, arrays, None, deterministic)
-            return (out, lse) if return_lse else out
-        causal = feats.window_right == 0  # a window (-1, 0) is causal attention
-    if lib == "torch":
-        import torch
-
-        from . import _torch  # noqa: F401  (registers torch.ops.cuflash.*)
-
-        out, lse = torch.ops.cuflash.attention_fwd(q, k, v, bool(causal), scale, deterministic)
-    elif lib == "jax":
-        from . import _jax
-
-        out, lse = _jax.attention(q, k, v, bool(causal), scale, deterministic)
-    else:
-        out, lse = forward_impl(q, k, v, lib, device, dtype, bool(causal), scale)
-    return (out, lse) if return_lse else out
-
-
-def forward_impl(q, k, v, lib, device, dtype, causal, scale):
-    """The forward on validated, concrete arrays of one library: (out, lse)."""
-    if device[0] == "cpu":
-        return _attention_cpu(q, k, v, lib, causal, scale)
-    return _attention_gpu(q, k, v, lib, device[1], dtype, causal, scale)
-
-
-def _attention_cpu(q, k, v, lib, causal, scale):
-    from ._cpu import attention_forward_numpy
-
-    qn, kn, vn = (_interop.to_numpy(x, lib) for x in (q, k, v))
-    out, lse = attention_forward_numpy(qn, kn, vn, causal, scale)
-    return _interop.from_numpy(out, lib, like=q), _interop.from_numpy(lse, lib, like=q)
-
-
-def _needs_copy(t) -> bool:
-    """True when the kernel cannot read the array in place: the last dimension is not unit-stride,
-    or a row / head / batch step or the base pointer is not 16-byte aligned (cp.async moves 16 B)."""
-    return t.strides[3] != 1 or t.ptr % 16 != 0 or any(s % 8 != 0 for s in t.strides[:3])
-
-
-def _attention_gpu(q, k, v, lib, device_id, dtype, causal, scale):
-    from . import _launch
-    from ._gpu import compute_capability
-
-    ctx = _interop.GpuContext(lib, device_id)
-    views = []
-    for x in (q, k, v):
-        t = ctx.view(x)
-        if _needs_copy(t):
-            t = ctx.view(ctx.contiguous(x))
-        views.append(t)
-    qv, kv, vv = views
-    b, sq, h, d = qv.shape
-    out, ov = ctx.empty((b, sq, h, d), dtype)
-    lse, lv = ctx.empty((b, h, sq), "float32")
-    _launch.launch_fwd(qv, kv, vv, ov, lv.ptr, dtype, causal, scale, device_id,
-                       compute_capability(device_id), ctx.stream_ptr)
-    return ctx.export(out), ctx.export(lse)
-
-
-def _check_backward_inputs(dout, q, k, v, out, lse, causal, softmax_scale, deterministic):
-    lib, device, dtype, scale = _check_inputs(q, k, v, causal, softmax_scale)
-    for name, x in (("dout", dout), ("out", out), ("lse", lse)):
-        xl = _interop.library_of(x)
-        if xl != lib:
-            raise TypeError(f"{name}: expected a {lib} array like q; got "
-                            f"{type(x).__module__}.{type(x).__qualname__}")
-        if _interop.device_of(x, lib) != device:
-            dv = _interop.device_of(x, lib)
-            raise ValueError(f"{name}: on {dv[0]}:{dv[1]}; expected q's device {device[0]}:{device[1]}")
-    b, sq, h, d = (int(n) for n in q.shape)
-    for name, x in (("dout", dout), ("out", out)):
-        if tuple(x.shape) != (b, sq, h, d):
-            raise ValueError(f"{name}: expected q's shape {(b, sq, h, d)}; got {tuple(x.shape)}")
-        if _interop.dtype_name(x, lib) != dtype:
-            raise TypeError(f"{name}: expected q's dtype {dtype}; got {_interop.dtype_name(x, lib)}")
-    if tuple(lse.shape) != (b, h, sq):
-        raise ValueError(f"lse: expected shape (batch, nheads, seqlen_q) = {(b, h, sq)}; got {tuple(lse.shape)}")
-    if _interop.dtype_name(lse, lib) != "float32":
-        raise TypeError(f"lse: expected float32; got {_interop.dtype_name(lse, lib)}")
-    if not isinstance(deterministic, bool):
-        raise TypeError(f"deterministic: expected a bool; got {type(deterministic).__name__}")
-    return lib, device, dtype, scale
+    opts = _options(q_lengths, kv_lengths, window, num_sink_tokens, sink_logits, alibi_slopes, softcap)
+    return _adapter(q).attention(q, k, v, causal, softmax_scale, return_lse, deterministic, opts)
 
 
 def attention_backward(dout, q, k, v, out, lse, causal: bool = False, softmax_scale: float | None = None,
@@ -272,116 +152,19 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool = False, softmax_sc
         each GQA group), the caller's kind of array. Rows that see no key contribute zero gradient.
         With sink_logits, a fourth result: d sink_logits, float32 (nheads,).
     """
-    lib, device, dtype, scale = _check_backward_inputs(dout, q, k, v, out, lse, causal, softmax_scale, deterministic)
-    if device[0] == "traced":
-        from ._jax import jit_error
-
-        raise jit_error("attention_backward")
-    if _any_feature(q_lengths, kv_lengths, window, num_sink_tokens, sink_logits, alibi_slopes, softcap):
-        feats, plain, arrays = _padded_features(q, k, lib, device, causal, q_lengths, kv_lengths, window,
-                                                num_sink_tokens, sink_logits, alibi_slopes, softcap)
-        if not plain:
-            grads = backward_feat_impl(dout, q, k, v, out, lse, lib, device, dtype, scale, feats, arrays, None,
-                                       deterministic)
-            return grads if sink_logits is not None else grads[:3]
-        causal = feats.window_right == 0
-    return backward_impl(dout, q, k, v, out, lse, lib, device, dtype, bool(causal), scale, deterministic)
+    ad = _adapter(q)
+    opts = _options(q_lengths, kv_lengths, window, num_sink_tokens, sink_logits, alibi_slopes, softcap)
+    plan = ad.forward_plan(q, k, v, causal, softmax_scale, deterministic, False, opts)
+    _no_tracers(plan, "attention_backward")
+    dq, dk, dv, dsink = ad.backward(plan, dout, q, k, v, out, lse, opts or {})
+    return (dq, dk, dv, dsink) if sink_logits is not None else (dq, dk, dv)
 
 
-def backward_impl(dout, q, k, v, out, lse, lib, device, dtype, causal, scale, deterministic):
-    """The backward on validated, concrete arrays of one library: (dq, dk, dv)."""
-    if device[0] == "cpu":
-        from ._cpu_backward import attention_backward_numpy
+def _no_tracers(plan, what):
+    if plan.call.device[0] == "traced":
+        from ._adapters._jax import jit_error
 
-        arrs = [_interop.to_numpy(x, lib) for x in (dout, q, k, v, out, lse)]
-        grads = attention_backward_numpy(*arrs, causal, scale)
-        return tuple(_interop.from_numpy(g, lib, like=q) for g in grads)
-    return _attention_backward_gpu(dout, q, k, v, out, lse, lib, device[1], dtype, causal, scale, deterministic)
-
-
-def _attention_backward_gpu(dout, q, k, v, out, lse, lib, device_id, dtype, causal, scale, deterministic):
-    from . import _config, _launch
-    from ._gpu import compute_capability
-
-    ctx = _interop.GpuContext(lib, device_id)
-    views = []
-    for x in (dout, q, k, v, out):
-        t = ctx.view(x)
-        if _needs_copy(t):
-            t = ctx.view(ctx.contiguous(x))
-        views.append(t)
-    dov, qv, kv, vv, ov = views
-    lv = ctx.view(lse)
-    b, sq, h, d = qv.shape
-    if lv.strides != (h * sq, sq, 1):
-        lv = ctx.view(ctx.contiguous(lse))
-    dq, dqv = ctx.empty(tuple(qv.shape), dtype)
-    dk, dkv = ctx.empty(tuple(kv.shape), dtype)
-    dv, dvv = ctx.empty(tuple(vv.shape), dtype)
-    cc = compute_capability(device_id)
-    target = _config.compile_arch(*cc)
-    atomic = _launch.bwd_uses_atomics(deterministic, target, d)
-    n_rows, n_acc = _launch.bwd_scratch_sizes(b, h, sq, d, atomic, target)
-    _rows_buf, rows = ctx.empty((n_rows,), "float32")
-    acc_ptr = 0
-    if n_acc:
-        _acc_buf, acc = ctx.empty((n_acc,), "float32")
-        acc_ptr = acc.ptr
-    _launch.launch_bwd(dov, qv, kv, vv, ov, lv.ptr, dqv, dkv, dvv, rows.ptr, acc_ptr, dtype, causal, scale,
-                       atomic, device_id, cc, ctx.stream_ptr)
-    return ctx.export(dq), ctx.export(dk), ctx.export(dv)
-
-
-# ------------------------------------------------------------------------------------------------
-# The optional features (cuflash/_features.py): padded and packed batches, window, sinks, ALiBi,
-# softcap. `packed` is (max_seqlen_q, max_seqlen_k) for attention_varlen, else None.
-# ------------------------------------------------------------------------------------------------
-
-def _any_feature(q_lengths, kv_lengths, window, num_sink_tokens, sink_logits, alibi_slopes, softcap) -> bool:
-    """Whether any option is set: a plain call skips their checks (it is host time on every call)."""
-    return not (q_lengths is None and kv_lengths is None and window is None and sink_logits is None
-                and alibi_slopes is None and softcap is None and type(num_sink_tokens) is int
-                and num_sink_tokens == 0)
-
-
-def _padded_features(q, k, lib, device, causal, q_lengths, kv_lengths, window, num_sink_tokens, sink_logits,
-                     alibi_slopes, softcap):
-    """check_features for a padded (4-D) call: (Features, plain, FeatureArrays)."""
-    b, sq, h, _ = (int(n) for n in q.shape)
-    arrays = FeatureArrays(q_lengths=q_lengths, kv_lengths=kv_lengths, sink_logits=sink_logits,
-                           alibi_slopes=alibi_slopes)
-    feats, plain = check_features(lib, device, batch=b, nheads=h, seqlen_q=sq, seqlen_k=int(k.shape[1]),
-                                  causal=bool(causal), window=window, num_sink_tokens=num_sink_tokens,
-                                  softcap=softcap, arrays=arrays, packed=False)
-    return feats, plain, arrays
-
-
-def _check_varlen_inputs(q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
-    """Validates a packed call: 3-D q, k, v, then the checks of `attention` on their 4-D views."""
-    for name, x in zip(_NAMES, (q, k, v)):
-        if _interop.library_of(x) is not None and len(x.shape) != 3:
-            layout = "(total_q, nheads, head_dim)" if name == "q" else "(total_k, nheads_kv, head_dim)"
-            raise ValueError(f"{name}: expected 3 dimensions {layout} (a packed batch); got shape {tuple(x.shape)}")
-    lib, device, dtype, scale = _check_inputs(*(x if _interop.library_of(x) is None else x[None] for x in (q, k, v)),
-                                              causal, softmax_scale)
-    mq = _feat_int("max_seqlen_q", max_seqlen_q)
-    mk = _feat_int("max_seqlen_k", max_seqlen_k)
-    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        if _interop.library_of(cu) is None:
-            raise TypeError(f"{name}: expected an int32 {lib} array of shape (batch + 1,); got "
-                            f"{type(cu).__module__}.{type(cu).__qualname__}")
-        if len(cu.shape) != 1 or int(cu.shape[0]) < 2:
-            raise ValueError(f"{name}: expected shape (batch + 1,) with batch >= 1; got {tuple(cu.shape)}")
-    if int(cu_seqlens_q.shape[0]) != int(cu_seqlens_k.shape[0]):
-        raise ValueError(f"cu_seqlens_k: expected the shape of cu_seqlens_q {tuple(cu_seqlens_q.shape)}; "
-                         f"got {tuple(cu_seqlens_k.shape)}")
-    return lib, device, dtype, scale, (mq, mk)
-
-
-def _feat_int(name, x):
-    from ._features import _check_int
-
-    return _check_int(name, x, 0)
+        raise jit_error(what)
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
@@ -406,19 +189,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     Gradients flow as for `attention` (torch autograd, JAX eager); `attention_varlen_backward`
     computes them directly.
     """
-    lib, device, dtype, scale, packed = _check_varlen_inputs(q, k, v, causal, softmax_scale, cu_seqlens_q,
-                                                             cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    for name, x in (("return_lse", return_lse), ("deterministic", deterministic)):
-        if not isinstance(x, bool):
-            raise TypeError(f"{name}: expected a bool; got {type(x).__name__}")
-    arrays = FeatureArrays(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, sink_logits=sink_logits,
-                           alibi_slopes=alibi_slopes)
-    feats, _ = check_features(lib, device, batch=int(cu_seqlens_q.shape[0]) - 1, nheads=int(q.shape[1]),
-                              seqlen_q=packed[0], seqlen_k=packed[1], causal=bool(causal), window=window,
-                              num_sink_tokens=num_sink_tokens, softcap=softcap, arrays=arrays, packed=True,
-                              total_q=int(q.shape[0]), total_k=int(k.shape[0]))
-    out, lse = _feature_forward(q, k, v, lib, device, dtype, scale, feats, arrays, packed, deterministic)
-    return (out, lse) if return_lse else out
+    opts = _options(None, None, window, num_sink_tokens, sink_logits, alibi_slopes, softcap) or {}
+    return _adapter(q).attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                        softmax_scale, return_lse, deterministic, opts)
 
 
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
@@ -427,293 +200,140 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
                               sink_logits=None, alibi_slopes=None, softcap: float | None = None):
     """Gradients of `attention_varlen`: (dq, dk, dv), plus d sink_logits (float32 (nheads,)) when
     sink_logits is given. dout and out are (total_q, nheads, head_dim), lse (nheads, total_q)."""
-    lib, device, dtype, scale, packed = _check_varlen_inputs(q, k, v, causal, softmax_scale, cu_seqlens_q,
-                                                             cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    if device[0] == "traced":
-        from ._jax import jit_error
-
-        raise jit_error("attention_varlen_backward")
-    if not isinstance(deterministic, bool):
-        raise TypeError(f"deterministic: expected a bool; got {type(deterministic).__name__}")
-    _check_grad_arrays(dout, out, lse, q, lib, device, dtype, (int(q.shape[1]), int(q.shape[0])),
-                       "(nheads, total_q)")
-    arrays = FeatureArrays(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, sink_logits=sink_logits,
-                           alibi_slopes=alibi_slopes)
-    feats, _ = check_features(lib, device, batch=int(cu_seqlens_q.shape[0]) - 1, nheads=int(q.shape[1]),
-                              seqlen_q=packed[0], seqlen_k=packed[1], causal=bool(causal), window=window,
-                              num_sink_tokens=num_sink_tokens, softcap=softcap, arrays=arrays, packed=True,
-                              total_q=int(q.shape[0]), total_k=int(k.shape[0]))
-    grads = backward_feat_impl(dout, q, k, v, out, lse, lib, device, dtype, scale, feats, arrays, packed,
-                               deterministic)
-    return grads if sink_logits is not None else grads[:3]
+    ad = _adapter(q)
+    opts = _options(None, None, window, num_sink_tokens, sink_logits, alibi_slopes, softcap) or {}
+    plan = ad.varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                          deterministic, False, opts)
+    _no_tracers(plan, "attention_varlen_backward")
+    full = dict(opts, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    dq, dk, dv, dsink = ad.backward(plan, dout, q, k, v, out, lse, full)
+    return (dq, dk, dv, dsink) if sink_logits is not None else (dq, dk, dv)
 
 
-def _check_grad_arrays(dout, out, lse, q, lib, device, dtype, lse_shape, lse_text):
-    for name, x in (("dout", dout), ("out", out), ("lse", lse)):
-        if _interop.library_of(x) != lib:
-            raise TypeError(f"{name}: expected a {lib} array like q; got {type(x).__module__}.{type(x).__qualname__}")
-        if _interop.device_of(x, lib) != device:
-            dv = _interop.device_of(x, lib)
-            raise ValueError(f"{name}: on {dv[0]}:{dv[1]}; expected q's device {device[0]}:{device[1]}")
-    for name, x in (("dout", dout), ("out", out)):
-        if tuple(x.shape) != tuple(q.shape):
-            raise ValueError(f"{name}: expected q's shape {tuple(q.shape)}; got {tuple(x.shape)}")
-        if _interop.dtype_name(x, lib) != dtype:
-            raise TypeError(f"{name}: expected q's dtype {dtype}; got {_interop.dtype_name(x, lib)}")
-    if tuple(lse.shape) != lse_shape:
-        raise ValueError(f"lse: expected shape {lse_text} = {lse_shape}; got {tuple(lse.shape)}")
-    if _interop.dtype_name(lse, lib) != "float32":
-        raise TypeError(f"lse: expected float32; got {_interop.dtype_name(lse, lib)}")
+def lengths_from_padding_mask(mask):
+    """Valid lengths from a boolean padding mask, the form transformers passes.
+
+    Args:
+        mask: (batch, seqlen) bool (or 0/1 integers), True / 1 where the token is real; each row
+            must be right-padded: ones, then zeros. torch, JAX, CuPy or NumPy.
+    Returns:
+        int32 (batch,) lengths, the mask's kind of array on its device: pass them as q_lengths /
+        kv_lengths.
+    Raises:
+        ValueError if a row is not right-padded (a 0 before a 1: left padding or a hole); this
+        check reads one flag back from the device.
+        TypeError for an unsupported array or dtype.
+    """
+    ad = adapter_for(mask)
+    if ad is None:
+        raise TypeError(f"mask: expected a torch.Tensor, jax.Array, cupy.ndarray or numpy.ndarray; got "
+                        f"{type(mask).__module__}.{type(mask).__qualname__}")
+    info = ad.info(mask)
+    if len(info.shape) != 2:
+        raise ValueError(f"mask: expected 2 dimensions (batch, seqlen); got shape {info.shape}")
+    if info.dtype != "bool" and not info.dtype.startswith(("int", "uint")):
+        raise TypeError(f"mask: expected a bool (or 0/1 integer) array; got dtype {info.dtype}")
+    lengths, ok = ad.lengths_from_padding_mask(mask)
+    if not ok:
+        raise ValueError("mask: expected right padding (each row: True for the real tokens, then False); "
+                         "a row has a False before a True (left padding or a hole)")
+    return lengths
 
 
-def _feature_forward(q, k, v, lib, device, dtype, scale, feats: Features, arrays: FeatureArrays, packed,
-                     deterministic):
-    """Routes a feature call to the library's adapter (autograd) or straight to the implementation."""
-    if lib == "torch":
-        from . import _torch
+class AttentionPlan:
+    """A call signature validated and planned once, held by the caller (see `plan`).
 
-        return _torch.attention_features(q, k, v, scale, feats, arrays, packed, deterministic)
-    if lib == "jax":
-        from . import _jax
+    Calling it runs the forward on arrays of that signature; `backward` runs the backward. Both
+    check that the arrays match the signature (a cheap key comparison) and raise ValueError
+    otherwise; the checks of the planned call are not repeated."""
 
-        return _jax.attention_features(q, k, v, scale, feats, arrays, packed, deterministic)
-    return forward_feat_impl(q, k, v, lib, device, dtype, scale, feats, arrays, packed)
+    def __init__(self, ad, plan, key_of, describe: str):
+        self._ad, self._plan, self._key_of = ad, plan, key_of
+        self._key = key_of(None)
+        self._describe = describe
+        self.call = plan.call
 
+    def __repr__(self):
+        return f"<cuflash.AttentionPlan {self._describe}>"
 
-def forward_feat_impl(q, k, v, lib, device, dtype, scale, feats: Features, arrays: FeatureArrays, packed):
-    """The feature forward on validated, concrete arrays of one library: (out, lse)."""
-    if device[0] == "cpu":
-        return _forward_feat_cpu(q, k, v, lib, scale, feats, arrays, packed)
-    return _forward_feat_gpu(q, k, v, lib, device[1], dtype, scale, feats, arrays, packed)
+    def _check(self, arrays):
+        try:
+            same = self._key_of(arrays) == self._key
+        except Exception:
+            same = False
+        if not same:
+            got = ", ".join(f"{n} {_brief(x)}" for n, x in arrays.items() if x is not None)
+            raise ValueError(f"q, k, v: this plan was made for {self._describe}; got {got}")
 
+    def __call__(self, q, k, v, *, return_lse: bool = False, **arrays):
+        """out (and lse with return_lse) for q, k, v and the plan's option arrays (passed again by
+        name: q_lengths, kv_lengths, cu_seqlens_q, cu_seqlens_k, sink_logits, alibi_slopes)."""
+        self._check(dict(arrays, q=q, k=k, v=v))
+        out, lse = self._ad.forward(self._plan, q, k, v, arrays)
+        return (out, lse) if return_lse else out
 
-def backward_feat_impl(dout, q, k, v, out, lse, lib, device, dtype, scale, feats: Features, arrays: FeatureArrays,
-                       packed, deterministic=False):
-    """The feature backward: (dq, dk, dv, dsink), dsink None without sink logits."""
-    if device[0] == "cpu":
-        return _backward_feat_cpu(dout, q, k, v, out, lse, lib, scale, feats, arrays, packed)
-    return _backward_feat_gpu(dout, q, k, v, out, lse, lib, device[1], dtype, scale, feats, arrays, packed,
-                              deterministic)
-
-
-# ---- CPU (NumPy): a packed batch runs one sequence at a time ----
-
-def _np_arrays(arrays: FeatureArrays):
-    return {n: (None if x is None else _interop.to_numpy(x, _interop.library_of(x))) for n, x in arrays.items()}
-
-
-def _cpu_kwargs(feats: Features, a):
-    return dict(window=(feats.window_left, feats.window_right), num_sink_tokens=feats.num_sink_tokens,
-                softcap=feats.softcap, sink_logits=a["sink_logits"])
+    def backward(self, dout, q, k, v, out, lse, **arrays):
+        """(dq, dk, dv), plus d sink_logits when the plan has sink logits."""
+        self._check(dict(arrays, q=q, k=k, v=v))
+        dq, dk, dv, dsink = self._ad.backward(self._plan, dout, q, k, v, out, lse, arrays)
+        return (dq, dk, dv, dsink) if self._plan.has_sink else (dq, dk, dv)
 
 
-def _forward_feat_cpu(q, k, v, lib, scale, feats, arrays, packed):
-    import numpy as np
-
-    from ._cpu import attention_forward_numpy
-
-    qn, kn, vn = (_interop.to_numpy(x, lib) for x in (q, k, v))
-    a = _np_arrays(arrays)
-    kw = _cpu_kwargs(feats, a)
-    if packed is None:
-        out, lse = attention_forward_numpy(qn, kn, vn, False, scale, q_lengths=a["q_lengths"],
-                                           kv_lengths=a["kv_lengths"], alibi_slopes=a["alibi_slopes"], **kw)
-    else:
-        total_q, h, d = qn.shape
-        out = np.zeros(qn.shape, dtype=qn.dtype)
-        lse = np.full((h, total_q), -np.inf, dtype=np.float32)
-        for b, (q0, q1, k0, k1) in enumerate(_segments(a)):
-            if q1 == q0:
-                continue
-            if k1 == k0:  # rows that see no key: out 0, lse the sink logit (or -inf)
-                if a["sink_logits"] is not None:
-                    lse[:, q0:q1] = a["sink_logits"][:, None]
-                continue
-            o_b, l_b = attention_forward_numpy(qn[None, q0:q1], kn[None, k0:k1], vn[None, k0:k1], False, scale,
-                                               alibi_slopes=_alibi_row(a, b), **kw)
-            out[q0:q1] = o_b[0]
-            lse[:, q0:q1] = l_b[0]
-    return _interop.from_numpy(out, lib, like=q), _interop.from_numpy(lse, lib, like=q)
+def _brief(x) -> str:
+    try:
+        info = info_of(x)
+        return f"{info.lib} {info.dtype}{list(info.shape)} strides {list(info.strides)} on {info.device[0]}:{info.device[1]}"
+    except Exception:
+        return type(x).__name__
 
 
-def _segments(a):
-    cq, ck = (a[n].astype("int64") for n in ("cu_seqlens_q", "cu_seqlens_k"))
-    return [(int(cq[b]), int(cq[b + 1]), int(ck[b]), int(ck[b + 1])) for b in range(len(cq) - 1)]
+def plan(q, k, v, causal: bool = False, softmax_scale: float | None = None, deterministic: bool = False, *,
+         q_lengths=None, kv_lengths=None, window=None, num_sink_tokens: int = 0, sink_logits=None, alibi_slopes=None,
+         softcap: float | None = None) -> AttentionPlan:
+    """The plan of `attention(q, k, v, ...)` with these arguments, as an object.
+
+    The arrays given here are examples: the plan serves every later call with arrays of the same
+    library, dtypes, shapes, strides, device and pointer alignment (and option arrays of the same
+    kind). `plan(...)(q, k, v)` is `attention(q, k, v, ...)`; `p.backward(dout, q, k, v, out, lse)`
+    is `attention_backward`. Array options are passed again on each call, by name. This is the
+    same work `attention` caches per signature on its own; holding it skips the cache lookup and
+    makes the fixed shape explicit (for a serving loop or a CUDA graph capture)."""
+    ad = _adapter(q)
+    opts = _options(q_lengths, kv_lengths, window, num_sink_tokens, sink_logits, alibi_slopes, softcap)
+    p = ad.forward_plan(q, k, v, causal, softmax_scale, deterministic, False, opts)
+    scalars = dict(window=window, num_sink_tokens=num_sink_tokens, softcap=softcap)
+    given = {n: x for n, x in (opts or {}).items() if n not in scalars}
+
+    def key_of(arrays):
+        a = dict(given, q=q, k=k, v=v) if arrays is None else arrays
+        o = None if opts is None else dict(scalars, **{n: a.get(n) for n in given})
+        return (ad.forward_key(a["q"], a["k"], a["v"], causal, softmax_scale, deterministic, False, o),
+                tuple(n for n, x in a.items() if x is not None and n not in ("q", "k", "v")))
+
+    return AttentionPlan(ad, p, key_of, _brief(q) + f", causal={causal}")
 
 
-def _alibi_row(a, b):
-    s = a["alibi_slopes"]
-    return None if s is None else (s if s.ndim == 1 else s[b])
+def plan_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, causal: bool = False,
+                softmax_scale: float | None = None, deterministic: bool = False, *, window=None,
+                num_sink_tokens: int = 0, sink_logits=None, alibi_slopes=None,
+                softcap: float | None = None) -> AttentionPlan:
+    """The plan of `attention_varlen(...)` with these arguments (see `plan`). Call it as
+    `p(q, k, v, cu_seqlens_q=..., cu_seqlens_k=..., [sink_logits=..., alibi_slopes=...])`."""
+    ad = _adapter(q)
+    opts = _options(None, None, window, num_sink_tokens, sink_logits, alibi_slopes, softcap) or {}
+    p = ad.varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                       deterministic, False, opts)
+    scalars = dict(window=window, num_sink_tokens=num_sink_tokens, softcap=softcap)
+    given = {n: x for n, x in opts.items() if n not in scalars}
+    given.update(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
 
+    def key_of(arrays):
+        from ._adapters._base import any_sig
 
-def _backward_feat_cpu(dout, q, k, v, out, lse, lib, scale, feats, arrays, packed):
-    import numpy as np
+        a = dict(given, q=q, k=k, v=v) if arrays is None else arrays
+        o = dict(scalars, **{n: a.get(n) for n in given if not n.startswith("cu_")})
+        return (ad.forward_key(a["q"], a["k"], a["v"], causal, softmax_scale, deterministic, False, o),
+                any_sig(a.get("cu_seqlens_q")), any_sig(a.get("cu_seqlens_k")),
+                tuple(n for n, x in a.items() if x is not None and n not in ("q", "k", "v")))
 
-    from ._cpu_backward import attention_backward_numpy
-
-    don, qn, kn, vn, on, ln = (_interop.to_numpy(x, lib) for x in (dout, q, k, v, out, lse))
-    a = _np_arrays(arrays)
-    kw = _cpu_kwargs(feats, a)
-    sink = a["sink_logits"] is not None
-    if packed is None:
-        grads = attention_backward_numpy(don, qn, kn, vn, on, ln, False, scale, q_lengths=a["q_lengths"],
-                                         kv_lengths=a["kv_lengths"], alibi_slopes=a["alibi_slopes"], **kw)
-        dq, dk, dv = grads[:3]
-        dsink = grads[3] if sink else None
-    else:
-        dq, dk, dv = (np.zeros(x.shape, dtype=x.dtype) for x in (qn, kn, vn))
-        dsink = np.zeros(qn.shape[1], dtype=np.float32) if sink else None
-        for b, (q0, q1, k0, k1) in enumerate(_segments(a)):
-            if q1 == q0 or k1 == k0:
-                continue  # no score: nothing flows to q, k or v (nor to the sink: out = 0 there)
-            g = attention_backward_numpy(don[None, q0:q1], qn[None, q0:q1], kn[None, k0:k1], vn[None, k0:k1],
-                                         on[None, q0:q1], ln[None, :, q0:q1], False, scale,
-                                         alibi_slopes=_alibi_row(a, b), **kw)
-            dq[q0:q1] = g[0][0]
-            dk[k0:k1] = g[1][0]
-            dv[k0:k1] = g[2][0]
-            if sink:
-                dsink += g[3]
-    res = [_interop.from_numpy(x, lib, like=q) for x in (dq, dk, dv)]
-    res.append(None if dsink is None else _interop.from_numpy(dsink, lib, like=q))
-    return tuple(res)
-
-
-# ---- GPU ----
-
-def _kernel_view(ctx, x):
-    """A DeviceTensor the kernels can read in place (unit last stride, 16-byte aligned), copying x
-    when needed; 3-D (packed) or 4-D."""
-    t = ctx.view(x)
-    if t.strides[-1] != 1 or t.ptr % 16 != 0 or any(s % 8 != 0 for s in t.strides[:-1]):
-        t = ctx.view(ctx.contiguous(x))
-    return t
-
-
-def _small_view(ctx, x):
-    """A small option array (lengths, offsets, slopes, sink logits) with a unit last stride."""
-    t = ctx.view(x)
-    if t.strides[-1] != 1 and t.shape[-1] > 1:
-        t = ctx.view(ctx.contiguous(x))
-    return t
-
-
-def _packed4(t, batch: int, max_len: int):
-    """(total, heads, d) -> the 4-D (batch, max_len, heads, d) view the kernels index, batch stride 0:
-    each sequence adds its cu_seqlens offset itself."""
-    from ._launch import DeviceTensor
-
-    return DeviceTensor(t.ptr, (batch, max_len) + tuple(t.shape[1:]), (0,) + tuple(t.strides))
-
-
-def _mask_args(ctx, feats: Features, arrays: FeatureArrays, total_q: int, total_k: int, dsink_rows: int = 0):
-    from ._launch import MaskArgs
-
-    ptrs = {}
-    alibi_bs = 0
-    for name, x in arrays.items():
-        if x is None:
-            ptrs[name] = 0
-            continue
-        t = _small_view(ctx, x)
-        ptrs[name] = t.ptr
-        if name == "alibi_slopes" and len(t.shape) == 2:
-            alibi_bs = t.strides[0]
-    return MaskArgs(alibi_batch_stride=alibi_bs, dsink_rows=dsink_rows, window_left=feats.window_left,
-                    window_right=feats.window_right, num_sink_tokens=feats.num_sink_tokens,
-                    softcap=feats.softcap, total_q=total_q, total_k=total_k, **ptrs)
-
-
-_NEG_INF_BITS = 0xFF800000
-
-
-def _forward_feat_gpu(q, k, v, lib, device_id, dtype, scale, feats, arrays, packed):
-    from . import _launch
-    from ._gpu import compute_capability
-
-    ctx = _interop.GpuContext(lib, device_id)
-    qv, kv, vv = (_kernel_view(ctx, x) for x in (q, k, v))
-    cc = compute_capability(device_id)
-    if packed is None:
-        b, sq, h, d = qv.shape
-        out, ov = ctx.empty((b, sq, h, d), dtype)
-        lse, lv = ctx.empty((b, h, sq), "float32")
-        m = _mask_args(ctx, feats, arrays, sq, kv.shape[1])
-        _launch.launch_fwd(qv, kv, vv, ov, lv.ptr, dtype, False, scale, device_id, cc, ctx.stream_ptr, mask=m)
-    else:
-        total_q, h, d = qv.shape
-        batch = int(arrays.cu_seqlens_q.shape[0]) - 1
-        out, ov = ctx.empty((total_q, h, d), dtype)
-        lse, lv = ctx.empty((h, total_q), "float32")
-        m = _mask_args(ctx, feats, arrays, total_q, kv.shape[0])
-        mq, mk = packed
-        _launch.launch_fwd(_packed4(qv, batch, mq), _packed4(kv, batch, mk), _packed4(vv, batch, mk),
-                           _packed4(ov, batch, mq), lv.ptr, dtype, False, scale, device_id, cc, ctx.stream_ptr,
-                           mask=m)
-        tail = m.cu_seqlens_q + 4 * batch  # &cu_seqlens_q[batch]
-        _launch.launch_fill_tail(ov, tail, "u16", 0, device_id, cc, ctx.stream_ptr)
-        lse_rows = _launch.DeviceTensor(lv.ptr, (total_q, h, 1), (1, total_q, 1))
-        _launch.launch_fill_tail(lse_rows, tail, "u32", _NEG_INF_BITS, device_id, cc, ctx.stream_ptr)
-    return ctx.export(out), ctx.export(lse)
-
-
-def _backward_feat_gpu(dout, q, k, v, out, lse, lib, device_id, dtype, scale, feats, arrays, packed, deterministic):
-    from . import _config, _launch
-    from ._gpu import compute_capability
-
-    ctx = _interop.GpuContext(lib, device_id)
-    dov, qv, kv, vv, ov = (_kernel_view(ctx, x) for x in (dout, q, k, v, out))
-    lv = ctx.view(lse)
-    want = (lv.shape[1] * lv.shape[2], lv.shape[2], 1) if packed is None else (lv.shape[1], 1)
-    if lv.strides != want:
-        lv = ctx.view(ctx.contiguous(lse))
-    dq, dqv = ctx.empty(tuple(qv.shape), dtype)
-    dk, dkv = ctx.empty(tuple(kv.shape), dtype)
-    dv, dvv = ctx.empty(tuple(vv.shape), dtype)
-    cc = compute_capability(device_id)
-    if packed is None:
-        batch, sq, h, _ = qv.shape
-        total_q, total_k = sq, kv.shape[1]
-    else:
-        batch = int(arrays.cu_seqlens_q.shape[0]) - 1
-        sq, h = packed[0], qv.shape[1]
-        total_q, total_k = qv.shape[0], kv.shape[0]
-    pad = _launch.bwd_row_pad(sq)
-    d = qv.shape[-1]
-    # dQ by float atomics from sm_90a's wgmma dK/dV kernel where it fits, unless deterministic.
-    atomic = _config.feat_bwd_uses_atomics(deterministic, _config.compile_arch(*cc), d)
-    _rows_buf, rows = ctx.empty((max(1, 2 * batch * h * pad),), "float32")
-    acc_ptr = 0
-    if atomic:
-        _acc_buf, acc = ctx.empty((max(1, batch * h * pad * d),), "float32")
-        acc_ptr = acc.ptr
-    dsink_rows = dsv = None
-    if arrays.sink_logits is not None:
-        dsink_rows, dsv = ctx.empty((batch, h, pad), "float32")
-    m = _mask_args(ctx, feats, arrays, total_q, total_k, dsink_rows=dsv.ptr if dsv is not None else 0)
-    if packed is None:
-        views = (dov, qv, kv, vv, ov, dqv, dkv, dvv)
-    else:
-        mq, mk = packed
-        views = (_packed4(dov, batch, mq), _packed4(qv, batch, mq), _packed4(kv, batch, mk), _packed4(vv, batch, mk),
-                 _packed4(ov, batch, mq), _packed4(dqv, batch, mq), _packed4(dkv, batch, mk), _packed4(dvv, batch, mk))
-    d4, q4, k4, v4, o4, dq4, dk4, dv4 = views
-    _launch.launch_bwd(d4, q4, k4, v4, o4, lv.ptr, dq4, dk4, dv4, rows.ptr, acc_ptr, dtype, False, scale, atomic,
-                       device_id, cc, ctx.stream_ptr, mask=m)
-    if packed is not None:
-        for t, cu in ((dqv, m.cu_seqlens_q), (dkv, m.cu_seqlens_k), (dvv, m.cu_seqlens_k)):
-            _launch.launch_fill_tail(t, cu + 4 * batch, "u16", 0, device_id, cc, ctx.stream_ptr)
-    dsink = None
-    if dsink_rows is not None:
-        dsink = ctx.export(_sum_rows(dsink_rows, lib, device_id))
-    return ctx.export(dq), ctx.export(dk), ctx.export(dv), dsink
-
-
-def _sum_rows(x, lib, device_id):
-    """(batch, nheads, rows) -> (nheads,): the sum over batch and rows, on the call's stream."""
-    if lib == "torch":
-        return x.sum(dim=(0, 2))
-    import cupy
-
-    with cupy.cuda.Device(device_id):
-        return x.sum(axis=(0, 2))
+    return AttentionPlan(ad, p, key_of, _brief(q) + f", packed, causal={causal}")

@@ -50,20 +50,8 @@ class Features:
     has_alibi: bool = False
 
 
-@dataclass(frozen=True)
-class FeatureArrays:
-    """The array options, as the caller's arrays (None = absent)."""
-
-    q_lengths: object = None
-    kv_lengths: object = None
-    cu_seqlens_q: object = None
-    cu_seqlens_k: object = None
-    sink_logits: object = None
-    alibi_slopes: object = None
-
-    def items(self):
-        return [(n, getattr(self, n)) for n in ("q_lengths", "kv_lengths", "cu_seqlens_q", "cu_seqlens_k",
-                                                 "sink_logits", "alibi_slopes")]
+# The array options, in the order of their pointer slots (cuflash/_plan.py) and of every adapter.
+ARRAY_OPTIONS = ("q_lengths", "kv_lengths", "cu_seqlens_q", "cu_seqlens_k", "sink_logits", "alibi_slopes")
 
 
 def _is_int(x) -> bool:
@@ -81,28 +69,27 @@ def _check_int(name, x, minimum):
 
 
 def _check_array(name, x, lib, device, dtype, shapes, shape_text):
-    from . import _interop
-
-    xl = _interop.library_of(x)
-    if xl != lib:
-        got = f"{type(x).__module__}.{type(x).__qualname__}"
-        raise TypeError(f"{name}: expected a {lib} array like q; got {got}")
-    dt = _interop.dtype_name(x, lib)
-    if dt != dtype:
-        raise TypeError(f"{name}: expected dtype {dtype}; got {dt}")
-    shape = tuple(int(s) for s in x.shape)
-    if shape not in shapes:
-        raise ValueError(f"{name}: expected shape {shape_text}; got {shape}")
-    dv = _interop.device_of(x, lib)
+    """x: the ArrayInfo of an option array (cuflash/_call.py), or a Foreign for anything else."""
+    if x.lib != lib:
+        raise TypeError(f"{name}: expected a {lib} array like q; got {x.type_name}")
+    if x.dtype != dtype:
+        raise TypeError(f"{name}: expected dtype {dtype}; got {x.dtype}")
+    if x.shape not in shapes:
+        raise ValueError(f"{name}: expected shape {shape_text}; got {x.shape}")
+    dv = x.device
     if dv != device and "traced" not in (dv[0], device[0]):
         raise ValueError(f"{name}: on {dv[0]}:{dv[1]}; expected q's device {device[0]}:{device[1]}")
 
 
 def check_features(lib, device, *, batch, nheads, seqlen_q, seqlen_k, causal, window, num_sink_tokens,
-                   softcap, arrays: FeatureArrays, packed: bool, total_q=None, total_k=None):
+                   softcap, arrays: dict, packed: bool):
     """Validates the feature options of one call and normalizes them.
 
-    seqlen_q / seqlen_k: the padded lengths, or max_seqlen_q / max_seqlen_k of a packed batch.
+    arrays: option name -> ArrayInfo (or Foreign) for the array options given (absent ones are left
+    out). seqlen_q / seqlen_k: the padded lengths, or max_seqlen_q / max_seqlen_k of a packed batch.
+    Only what the call's signature fixes is checked here (types, shapes, dtypes, devices); the
+    values of CPU arrays are checked by `check_values_cpu` when the NumPy path runs, and values on
+    the GPU are never read back (the kernels clamp them).
     Returns (Features, plain): plain is True when the call is exactly a plain (maybe causal)
     attention, which then takes the plain kernels unchanged (causal = features.window_right == 0).
     """
@@ -136,21 +123,18 @@ def check_features(lib, device, *, batch, nheads, seqlen_q, seqlen_k, causal, wi
     shapes_b = {(batch,)}
     if packed:
         for name in ("cu_seqlens_q", "cu_seqlens_k"):
-            _check_array(name, getattr(arrays, name), lib, device, "int32", {(batch + 1,)},
+            _check_array(name, arrays[name], lib, device, "int32", {(batch + 1,)},
                          f"(batch + 1,) = ({batch + 1},), the same for cu_seqlens_q and cu_seqlens_k")
     for name in ("q_lengths", "kv_lengths"):
-        x = getattr(arrays, name)
+        x = arrays.get(name)
         if x is not None:
             _check_array(name, x, lib, device, "int32", shapes_b, f"(batch,) = ({batch},)")
-    if arrays.sink_logits is not None:
-        _check_array("sink_logits", arrays.sink_logits, lib, device, "float32", {(nheads,)},
+    if "sink_logits" in arrays:
+        _check_array("sink_logits", arrays["sink_logits"], lib, device, "float32", {(nheads,)},
                      f"(nheads,) = ({nheads},)")
-    if arrays.alibi_slopes is not None:
-        _check_array("alibi_slopes", arrays.alibi_slopes, lib, device, "float32", {(nheads,), (batch, nheads)},
+    if "alibi_slopes" in arrays:
+        _check_array("alibi_slopes", arrays["alibi_slopes"], lib, device, "float32", {(nheads,), (batch, nheads)},
                      f"(nheads,) = ({nheads},) or (batch, nheads) = ({batch}, {nheads})")
-
-    if device[0] == "cpu":
-        _check_values_cpu(arrays, packed, seqlen_q, seqlen_k, total_q, total_k)
 
     # Bounds that no row can reach are unbounded: j - i' <= seqlen_q - 1 and i' - j <= seqlen_k - 1.
     if left >= seqlen_k:
@@ -159,28 +143,26 @@ def check_features(lib, device, *, batch, nheads, seqlen_q, seqlen_k, causal, wi
         right = -1
     if left < 0:
         sinks = 0  # the sink tokens only ever lift the left bound
-    has_lengths = packed or arrays.q_lengths is not None or arrays.kv_lengths is not None
-    feats = Features(left, right, sinks, cap, has_lengths, arrays.sink_logits is not None,
-                     arrays.alibi_slopes is not None)
+    sinks = min(sinks, seqlen_k)  # beyond the keys there are no more sinks (and the kernels' field is int32)
+    has_lengths = packed or "q_lengths" in arrays or "kv_lengths" in arrays
+    feats = Features(left, right, sinks, cap, has_lengths, "sink_logits" in arrays, "alibi_slopes" in arrays)
     plain = not has_lengths and left < 0 and right in (-1, 0) and sinks == 0 and cap == 0 \
         and not feats.has_sink_logits and not feats.has_alibi
     return feats, plain
 
 
-def _check_values_cpu(arrays: FeatureArrays, packed, seqlen_q, seqlen_k, total_q, total_k):
-    """Values are checked where they live on the host (NumPy / CPU arrays). Device arrays are not
-    read back, which would stall the caller's stream; the kernels clamp them instead."""
+def check_values_cpu(arrays: dict, packed, seqlen_q, seqlen_k, total_q, total_k):
+    """Values are checked where they live on the host (NumPy arrays of the NumPy path; name ->
+    array). Device arrays are not read back, which would stall the caller's stream; the kernels
+    clamp them instead."""
     import numpy as np
 
-    from . import _interop
-
     def host(x):
-        lib = _interop.library_of(x)
-        return np.asarray(_interop.to_numpy(x, lib)).astype(np.int64)
+        return np.asarray(x).astype(np.int64)
 
     if packed:
         for name, total, maxlen in (("cu_seqlens_q", total_q, seqlen_q), ("cu_seqlens_k", total_k, seqlen_k)):
-            cu = host(getattr(arrays, name))
+            cu = host(arrays[name])
             lens = np.diff(cu)
             if cu[0] < 0 or (lens < 0).any() or cu[-1] > total:
                 raise ValueError(f"{name}: expected non-decreasing offsets from >= 0 to <= {total} (the rows of "
@@ -189,66 +171,8 @@ def _check_values_cpu(arrays: FeatureArrays, packed, seqlen_q, seqlen_k, total_q
                 which = "max_seqlen_q" if name.endswith("q") else "max_seqlen_k"
                 raise ValueError(f"{name}: a sequence has length {int(lens.max())} > {which} = {maxlen}")
     for name, limit in (("q_lengths", seqlen_q), ("kv_lengths", seqlen_k)):
-        x = getattr(arrays, name)
+        x = arrays.get(name)
         if x is not None:
             v = host(x)
             if (v < 0).any() or (v > limit).any():
                 raise ValueError(f"{name}: expected values in [0, {limit}]; got {v.tolist()}")
-
-
-def lengths_from_padding_mask(mask):
-    """Valid lengths from a boolean padding mask, the form transformers passes.
-
-    Args:
-        mask: (batch, seqlen) bool (or 0/1 integers), True / 1 where the token is real; each row
-            must be right-padded: ones, then zeros. torch, JAX, CuPy or NumPy.
-    Returns:
-        int32 (batch,) lengths, the mask's kind of array on its device: pass them as q_lengths /
-        kv_lengths.
-    Raises:
-        ValueError if a row is not right-padded (a 0 before a 1: left padding or a hole); this
-        check reads one flag back from the device.
-        TypeError for an unsupported array or dtype.
-    """
-    from . import _interop
-
-    lib = _interop.library_of(mask)
-    if lib is None:
-        raise TypeError(f"mask: expected a torch.Tensor, jax.Array, cupy.ndarray or numpy.ndarray; got "
-                        f"{type(mask).__module__}.{type(mask).__qualname__}")
-    if len(mask.shape) != 2:
-        raise ValueError(f"mask: expected 2 dimensions (batch, seqlen); got shape {tuple(mask.shape)}")
-    dt = _interop.dtype_name(mask, lib)
-    if dt != "bool" and not dt.startswith(("int", "uint")):
-        raise TypeError(f"mask: expected a bool (or 0/1 integer) array; got dtype {dt}")
-    if lib == "torch":
-        import torch
-
-        m = mask.to(torch.bool)
-        lengths = m.sum(dim=1, dtype=torch.int32)
-        pos = torch.arange(m.shape[1], device=m.device)
-        ok = bool(torch.equal(m, pos[None, :] < lengths[:, None]))
-    else:
-        xp = _array_module(lib)
-        m = xp.asarray(mask).astype(bool)
-        lengths = m.sum(axis=1).astype(xp.int32)
-        pos = xp.arange(m.shape[1])
-        ok = bool(xp.all(m == (pos[None, :] < lengths[:, None])))
-    if not ok:
-        raise ValueError("mask: expected right padding (each row: True for the real tokens, then False); "
-                         "a row has a False before a True (left padding or a hole)")
-    return lengths
-
-
-def _array_module(lib):
-    if lib == "cupy":
-        import cupy
-
-        return cupy
-    if lib == "jax":
-        import jax.numpy as jnp
-
-        return jnp
-    import numpy
-
-    return numpy

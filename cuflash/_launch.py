@@ -1,7 +1,11 @@
-"""Kernel specializations, the Params mirror, and launches on raw device pointers.
+"""Kernel specializations, the Params mirrors, and prepared launches on raw device pointers.
 
-Nothing here knows torch, JAX or CuPy arrays: callers hand in `DeviceTensor`s (pointer, shape,
-element strides) and a stream handle. cuflash/_interop.py makes those from the caller's arrays.
+Nothing here knows torch, JAX or CuPy arrays. A plan (cuflash/_plan.py) describes its tensors as
+`DeviceTensor`s (shape, element strides, and a pointer that is either an int or a `Slot`: "the
+pointer the caller passes in position i, plus a byte offset"). `fwd_launches` / `bwd_launches`
+choose the kernels, compile or load them, check the grid, and fill a Params struct once; what is
+left for each call is writing the slot pointers into it and calling cuLaunchKernel
+(`Launch.fire`).
 """
 
 from __future__ import annotations
@@ -69,8 +73,19 @@ MAX_GRID_X = 2**31 - 1
 
 
 @dataclass(frozen=True)
+class Slot:
+    """A pointer known only at run time: the index-th pointer of the call, plus `add` bytes."""
+
+    index: int
+    add: int = 0
+
+    def __add__(self, nbytes: int) -> "Slot":
+        return Slot(self.index, self.add + nbytes)
+
+
+@dataclass(frozen=True)
 class DeviceTensor:
-    ptr: int
+    ptr: "int | Slot"
     shape: tuple[int, ...]
     strides: tuple[int, ...]  # in elements
 
@@ -82,14 +97,14 @@ class MaskArgs:
     hands the launchers q / k / v / out as 4-D views (batch, max_seqlen, heads, head_dim) with batch
     stride 0, and total_q / total_k rows in the arrays."""
 
-    cu_seqlens_q: int = 0
-    cu_seqlens_k: int = 0
-    q_lengths: int = 0
-    kv_lengths: int = 0
-    alibi_slopes: int = 0
+    cu_seqlens_q: "int | Slot" = 0   # pointers: 0 = absent
+    cu_seqlens_k: "int | Slot" = 0
+    q_lengths: "int | Slot" = 0
+    kv_lengths: "int | Slot" = 0
+    alibi_slopes: "int | Slot" = 0
     alibi_batch_stride: int = 0
-    sink_logits: int = 0
-    dsink_rows: int = 0   # backward with sink logits: (batch, nheads, seqlen_q_pad) float32
+    sink_logits: "int | Slot" = 0
+    dsink_rows: "int | Slot" = 0   # backward with sink logits: (batch, nheads, seqlen_q_pad) float32
     window_left: int = -1
     window_right: int = -1
     num_sink_tokens: int = 0
@@ -102,11 +117,13 @@ class MaskArgs:
         return self.cu_seqlens_q != 0
 
 
-def _set_mask(p, m: MaskArgs, softmax_scale: float, nheads: int, seqlen_q: int) -> None:
+_MASK_PTRS = ("cu_seqlens_q", "cu_seqlens_k", "q_lengths", "kv_lengths", "alibi_slopes", "sink_logits", "dsink_rows")
+
+
+def _set_mask(p, m: MaskArgs, softmax_scale: float, nheads: int, seqlen_q: int) -> dict:
+    """Fills p["mask"]; returns the pointer fields ("mask.name" -> int | Slot) for `_Params`."""
     pm = p["mask"]
-    for name in ("cu_seqlens_q", "cu_seqlens_k", "q_lengths", "kv_lengths", "alibi_slopes", "sink_logits",
-                 "dsink_rows", "alibi_batch_stride", "window_left", "window_right", "num_sink_tokens",
-                 "total_q", "total_k"):
+    for name in ("alibi_batch_stride", "window_left", "window_right", "num_sink_tokens", "total_q", "total_k"):
         pm[name] = getattr(m, name)
     if m.packed:  # lse (nheads, total_q)
         pm["lse_batch_stride"], pm["lse_head_stride"] = 0, m.total_q
@@ -116,6 +133,7 @@ def _set_mask(p, m: MaskArgs, softmax_scale: float, nheads: int, seqlen_q: int) 
         pm["softcap"] = m.softcap
         pm["softcap_pre"] = softmax_scale / m.softcap
         pm["softcap_log2"] = m.softcap * LOG2E
+    return {f"mask.{name}": getattr(m, name) for name in _MASK_PTRS}
 
 
 def fwd_specialization(dtype: str, head_dim: int, cfg: _config.TileConfig, causal: bool, even: bool,
@@ -290,10 +308,124 @@ def all_bwd_specializations(target: str, head_dims=None, dtypes=None, causal=(Fa
     return list(seen.values())
 
 
-def launch_fwd(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTensor, lse_ptr: int,
-               dtype: str, causal: bool, softmax_scale: float, device_id: int, cc: tuple[int, int],
-               stream_ptr: int, cfg: _config.TileConfig | None = None, mask: MaskArgs | None = None) -> None:
-    """Launches the forward kernel. All checks on shapes and strides were done by the caller.
+def _field_offsets(dtype: np.dtype, prefix: str = "", base: int = 0) -> dict:
+    """Byte offset of every field, nested structs as "mask.name"."""
+    out = {}
+    for name in dtype.names:
+        sub, off = dtype.fields[name][:2]
+        if sub.names:
+            out.update(_field_offsets(sub, f"{prefix}{name}.", base + off))
+        else:
+            out[prefix + name] = base + off
+    return out
+
+
+_OFFSETS = {}
+
+
+def _offsets(dtype: np.dtype) -> dict:
+    o = _OFFSETS.get(dtype)
+    if o is None:
+        o = _OFFSETS[dtype] = _field_offsets(dtype)
+    return o
+
+
+class Launch:
+    """One kernel launch, prepared: the loaded function, grid, block, shared memory, and the Params
+    bytes with every pointer that varies per call left as a (word, slot, byte offset) patch.
+
+    `fire(stream, ptrs)` writes ptrs[slot] + offset into each patched word and calls cuLaunchKernel,
+    which copies the argument bytes at the call, so one buffer serves every launch. Launches of one
+    plan may share a buffer (`share_params`): then the first patches it and the others only set the
+    int32 fields in which they differ (`sets`). The caller serializes fires of one plan (a plan
+    holds a lock around its launches)."""
+
+    __slots__ = ("name", "fn", "grid", "threads", "smem", "words", "ints", "argv", "argv_ptr", "patches", "sets",
+                 "device_id")
+
+    def __init__(self, name: str, fn_ptr: int, grid: int, threads: int, smem: int, params: np.ndarray,
+                 pointers: dict, device_id: int):
+        offsets = _offsets(params.dtype)
+        patches = []
+        for field, value in pointers.items():
+            if isinstance(value, Slot):
+                patches.append((offsets[field] // 8, value.index, value.add))
+                value = 0
+            _assign(params, field, value)
+        self.name, self.fn, self.grid, self.threads, self.smem = name, fn_ptr, grid, threads, smem
+        self.device_id = device_id
+        # The struct's bytes as uint64 words (every pointer field is 8-byte aligned), owned here.
+        self.words = np.frombuffer(bytearray(params.tobytes()), dtype=np.uint64)
+        self.ints = self.words.view(np.int32)
+        self.argv = np.array([self.words.ctypes.data], dtype=np.uint64)  # void* kernelParams[1]
+        self.argv_ptr = int(self.argv.ctypes.data)
+        self.patches = tuple(patches)
+        self.sets = ()
+
+    def fire(self, stream: int, ptrs) -> None:
+        if self.sets:
+            ints = self.ints
+            for i, value in self.sets:
+                ints[i] = value
+        words = self.words
+        for word, slot, add in self.patches:
+            words[word] = ptrs[slot] + add
+        _launch_kernel(self.fn, self.grid, 1, 1, self.threads, 1, 1, self.smem, stream, self.argv_ptr, 0)
+
+
+def share_params(launches: list) -> list:
+    """Lets the launches that follow a launch with the same Params layout and pointers reuse its
+    buffer: they differ only in int32 fields (the backward's num_blocks), which each sets before
+    firing, and need no pointer patches of their own (the first one, fired before them in the same
+    plan run, has written the pointers). Saves the per-launch pointer writes of the backward."""
+    for i, first in enumerate(launches):
+        if first.sets or not first.patches:
+            continue
+        followers = [L for L in launches[i + 1:] if L.patches == first.patches and L.words.size == first.words.size
+                     and L.words is not first.words and not L.sets]
+        if not followers:
+            continue
+        fixed = np.zeros(first.ints.size, dtype=bool)
+        for L in followers:
+            fixed |= L.ints != first.ints
+        # A pointer word must never differ (the patches rewrite it for the first launch only).
+        if any(fixed[2 * w] or fixed[2 * w + 1] for w, _, _ in first.patches):
+            continue
+        idx = np.nonzero(fixed)[0]
+        first.sets = tuple((int(j), int(first.ints[j])) for j in idx)
+        for L in followers:
+            L.sets = tuple((int(j), int(L.ints[j])) for j in idx)
+            L.words, L.ints, L.argv, L.argv_ptr, L.patches = first.words, first.ints, first.argv, first.argv_ptr, ()
+        break
+    return launches
+
+
+def _assign(params: np.ndarray, field: str, value) -> None:
+    if "." in field:
+        outer, inner = field.split(".", 1)
+        params[outer][inner] = value
+    else:
+        params[field] = value
+
+
+def _launch_kernel(*args):
+    """cupy_backends' cuLaunchKernel binding (a direct Cython call): measured the cheapest of the
+    launch routes available (bench/dev/launch_cost.py, bench/NOTES.md)."""
+    global _launch_kernel
+    from cupy_backends.cuda.api import driver
+
+    _launch_kernel = driver.launchKernel
+    return driver.launchKernel(*args)
+
+
+def _tensor_ptrs(named) -> dict:
+    return {name: t.ptr for name, t in named}
+
+
+def fwd_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTensor, lse_ptr, dtype: str,
+                 causal: bool, softmax_scale: float, device_id: int, cc: tuple[int, int],
+                 cfg: _config.TileConfig | None = None, mask: MaskArgs | None = None) -> list[Launch]:
+    """The forward's launches (one kernel). All checks on shapes and strides were done by the caller.
     `cfg` overrides the tile table (tuning scripts only). With `mask`, the feature kernel runs and
     `causal` must already be folded into mask.window_right."""
     batch, seqlen_q, nheads, head_dim = q.shape
@@ -314,37 +446,54 @@ def launch_fwd(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTenso
         raise ValueError(f"batch * nheads * ceil(seqlen_q / {cfg.block_m}) = {grid} thread blocks exceeds the "
                          f"grid limit {MAX_GRID_X}; split the batch")
     if grid == 0:  # a packed batch whose sequences are all empty
-        return
+        return []
     fn = _compile.get_function(spec, target, device_id, smem)
 
     p = np.zeros((), dtype=FWD_PARAMS)
-    p["q"], p["k"], p["v"], p["o"], p["lse"] = q.ptr, k.ptr, v.ptr, o.ptr, lse_ptr
+    ptrs = _tensor_ptrs((("q", q), ("k", k), ("v", v), ("o", o)))
+    ptrs["lse"] = lse_ptr
     _set_strides(p, (("q", q), ("k", k), ("v", v), ("o", o)))
     p["batch"], p["nheads"], p["nheads_kv"] = batch, nheads, nheads_kv
     p["head_group"] = nheads // nheads_kv
     p["seqlen_q"], p["seqlen_k"], p["num_m_blocks"] = seqlen_q, seqlen_k, num_m_blocks
     p["scale_log2"] = softmax_scale * LOG2E
     if mask is not None:
-        _set_mask(p, mask, softmax_scale, nheads, seqlen_q)
+        ptrs.update(_set_mask(p, mask, softmax_scale, nheads, seqlen_q))
+    return [Launch(spec.name, fn.ptr, grid, cfg.warps * 32, smem, p, ptrs, device_id)]
 
-    launch(fn, device_id, grid, cfg.warps * 32, smem, stream_ptr, p)
 
-
-def launch_fill_tail(t: DeviceTensor, start_ptr: int, elem: str, fill_bits: int, device_id: int,
-                     cc: tuple[int, int], stream_ptr: int) -> None:
+def tail_launches(t: DeviceTensor, start_ptr, elem: str, fill_bits: int, device_id: int,
+                  cc: tuple[int, int]) -> list[Launch]:
     """Fills rows [*start_ptr, rows) of t (rows, heads, row_elems) with fill_bits: the rows of a
     packed tensor that belong to no sequence (cuda_src/varlen.cu)."""
     rows, heads, row_elems = t.shape
     if rows * heads * row_elems == 0:
-        return
+        return []
     target = _config.compile_arch(*cc)
-    fn = _compile.get_function(tail_specialization(elem), target, device_id, 0)
+    spec = tail_specialization(elem)
+    fn = _compile.get_function(spec, target, device_id, 0)
     p = np.zeros((), dtype=TAIL_PARAMS)
-    p["ptr"], p["row_stride"], p["head_stride"], p["start"] = t.ptr, t.strides[0], t.strides[1], start_ptr
+    p["row_stride"], p["head_stride"] = t.strides[0], t.strides[1]
     p["total_rows"], p["nheads"], p["row_elems"], p["fill"] = rows, heads, row_elems, fill_bits
     # A grid-stride loop: the tail's length is only known on the device (usually 0).
     grid = max(1, min(_cdiv(rows * heads * row_elems, 256), 264))
-    launch(fn, device_id, grid, 256, 0, stream_ptr, p)
+    return [Launch(spec.name, fn.ptr, grid, 256, 0, p, {"ptr": t.ptr, "start": start_ptr}, device_id)]
+
+
+def fire_all(launches, device_id: int, stream_ptr: int, ptrs=()) -> None:
+    """Fires prepared launches with the device made current (tools and tests; plans do this
+    themselves, without the device switch where it is already current)."""
+    import cupy
+
+    with cupy.cuda.Device(device_id):
+        for launch in launches:
+            launch.fire(stream_ptr, ptrs)
+
+
+def launch_fwd(q, k, v, o, lse_ptr, dtype, causal, softmax_scale, device_id, cc, stream_ptr, cfg=None, mask=None):
+    """Prepares and fires the forward on concrete pointers (tuning scripts and tests)."""
+    fire_all(fwd_launches(q, k, v, o, lse_ptr, dtype, causal, softmax_scale, device_id, cc, cfg, mask),
+             device_id, stream_ptr)
 
 
 def _set_strides(p, named):
@@ -378,15 +527,15 @@ def bwd_scratch_sizes(batch: int, nheads: int, seqlen_q: int, head_dim: int, ato
     return per_row * rows, (rows * head_dim if atomic else 0)
 
 
-def launch_bwd(dout: DeviceTensor, q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTensor,
-               lse_ptr: int, dq: DeviceTensor, dk: DeviceTensor, dv: DeviceTensor, rows_scratch_ptr: int,
-               dq_accum_ptr: int, dtype: str, causal: bool, softmax_scale: float, atomic: bool,
-               device_id: int, cc: tuple[int, int], stream_ptr: int,
-               cfg: _config.TileConfig | None = None, mask: MaskArgs | None = None) -> None:
-    """Launches the backward kernels. rows_scratch holds delta, then (where bwd_needs_lse_log2)
-    lse_log2: batch * nheads * seqlen_q_pad floats each (bwd_scratch_sizes); dq_accum (atomic path
-    only) batch * nheads * seqlen_q_pad * head_dim floats. With `mask`, the feature kernels run
-    (separate dQ pass, atomic must be False; causal folded into mask.window_right)."""
+def bwd_launches(dout: DeviceTensor, q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTensor,
+                 lse_ptr, dq: DeviceTensor, dk: DeviceTensor, dv: DeviceTensor, rows_scratch_ptr, dq_accum_ptr,
+                 dtype: str, causal: bool, softmax_scale: float, atomic: bool, device_id: int, cc: tuple[int, int],
+                 cfg: _config.TileConfig | None = None, mask: MaskArgs | None = None) -> list[Launch]:
+    """The backward's launches: preprocess, dK/dV, then dQ (or the atomic path's conversion).
+    rows_scratch holds delta, then (where bwd_needs_lse_log2) lse_log2: batch * nheads *
+    seqlen_q_pad floats each (bwd_scratch_sizes); dq_accum (atomic path only) batch * nheads *
+    seqlen_q_pad * head_dim floats. With `mask`, the feature kernels run (causal folded into
+    mask.window_right). Pointers may be ints or Slots."""
     batch, seqlen_q, nheads, head_dim = q.shape
     _, seqlen_k, nheads_kv, _ = k.shape
     family = _config.arch_family(*cc)
@@ -406,24 +555,21 @@ def launch_bwd(dout: DeviceTensor, q: DeviceTensor, k: DeviceTensor, v: DeviceTe
     rows_pad = batch * nheads * pad
 
     p = np.zeros((), dtype=BWD_PARAMS)
-    p["q"], p["k"], p["v"], p["o"], p["dout"], p["lse"] = q.ptr, k.ptr, v.ptr, o.ptr, dout.ptr, lse_ptr
-    p["dq"], p["dk"], p["dv"] = dq.ptr, dk.ptr, dv.ptr
-    p["delta"] = rows_scratch_ptr
+    ptrs = _tensor_ptrs((("q", q), ("k", k), ("v", v), ("o", o), ("dout", dout), ("dq", dq), ("dk", dk), ("dv", dv)))
+    ptrs["lse"], ptrs["delta"], ptrs["dq_accum"] = lse_ptr, rows_scratch_ptr, dq_accum_ptr
     # The feature kernels always read lse * log2(e) from the scratch (+inf marks padding rows).
     needs_lse_log2 = mask is not None or bwd_needs_lse_log2(target, head_dim, atomic)
-    p["lse_log2"] = rows_scratch_ptr + 4 * rows_pad if needs_lse_log2 else 0
-    p["dq_accum"] = dq_accum_ptr
+    ptrs["lse_log2"] = rows_scratch_ptr + 4 * rows_pad if needs_lse_log2 else 0
     _set_strides(p, (("q", q), ("k", k), ("v", v), ("o", o), ("do", dout), ("dq", dq), ("dk", dk), ("dv", dv)))
     p["batch"], p["nheads"], p["nheads_kv"] = batch, nheads, nheads_kv
     p["head_group"] = nheads // nheads_kv
     p["seqlen_q"], p["seqlen_k"], p["seqlen_q_pad"] = seqlen_q, seqlen_k, pad
     p["scale_log2"], p["scale"] = softmax_scale * LOG2E, softmax_scale
     if mask is not None:
-        _set_mask(p, mask, softmax_scale, nheads, seqlen_q)
+        ptrs.update(_set_mask(p, mask, softmax_scale, nheads, seqlen_q))
 
     (pre, _, _), (dkdv, smem, _), (last, last_smem, _) = kernels
-    grids = []
-    grids.append((pre, 0, _cdiv(rows_pad, 8), 256, 0))
+    grids = [(pre, 0, _cdiv(rows_pad, 8), 256, 0)]
     n_blocks = _cdiv(seqlen_k, cfg.block_n)
     grids.append((dkdv, smem, batch * nheads_kv * n_blocks, cfg.warps * 32, n_blocks))
     if not atomic:
@@ -434,26 +580,21 @@ def launch_bwd(dout: DeviceTensor, q: DeviceTensor, k: DeviceTensor, v: DeviceTe
     for spec, sm, grid, threads, num_blocks in grids:
         if grid > MAX_GRID_X:
             raise ValueError(f"{spec.name}: {grid} thread blocks exceed the grid limit {MAX_GRID_X}; split the batch")
+    launches = []
     for spec, sm, grid, threads, num_blocks in grids:
         if grid == 0:  # a packed batch with max_seqlen 0 on one side
             continue
         fn = _compile.get_function(spec, target, device_id, sm)
         p["num_blocks"] = num_blocks
-        # cuLaunchKernel copies the argument bytes at the call, so one struct serves every launch
-        # (a copy per launch cost ~25 us of host time each).
-        launch(fn, device_id, grid, threads, sm, stream_ptr, p)
+        launches.append(Launch(spec.name, fn.ptr, grid, threads, sm, p.copy(), ptrs, device_id))
+    return share_params(launches)
 
 
-def launch(fn, device_id: int, grid: int, threads: int, smem: int, stream_ptr: int, params: np.ndarray) -> None:
-    """cuLaunchKernel with one by-value struct argument, on a raw stream handle (the caller's own
-    stream: torch's current stream, CuPy's, ...), with no stream object in between."""
-    import cupy
-    from cupy_backends.cuda.api import driver
-
-    arg = np.ascontiguousarray(params)               # the struct's bytes
-    argv = np.array([arg.ctypes.data], dtype=np.uint64)  # void* kernelParams[1]
-    with cupy.cuda.Device(device_id):
-        driver.launchKernel(fn.ptr, grid, 1, 1, threads, 1, 1, smem, stream_ptr, argv.ctypes.data, 0)
+def launch_bwd(dout, q, k, v, o, lse_ptr, dq, dk, dv, rows_scratch_ptr, dq_accum_ptr, dtype, causal, softmax_scale,
+               atomic, device_id, cc, stream_ptr, cfg=None, mask=None):
+    """Prepares and fires the backward on concrete pointers (tuning scripts and tests)."""
+    fire_all(bwd_launches(dout, q, k, v, o, lse_ptr, dq, dk, dv, rows_scratch_ptr, dq_accum_ptr, dtype, causal,
+                          softmax_scale, atomic, device_id, cc, cfg, mask), device_id, stream_ptr)
 
 
 def default_scale(head_dim: int) -> float:

@@ -1,8 +1,9 @@
-"""CPU: the two torch routes of the feature options agree. In eager mode cuflash.attention runs
-through an autograd.Function (cuflash/_torch.py:_FeatFunction, less host time); under torch.compile
-through the torch.library custom op. Both must give bitwise the same out and gradients (to q, k, v
-and sink_logits), since they run the same implementation. Torch CPU tensors take cuflash's NumPy
-path, so this runs without a GPU. Fresh random inputs each run (seed in the message)."""
+"""CPU: the two torch routes agree. In eager mode cuflash.attention runs through an
+autograd.Function (cuflash/_adapters/_torch.py:_Attention, less host time); under torch.compile
+through _CompiledAttention / _CompiledFeatAttention, whose forward and backward are the torch.library
+operators. Both must give bitwise the same out and gradients (to q, k, v
+and sink_logits), since they run the same plans. Torch CPU tensors take cuflash's NumPy path, so
+this runs without a GPU. Fresh random inputs each run (seed in the message)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,10 @@ torch = pytest.importorskip("torch")
 def _run(cf, compiled: bool, monkeypatch, inputs, kw, packed):
     with monkeypatch.context() as m:
         if compiled:  # what torch.compile's tracing reports: the custom op route
+            from cuflash._adapters import _torch as adapter
+
             m.setattr(torch.compiler, "is_compiling", lambda: True)
+            m.setattr(adapter, "_is_compiling", lambda: True)
         q, k, v, sink = (x.detach().clone().requires_grad_() for x in inputs)
         if packed:
             out = cf.attention_varlen(q, k, v, *packed, sink_logits=sink, **kw)
@@ -48,9 +52,70 @@ def test_eager_function_matches_custom_op(monkeypatch, packed):
     out_e, g_e, fn_e = _run(cf, False, monkeypatch, inputs, kw, packed_args)
     out_c, g_c, fn_c = _run(cf, True, monkeypatch, inputs, kw, packed_args)
     msg = f"seed={seed} packed={packed}"
-    assert fn_e == "_FeatFunctionBackward", f"{msg}: eager call went through {fn_e}"
-    assert "attention_feat_fwd" in fn_c, f"{msg}: traced call went through {fn_c}"
+    assert fn_e == "_AttentionBackward", f"{msg}: eager call went through {fn_e}"
+    assert fn_c == "_CompiledFeatAttentionBackward", f"{msg}: traced call went through {fn_c}"
     assert torch.equal(out_e, out_c), f"{msg}: out differs"
     for name, a, b in zip(("dq", "dk", "dv", "dsink"), g_e, g_c):
         assert a is not None and torch.isfinite(a.float()).all(), f"{msg}: {name} missing or not finite"
         assert torch.equal(a, b), f"{msg}: {name} differs between the eager and the custom-op route"
+
+
+def test_plain_eager_function_matches_custom_op(monkeypatch):
+    """The same for a plain causal call (no options): torch.ops.cuflash.attention_fwd under tracing."""
+    import cuflash as cf
+
+    seed = int(np.random.SeedSequence().entropy % (1 << 31))
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(s, generator=gen).to(torch.float16) for s in ((2, 23, 4, 16), (2, 31, 2, 16), (2, 31, 2, 16)))
+    res = []
+    for compiled in (False, True):
+        with monkeypatch.context() as m:
+            if compiled:
+                from cuflash._adapters import _torch as adapter
+
+                m.setattr(adapter, "_is_compiling", lambda: True)
+            qq, kk, vv = (x.detach().clone().requires_grad_() for x in (q, k, v))
+            out = cf.attention(qq, kk, vv, causal=True)
+            g = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(out.dtype)
+            res.append((out, torch.autograd.grad(out, (qq, kk, vv), g), type(out.grad_fn).__name__))
+    (o_e, g_e, fn_e), (o_c, g_c, fn_c) = res
+    msg = f"seed={seed}"
+    assert fn_e == "_AttentionBackward", f"{msg}: eager call went through {fn_e}"
+    assert fn_c == "_CompiledAttentionBackward", f"{msg}: traced call went through {fn_c}"
+    assert torch.equal(o_e, o_c), f"{msg}: out differs"
+    for name, a, b in zip(("dq", "dk", "dv"), g_e, g_c):
+        assert torch.isfinite(a.float()).all(), f"{msg}: {name} not finite"
+        assert torch.equal(a, b), f"{msg}: {name} differs between the eager and the custom-op route"
+
+
+@pytest.mark.parametrize("options", [False, True])
+def test_torch_compile_traces_without_graph_break(options):
+    """torch.compile (AOTAutograd, no code generation: runs on the CPU) traces cuflash.attention into
+    the graph with no break, and its out and gradients equal the eager call's bitwise."""
+    import cuflash as cf
+
+    seed = int(np.random.SeedSequence().entropy % (1 << 31))
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(s, generator=gen).to(torch.bfloat16) for s in ((2, 19, 4, 16), (2, 27, 2, 16), (2, 27, 2, 16)))
+    sink = torch.randn(4, generator=gen)
+    kw = dict(window=(5, 0), sink_logits=sink) if options else {}
+
+    def f(q, k, v):
+        return cf.attention(q, k, v, causal=True, **kw)
+
+    explanation = torch._dynamo.explain(f)(q, k, v)
+    assert explanation.graph_break_count == 0, f"seed={seed}: {explanation.break_reasons}"
+    text = "\n".join(str(m.graph) for g in explanation.graphs for _, m in g.named_modules()
+                     if isinstance(m, torch.fx.GraphModule))
+    op = "attention_feat_fwd" if options else "attention_fwd"
+    assert f"cuflash.{op}" in text, f"seed={seed}: torch.ops.cuflash.{op} is not in the traced graph"
+    g = torch.randn((2, 19, 4, 16), generator=gen).to(torch.bfloat16)
+    res = []
+    for fn in (f, torch.compile(f, backend="aot_eager", fullgraph=True)):
+        qq, kk, vv = (x.detach().clone().requires_grad_() for x in (q, k, v))
+        out = fn(qq, kk, vv)
+        res.append((out, torch.autograd.grad(out, (qq, kk, vv), g)))
+    (o1, g1), (o2, g2) = res
+    assert torch.equal(o1, o2), f"seed={seed}: out differs under torch.compile"
+    for name, a, b in zip(("dq", "dk", "dv"), g1, g2):
+        assert torch.equal(a, b), f"seed={seed}: {name} differs under torch.compile"

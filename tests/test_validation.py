@@ -5,16 +5,17 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import _api
+from cuflash import _plan
 
 
 @pytest.fixture(autouse=True)
 def no_compute(monkeypatch):
-    """Any check that lets a bad call through to the compute paths fails loudly."""
+    """Any check that lets a bad call through to the compute paths fails loudly: the NumPy path and
+    the GPU launches both run through a Plan."""
     def boom(*a, **k):
         raise AssertionError("a compute path ran for invalid input")
-    monkeypatch.setattr(_api, "_attention_cpu", boom)
-    monkeypatch.setattr(_api, "_attention_gpu", boom)
+    monkeypatch.setattr(_plan.Plan, "forward_numpy", boom)
+    monkeypatch.setattr(_plan, "run_launches", boom)
 
 
 def qkv(b=2, sq=5, sk=7, h=4, hk=2, d=16, dtype=np.float16):
@@ -117,6 +118,12 @@ def test_different_devices():
 @pytest.mark.parametrize("scale", [0.0, -1.0, float("nan"), float("inf")])
 def test_bad_softmax_scale(scale):
     with pytest.raises(ValueError, match=r"softmax_scale: expected a finite number > 0"):
+        cuflash.attention(*qkv(), softmax_scale=scale)
+
+
+@pytest.mark.parametrize("scale", [1000.5, 1e30])
+def test_softmax_scale_too_large(scale):
+    with pytest.raises(ValueError, match=r"softmax_scale: expected a number in \(0, 1000\]; got "):
         cuflash.attention(*qkv(), softmax_scale=scale)
 
 

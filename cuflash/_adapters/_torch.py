@@ -1,0 +1,584 @@
+"""PyTorch adapter: torch tensors in, torch tensors out, on torch's current stream.
+
+Eager calls take the hot path: a signature key from the tensors' dtype, shape, stride, device and
+pointer alignment plus the scalars; a dict lookup for the plan; outputs from torch's caching
+allocator; pointers from data_ptr(); the stream from torch's current raw stream; cuLaunchKernel.
+No DLPack capsule, stream object or Params struct is made per call. Calls whose inputs require
+grad go through `_Attention`, an autograd.Function that saves q, k, v, out and lse (never the
+probabilities) and whose backward runs the plan's backward.
+
+Under torch.compile (and any other tracing, where tensors are fake) the call is validated, then
+goes through the torch.library operators `cuflash::attention_fwd` / `attention_bwd` (plain) and
+`attention_feat_fwd` / `attention_feat_bwd` (with options), applied inside autograd.Functions that
+Dynamo traces; their fake implementations give the output shapes, so torch.compile traces a model
+that calls cuflash with no graph break. Their real implementations take the same plans. Outputs and scratch buffers come from torch's allocator and
+every kernel runs on torch.cuda.current_stream(), so a training step can be captured in a
+torch.cuda.CUDAGraph once a warm-up call has compiled the kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _call
+from .._call import ArrayInfo
+from .._features import ARRAY_OPTIONS
+from .._plan import CACHE, Plan
+from ._base import Adapter, info_of, options_key
+
+_empty = torch.empty
+_empty_like = torch.empty_like
+_f32 = torch.float32
+_grad_enabled = torch.is_grad_enabled
+_is_compiling = torch.compiler.is_compiling
+_functorch_active = torch._C._are_functorch_transforms_active
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+
+
+def _raw_stream(device_id: int) -> int:
+    """The current stream of a CUDA device as a raw handle (what torch's own generated code reads)."""
+    global _raw_stream
+    fn = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if fn is None:  # a torch without it: the public (slower) route
+        def fn(device_id):
+            return torch.cuda.current_stream(device_id).cuda_stream
+    _raw_stream = fn
+    return fn(device_id)
+
+
+def _like(shape, dtype, device):
+    """A 1-element tensor seen with `shape` (stride 0): torch.empty_like of it is a contiguous
+    tensor of that shape, and costs less host time than torch.empty (measured 1.7 against 2.9 us:
+    no dtype / device arguments to parse)."""
+    return _empty((1,), dtype=dtype, device=device).expand(shape)
+
+
+class _State:
+    """What the torch adapter keeps with a GPU plan: its device and the output templates."""
+
+    __slots__ = ("device", "out", "lse", "kv")
+
+    def __init__(self, plan: Plan):
+        c = plan.call
+        self.device = torch.device("cuda", plan.device_id)
+        dt = getattr(torch, c.dtype)
+        self.out = _like(plan.out_shape, dt, self.device)
+        self.lse = _like(plan.lse_shape, _f32, self.device)
+        kv_shape = (c.total_k, c.nheads_kv, c.head_dim) if c.packed else (c.batch, c.seqlen_k, c.nheads_kv, c.head_dim)
+        self.kv = _like(kv_shape, dt, self.device)
+
+
+def _state(plan) -> _State:
+    st = plan.state.get("torch")
+    if st is None:
+        st = plan.state["torch"] = _State(plan)
+    return st
+
+
+def _option_ptrs(plan: Plan, opts) -> list:
+    """The option arrays' pointers in slot order (0 for an option the call does not pass)."""
+    return [0 if n is None else opts[n].data_ptr() for n in plan.option_slots]
+
+
+def _copies(plan_or_bp, arrays: dict) -> dict:
+    """Contiguous copies of the inputs the plan cannot read in place (on the current stream). Always
+    a new allocation: .contiguous() would hand back a contiguous tensor whose pointer is not 16-byte
+    aligned unchanged (the GPU fuzzer's CUDA_ERROR_MISALIGNED_ADDRESS)."""
+    arrays = dict(arrays)
+    for n in plan_or_bp.copy:
+        arrays[n] = arrays[n].clone(memory_format=torch.contiguous_format)
+    return arrays
+
+
+def _gpu_forward(plan: Plan, q, k, v, opts, want_lse=True) -> tuple:
+    """(out, lse) of a GPU plan; lse is None (and neither allocated nor written) unless wanted."""
+    st = plan.state.get("torch") or _state(plan)
+    if plan.copy:
+        a = _copies(plan, dict(opts or {}, q=q, k=k, v=v))
+        q, k, v, opts = a["q"], a["k"], a["v"], a
+    out = _empty_like(st.out)
+    if want_lse:
+        lse = _empty_like(st.lse)
+        ptrs = [q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr()]
+    else:
+        lse = None
+        ptrs = [q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0]
+    if plan.options:
+        ptrs += _option_ptrs(plan, opts)
+    plan.launch(_raw_stream(plan.device_id), ptrs)
+    return out, lse
+
+
+def _gpu_backward(plan: Plan, dout, q, k, v, out, lse, opts, bp=None) -> tuple:
+    """(dq, dk, dv, dsink or None) of a GPU plan (bp: its backward plan for this dout, if known)."""
+    if bp is None:
+        try:
+            key = ((dout.dtype, dout.shape, dout.stride(), dout.device, dout.data_ptr() & 15),
+                   (out.dtype, out.shape, out.stride(), out.device, out.data_ptr() & 15),
+                   (lse.dtype, lse.shape, lse.stride(), lse.device, lse.data_ptr() & 15))
+            bp = plan._backward[key]
+        except Exception:
+            bp = ADAPTER.backward_plan(plan, dout, out, lse)
+    if bp.copy:
+        a = _copies(bp, dict(opts or {}, dout=dout, q=q, k=k, v=v, out=out, lse=lse))
+        dout, q, k, v, out, lse, opts = a["dout"], a["q"], a["k"], a["v"], a["out"], a["lse"], a
+    st = plan.state.get("torch") or _state(plan)
+    scratch_t = bp.state.get("torch")
+    if scratch_t is None:
+        scratch_t = bp.state["torch"] = _like((max(1, bp.scratch_floats),), _f32, st.device)
+    dq = _empty_like(st.out)
+    dk = _empty_like(st.kv)
+    dv = _empty_like(st.kv)
+    scratch = _empty_like(scratch_t)
+    ptrs = [dout.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+            dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), scratch.data_ptr()]
+    if plan.options:
+        ptrs += _option_ptrs(plan, opts)
+    bp.launch(_raw_stream(plan.device_id), ptrs)
+    dsink = None
+    if bp.dsink_shape:
+        b, h, rows = bp.dsink_shape
+        dsink = scratch[bp.dsink_offset:bp.dsink_offset + b * h * rows].view(b, h, rows).sum(dim=(0, 2))
+    return dq, dk, dv, dsink
+
+
+def _forward(plan, q, k, v, opts):
+    if plan.on_gpu:
+        return _gpu_forward(plan, q, k, v, opts)
+    return ADAPTER.run_forward(plan, q, k, v, opts)
+
+
+def _backward(plan, dout, q, k, v, out, lse, opts):
+    if plan.on_gpu:
+        return _gpu_backward(plan, dout, q, k, v, out, lse, opts)
+    bp = ADAPTER.backward_plan(plan, dout, out, lse)
+    return ADAPTER.run_backward(plan, bp, dout, q, k, v, out, lse, opts)
+
+
+class _Attention(torch.autograd.Function):
+    """Eager autograd for every cuflash call: apply(plan, q, k, v, *option arrays in plan.options
+    order). Gradients flow to q, k, v and sink_logits; lse is not differentiable."""
+
+    @staticmethod
+    def forward(ctx, plan, q, k, v, *arrays):
+        opts = dict(zip(plan.options, arrays)) if arrays else {}
+        out, lse = _forward(plan, q, k, v, opts)
+        ctx.save_for_backward(q, k, v, out, lse, *arrays)
+        ctx.plan = plan
+        ctx.mark_non_differentiable(lse)
+        # lse gets no gradient: without this, autograd hands backward a zero tensor of lse's shape
+        # for it, an allocation that SDPA's backward does not make (measured: +2 MiB of peak at
+        # head_dim 64).
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, *arrays = ctx.saved_tensors
+        plan = ctx.plan
+        opts = dict(zip(plan.options, arrays)) if arrays else {}
+        if dout is None:  # only lse was used: no gradient reaches q, k, v
+            dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+            dsink = torch.zeros_like(opts["sink_logits"]) if plan.has_sink else None
+        elif plan.on_gpu:
+            # out and lse are this forward's own (contiguous), and autograd hands over dout of out's
+            # shape and dtype: dout's layout alone picks the backward plan.
+            try:
+                bp = plan._backward[(dout.stride(), dout.data_ptr() & 15)]
+            except KeyError:
+                bp = plan._backward[(dout.stride(), dout.data_ptr() & 15)] = ADAPTER.backward_plan(plan, dout, out, lse)
+            dq, dk, dv, dsink = _gpu_backward(plan, dout, q, k, v, out, lse, opts, bp)
+        else:
+            dq, dk, dv, dsink = _backward(plan, dout, q, k, v, out, lse, opts)
+        if not arrays:
+            return None, dq, dk, dv
+        return (None, dq, dk, dv) + tuple(dsink if n == "sink_logits" else None for n in plan.options)
+
+
+# torch.autograd.Function.apply is a Python wrapper (default-argument binding for setup_context
+# style functions, functorch's dead-wrapper unwrapping over every argument) around the C++ apply;
+# outside functorch transforms it reduces to unwrapping the tensors and calling the C++ apply
+# directly, which saves ~3 us per call (bench/NOTES.md).
+_c_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, _Attention)
+
+
+def _apply(plan, q, k, v, arrays):
+    if _functorch_active():
+        return _Attention.apply(plan, q, k, v, *arrays)
+    return _c_apply(plan, _unwrap_if_dead(q), _unwrap_if_dead(k), _unwrap_if_dead(v), *arrays)
+
+
+def _needs_grad(plan, q, k, v, opts) -> bool:
+    if not _grad_enabled():
+        return False
+    if q.requires_grad or k.requires_grad or v.requires_grad:
+        return True
+    return plan.has_sink and opts["sink_logits"].requires_grad
+
+
+def _sig(x):
+    """A torch tensor's signature (the base adapter's any_sig of it, written out); None for None."""
+    if x is None:
+        return None
+    return (x.__class__, x.dtype, x.shape, x.stride(), x.device, x.data_ptr() & 15)
+
+
+def _forward_key(q, k, v, causal, softmax_scale, deterministic, return_lse, opts) -> tuple:
+    """The base adapter's forward key (sig of q, k, v, then the scalars with their types), written
+    out for torch tensors: it is built on every call."""
+    key = ("fwd", (q.dtype, q.shape, q.stride(), q.device, q.data_ptr() & 15),
+           (k.dtype, k.shape, k.stride(), k.device, k.data_ptr() & 15),
+           (v.dtype, v.shape, v.stride(), v.device, v.data_ptr() & 15),
+           (causal.__class__, causal), (softmax_scale.__class__, softmax_scale),
+           (deterministic.__class__, deterministic), (return_lse.__class__, return_lse))
+    if opts:
+        key += options_key(opts, _sig)
+    return key
+
+
+class TorchAdapter(Adapter):
+    lib = "torch"
+
+    def info(self, x) -> ArrayInfo:
+        d = x.device
+        if d.type == "cuda":
+            device = ("cuda", d.index if d.index is not None else torch.cuda.current_device())
+        else:
+            device = (d.type, 0)
+        if _is_compiling():
+            # Under torch.compile this code is traced (fake tensors, no pointers): the custom op's
+            # real implementation checks the layout when it runs.
+            return ArrayInfo("torch", tuple(x.shape), tuple(x.stride()), str(x.dtype)[6:], device, True,
+                             "torch.Tensor")
+        try:
+            aligned = x.data_ptr() % 16 == 0
+        except Exception:  # meta tensors have no storage
+            aligned = True
+        return ArrayInfo("torch", tuple(x.shape), tuple(x.stride()), str(x.dtype)[6:], device, aligned,
+                         f"{type(x).__module__}.{type(x).__qualname__}")
+
+    def sig(self, x) -> tuple:
+        return (x.dtype, x.shape, x.stride(), x.device, x.data_ptr() & 15)
+
+    def forward_key(self, q, k, v, causal, softmax_scale, deterministic, return_lse, opts) -> tuple:
+        return _forward_key(q, k, v, causal, softmax_scale, deterministic, return_lse, opts)
+
+    def varlen_key(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                   deterministic, return_lse, opts) -> tuple:
+        return (("varlen", (q.dtype, q.shape, q.stride(), q.device, q.data_ptr() & 15),
+                 (k.dtype, k.shape, k.stride(), k.device, k.data_ptr() & 15),
+                 (v.dtype, v.shape, v.stride(), v.device, v.data_ptr() & 15), _sig(cu_seqlens_q), _sig(cu_seqlens_k),
+                 (max_seqlen_q.__class__, max_seqlen_q), (max_seqlen_k.__class__, max_seqlen_k),
+                 (causal.__class__, causal), (softmax_scale.__class__, softmax_scale),
+                 (deterministic.__class__, deterministic), (return_lse.__class__, return_lse))
+                + options_key(opts, _sig))
+
+    # ---- primitives of the generic pipeline (CPU tensors, the public backward) ----
+    def ptr(self, x, keep) -> int:
+        return x.data_ptr()
+
+    def stream(self, device_id: int) -> int:
+        return _raw_stream(device_id)
+
+    def empty(self, shape, dtype: str, device_id: int):
+        return _empty(shape, dtype=getattr(torch, dtype), device=torch.device("cuda", device_id))
+
+    def contiguous(self, x, device_id, keep):
+        return x.clone(memory_format=torch.contiguous_format)  # a new, aligned allocation (see _copies)
+
+    def dsink_sum(self, scratch, offset, shape, device_id):
+        b, h, rows = shape
+        return scratch[offset:offset + b * h * rows].view(b, h, rows).sum(dim=(0, 2))
+
+    def to_numpy(self, x):
+        if x.dtype == torch.bfloat16:
+            import ml_dtypes
+
+            return x.detach().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        return x.detach().numpy()
+
+    def from_numpy(self, a, like):
+        import numpy as np
+
+        if a.dtype.name == "bfloat16":
+            return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(np.ascontiguousarray(a))
+
+    # ---- entry points ----
+    def attention(self, q, k, v, causal, softmax_scale, return_lse, deterministic, opts):
+        if _is_compiling():
+            return _traced_attention(q, k, v, causal, softmax_scale, return_lse, deterministic, opts)
+        try:  # the hot path: a repeat signature
+            plan = CACHE[_forward_key(q, k, v, causal, softmax_scale, deterministic, return_lse, opts)]
+        except Exception:
+            plan = self.forward_plan(q, k, v, causal, softmax_scale, deterministic, return_lse, opts)
+        return self._run(plan, q, k, v, opts, return_lse)
+
+    def _run(self, plan, q, k, v, opts, return_lse):
+        if not plan.on_gpu:
+            out, lse = self.forward(plan, q, k, v, opts or {})
+        elif _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                  or (plan.has_sink and opts["sink_logits"].requires_grad)):
+            out, lse = _apply(plan, q, k, v, [opts[n] for n in plan.options] if plan.options else ())
+        else:  # inference: no autograd node, and no lse unless asked for
+            out, lse = _gpu_forward(plan, q, k, v, opts, return_lse)
+        return (out, lse) if return_lse else out
+
+    def forward(self, plan, q, k, v, opts, want_lse=True):
+        if _needs_grad(plan, q, k, v, opts):
+            return _apply(plan, q, k, v, [opts[n] for n in plan.options])
+        if plan.on_gpu:
+            return _gpu_forward(plan, q, k, v, opts, want_lse)
+        return Adapter.run_forward(self, plan, q, k, v, opts)
+
+    def run_forward(self, plan, q, k, v, opts, want_lse=True):
+        if plan.on_gpu:
+            return _gpu_forward(plan, q, k, v, opts, want_lse)
+        return Adapter.run_forward(self, plan, q, k, v, opts)
+
+    def attention_varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                         softmax_scale, return_lse, deterministic, opts):
+        if _is_compiling():
+            return _traced_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                  softmax_scale, return_lse, deterministic, opts)
+        try:
+            plan = CACHE[self.varlen_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                         softmax_scale, deterministic, return_lse, opts)]
+        except Exception:
+            plan = self.varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                    softmax_scale, deterministic, return_lse, opts)
+        opts = dict(opts, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+        return self._run(plan, q, k, v, opts, return_lse)
+
+    def backward(self, plan, dout, q, k, v, out, lse, opts):
+        bp = self.backward_plan(plan, dout, out, lse)  # checks dout, out, lse on a miss
+        if plan.on_gpu:
+            return _gpu_backward(plan, dout, q, k, v, out, lse, opts)
+        return self.run_backward(plan, bp, dout, q, k, v, out, lse, opts)
+
+    def lengths_from_padding_mask(self, mask):
+        m = mask.to(torch.bool)
+        lengths = m.sum(dim=1, dtype=torch.int32)
+        pos = torch.arange(m.shape[1], device=m.device)
+        return lengths, bool(torch.equal(m, pos[None, :] < lengths[:, None]))
+
+
+ADAPTER = TorchAdapter()
+
+
+def _announce():
+    """adapter_for returns this adapter from now on without importing: under torch.compile the
+    import would otherwise happen inside a trace and leave a guard on it (one recompilation)."""
+    from .. import _adapters
+
+    _adapters._TORCH = ADAPTER
+
+
+_announce()
+
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.compile: the operators, and the autograd.Function torch.compile traces around them.
+#
+# The four operators are defined with torch.library.Library (schema, a Python implementation for
+# the CUDA and CPU keys, a fake implementation for tracing) and nothing else: a call from a
+# compiled graph goes dispatcher -> Python implementation -> the same plans as eager calls.
+# torch.library.custom_op wraps the same implementation in more Python and register_autograd adds
+# a Python autograd kernel to every call, compiled or not: measured on a 2-core CPU host, 25 us a
+# call against 6.6 (bench/NOTES.md). Gradients under torch.compile come instead from
+# `_CompiledAttention` / `_CompiledFeatAttention`, autograd.Functions whose forward and backward are
+# one operator call each: Dynamo traces them into the graph and AOTAutograd takes the backward
+# from them. The operators themselves have no autograd formula: call cuflash.attention (which
+# picks this route under tracing) rather than torch.ops.cuflash.* when gradients are needed.
+# ---------------------------------------------------------------------------------------------
+
+_LIB = torch.library.Library("cuflash", "DEF")
+_LIB.define("attention_fwd(Tensor q, Tensor k, Tensor v, bool causal, float softmax_scale, bool deterministic)"
+            " -> (Tensor, Tensor)")
+_LIB.define("attention_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal,"
+            " float softmax_scale, bool deterministic) -> (Tensor, Tensor, Tensor)")
+_FEAT_ARGS = ("Tensor? q_lengths, Tensor? kv_lengths, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, Tensor? sink_logits,"
+              " Tensor? alibi_slopes, float softmax_scale, bool deterministic, int window_left, int window_right,"
+              " int num_sink_tokens, float softcap, int max_seqlen_q, int max_seqlen_k")
+_LIB.define(f"attention_feat_fwd(Tensor q, Tensor k, Tensor v, {_FEAT_ARGS}) -> (Tensor, Tensor)")
+_LIB.define(f"attention_feat_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, {_FEAT_ARGS})"
+            " -> (Tensor, Tensor, Tensor, Tensor)")
+
+
+def _impl(name):
+    def register(fn):
+        for key in ("CUDA", "CPU"):
+            _LIB.impl(name, fn, key)
+        return fn
+    return register
+
+
+def _fake(name):
+    def register(fn):
+        torch.library.register_fake(f"cuflash::{name}", fn, lib=_LIB)
+        return fn
+    return register
+
+
+@_impl("attention_fwd")
+def attention_fwd(q, k, v, causal, softmax_scale, deterministic):
+    plan = ADAPTER.forward_plan(q, k, v, causal, softmax_scale, deterministic, False, None)
+    return _forward(plan, q, k, v, {})
+
+
+@_fake("attention_fwd")
+def _attention_fwd_fake(q, k, v, causal, softmax_scale, deterministic):
+    b, sq, h, d = q.shape
+    return q.new_empty((b, sq, h, d)), q.new_empty((b, h, sq), dtype=torch.float32)
+
+
+@_impl("attention_bwd")
+def attention_bwd(dout, q, k, v, out, lse, causal, softmax_scale, deterministic):
+    plan = ADAPTER.forward_plan(q, k, v, causal, softmax_scale, deterministic, False, None)
+    return _backward(plan, dout, q, k, v, out, lse, {})[:3]
+
+
+@_fake("attention_bwd")
+def _attention_bwd_fake(dout, q, k, v, out, lse, causal, softmax_scale, deterministic):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+# The options: one op pair for padded and packed batches. Array options are optional tensors,
+# scalars plain arguments (already normalized: causal folded into window_right). max_seqlen_q < 0
+# marks a padded batch (q is 4-D); otherwise q, k, v are packed (3-D) and cu_seqlens_* are given.
+
+def _feat_opts(arrays, window_left, window_right, num_sink_tokens, softcap):
+    opts = {n: a for n, a in zip(ARRAY_OPTIONS, arrays) if a is not None}
+    opts.update(window=(window_left, window_right), num_sink_tokens=num_sink_tokens,
+                softcap=softcap if softcap > 0 else None)
+    return opts
+
+
+def _feat_plan(q, k, v, arrays, softmax_scale, deterministic, window_left, window_right, num_sink_tokens,
+               softcap, max_seqlen_q, max_seqlen_k):
+    opts = _feat_opts(arrays, window_left, window_right, num_sink_tokens, softcap)
+    if max_seqlen_q >= 0:
+        cu_q, cu_k = opts.pop("cu_seqlens_q"), opts.pop("cu_seqlens_k")
+        plan = ADAPTER.varlen_plan(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, False, softmax_scale,
+                                   deterministic, False, opts)
+        opts.update(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+        return plan, opts
+    return ADAPTER.forward_plan(q, k, v, False, softmax_scale, deterministic, False, opts), opts
+
+
+@_impl("attention_feat_fwd")
+def attention_feat_fwd(q, k, v, q_lengths, kv_lengths, cu_seqlens_q, cu_seqlens_k, sink_logits, alibi_slopes,
+                       softmax_scale, deterministic, window_left, window_right, num_sink_tokens, softcap,
+                       max_seqlen_q, max_seqlen_k):
+    arrays = (q_lengths, kv_lengths, cu_seqlens_q, cu_seqlens_k, sink_logits, alibi_slopes)
+    plan, opts = _feat_plan(q, k, v, arrays, softmax_scale, deterministic, window_left, window_right,
+                            num_sink_tokens, softcap, max_seqlen_q, max_seqlen_k)
+    return _forward(plan, q, k, v, opts)
+
+
+@_fake("attention_feat_fwd")
+def _attention_feat_fwd_fake(q, k, v, q_lengths, kv_lengths, cu_seqlens_q, cu_seqlens_k, sink_logits, alibi_slopes,
+                             softmax_scale, deterministic, window_left, window_right, num_sink_tokens, softcap,
+                             max_seqlen_q, max_seqlen_k):
+    if max_seqlen_q >= 0:
+        total_q, h, _ = q.shape
+        return q.new_empty(q.shape), q.new_empty((h, total_q), dtype=torch.float32)
+    b, sq, h, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((b, h, sq), dtype=torch.float32)
+
+
+@_impl("attention_feat_bwd")
+def attention_feat_bwd(dout, q, k, v, out, lse, q_lengths, kv_lengths, cu_seqlens_q, cu_seqlens_k, sink_logits,
+                       alibi_slopes, softmax_scale, deterministic, window_left, window_right, num_sink_tokens,
+                       softcap, max_seqlen_q, max_seqlen_k):
+    """(dq, dk, dv, dsink); dsink is an empty tensor without sink logits."""
+    arrays = (q_lengths, kv_lengths, cu_seqlens_q, cu_seqlens_k, sink_logits, alibi_slopes)
+    plan, opts = _feat_plan(q, k, v, arrays, softmax_scale, deterministic, window_left, window_right,
+                            num_sink_tokens, softcap, max_seqlen_q, max_seqlen_k)
+    dq, dk, dv, dsink = _backward(plan, dout, q, k, v, out, lse, opts)
+    if dsink is None:
+        dsink = q.new_empty((0,), dtype=torch.float32)
+    return dq, dk, dv, dsink
+
+
+@_fake("attention_feat_bwd")
+def _attention_feat_bwd_fake(dout, q, k, v, out, lse, q_lengths, kv_lengths, cu_seqlens_q, cu_seqlens_k, sink_logits,
+                             alibi_slopes, softmax_scale, deterministic, window_left, window_right, num_sink_tokens,
+                             softcap, max_seqlen_q, max_seqlen_k):
+    n = 0 if sink_logits is None else sink_logits.shape[0]
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), q.new_empty((n,), dtype=torch.float32)
+
+
+class _CompiledAttention(torch.autograd.Function):
+    """A plain call under tracing: forward and backward are one operator each."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, softmax_scale, deterministic):
+        out, lse = torch.ops.cuflash.attention_fwd(q, k, v, causal, softmax_scale, deterministic)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = torch.ops.cuflash.attention_bwd(dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale,
+                                                     ctx.deterministic)
+        return dq, dk, dv, None, None, None
+
+
+class _CompiledFeatAttention(torch.autograd.Function):
+    """A call with options under tracing: apply(q, k, v, *6 option arrays (None where absent),
+    *8 scalars of attention_feat_fwd)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, *args):
+        arrays, scalars = args[:6], args[6:]
+        out, lse = torch.ops.cuflash.attention_feat_fwd(q, k, v, *arrays, *scalars)
+        ctx.save_for_backward(q, k, v, out, lse, *arrays)
+        ctx.scalars = scalars
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, *arrays = ctx.saved_tensors
+        dq, dk, dv, dsink = torch.ops.cuflash.attention_feat_bwd(dout, q, k, v, out, lse, *arrays, *ctx.scalars)
+        sink = arrays[4]
+        return (dq, dk, dv, None, None, None, None, dsink if sink is not None else None) + (None,) * 9
+
+
+def _traced_call_ops(q, k, v, call, arrays: dict, return_lse):
+    """Under tracing: the autograd.Function of a validated call."""
+    if call.feats is None:
+        out, lse = _CompiledAttention.apply(q, k, v, call.causal, call.scale, call.deterministic)
+    else:
+        f = call.feats
+        mq, mk = call.packed if call.packed else (-1, -1)
+        out, lse = _CompiledFeatAttention.apply(
+            q, k, v, *(arrays.get(n) for n in ARRAY_OPTIONS), call.scale, call.deterministic, f.window_left,
+            f.window_right, f.num_sink_tokens, float(f.softcap), int(mq), int(mk))
+    return (out, lse) if return_lse else out
+
+
+def _traced_attention(q, k, v, causal, softmax_scale, return_lse, deterministic, opts):
+    from ._base import option_infos
+
+    infos = [info_of(x) for x in (q, k, v)]
+    call = _call.describe_forward(infos, causal, softmax_scale, deterministic, return_lse,
+                                  **option_infos(opts or {}))
+    return _traced_call_ops(q, k, v, call, opts or {}, return_lse)
+
+
+def _traced_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                   return_lse, deterministic, opts):
+    from ._base import option_infos
+
+    infos = [info_of(x) for x in (q, k, v)]
+    call = _call.describe_varlen(infos, info_of(cu_seqlens_q), info_of(cu_seqlens_k), max_seqlen_q, max_seqlen_k,
+                                 causal, softmax_scale, deterministic, return_lse, **option_infos(opts))
+    arrays = dict(opts, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    return _traced_call_ops(q, k, v, call, arrays, return_lse)
+

@@ -1,0 +1,378 @@
+"""Plans: what a validated call of one signature runs, prepared once and run many times.
+
+    adapter  ->  Call (_call.py)  ->  Plan (this module)  ->  run
+
+A `Plan` is made from a `Call` and the layouts of its arrays (`ArrayInfo`s: shapes, element
+strides, alignment). On the GPU it holds the prepared launches (`_launch.Launch`: the loaded
+kernel, grid, block, shared memory and a Params struct filled except for its pointers) and says
+which inputs must be copied first (a last dimension that is not unit-stride, or a pointer or
+stride that is not 16-byte aligned). On the CPU it runs the NumPy implementation of the same
+tiled algorithm. The plain kernels serve a Call with `feats = None`; the feature kernels the rest.
+
+Running a GPU plan takes a stream handle and the call's pointers, by slot:
+
+    forward   Q K V OUT LSE, then the option arrays (ARRAY_OPTIONS order; 0 = absent)
+    backward  DOUT Q K V OUT LSE DQ DK DV SCRATCH, then the option arrays
+
+and does nothing but write them into the Params bytes and call cuLaunchKernel, under the plan's
+lock (two threads may share a plan). Allocating the outputs and finding the caller's stream is the
+adapter's part: it knows the library. The backward plan of a forward plan is made on first use,
+per layout of dout / out / lse, and kept with it.
+
+Adapters keep plans in `CACHE`, keyed by their own signature tuples (cheap to build from the
+arrays, and equal only when the Call and the layouts are equal).
+"""
+
+from __future__ import annotations
+
+import threading
+
+from . import _config, _launch
+from ._call import ArrayInfo, Call
+from ._features import ARRAY_OPTIONS, check_values_cpu
+from ._launch import DeviceTensor, MaskArgs, Slot
+
+Q, K, V, OUT, LSE = range(5)
+FWD_OPT = 5                                            # first option slot of a forward
+B_DOUT, B_Q, B_K, B_V, B_OUT, B_LSE, B_DQ, B_DK, B_DV, B_SCRATCH = range(10)
+BWD_OPT = 10                                           # first option slot of a backward
+NO_OPTIONS = (0,) * len(ARRAY_OPTIONS)
+
+_NEG_INF_BITS = 0xFF800000
+
+# The plan cache: adapter signature -> Plan. Bounded so that a stream of new shapes cannot grow it
+# without end (each plan holds a few kB); cleared, not evicted, since rebuilding one is cheap
+# once its kernels are loaded.
+CACHE: dict = {}
+CACHE_LIMIT = 4096
+
+
+def remember(key, plan: "Plan") -> "Plan":
+    if len(CACHE) >= CACHE_LIMIT:
+        CACHE.clear()
+    CACHE[key] = plan
+    return plan
+
+
+def needs_copy(info: ArrayInfo) -> bool:
+    """True when the kernels cannot read a q / k / v / out / dout array in place: the last dimension
+    is not unit-stride, or the base pointer or a row / head / batch step is not 16-byte aligned
+    (cp.async and TMA move 16 bytes)."""
+    s = info.strides
+    return s[-1] != 1 or not info.aligned or any(x % 8 != 0 for x in s[:-1])
+
+
+def _small_needs_copy(info: ArrayInfo) -> bool:
+    """An option array (lengths, offsets, slopes, sink logits) needs a unit last stride."""
+    return info.strides[-1] != 1 and info.shape[-1] > 1
+
+
+def contiguous_strides(shape) -> tuple:
+    out, step = [], 1
+    for n in reversed(shape):
+        out.append(step)
+        step *= n
+    return tuple(reversed(out))
+
+
+def _cc(device_id: int):
+    from ._gpu import compute_capability
+
+    return compute_capability(device_id)
+
+
+def _current_device() -> int:
+    global _current_device
+    import cupy
+
+    _current_device = cupy.cuda.runtime.getDevice  # bound once: this runs on every call
+    return _current_device()
+
+
+class Plan:
+    """The forward of one call signature (and, on demand, its backward plans)."""
+
+    def __init__(self, call: Call, infos: dict):
+        self.call = call
+        self.on_gpu = call.device[0] == "cuda"
+        self.device_id = call.device[1]
+        self.out_shape = call.q_shape
+        self.lse_shape = call.lse_shape
+        self.has_sink = "sink_logits" in call.arrays
+        self.options = call.arrays                      # names of the option arrays the call passes
+        # Per option slot, its name if the call passes that array, else None.
+        self.option_slots = tuple(n if n in call.arrays else None for n in ARRAY_OPTIONS)
+        self.infos = infos                              # the layouts planned for (q, k, v, options)
+        self._backward: dict = {}
+        self._lock = threading.Lock()
+        self.state: dict = {}                           # per-plan objects an adapter keeps (templates, ...)
+        self.launches = ()
+        self.launches_no_lse = ()
+        self.copy = ()
+        if self.on_gpu:
+            self.copy = tuple(n for n in ("q", "k", "v") if needs_copy(infos[n]))
+            self.copy += tuple(n for n in call.arrays if _small_needs_copy(infos[n]))
+            self.launches = tuple(self._gpu_forward(infos))
+            # With LSE = 0 the forward kernels write no lse (FwdParams::lse may be null), and the
+            # packed batch's lse tail fill is left out: a call that wants out alone allocates no lse.
+            self.launches_no_lse = tuple(L for L in self.launches if L is not self._lse_tail)
+
+    # ---------------------------------------------------------------- GPU
+    def _layout(self, infos, name, slot) -> DeviceTensor:
+        info = infos[name]
+        strides = contiguous_strides(info.shape) if name in self.copy else info.strides
+        return DeviceTensor(Slot(slot), info.shape, strides)
+
+    _lse_tail = None
+
+    def _gpu_forward(self, infos):
+        c = self.call
+        cc = _cc(self.device_id)
+        q, k, v = (self._layout(infos, n, s) for n, s in (("q", Q), ("k", K), ("v", V)))
+        o = DeviceTensor(Slot(OUT), self.out_shape, contiguous_strides(self.out_shape))
+        if c.feats is None:
+            return _launch.fwd_launches(q, k, v, o, Slot(LSE), c.dtype, c.causal, c.scale, self.device_id, cc)
+        m = _mask_args(c, self.copy, infos, FWD_OPT)
+        if not c.packed:
+            return _launch.fwd_launches(q, k, v, o, Slot(LSE), c.dtype, False, c.scale, self.device_id, cc, mask=m)
+        mq, mk = c.packed
+        b = c.batch
+        launches = _launch.fwd_launches(_packed4(q, b, mq), _packed4(k, b, mk), _packed4(v, b, mk),
+                                        _packed4(o, b, mq), Slot(LSE), c.dtype, False, c.scale, self.device_id, cc,
+                                        mask=m)
+        tail = m.cu_seqlens_q + 4 * b  # &cu_seqlens_q[batch]: rows past it belong to no sequence
+        launches += _launch.tail_launches(o, tail, "u16", 0, self.device_id, cc)
+        lse_rows = DeviceTensor(Slot(LSE), (c.total_q, c.nheads, 1), (1, c.total_q, 1))
+        lse_tail = _launch.tail_launches(lse_rows, tail, "u32", _NEG_INF_BITS, self.device_id, cc)
+        self._lse_tail = lse_tail[0] if lse_tail else None
+        return launches + lse_tail
+
+    def launch(self, stream: int, ptrs) -> None:
+        """Runs the prepared launches with these pointers (by slot) on the stream. ptrs[LSE] = 0
+        runs the forward without lse."""
+        run_launches(self, stream, ptrs, self.launches if ptrs[LSE] else self.launches_no_lse)
+
+    def backward_plan(self, key, infos: dict) -> "BackwardPlan":
+        """The backward for this forward and a layout of dout / out / lse (infos: their ArrayInfos;
+        q, k, v and the options as in the forward). key: the adapter's signature of that layout."""
+        bp = self._backward.get(key)
+        if bp is None:
+            bp = self._backward[key] = BackwardPlan(self, infos)
+        return bp
+
+    # ---------------------------------------------------------------- CPU
+    def forward_numpy(self, q, k, v, arrays: dict):
+        """The NumPy path: (out, lse) as NumPy arrays. arrays: option name -> NumPy array."""
+        import numpy as np
+
+        from ._cpu import attention_forward_numpy
+
+        c = self.call
+        if c.feats is None:
+            return attention_forward_numpy(q, k, v, c.causal, c.scale)
+        _check_values(c, arrays)
+        kw = _cpu_kwargs(c, arrays)
+        if not c.packed:
+            return attention_forward_numpy(q, k, v, False, c.scale, q_lengths=arrays.get("q_lengths"),
+                                           kv_lengths=arrays.get("kv_lengths"), alibi_slopes=arrays.get("alibi_slopes"),
+                                           **kw)
+        total_q, h, d = q.shape
+        out = np.zeros(q.shape, dtype=q.dtype)
+        lse = np.full((h, total_q), -np.inf, dtype=np.float32)
+        for b, (q0, q1, k0, k1) in enumerate(_segments(arrays)):
+            if q1 == q0:
+                continue
+            if k1 == k0:  # rows that see no key: out 0, lse the sink logit (or -inf)
+                if arrays.get("sink_logits") is not None:
+                    lse[:, q0:q1] = arrays["sink_logits"][:, None]
+                continue
+            o_b, l_b = attention_forward_numpy(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], False, c.scale,
+                                               alibi_slopes=_alibi_row(arrays, b), **kw)
+            out[q0:q1] = o_b[0]
+            lse[:, q0:q1] = l_b[0]
+        return out, lse
+
+    def backward_numpy(self, dout, q, k, v, out, lse, arrays: dict):
+        """The NumPy backward: (dq, dk, dv, dsink or None)."""
+        import numpy as np
+
+        from ._cpu_backward import attention_backward_numpy
+
+        c = self.call
+        if c.feats is None:
+            dq, dk, dv = attention_backward_numpy(dout, q, k, v, out, lse, c.causal, c.scale)
+            return dq, dk, dv, None
+        _check_values(c, arrays)
+        kw = _cpu_kwargs(c, arrays)
+        sink = arrays.get("sink_logits") is not None
+        if not c.packed:
+            g = attention_backward_numpy(dout, q, k, v, out, lse, False, c.scale, q_lengths=arrays.get("q_lengths"),
+                                         kv_lengths=arrays.get("kv_lengths"), alibi_slopes=arrays.get("alibi_slopes"),
+                                         **kw)
+            return g[0], g[1], g[2], (g[3] if sink else None)
+        dq, dk, dv = (np.zeros(x.shape, dtype=x.dtype) for x in (q, k, v))
+        dsink = np.zeros(q.shape[1], dtype=np.float32) if sink else None
+        for b, (q0, q1, k0, k1) in enumerate(_segments(arrays)):
+            if q1 == q0 or k1 == k0:
+                continue  # no score: nothing flows to q, k or v (nor to the sink: out = 0 there)
+            g = attention_backward_numpy(dout[None, q0:q1], q[None, q0:q1], k[None, k0:k1], v[None, k0:k1],
+                                         out[None, q0:q1], lse[None, :, q0:q1], False, c.scale,
+                                         alibi_slopes=_alibi_row(arrays, b), **kw)
+            dq[q0:q1], dk[k0:k1], dv[k0:k1] = g[0][0], g[1][0], g[2][0]
+            if sink:
+                dsink += g[3]
+        return dq, dk, dv, dsink
+
+
+class BackwardPlan:
+    """The backward of a forward plan for one layout of dout, out and lse: which inputs are copied,
+    the scratch it needs (one float32 buffer: delta [+ lse * log2 e], the dQ accumulator of the
+    atomic path, the per-row sink gradients), and the prepared launches."""
+
+    def __init__(self, fwd: Plan, infos: dict):
+        infos = dict(fwd.infos, **infos)
+        c = self.call = fwd.call
+        self.device_id = fwd.device_id
+        self.has_sink = fwd.has_sink
+        self.options = fwd.options
+        self.state: dict = {}
+        self._lock = threading.Lock()
+        self.launches = ()
+        self.copy = ()
+        self.scratch_floats = 0
+        self.dsink_offset = 0
+        self.dsink_shape = ()
+        if not fwd.on_gpu:
+            return
+        self.copy = tuple(n for n in ("dout", "q", "k", "v", "out") if needs_copy(infos[n]))
+        self.copy += tuple(n for n in c.arrays if n in fwd.copy)
+        if infos["lse"].strides != contiguous_strides(infos["lse"].shape):
+            self.copy += ("lse",)
+        self.launches = tuple(self._gpu_backward(infos))
+
+    def _layout(self, infos, name, slot):
+        info = infos[name]
+        strides = contiguous_strides(info.shape) if name in self.copy else info.strides
+        return DeviceTensor(Slot(slot), info.shape, strides)
+
+    def _gpu_backward(self, infos):
+        c = self.call
+        cc = _cc(self.device_id)
+        target = _config.compile_arch(*cc)
+        d = c.head_dim
+        views = {n: self._layout(infos, n, s) for n, s in
+                 (("dout", B_DOUT), ("q", B_Q), ("k", B_K), ("v", B_V), ("out", B_OUT))}
+        grads = {n: DeviceTensor(Slot(s), infos[src].shape, contiguous_strides(infos[src].shape))
+                 for n, s, src in (("dq", B_DQ, "q"), ("dk", B_DK, "k"), ("dv", B_DV, "v"))}
+        batch, h = c.batch, c.nheads
+        pad = _launch.bwd_row_pad(c.seqlen_q)
+        scratch = Slot(B_SCRATCH)
+        if c.feats is None:
+            atomic = _launch.bwd_uses_atomics(c.deterministic, target, d)
+            n_rows, n_acc = _launch.bwd_scratch_sizes(batch, h, c.seqlen_q, d, atomic, target)
+            self.scratch_floats = n_rows + n_acc
+            return _launch.bwd_launches(views["dout"], views["q"], views["k"], views["v"], views["out"], Slot(B_LSE),
+                                        grads["dq"], grads["dk"], grads["dv"], scratch,
+                                        scratch + 4 * n_rows if n_acc else 0, c.dtype, c.causal, c.scale, atomic,
+                                        self.device_id, cc)
+        # dQ by float atomics from sm_90a's wgmma dK/dV kernel where it fits, unless deterministic.
+        atomic = _config.feat_bwd_uses_atomics(c.deterministic, target, d)
+        n_rows = max(1, 2 * batch * h * pad)
+        n_acc = batch * h * pad * d if atomic else 0
+        n_sink = batch * h * pad if self.has_sink else 0
+        self.scratch_floats = n_rows + n_acc + n_sink
+        dsink = 0
+        if n_sink:
+            self.dsink_offset, self.dsink_shape = n_rows + n_acc, (batch, h, pad)
+            dsink = scratch + 4 * self.dsink_offset
+        m = _mask_args(c, self.copy, infos, BWD_OPT, dsink=dsink)
+        acc = scratch + 4 * n_rows if atomic else 0
+        if not c.packed:
+            return _launch.bwd_launches(views["dout"], views["q"], views["k"], views["v"], views["out"], Slot(B_LSE),
+                                        grads["dq"], grads["dk"], grads["dv"], scratch, acc, c.dtype, False, c.scale,
+                                        atomic, self.device_id, cc, mask=m)
+        mq, mk = c.packed
+        p4 = [_packed4(views[n], batch, mq if n in ("dout", "q", "out") else mk) for n in ("dout", "q", "k", "v", "out")]
+        g4 = [_packed4(grads[n], batch, mq if n == "dq" else mk) for n in ("dq", "dk", "dv")]
+        launches = _launch.bwd_launches(*p4, Slot(B_LSE), *g4, scratch, acc, c.dtype, False, c.scale, atomic,
+                                        self.device_id, cc, mask=m)
+        for name, cu in (("dq", m.cu_seqlens_q), ("dk", m.cu_seqlens_k), ("dv", m.cu_seqlens_k)):
+            launches += _launch.tail_launches(grads[name], cu + 4 * batch, "u16", 0, self.device_id, cc)
+        return launches
+
+    def launch(self, stream: int, ptrs) -> None:
+        run_launches(self, stream, ptrs, self.launches)
+
+
+class LaunchError(RuntimeError):
+    """A kernel launch the driver refused: names the specialization, its launch shape and the call."""
+
+
+def run_launches(plan, stream: int, ptrs, launches) -> None:
+    """Fires launches of a plan on the stream, with its device current (switched only when it is
+    not: the switch costs more than the launch). A launch the driver refuses raises LaunchError
+    naming the kernel and the call (the outputs the caller allocated are then its to drop)."""
+    launch = None
+    try:
+        with plan._lock:
+            if _current_device() == plan.device_id:
+                for launch in launches:
+                    launch.fire(stream, ptrs)
+            else:
+                import cupy
+
+                with cupy.cuda.Device(plan.device_id):
+                    for launch in launches:
+                        launch.fire(stream, ptrs)
+    except Exception as e:
+        if launch is None:
+            raise
+        c = plan.call
+        shape = (f"q {c.q_shape}, k/v ({c.total_k if c.packed else c.batch}, "
+                 f"{'' if c.packed else f'{c.seqlen_k}, '}{c.nheads_kv}, {c.head_dim})")
+        raise LaunchError(
+            f"cuflash: launching {launch.name} failed (grid {launch.grid}, {launch.threads} threads, "
+            f"{launch.smem} B shared memory, device {plan.device_id}) for {c.dtype} {shape}, "
+            f"causal={c.causal}, options={'none' if c.feats is None else c.feats}: {type(e).__name__}: {e}") from e
+
+
+def _mask_args(c: Call, copy: tuple, infos: dict, base: int, dsink=0) -> MaskArgs:
+    """The feature kernels' MaskParams: the options' pointers as slots from `base` on."""
+    f = c.feats
+    ptrs = {n: Slot(base + i) if n in c.arrays else 0 for i, n in enumerate(ARRAY_OPTIONS)}
+    alibi_bs = 0
+    if c.alibi_2d:
+        a = infos["alibi_slopes"]
+        alibi_bs = contiguous_strides(a.shape)[0] if "alibi_slopes" in copy else a.strides[0]
+    return MaskArgs(alibi_batch_stride=alibi_bs, dsink_rows=dsink, window_left=f.window_left,
+                    window_right=f.window_right, num_sink_tokens=f.num_sink_tokens, softcap=f.softcap,
+                    total_q=c.total_q if c.packed else c.seqlen_q, total_k=c.total_k if c.packed else c.seqlen_k,
+                    **ptrs)
+
+
+def _packed4(t: DeviceTensor, batch: int, max_len: int) -> DeviceTensor:
+    """(total, heads, d) -> the 4-D (batch, max_len, heads, d) view the kernels index, batch stride 0:
+    each sequence adds its cu_seqlens offset itself."""
+    return DeviceTensor(t.ptr, (batch, max_len) + tuple(t.shape[1:]), (0,) + tuple(t.strides))
+
+
+# ---- NumPy path helpers: a packed batch runs one sequence at a time ----
+
+def _check_values(c: Call, arrays: dict) -> None:
+    check_values_cpu(arrays, c.packed is not None, c.seqlen_q, c.seqlen_k, c.total_q, c.total_k)
+
+
+def _cpu_kwargs(c: Call, arrays: dict) -> dict:
+    f = c.feats
+    return dict(window=(f.window_left, f.window_right), num_sink_tokens=f.num_sink_tokens, softcap=f.softcap,
+                sink_logits=arrays.get("sink_logits"))
+
+
+def _segments(arrays):
+    cq, ck = (arrays[n].astype("int64") for n in ("cu_seqlens_q", "cu_seqlens_k"))
+    return [(int(cq[b]), int(cq[b + 1]), int(ck[b]), int(ck[b + 1])) for b in range(len(cq) - 1)]
+
+
+def _alibi_row(arrays, b):
+    s = arrays.get("alibi_slopes")
+    return None if s is None else (s if s.ndim == 1 else s[b])

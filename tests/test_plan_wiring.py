@@ -1,0 +1,470 @@
+"""CPU: the GPU pipeline's wiring, checked without a GPU.
+
+A fake device adapter serves NumPy arrays as if they lived on cuda:0 (pointers are their host
+addresses); compute_capability, kernel loading and cuLaunchKernel are replaced by stand-ins that
+record each launch: the kernel's readable name, grid, block, shared memory, stream, and the Params
+bytes it would have received. The tests decode those bytes and check every pointer, stride and size
+against the arrays of the call: that a plan built once and run again with other arrays patches
+the new pointers in, that inputs the kernels cannot read in place are copied, that the backward's
+scratch offsets do not overlap, and that the options reach MaskParams. The kernels themselves are
+tested on the GPU (tests/test_gpu_*.py); this is the part between the API and cuLaunchKernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash import _adapters, _compile, _gpu, _launch, _plan
+from cuflash._adapters._numpy import NumpyAdapter
+from cuflash._call import ArrayInfo
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+class Dev(np.ndarray):
+    """A NumPy array standing in for a device array."""
+
+
+class FakeCuda(NumpyAdapter):
+    lib = "fakecuda"
+
+    def __init__(self):
+        self.allocs = []
+
+    def info(self, x):
+        return ArrayInfo("fakecuda", tuple(x.shape), tuple(s // x.itemsize for s in x.strides), x.dtype.name,
+                         ("cuda", 0), x.ctypes.data % 16 == 0, "Dev")
+
+    def sig(self, x):
+        return (x.dtype, x.shape, x.strides, x.ctypes.data & 15)
+
+    def ptr(self, x, keep):
+        return x.ctypes.data
+
+    def stream(self, device_id):
+        return 77
+
+    def empty(self, shape, dtype, device_id):
+        a = np.full(shape, np.nan, dtype=BF16 if dtype == "bfloat16" else dtype).view(Dev)
+        self.allocs.append(a)
+        return a
+
+    def contiguous(self, x, device_id, keep):
+        c = np.array(x, order="C", copy=True).view(Dev)  # a new allocation, as the real adapters make
+        keep.append(c)
+        self.copies.append(c)
+        return c
+
+    def dsink_sum(self, scratch, offset, shape, device_id):
+        n = shape[0] * shape[1] * shape[2]
+        return np.asarray(scratch[offset:offset + n]).reshape(shape).sum(axis=(0, 2))
+
+
+SIZES = {"fwd": _launch.FWD_PARAMS, "bwd": _launch.BWD_PARAMS, "varlen": _launch.TAIL_PARAMS}
+
+
+@pytest.fixture
+def dev(monkeypatch):
+    """(adapter, launches): launches collects (name, grid, threads, smem, stream, decoded params)."""
+    ad = FakeCuda()
+    ad.copies = []
+    launched = []
+    names = {}
+
+    class Loaded:
+        def __init__(self, ptr):
+            self.ptr = ptr
+
+    def get_function(spec, target, device_id, smem):
+        fid = names.setdefault(spec.name, 1000 + len(names))
+        names[fid] = spec.name
+        return Loaded(fid)
+
+    def launch_kernel(fn, gx, gy, gz, bx, by, bz, smem, stream, argv_ptr, extra):
+        name = names[fn]
+        dtype = next(d for prefix, d in SIZES.items() if name.startswith(prefix))
+        params_ptr = ctypes.c_uint64.from_address(argv_ptr).value
+        raw = ctypes.string_at(params_ptr, dtype.itemsize)
+        launched.append(dict(name=name, grid=gx, threads=bx, smem=smem, stream=stream,
+                             p=np.frombuffer(raw, dtype=dtype)[0]))
+
+    monkeypatch.setattr(_gpu, "compute_capability", lambda device_id: (9, 0))
+    monkeypatch.setattr(_compile, "get_function", get_function)
+    monkeypatch.setattr(_launch, "_launch_kernel", launch_kernel)
+    monkeypatch.setattr(_plan, "_current_device", lambda: 0)
+    monkeypatch.setitem(_adapters._BY_TYPE, Dev, ad)
+    _plan.CACHE.clear()
+    yield ad, launched
+    _plan.CACHE.clear()
+
+
+def arr(rng, shape, dtype=np.float16):
+    return rng.standard_normal(shape).astype(dtype).view(Dev)
+
+
+def addr(x) -> int:
+    return x.ctypes.data
+
+
+def elem_strides(x):
+    return tuple(s // x.itemsize for s in x.strides)
+
+
+def check_tensor(p, prefix, x, pname=None):
+    assert int(p[pname or prefix]) == addr(x), f"{prefix}: pointer"
+    got = tuple(int(p[f"{prefix}_{s}_stride"]) for s in ("batch", "row", "head"))
+    assert got == elem_strides(x)[:3], f"{prefix}: strides {got} != {elem_strides(x)[:3]}"
+
+
+def test_forward_plain_repeat_patches_new_pointers(dev):
+    ad, launched = dev
+    rng = np.random.default_rng()
+    for rep in range(3):  # the first call plans; the next ones must patch their own pointers
+        q, k, v = arr(rng, (2, 100, 8, 64)), arr(rng, (2, 130, 2, 64)), arr(rng, (2, 130, 2, 64))
+        out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+        (L,) = launched[rep:]
+        p = L["p"]
+        assert L["stream"] == 77 and L["name"].startswith("fwd90_f16_d64") and "causal" in L["name"]
+        check_tensor(p, "q", q)
+        check_tensor(p, "k", k)
+        check_tensor(p, "v", v)
+        check_tensor(p, "o", out)
+        assert int(p["lse"]) == addr(lse) and lse.shape == (2, 8, 100) and out.shape == q.shape
+        assert (int(p["batch"]), int(p["nheads"]), int(p["nheads_kv"]), int(p["head_group"])) == (2, 8, 2, 4)
+        assert (int(p["seqlen_q"]), int(p["seqlen_k"])) == (100, 130)
+        assert p["scale_log2"] == np.float32(64 ** -0.5 * _launch.LOG2E)
+        assert L["grid"] == 2 * 8 * int(p["num_m_blocks"])
+    assert len(_plan.CACHE) == 1
+
+
+def test_forward_strided_and_misaligned_inputs(dev):
+    ad, launched = dev
+    rng = np.random.default_rng()
+    q = arr(rng, (2, 8, 48, 32)).transpose(0, 2, 1, 3)            # (b, s, h, d) view of (b, h, s, d): in place
+    kbuf = arr(rng, (2 * 48 * 8 * 32 + 1,))
+    k = kbuf[1:].reshape(2, 48, 8, 32)                              # 2 bytes off: must be copied
+    v = arr(rng, (2, 48, 8, 64))[..., ::2]                          # last stride 2: must be copied
+    out = cuflash.attention(q, k, v)
+    p = launched[-1]["p"]
+    check_tensor(p, "q", q)
+    assert len(ad.copies) == 2
+    kc, vc = ad.copies
+    assert addr(kc) % 16 == 0 and addr(vc) % 16 == 0, "a copy must be 16-byte aligned"
+    check_tensor(p, "k", kc)
+    check_tensor(p, "v", vc)
+    np.testing.assert_array_equal(np.asarray(kc), np.asarray(k))
+    np.testing.assert_array_equal(np.asarray(vc), np.asarray(v))
+    check_tensor(p, "o", out)
+
+
+def test_backward_scratch_and_grads(dev):
+    ad, launched = dev
+    rng = np.random.default_rng()
+    for det in (False, True):
+        q, k, v = arr(rng, (2, 70, 4, 128)), arr(rng, (2, 70, 2, 128)), arr(rng, (2, 70, 2, 128))
+        out, lse = cuflash.attention(q, k, v, return_lse=True, deterministic=det)
+        dout = arr(rng, q.shape)
+        ad.allocs.clear()
+        n0 = len(launched)
+        dq, dk, dv = cuflash.attention_backward(dout, q, k, v, out, lse, deterministic=det)
+        names = [L["name"] for L in launched[n0:]]
+        assert names[0].startswith("bwd_pre") and names[1].startswith("bwd90_dkdv")
+        assert ("atomic_dq" in names[1]) == (not det), names
+        assert names[2].startswith("bwd_convert_dq" if not det else "bwd_dq_"), names
+        scratch = next(a for a in ad.allocs if a.dtype == np.float32)
+        rows = 2 * 4 * 128  # batch * nheads * seqlen_q padded to 128
+        for L in launched[n0:]:
+            p = L["p"]
+            check_tensor(p, "q", q)
+            check_tensor(p, "dq", dq)
+            check_tensor(p, "dk", dk)
+            check_tensor(p, "dv", dv)
+            check_tensor(p, "do", dout, "dout")
+            assert int(p["o"]) == addr(out) and int(p["lse"]) == addr(lse)
+            assert int(p["delta"]) == addr(scratch)
+            if det:  # the separate dQ pass reads lse * log2(e) from the scratch
+                assert int(p["lse_log2"]) == addr(scratch) + 4 * rows and int(p["dq_accum"]) == 0
+                assert scratch.size >= 2 * rows
+            else:    # the wgmma kernel reads lse itself; dQ accumulates right after delta
+                assert int(p["lse_log2"]) == 0 and int(p["dq_accum"]) == addr(scratch) + 4 * rows
+                assert scratch.size >= rows + rows * 128
+        assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+
+
+def test_options_reach_maskparams(dev):
+    ad, launched = dev
+    rng = np.random.default_rng()
+    b, s, h, d = 3, 90, 4, 64
+    q, k, v = arr(rng, (b, s, h, d)), arr(rng, (b, s, 2, d)), arr(rng, (b, s, 2, d))
+    lengths = np.array([90, 17, 0], np.int32).view(Dev)
+    sink = rng.standard_normal(h).astype(np.float32).view(Dev)
+    slopes = rng.random((b, h)).astype(np.float32).view(Dev)
+    out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True, kv_lengths=lengths, window=(20, 0),
+                                 num_sink_tokens=3, sink_logits=sink, alibi_slopes=slopes, softcap=7.0)
+    p = launched[-1]["p"]
+    assert "feat" in launched[-1]["name"]
+    m = p["mask"]
+    assert int(m["kv_lengths"]) == addr(lengths) and int(m["q_lengths"]) == 0
+    assert int(m["sink_logits"]) == addr(sink) and int(m["alibi_slopes"]) == addr(slopes)
+    assert int(m["alibi_batch_stride"]) == h
+    assert (int(m["window_left"]), int(m["window_right"]), int(m["num_sink_tokens"])) == (20, 0, 3)
+    assert m["softcap"] == np.float32(7.0)
+    assert (int(m["lse_batch_stride"]), int(m["lse_head_stride"])) == (h * s, s)
+    # the backward: dsink rows after delta and lse_log2, summed into (nheads,)
+    dout = arr(rng, q.shape)
+    ad.allocs.clear()
+    n0 = len(launched)
+    dq, dk, dv, dsink = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True, kv_lengths=lengths,
+                                                   window=(20, 0), num_sink_tokens=3, sink_logits=sink,
+                                                   alibi_slopes=slopes, softcap=7.0)
+    scratch = next(a for a in ad.allocs if a.dtype == np.float32 and a.ndim == 1)
+    pad = 128
+    rows = b * h * pad
+    for L in launched[n0:]:
+        m = L["p"]["mask"]
+        assert int(m["sink_logits"]) == addr(sink)
+        dsink_ptr = int(m["dsink_rows"])
+        assert dsink_ptr >= addr(scratch) + 4 * 2 * rows  # after delta and lse_log2
+        acc = int(L["p"]["dq_accum"])
+        if acc:  # the atomic path's accumulator sits between them, without overlap
+            assert acc == addr(scratch) + 4 * 2 * rows and dsink_ptr == acc + 4 * rows * d
+        assert dsink_ptr + 4 * rows <= addr(scratch) + 4 * scratch.size
+    assert dsink.shape == (h,)
+
+
+def test_varlen_tail_fill_and_packed_views(dev):
+    ad, launched = dev
+    rng = np.random.default_rng()
+    total, h, d = 50, 4, 64
+    q, k, v = arr(rng, (total, h, d)), arr(rng, (total, h, d)), arr(rng, (total, h, d))
+    cu = np.array([0, 13, 13, 40], np.int32).view(Dev)
+    out, lse = cuflash.attention_varlen(q, k, v, cu, cu, 27, 27, causal=True, return_lse=True)
+    fwd, tail_o, tail_lse = launched[-3:]
+    p = fwd["p"]
+    assert int(p["q_batch_stride"]) == 0 and int(p["q_row_stride"]) == h * d and int(p["seqlen_q"]) == 27
+    assert int(p["mask"]["cu_seqlens_q"]) == addr(cu) and int(p["mask"]["lse_head_stride"]) == total
+    assert tail_o["name"] == "varlen_fill_tail_u16" and tail_lse["name"] == "varlen_fill_tail_u32"
+    assert int(tail_o["p"]["ptr"]) == addr(out) and int(tail_o["p"]["start"]) == addr(cu) + 4 * 3
+    assert int(tail_lse["p"]["ptr"]) == addr(lse) and int(tail_lse["p"]["fill"]) == 0xFF800000
+    assert out.shape == (total, h, d) and lse.shape == (h, total)
+
+
+def test_explicit_plan_rejects_other_signature(dev):
+    ad, launched = dev
+    rng = np.random.default_rng()
+    q, k, v = arr(rng, (1, 64, 2, 64)), arr(rng, (1, 64, 2, 64)), arr(rng, (1, 64, 2, 64))
+    p = cuflash.plan(q, k, v, causal=True)
+    q2, k2, v2 = arr(rng, (1, 64, 2, 64)), arr(rng, (1, 64, 2, 64)), arr(rng, (1, 64, 2, 64))
+    out = p(q2, k2, v2)
+    check_tensor(launched[-1]["p"], "q", q2)
+    check_tensor(launched[-1]["p"], "o", out)
+    n = len(launched)
+    with pytest.raises(ValueError, match=r"q, k, v: this plan was made for"):
+        p(arr(rng, (1, 65, 2, 64)), k2, v2)
+    assert len(launched) == n
+
+
+def test_bad_input_never_launches(dev):
+    ad, launched = dev
+    rng = np.random.default_rng()
+    q, k, v = arr(rng, (1, 64, 2, 64)), arr(rng, (1, 64, 2, 64)), arr(rng, (1, 64, 2, 64))
+    cuflash.attention(q, k, v)
+    n = len(launched)
+    for kw, err in ((dict(causal=1), TypeError), (dict(softmax_scale=float("nan")), ValueError),
+                    (dict(window=(1.0, 0)), TypeError), (dict(window=[3, -2]), ValueError)):
+        with pytest.raises(err):
+            cuflash.attention(q, k, v, **kw)
+    with pytest.raises(ValueError, match="k: head_dim 32 differs"):
+        cuflash.attention(q, arr(rng, (1, 64, 2, 32)), arr(rng, (1, 64, 2, 32)))
+    assert len(launched) == n
+
+
+def test_forward_without_lse_writes_none(dev):
+    """A call that wants out alone passes lse = 0 (the kernels then write none) and skips the packed
+    batch's lse tail fill; asking for lse passes the buffer."""
+    ad, launched = dev
+    rng = np.random.default_rng()
+    q, k, v = arr(rng, (1, 64, 2, 64)), arr(rng, (1, 64, 2, 64)), arr(rng, (1, 64, 2, 64))
+    cuflash.attention(q, k, v, causal=True)
+    assert int(launched[-1]["p"]["lse"]) == 0
+    out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    assert int(launched[-1]["p"]["lse"]) == addr(lse)
+    total, h, d = 40, 2, 64
+    q, k, v = arr(rng, (total, h, d)), arr(rng, (total, h, d)), arr(rng, (total, h, d))
+    cu = np.array([0, 7, 40], np.int32).view(Dev)
+    n = len(launched)
+    cuflash.attention_varlen(q, k, v, cu, cu, 33, 33)
+    assert [L["name"] for L in launched[n:]] == [launched[n]["name"], "varlen_fill_tail_u16"]
+    assert int(launched[n]["p"]["lse"]) == 0
+
+
+@pytest.fixture
+def torch_dev(dev, monkeypatch):
+    """The torch adapter's GPU path on CPU tensors: they report cuda:0, outputs come from CPU
+    templates, and the stream is a stand-in; the launches are recorded by `dev`."""
+    torch = pytest.importorskip("torch")
+    from cuflash._adapters import _torch as adapter
+
+    real_info = adapter.TorchAdapter.info
+
+    def info(self, x):
+        i = real_info(self, x)
+        return ArrayInfo(i.lib, i.shape, i.strides, i.dtype, ("cuda", 0), i.aligned, i.type_name)
+
+    class CpuState(adapter._State):
+        def __init__(self, plan):
+            c = plan.call
+            self.device = torch.device("cpu")
+            dt = getattr(torch, c.dtype)
+            self.out = adapter._like(plan.out_shape, dt, self.device)
+            self.lse = adapter._like(plan.lse_shape, torch.float32, self.device)
+            kv = (c.total_k, c.nheads_kv, c.head_dim) if c.packed else (c.batch, c.seqlen_k, c.nheads_kv, c.head_dim)
+            self.kv = adapter._like(kv, dt, self.device)
+
+    monkeypatch.setattr(adapter.TorchAdapter, "info", info)
+    monkeypatch.setattr(adapter, "_State", CpuState)
+    monkeypatch.setattr(adapter, "_raw_stream", lambda device_id: 77)
+    return torch, dev[1]
+
+
+def test_torch_hot_path_wiring(torch_dev):
+    """Through torch's own hot path (the key, the inference route without lse, the autograd route
+    with the C++ apply, copies of inputs it cannot read in place, the backward's allocations)."""
+    torch, launched = torch_dev
+    qbuf = torch.randn(2 * 50 * 4 * 64 + 1, dtype=torch.bfloat16)
+    qm = qbuf[1:].view(2, 50, 4, 64)                          # contiguous, 2 bytes off: a new copy
+    out = cuflash.attention(qm, qm, qm)
+    p = launched[-1]["p"]
+    assert all(int(p[n]) % 16 == 0 and int(p[n]) != qm.data_ptr() for n in ("q", "k", "v")), "misaligned input passed"
+    q = torch.randn(2, 50, 4, 64, dtype=torch.bfloat16)
+    kbig = torch.randn(2, 60, 2, 128, dtype=torch.bfloat16)
+    k = kbig[..., ::2]                                        # last stride 2: copied
+    v = torch.randn(2, 4, 60, 64, dtype=torch.bfloat16).transpose(1, 2)[:, :, :2]  # strided, read in place
+    out = cuflash.attention(q, k, v, causal=True)
+    p = launched[-1]["p"]
+    assert int(p["lse"]) == 0 and int(p["q"]) == q.data_ptr() and int(p["o"]) == out.data_ptr()
+    assert int(p["k"]) != k.data_ptr() and tuple(int(p[f"k_{s}_stride"]) for s in ("batch", "row", "head")) == (60 * 2 * 64, 2 * 64, 64)
+    assert int(p["v"]) == v.data_ptr() and int(p["v_row_stride"]) == v.stride(1)
+    for x in (q, k, v):
+        x.requires_grad_(True)
+    out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    assert type(out.grad_fn).__name__ == "_AttentionBackward"
+    p = launched[-1]["p"]
+    assert int(p["lse"]) == lse.data_ptr() and int(p["o"]) == out.data_ptr()
+    n = len(launched)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    names = [L["name"] for L in launched[n:]]
+    assert len(names) == 3 and names[0].startswith("bwd_pre"), names
+    for L in launched[n:]:
+        p = L["p"]
+        assert int(p["dq"]) == dq.data_ptr() and int(p["dk"]) == dk.data_ptr() and int(p["dv"]) == dv.data_ptr()
+        assert int(p["o"]) == out.data_ptr() and int(p["lse"]) == lse.data_ptr() and int(p["q"]) == q.data_ptr()
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    # options: the sink logit's gradient comes back; lengths reach MaskParams
+    sink = torch.randn(4, requires_grad=True)
+    lengths = torch.tensor([50, 9], dtype=torch.int32)
+    out = cuflash.attention(q, k, v, window=(7, 0), sink_logits=sink, kv_lengths=lengths)
+    m = launched[-1]["p"]["mask"]
+    assert int(m["sink_logits"]) == sink.data_ptr() and int(m["kv_lengths"]) == lengths.data_ptr()
+    g = torch.autograd.grad(out, (q, k, v, sink), torch.randn_like(out))
+    assert g[3].shape == (4,)
+
+
+def test_huge_bounds_fit_the_kernels_int32(dev):
+    """max_seqlen beyond the rows and num_sink_tokens beyond the keys change nothing; they are
+    normalized before they reach the kernels' int32 fields (the GPU fuzzer's OverflowError)."""
+    ad, launched = dev
+    rng = np.random.default_rng()
+    total, h, d = 40, 2, 64
+    q, k, v = arr(rng, (total, h, d)), arr(rng, (total, h, d)), arr(rng, (total, h, d))
+    cu = np.array([0, 7, 40], np.int32).view(Dev)
+    out, lse = cuflash.attention_varlen(q, k, v, cu, cu, 2**31, 2**40, return_lse=True)
+    p = launched[-3]["p"]
+    assert (int(p["seqlen_q"]), int(p["seqlen_k"])) == (total, total)
+    cuflash.attention_varlen_backward(arr(rng, q.shape), q, k, v, out, lse, cu, cu, 2**31, 2**40)
+    qq, kk, vv = arr(rng, (1, 30, 2, 64)), arr(rng, (1, 30, 2, 64)), arr(rng, (1, 30, 2, 64))
+    cuflash.attention(qq, kk, vv, window=(3, 0), num_sink_tokens=2**40)
+    assert int(launched[-1]["p"]["mask"]["num_sink_tokens"]) == 30
+
+
+def test_launch_failure_names_kernel_and_shape(dev, monkeypatch):
+    """A launch the driver refuses raises cuflash.LaunchError naming the specialization, its launch
+    shape and the call; the plan stays usable (its lock released) for the next call."""
+    ad, launched = dev
+    rng = np.random.default_rng()
+    q, k, v = arr(rng, (2, 100, 8, 64)), arr(rng, (2, 130, 2, 64)), arr(rng, (2, 130, 2, 64))
+    cuflash.attention(q, k, v, causal=True)
+    record = _launch._launch_kernel
+
+    def refuse(*args):
+        raise RuntimeError("CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES: too many resources requested for launch")
+
+    monkeypatch.setattr(_launch, "_launch_kernel", refuse)
+    with pytest.raises(cuflash.LaunchError, match=r"launching fwd90_f16_d64_\w+ failed \(grid \d+, 256 threads.*"
+                                                  r"float16 q \(2, 100, 8, 64\), k/v \(2, 130, 2, 64\), causal=True.*"
+                                                  r"LAUNCH_OUT_OF_RESOURCES"):
+        cuflash.attention(q, k, v, causal=True)
+    monkeypatch.setattr(_launch, "_launch_kernel", record)
+    n = len(launched)
+    cuflash.attention(q, k, v, causal=True)
+    assert len(launched) == n + 1
+
+
+def test_out_of_memory_is_the_libraries_own(torch_dev, monkeypatch):
+    """An allocation that fails inside a call (out, lse, the backward's scratch) raises torch's own
+    OutOfMemoryError before any launch, and the next call works; JAX calls get JAX's own error."""
+    torch, launched = torch_dev
+    from cuflash._adapters import _torch as adapter
+
+    q, k, v = (torch.randn(1, 64, 2, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    real = adapter._empty_like
+    for fail_at in (1, 2):  # the forward's out, then its lse
+        calls = []
+
+        def empty_like(t, fail_at=fail_at, calls=calls):
+            calls.append(t)
+            if len(calls) == fail_at:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            return real(t)
+
+        monkeypatch.setattr(adapter, "_empty_like", empty_like)
+        n = len(launched)
+        with pytest.raises(torch.OutOfMemoryError):
+            cuflash.attention(q, k, v, causal=True, return_lse=True)
+        assert len(launched) == n, "a launch ran after the allocation failed"
+        monkeypatch.setattr(adapter, "_empty_like", real)
+        out = cuflash.attention(q, k, v, causal=True)   # the next call works
+        assert out.shape == q.shape
+    out = cuflash.attention(q, k, v, causal=True)
+    calls = []
+
+    def fail_scratch(t):
+        calls.append(t)
+        if t.dtype == torch.float32 and t.dim() == 1:  # the backward's scratch
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+        return real(t)
+
+    monkeypatch.setattr(adapter, "_empty_like", fail_scratch)
+    with pytest.raises(torch.OutOfMemoryError):
+        torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    monkeypatch.setattr(adapter, "_empty_like", real)
+    out = cuflash.attention(q, k, v, causal=True)
+    assert all(g.shape == x.shape for g, x in zip(torch.autograd.grad(out, (q, k, v), torch.randn_like(out)), (q, k, v)))
+
+
+def test_jax_out_of_memory_is_jaxs_own(monkeypatch):
+    jax = pytest.importorskip("jax")
+    cupy = pytest.importorskip("cupy")
+    from cuflash._adapters import _cupy, _jax
+
+    def oom(shape, dtype, device_id):
+        raise cupy.cuda.memory.OutOfMemoryError(2 << 30, 1 << 30)
+
+    monkeypatch.setattr(_cupy.ADAPTER, "empty", oom)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="RESOURCE_EXHAUSTED"):
+        _jax.ADAPTER.empty((4, 4), "float32", 0)
