@@ -1,13 +1,16 @@
-"""`python -m cuflash`: the self-check a new user runs first.
+"""`python -m cuflash`: the self-check a new user runs first; `python -m cuflash cache`: the kernel cache.
 
-With a GPU: compiles the kernels for a few shapes, checks them against a float64 reference and
-prints shape, max error, time, TFLOP/s and (if torch is installed) torch SDPA's time.
-Without one: says so, and checks the NumPy path the same way on small shapes.
+`python -m cuflash`: with a GPU, compiles the kernels for a few shapes, checks them against a
+float64 reference and prints shape, max error, time, TFLOP/s and (if torch is installed) torch
+SDPA's time. Without one: says so, and checks the NumPy path the same way on small shapes.
+
+`python -m cuflash cache`: the disk cache's directory, its entries (per target) and their size.
+`python -m cuflash cache --clear`: deletes cuflash's own files from it (entries, leftover
+temporaries, lock files); nothing else in the directory is touched.
 """
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 
@@ -122,7 +125,7 @@ def _check_cpu() -> bool:
     return ok
 
 
-def main() -> int:
+def _self_check() -> int:
     print(f"cuflash {cuflash.__version__}")
     gpu = _gpu_available()
     if gpu:
@@ -135,6 +138,59 @@ def main() -> int:
     print("max err must be <= 2 x naive err (the same attention computed naively in the input dtype) + 1e-5")
     print("self-check:", "PASSED" if ok else "FAILED")
     return 0 if ok else 1
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n:,} bytes ({n / scale:.1f} {unit})"
+    return f"{n:,} bytes"
+
+
+def _cache_command(clear: bool) -> int:
+    import os
+
+    from cuflash import _compile
+
+    d = _compile.cache_dir()
+    where = ("from CUFLASH_CACHE_DIR" if os.environ.get("CUFLASH_CACHE_DIR")
+             else "the default; CUFLASH_CACHE_DIR moves it")
+    print(f"cuflash kernel cache: {d}  ({where})")
+    st = _compile.cache_stats(d)
+    if st.problem is not None:
+        print(f"  {st.problem}" + ("; nothing to clear" if clear and not d.exists() else ""))
+        return 0 if not d.exists() else 1
+    if clear:
+        removed, freed, errors = _compile.clear_cache(d)
+        print(f"  removed {removed} files, {_size(freed)}")
+        for e in errors:
+            print(f"  could not remove {e}")
+        return 1 if errors else 0
+    targets = ", ".join(f"{t}: {n}" for t, n in sorted(st.by_target.items()))
+    print(f"  {st.entries} kernels (a .cubin and its .json each), {_size(st.entry_bytes)}"
+          + (f"; by target: {targets}" if targets else ""))
+    if st.partial:
+        print(f"  {st.partial} incomplete entries or temporary files, {_size(st.partial_bytes)}")
+    print("  safe to delete at any time (a kernel is recompiled on its next use): python -m cuflash cache --clear")
+    return 0
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m cuflash", usage="python -m cuflash [-h] [cache [--clear]]",
+        description="Without a command: the self-check (the kernels against a float64 reference).")
+    sub = parser.add_subparsers(dest="command", metavar="{cache}")
+    cache = sub.add_parser("cache", help="show the kernel cache: directory, entries, size",
+                           description="Show the disk cache of compiled kernels ($CUFLASH_CACHE_DIR, default "
+                                       "~/.cache/cuflash): its directory, entries and size.")
+    cache.add_argument("--clear", action="store_true",
+                       help="delete cuflash's files from it (nothing else in the directory is touched)")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.command == "cache":
+        return _cache_command(args.clear)
+    return _self_check()
 
 
 if __name__ == "__main__":
