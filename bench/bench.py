@@ -18,13 +18,21 @@ Providers, all in one process (an error is recorded per provider and configurati
 Inputs are torch.randn tensors in cuflash's (batch, seqlen, heads, head_dim) layout; SDPA and the
 naive attention get .transpose(1, 2) views of the same tensors (zero copy).
 
-Timing: CUDA events around each call on the current stream, after a first call and a warm-up; the
-median of max(--reps, enough runs for --min-time seconds) runs (the naive attention: fewer).
+Timing, two figures per measurement, after a first call and a warm-up:
+  GPU time (ms, tflops)  CUDA events around each call on the current stream, the calls back to
+      back, so the GPU stays busy and host work hides behind the queue: the kernels' own time.
+      Median of max(--reps, enough runs for --min-time seconds) runs (the naive attention: fewer).
+  eager (ms_eager, tflops_eager)  per run: torch.cuda.synchronize(), start event, the call, end
+      event; the next run synchronizes again. The GPU is idle when the call begins, so the time
+      includes the host work before the first kernel starts (and any gap between kernels): what a
+      user waiting on one eager call sees. Median of min(runs above, --eager-reps (30), half of
+      --min-time's worth but at least 10) runs: each run synchronizes, so they cost more wall time.
   fwd      the forward call (inputs require grad, as in training)
   bwd      torch.autograd.grad(out, (q, k, v), dout, retain_graph=True) after one forward
   fwd+bwd  the forward and torch.autograd.grad together
 FLOPs: forward = 4 * batch * heads * seqlen_q * seqlen_k * head_dim, halved when causal;
 backward = 2.5 x forward; fwd+bwd = 3.5 x forward (the FlashAttention papers' convention).
+TFLOP/s of either figure = FLOPs / its median time.
 
 Compile time is kept out of every figure and reported on its own: (a) cold, each cuflash
 specialization the run uses compiled by NVRTC into a fresh, temporary cache in worker processes,
@@ -35,17 +43,33 @@ cache. Then everything the run needs is compiled into (or found in) the normal c
 Memory: the extra device memory of one fwd+bwd per provider: peak allocated (torch's allocator)
 minus what was allocated before the call (inputs, dout); it includes dq, dk, dv.
 
-Output, in this order: one progress line per configuration; the compile-time section; extra memory
-per provider; the TFLOP/s table per (pass, head_dim, causal, dtype, seqlen) with cuflash / SDPA
-flash and cuflash / cuDNN; a compact summary last. --json keeps every figure and the versions,
---plots draws bench/plot.py's figures. Exit status: 0, or 1 if cuflash failed on any configuration
-(or failed to import or compile), 2 without a CUDA device.
+Output, in this order: one progress line per configuration (TFLOP/s, GPU time / eager); the
+compile-time section; extra memory per provider; the TFLOP/s table per (pass, head_dim, causal,
+dtype, seqlen) with cuflash / SDPA flash and cuflash / cuDNN, GPU time first, then the eager
+figures of cuflash, SDPA flash and cuDNN and their ratios; with --compare, cuflash's GPU time
+against an earlier results file; a compact summary last: the ratios' min and geometric mean for
+both timings, the eager target (cuflash eager forward and backward >= 1.0x SDPA flash's at every
+point: min, max, geomean, the worst point), and the --compare verdict. --json keeps every figure
+and the versions, --plots draws bench/plot.py's figures (from the GPU-time figures). Exit status:
+0, or 1 if cuflash failed on any configuration (or failed to import or compile), 2 without a CUDA
+device.
+
+--compare OLD.json: for every (pass, dtype, head_dim, causal, seqlen) point in both runs, cuflash's
+GPU time new / old, each point outside +-3 % (--compare-tol) flagged, SDPA flash's new / old beside
+it as a control (a shift of both is the machine, not cuflash), and a "no regression" verdict (no
+point slower by more than the tolerance). After a run it compares that run; with --summarize NEW
+it compares NEW, offline.
+
+--summarize reads files with or without the eager figures (files written before they existed have
+none; their eager columns and target then read "-" and "n/a").
 
 Examples:
     python bench/bench.py --dry-run                         # list the configurations, estimate the time
     python bench/bench.py --quick                           # < 1 minute
     python bench/bench.py --json out/bench.json --plots out/plots
     python bench/bench.py --summarize out/bench.json        # print the tables of an earlier run
+    python bench/bench.py --compare bench/results/h100.json --json out/bench.json   # run, then compare
+    python bench/bench.py --compare bench/results/h100.json --summarize out/bench.json  # offline
     python bench/plot.py out/bench.json --out out/plots     # re-draw the figures, no GPU needed
 """
 
@@ -117,6 +141,9 @@ def parse_args(argv=None):
     p.add_argument("--min-time", type=float,
                    help="seconds of timed work per measurement, at least (default 0.2)")
     p.add_argument("--max-reps", type=int, default=300, help="at most this many timed runs (default 300)")
+    p.add_argument("--eager-reps", type=int, default=30,
+                   help="at most this many eager runs (synchronize, call, events) per measurement, on top "
+                        "of the GPU-time runs (default 30; 0 = no eager figure)")
     p.add_argument("--warmup", type=int, default=3, help="untimed calls before timing, at most ~50 ms worth "
                                                           "(default 3)")
     p.add_argument("--json", metavar="PATH", help="write every figure, the versions and the device here "
@@ -133,6 +160,10 @@ def parse_args(argv=None):
                    help="list the configurations, measurements, cuflash specializations and a rough "
                         "time estimate; needs no GPU")
     p.add_argument("--summarize", metavar="PATH", help="print the tables of an earlier --json file and exit")
+    p.add_argument("--compare", metavar="OLD", help="compare cuflash's GPU time per point with an earlier --json "
+                                                    "file (this run's, or --summarize's file's)")
+    p.add_argument("--compare-tol", type=float, default=0.03,
+                   help="--compare flags points whose new / old differs from 1 by more than this (default 0.03)")
     p.add_argument("--_child-load", nargs=2, metavar=("IN", "OUT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
@@ -154,6 +185,8 @@ def parse_args(argv=None):
         p.error("--seqlens must be positive")
     if args.reps < 1:
         p.error("--reps must be at least 1")
+    if args.eager_reps < 0:
+        p.error("--eager-reps must be 0 or more")
     return args
 
 
@@ -200,6 +233,7 @@ def needs_backward(passes) -> bool:
 _EST_RATE = {"cuflash": (270, 130), "sdpa_flash": (330, 190), "sdpa_cudnn": (550, 330),
              "sdpa_efficient": (170, 100), "flash_attn": (330, 190)}
 _EST_HOST_MS = {"cuflash": 0.12}
+_EST_SYNC_MS = 0.03   # one torch.cuda.synchronize() on an idle GPU, and the event records around an eager run
 
 
 def _est_call_ms(cfg, prov, pass_name) -> float:
@@ -229,6 +263,14 @@ def rep_limits(args, naive):
     return args.reps, max(args.reps, args.max_reps)
 
 
+def eager_reps(reps, ms, args) -> int:
+    """Eager runs of a measurement that made `reps` GPU-time runs of `ms` each. Each run synchronizes,
+    so they are capped at --eager-reps, and at half of --min-time's worth (at least 10): a long call's
+    host share is small and steady, and without this cap the eager runs added ~94 s to the 184 s
+    full grid of bench/results/h100.json (with it, ~64 s)."""
+    return min(reps, args.eager_reps, max(10, math.ceil(args.min_time * 1e3 / 2 / max(ms, 1e-3))))
+
+
 def estimate_config_s(cfg, providers, args) -> float:
     total = 0.3   # inputs, empty_cache, Python
     for prov in providers:
@@ -238,7 +280,10 @@ def estimate_config_s(cfg, providers, args) -> float:
         for ps in args.passes:
             ms = _est_call_ms(cfg, prov, ps)
             warm = max(1, min(args.warmup, math.ceil(50 / ms)))
-            total += (1 + warm + _reps_for(ms, args, naive)) * ms / 1e3 + 0.02
+            reps = _reps_for(ms, args, naive)
+            total += (1 + warm + reps) * ms / 1e3 + 0.02
+            # eager runs: the call with the GPU idle, so its host time adds to its GPU time, plus a sync
+            total += eager_reps(reps, ms, args) * (ms + _EST_HOST_MS.get(prov, 0.04) + _EST_SYNC_MS) / 1e3
     return total
 
 
@@ -431,7 +476,8 @@ def prepare_cuflash(specs, target, device_index, args):
 # ------------------------------------------------------------------------------------ measuring
 
 def time_cuda(torch, fn, args, naive=False):
-    """(median ms, min ms, reps): CUDA events around each call on the current stream."""
+    """(median ms, min ms, reps): CUDA events around each call on the current stream, the calls
+    back to back (GPU time: host work hides behind the queue)."""
     fn()                       # first call: lazy initialisation, never timed
     torch.cuda.synchronize()
     ev = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
@@ -447,6 +493,22 @@ def time_cuda(torch, fn, args, naive=False):
     events = [(ev(), ev()) for _ in range(reps)]
     torch.cuda.synchronize()
     for s, e in events:
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    times = [s.elapsed_time(e) for s, e in events]
+    return statistics.median(times), min(times), reps
+
+
+def time_eager(torch, fn, reps):
+    """(median ms, min ms, reps): each run starts on an idle GPU (synchronize, then the start event),
+    so the host work before the first kernel is inside the events: one eager call as a user waits
+    on it. Runs after time_cuda's, so warm-up and lazy initialisation are done."""
+    ev = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
+    events = [(ev(), ev()) for _ in range(reps)]
+    for s, e in events:
+        torch.cuda.synchronize()
         s.record()
         fn()
         e.record()
@@ -598,6 +660,14 @@ class Runner:
                             fn = lambda: torch.autograd.grad(fwd(), (q, k, v), g)  # noqa: E731
                         med, mn, reps = time_cuda(torch, fn, args, naive=prov == "naive")
                         r.update(ms=med, ms_min=mn, reps=reps, tflops=r["flops"] / (med * 1e-3) / 1e12)
+                        n_eager = eager_reps(reps, med, args)
+                        if n_eager > 0:
+                            try:   # an eager failure leaves the GPU-time figure standing
+                                med, mn, n = time_eager(torch, fn, n_eager)
+                                r.update(ms_eager=med, ms_eager_min=mn, reps_eager=n,
+                                         tflops_eager=r["flops"] / (med * 1e-3) / 1e12)
+                            except Exception as e:
+                                r["eager_error"] = _err(e)
                     except Exception as e:
                         r["error"] = _err(e)
                         if _is_oom(torch, e):
@@ -655,6 +725,11 @@ def collect_meta(torch, args, cuflash, cuflash_error, fa_version, fa_error):
                  "seqlens": sorted(args.seqlens), "causal": args.causal, "passes": args.passes,
                  "providers": args.providers},
         "timing": {"statistic": "median of per-call CUDA-event times (ms); first call and warm-up untimed",
+                   "ms": "GPU time: events around each call, calls back to back",
+                   "ms_eager": "eager: per run synchronize, start event, call, end event (host time before "
+                               "the first kernel included); runs = min(GPU-time runs, eager_reps, "
+                               "max(10, min_time / 2 worth))",
+                   "eager_reps": args.eager_reps,
                    "min_reps": args.reps, "max_reps": args.max_reps, "min_time_s": args.min_time,
                    "warmup": args.warmup, "naive_reps": list(rep_limits(args, True)),
                    "fwd": "forward call, inputs require grad",
@@ -701,56 +776,141 @@ def collect_meta(torch, args, cuflash, cuflash_error, fa_version, fa_error):
 
 # ------------------------------------------------------------------------------------ analysis
 
-def ratio_summary(data, other):
-    """cuflash / other TFLOP/s per pass: min (with where) and geometric mean, seqlen >= 1024 and = 512."""
+POINT_KEYS = ("dtype", "head_dim", "causal", "seqlen")
+EAGER_TARGET = 1.0                  # cuflash eager TFLOP/s / SDPA flash eager TFLOP/s, at every point
+EAGER_TARGET_PASSES = ("fwd", "bwd")
+
+
+def _geomean(xs):
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+
+def _point_ratios(res, other, ps, key, test=lambda s: True):
+    """[(cuflash / other by `key`, cuflash's row)] at every point of pass `ps` where both have `key`."""
+    out = []
+    for r in res:
+        if r["provider"] != "cuflash" or r["pass"] != ps or not test(r["seqlen"]) or not r.get(key):
+            continue
+        o = find_row(res, provider=other, **{"pass": ps}, **{k: r[k] for k in POINT_KEYS})
+        if o and o.get(key):
+            out.append((r[key] / o[key], r))
+    return out
+
+
+def ratio_summary(data, other, key="tflops"):
+    """cuflash / other TFLOP/s (by `key`: tflops = GPU time, tflops_eager = eager) per pass: min (with
+    where) and geometric mean, seqlen >= 1024 and = 512."""
     res = data["results"]
     out = {}
     for ps in PASSES:
         for band, test in (("seqlen>=1024", lambda s: s >= 1024), ("seqlen=512", lambda s: s == 512)):
-            ratios = []
-            for r in res:
-                if r["provider"] != "cuflash" or r["pass"] != ps or not test(r["seqlen"]) or not r.get("tflops"):
-                    continue
-                o = find_row(res, provider=other, **{"pass": ps}, dtype=r["dtype"], head_dim=r["head_dim"],
-                          causal=r["causal"], seqlen=r["seqlen"])
-                if o and o.get("tflops"):
-                    ratios.append((r["tflops"] / o["tflops"], r))
+            ratios = _point_ratios(res, other, ps, key, test)
             if ratios:
                 lo, where = min(ratios, key=lambda x: x[0])
-                geo = math.exp(sum(math.log(x) for x, _ in ratios) / len(ratios))
-                out[f"{ps} {band}"] = {"min": lo, "geomean": geo, "n": len(ratios),
-                                       "min_at": {k: where[k] for k in ("dtype", "head_dim", "causal", "seqlen")}}
+                out[f"{ps} {band}"] = {"min": lo, "geomean": _geomean([x for x, _ in ratios]), "n": len(ratios),
+                                       "min_at": {k: where[k] for k in POINT_KEYS}}
+    return out
+
+
+def eager_target(data):
+    """The eager target: cuflash's eager TFLOP/s >= EAGER_TARGET x SDPA flash's at every point, forward
+    and backward: per pass min (the worst point), max, geomean and PASS / FAIL; a pass without eager
+    figures on both sides is left out (older files have none)."""
+    res = data["results"]
+    out = {"limit": EAGER_TARGET, "passes": {}}
+    for ps in EAGER_TARGET_PASSES:
+        ratios = _point_ratios(res, "sdpa_flash", ps, "tflops_eager")
+        if not ratios:
+            continue
+        (lo, worst), (hi, _) = min(ratios, key=lambda x: x[0]), max(ratios, key=lambda x: x[0])
+        out["passes"][ps] = {"min": lo, "max": hi, "geomean": _geomean([x for x, _ in ratios]), "n": len(ratios),
+                             "worst": {k: worst[k] for k in POINT_KEYS}, "pass": lo >= EAGER_TARGET}
     return out
 
 
 def finalize(data):
+    data.setdefault("memory", [])
     data["vs_naive"] = vs_naive_rows(data)
     data["summary"] = {"cuflash_vs_sdpa_flash": ratio_summary(data, "sdpa_flash"),
                        "cuflash_vs_sdpa_cudnn": ratio_summary(data, "sdpa_cudnn"),
+                       "cuflash_vs_sdpa_flash_eager": ratio_summary(data, "sdpa_flash", "tflops_eager"),
+                       "cuflash_vs_sdpa_cudnn_eager": ratio_summary(data, "sdpa_cudnn", "tflops_eager"),
+                       "eager_target": eager_target(data),
                        "cuflash_errors": sum(1 for r in data["results"] + data["memory"]
                                              if r["provider"] == "cuflash" and r.get("error"))}
 
 
+def compare_runs(new, old, tol, old_path=None):
+    """cuflash's GPU time new / old at every (pass, dtype, head_dim, causal, seqlen) point of both
+    runs, SDPA flash's new / old beside it as a control, points outside 1 +- tol flagged."""
+    keys = ("pass",) + POINT_KEYS
+    old_res = old.get("results", [])
+    points = []
+    n_new = 0
+    for r in new.get("results", []):
+        if r["provider"] != "cuflash" or not r.get("ms"):
+            continue
+        n_new += 1
+        sel = {k: r[k] for k in keys}
+        o = find_row(old_res, provider="cuflash", **sel)
+        if not o or not o.get("ms"):
+            continue
+        fa_new = find_row(new["results"], provider="sdpa_flash", **sel)
+        fa_old = find_row(old_res, provider="sdpa_flash", **sel)
+        ctrl = (fa_new["ms"] / fa_old["ms"]) if fa_new and fa_old and fa_new.get("ms") and fa_old.get("ms") else None
+        ratio = r["ms"] / o["ms"]
+        flag = "SLOWER" if ratio > 1 + tol else ("faster" if ratio < 1 - tol else "")
+        points.append(dict(sel, ms_old=o["ms"], ms_new=r["ms"], ratio=ratio, sdpa_flash_ratio=ctrl, flag=flag))
+    n_old = sum(1 for r in old_res if r["provider"] == "cuflash" and r.get("ms"))
+    res = {"old_path": old_path, "old_device": old.get("meta", {}).get("device"),
+           "old_timestamp": old.get("meta", {}).get("timestamp_utc"), "tol": tol, "points": points,
+           "n": len(points), "only_new": n_new - len(points), "only_old": n_old - len(points)}
+    if points:
+        worst, best = max(points, key=lambda x: x["ratio"]), min(points, key=lambda x: x["ratio"])
+        ctrl = [p["sdpa_flash_ratio"] for p in points if p["sdpa_flash_ratio"]]
+        res.update(geomean=_geomean([p["ratio"] for p in points]), worst=worst, best=best,
+                   n_slower=sum(1 for p in points if p["flag"] == "SLOWER"),
+                   n_faster=sum(1 for p in points if p["flag"] == "faster"),
+                   sdpa_flash_geomean=_geomean(ctrl) if ctrl else None)
+        res["no_regression"] = res["n_slower"] == 0
+    return res
+
+
 # ------------------------------------------------------------------------------------ printing
 
-def _cell(r, w, fmt="{:.1f}"):
+def _cell(r, w, fmt="{:.1f}", key="tflops"):
+    """A table cell: the figure under `key` (tflops: GPU time, tflops_eager: eager), or why none."""
     if r is None:
         return f"{'':>{w}}"
-    if r.get("tflops") is not None:
-        return f"{fmt.format(r['tflops']):>{w}}"
+    if r.get(key) is not None:
+        return f"{fmt.format(r[key]):>{w}}"
     if r.get("skipped"):
         return f"{'OOM' if str(r['skipped']).startswith('memory') else 'skip':>{w}}"
     if r.get("oom"):
         return f"{'OOM':>{w}}"
-    if r.get("error"):
+    if r.get("error") or (key == "tflops_eager" and r.get("eager_error")):
         return f"{'ERR':>{w}}"
     return f"{'-':>{w}}"
 
 
-def _ratio(a, b):
-    if a and b and a.get("tflops") and b.get("tflops"):
-        return a["tflops"] / b["tflops"]
+def _ratio(a, b, key="tflops"):
+    if a and b and a.get(key) and b.get(key):
+        return a[key] / b[key]
     return None
+
+
+def _has_eager(rows) -> bool:
+    return any(r.get("tflops_eager") is not None or r.get("eager_error") for r in rows)
+
+
+def _rtext(x, w, digits=2):
+    return f"{(f'{x:.{digits}f}' if x else '-'):>{w}}"
+
+
+def _point_text(w) -> str:
+    """'bf16 d64 causal 4k' for a point dict."""
+    return (f"{SHORT_DTYPE.get(w['dtype'], w['dtype'])} d{w['head_dim']} {'causal' if w['causal'] else 'full'} "
+            f"{seqlen_label(w['seqlen'])}")
 
 
 def _providers_of(rows):
@@ -839,11 +999,18 @@ def format_memory(data) -> str:
 def format_table(data) -> str:
     res = data.get("results", [])
     provs = _providers_of(res)
+    eager = _has_eager(res)
+    eprovs = [p for p in ("cuflash", "sdpa_flash", "sdpa_cudnn") if p in provs] if eager else []
     lines = [f"=== TFLOP/s (median); {FLOP_CONVENTION} ===",
              "cf/fa = cuflash / SDPA flash (FlashAttention-2 in torch), cf/cudnn = cuflash / SDPA cuDNN; "
              "OOM = skipped or out of memory, ERR = error (see below)"]
+    if eager:
+        lines.append("GPU time (calls back to back) first; after '|' the eager figures (synchronize, then one call: "
+                     "host time before the first kernel included) and their ratios, prefixed e")
     hdr = (f"{'pass':<8}{'d':>4}{'causal':>7}{'dtype':>6}{'seqlen':>7}" + "".join(f"{COL[p]:>11}" for p in provs)
            + f"{'cf/fa':>8}{'cf/cudnn':>9}")
+    if eager:
+        hdr += " |" + "".join(f"{'e ' + COL[p]:>11}" for p in eprovs) + f"{'e cf/fa':>9}{'e cf/cudnn':>11}"
     for ps in PASSES:
         prow = [r for r in res if r["pass"] == ps]
         if not prow:
@@ -854,14 +1021,20 @@ def format_table(data) -> str:
         for hd, c, dt, s in keys:
             get = {p: find_row(prow, provider=p, head_dim=hd, causal=c, dtype=dt, seqlen=s) for p in provs}
             r_fa, r_cu = _ratio(get.get("cuflash"), get.get("sdpa_flash")), _ratio(get.get("cuflash"), get.get("sdpa_cudnn"))
-            lines.append(f"{ps:<8}{hd:>4}{('on' if c else 'off'):>7}{SHORT_DTYPE[dt]:>6}{seqlen_label(s):>7}"
-                         + "".join(_cell(get[p], 11) for p in provs)
-                         + f"{(f'{r_fa:.2f}' if r_fa else '-'):>8}{(f'{r_cu:.2f}' if r_cu else '-'):>9}")
+            line = (f"{ps:<8}{hd:>4}{('on' if c else 'off'):>7}{SHORT_DTYPE[dt]:>6}{seqlen_label(s):>7}"
+                    + "".join(_cell(get[p], 11) for p in provs) + _rtext(r_fa, 8) + _rtext(r_cu, 9))
+            if eager:
+                e_fa = _ratio(get.get("cuflash"), get.get("sdpa_flash"), "tflops_eager")
+                e_cu = _ratio(get.get("cuflash"), get.get("sdpa_cudnn"), "tflops_eager")
+                line += (" |" + "".join(_cell(get.get(p), 11, key="tflops_eager") for p in eprovs)
+                         + _rtext(e_fa, 9) + _rtext(e_cu, 11))
+            lines.append(line)
     errors = {}
     for r in res + data.get("memory", []):
-        if r.get("error"):
-            errors.setdefault((r["provider"], r["error"]), 0)
-            errors[(r["provider"], r["error"])] += 1
+        for msg in (r.get("error"), f"eager: {r['eager_error']}" if r.get("eager_error") else None):
+            if msg:
+                errors.setdefault((r["provider"], msg), 0)
+                errors[(r["provider"], msg)] += 1
     if errors:
         lines.append("")
         lines.append("errors:")
@@ -874,11 +1047,14 @@ def format_summary(data) -> str:
     s = data.get("summary", {})
     meta = data.get("meta", {})
     lines = ["=== summary ===", f"{meta.get('device', '?')}; {FLOP_CONVENTION}"]
-    for key, name in (("cuflash_vs_sdpa_flash", "SDPA flash"), ("cuflash_vs_sdpa_cudnn", "SDPA cuDNN")):
+    for key, name in (("cuflash_vs_sdpa_flash", "SDPA flash"), ("cuflash_vs_sdpa_cudnn", "SDPA cuDNN"),
+                      ("cuflash_vs_sdpa_flash_eager", "SDPA flash, eager"),
+                      ("cuflash_vs_sdpa_cudnn_eager", "SDPA cuDNN, eager")):
         block = s.get(key) or {}
         if not block:
             continue
-        lines.append(f"cuflash / {name} (TFLOP/s ratio; min at dtype d causal seqlen; geomean):")
+        timing = "eager: synchronize, one call" if key.endswith("_eager") else "GPU time"
+        lines.append(f"cuflash / {name} (TFLOP/s ratio, {timing}; min at dtype d causal seqlen; geomean):")
         for ps in PASSES:
             parts = []
             for band in ("seqlen>=1024", "seqlen=512"):
@@ -922,6 +1098,10 @@ def format_summary(data) -> str:
     if skipped:
         n = len({(r["dtype"], r["head_dim"], r["causal"], r["seqlen"]) for r in skipped})
         lines.append(f"INCOMPLETE: {n} configuration(s) skipped by the time budget (--budget-s)")
+    lines.append(format_eager_target(s.get("eager_target")))
+    cmp = data.get("compare")
+    if cmp:
+        lines.append(compare_verdict(cmp))
     n_err = s.get("cuflash_errors", 0)
     c = data.get("compile") or {}
     bad = [x for x in (c.get("error"), (data.get("prepare") or {}).get("error"), meta.get("cuflash_import_error")) if x]
@@ -929,6 +1109,56 @@ def format_summary(data) -> str:
                  + (" -> exit status 1" if n_err or bad else ""))
     if meta.get("wall_s") is not None:
         lines.append(f"wall time {meta['wall_s']:.0f} s")
+    return "\n".join(lines)
+
+
+def format_eager_target(t) -> str:
+    head = f"target: cuflash eager forward and backward >= {EAGER_TARGET:.1f}x SDPA flash's eager TFLOP/s at every point"
+    passes = (t or {}).get("passes") or {}
+    if not passes:
+        return head + ": n/a (no eager figures for both; files written before they existed have none)"
+    lines = [head + ":"]
+    for ps in EAGER_TARGET_PASSES:
+        b = passes.get(ps)
+        if not b:
+            lines.append(f"  n/a   {ps:<4} no eager figures for both")
+            continue
+        lines.append(f"  {'PASS' if b['pass'] else 'FAIL'}  {ps:<4} min {b['min']:.2f} (worst: {_point_text(b['worst'])}), "
+                     f"max {b['max']:.2f}, geomean {b['geomean']:.2f} over {b['n']} points")
+    return "\n".join(lines)
+
+
+def compare_verdict(cmp) -> str:
+    tol = f"+-{cmp['tol'] * 100:.0f} %"
+    src = f"{cmp.get('old_path') or 'the old file'} ({cmp.get('old_device') or '?'}, {(cmp.get('old_timestamp') or '?')[:10]})"
+    if not cmp.get("n"):
+        return f"compare with {src}: no point in common"
+    w, b = cmp["worst"], cmp["best"]
+    verdict = "no regression" if cmp["no_regression"] else f"REGRESSION at {cmp['n_slower']} point(s)"
+    ctrl = (f"; SDPA flash new / old geomean {cmp['sdpa_flash_geomean']:.3f} (the machine's drift)"
+            if cmp.get("sdpa_flash_geomean") else "")
+    return (f"compare with {src}: cuflash GPU time new / old over {cmp['n']} points: geomean {cmp['geomean']:.3f}, "
+            f"slowest {w['ratio']:.3f} ({w['pass']} {_point_text(w)}), fastest {b['ratio']:.3f} "
+            f"({b['pass']} {_point_text(b)}); {cmp['n_slower']} slower and {cmp['n_faster']} faster than {tol}"
+            f"{ctrl} -> {verdict}")
+
+
+def format_compare(cmp) -> str:
+    lines = [f"=== cuflash GPU time, this run / {cmp.get('old_path') or 'the old file'} "
+             f"({cmp.get('old_device') or '?'}, {(cmp.get('old_timestamp') or '?')[:10]}); flagged outside "
+             f"+-{cmp['tol'] * 100:.0f} %; sdpa-fa = SDPA flash's new / old, a control for the machine ==="]
+    hdr = (f"{'pass':<8}{'d':>4}{'causal':>7}{'dtype':>6}{'seqlen':>7}{'old ms':>10}{'new ms':>10}{'new/old':>9}"
+           f"{'sdpa-fa':>9}  flag")
+    lines += [hdr, "-" * len(hdr)]
+    pts = sorted(cmp["points"], key=lambda p: (PASSES.index(p["pass"]) if p["pass"] in PASSES else 9, p["head_dim"],
+                                               p["causal"], DTYPES.index(p["dtype"]) if p["dtype"] in DTYPES else 9,
+                                               p["seqlen"]))
+    for p in pts:
+        lines.append(f"{p['pass']:<8}{p['head_dim']:>4}{('on' if p['causal'] else 'off'):>7}"
+                     f"{SHORT_DTYPE.get(p['dtype'], p['dtype']):>6}{seqlen_label(p['seqlen']):>7}{p['ms_old']:>10.4f}"
+                     f"{p['ms_new']:>10.4f}{p['ratio']:>9.3f}{_rtext(p['sdpa_flash_ratio'], 9, 3)}  {p['flag']}")
+    if cmp.get("only_new") or cmp.get("only_old"):
+        lines.append(f"({cmp['only_new']} point(s) only in this run, {cmp['only_old']} only in the old file: not compared)")
     return "\n".join(lines)
 
 
@@ -943,6 +1173,9 @@ def print_report(data):
         print(mem)
     print()
     print(format_table(data))
+    if data.get("compare"):
+        print()
+        print(format_compare(data["compare"]))
     print()
     print(format_summary(data))
 
@@ -952,7 +1185,10 @@ def progress_line(i, n, cfg, rows, mem_rows, check, elapsed) -> str:
     for ps in PASSES:
         pr = [r for r in rows if r["pass"] == ps]
         if pr:
-            parts.append(ps + " " + " ".join(f"{COL[r['provider']]} {_cell(r, 0).strip()}" for r in pr))
+            parts.append(ps + " " + " ".join(
+                f"{COL[r['provider']]} {_cell(r, 0).strip()}"
+                + (f"/{_cell(r, 0, key='tflops_eager').strip()}" if r.get("tflops_eager") is not None else "")
+                for r in pr))
     cm = find_row(mem_rows, provider="cuflash")
     if cm and cm.get("extra_bytes") is not None:
         parts.append(f"mem cuflash {cm['extra_bytes'] / 2**20:.0f} MiB")
@@ -970,7 +1206,10 @@ def dry_run(args) -> int:
           f"({', '.join(providers)}{'; flash_attn only if it imports' if 'flash_attn' in providers else ''}) "
           f"x passes {', '.join(args.passes)}")
     print(FLOP_CONVENTION)
-    print(f"timing: median of max({args.reps}, {args.min_time} s worth) runs, at most {args.max_reps}; naive "
+    print(f"timing: GPU time: median of max({args.reps}, {args.min_time} s worth) runs, at most {args.max_reps}; "
+          + (f"eager: median of min(those runs, {args.eager_reps}, max(10, {args.min_time / 2} s worth)) runs, each "
+             "after a synchronize" if args.eager_reps else "eager: off (--eager-reps 0)")
+          + "; naive "
           f"{rep_limits(args, True)[0]}..{rep_limits(args, True)[1]}; warm-up up to {args.warmup}; memory of one "
           f"fwd+bwd per provider: {'yes' if needs_backward(args.passes) else 'no (no backward pass)'}")
     hdr = (f"{'#':>3}  {'dtype':<6}{'d':>4}{'heads':>6}{'batch':>6}{'seqlen':>7}{'causal':>7}{'fwd GFLOP':>11}"
@@ -1028,11 +1267,18 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args._child_load:
         return child_load(*args._child_load)
+    old = None
+    if args.compare:   # read first: a bad path should fail before a run, not after it
+        with open(args.compare) as f:
+            old = json.load(f)
     if args.summarize:
         with open(args.summarize) as f:
             data = json.load(f)
-        if "vs_naive" not in data or "summary" not in data:
-            finalize(data)
+        # recomputed from the rows, so a file from an older bench.py gets today's summary (and its
+        # eager target reads n/a where the file has no eager figures)
+        finalize(data)
+        if old is not None:
+            data["compare"] = compare_runs(data, old, args.compare_tol, args.compare)
         print_report(data)
         return 0
     if args.dry_run:
@@ -1070,7 +1316,8 @@ def main(argv=None) -> int:
             "compile": None, "prepare": None, "results": [], "memory": [], "checks": []}
     providers = args.providers
     print(f"bench.py: {len(configs)} configurations x providers {', '.join(providers)} x passes "
-          f"{', '.join(args.passes)} on {data['meta'].get('device')}", flush=True)
+          f"{', '.join(args.passes)} on {data['meta'].get('device')}; progress lines give TFLOP/s as "
+          f"{'GPU time/eager' if args.eager_reps else 'GPU time'}", flush=True)
     if fa_error and "flash_attn" not in providers:
         print(f"  (flash_attn not benchmarked: {fa_error})")
 
@@ -1127,6 +1374,8 @@ def main(argv=None) -> int:
         data["meta"]["wall_s"] = time.perf_counter() - T_START
         data["meta"]["measure_s"] = time.perf_counter() - t_loop
         finalize(data)
+        if old is not None:
+            data["compare"] = compare_runs(data, old, args.compare_tol, args.compare)
         write_json(args.json, data)
 
     if args.plots:

@@ -5,7 +5,7 @@
 #
 #   quick: pytest -m "gpu and not slow"  (the 216-case covering subsets of the forward and backward
 #          grids + API, stream, interop, torch.compile and CUDA graph tests) and bench --quick
-#          (headline shape, causal off/on)
+#          (headline shape, causal off/on), then the host time per call (bench/bench_host.py rows)
 #   full:  pytest -m gpu                 (all 1296 forward and 2592 backward grid cases + the rest)
 #          and the full bench
 #
@@ -14,7 +14,8 @@
 # lets the bench and the summary run. Everything is fitted into DEVICE_CHECK_BUDGET_S seconds
 # (default 560, for a 600 s device call).
 #
-# Files under $OUT (default ./out): pytest.log, junit.xml, bench.log, bench_forward.json, precompile.log
+# Files under $OUT (default ./out): pytest.log, junit.xml, bench.log, bench_forward.json, precompile.log,
+#   bench_host.log, bench_host.json
 # Exit status: 0 all passed; 1 tests failed, errored, were cut off, or none passed;
 #              3 tests passed but the bench failed (or cuflash errored in it); 2 bad usage.
 # Knobs (environment): DEVICE_CHECK_BUDGET_S, PYTEST_WORKERS (default 4; 0 = no xdist),
@@ -46,7 +47,8 @@ fi
 
 BUDGET="${DEVICE_CHECK_BUDGET_S:-560}"
 left() { echo $(( BUDGET - SECONDS )); }
-if [ "$MODE" = full ]; then BENCH_RESERVE=200; MARK="gpu"; else BENCH_RESERVE=90; MARK="gpu and not slow"; fi
+# BENCH_RESERVE: seconds kept for the forward bench and the host-time bench after the tests.
+if [ "$MODE" = full ]; then BENCH_RESERVE=260; MARK="gpu"; else BENCH_RESERVE=150; MARK="gpu and not slow"; fi
 
 echo "=== cuflash device_check: mode=$MODE  $(date -u +%Y-%m-%dT%H:%M:%SZ)  budget=${BUDGET}s  OUT=$OUT"
 echo "=== CUFLASH_CACHE_DIR=$CUFLASH_CACHE_DIR  python=$(command -v "$PY")"
@@ -150,7 +152,7 @@ PYTEST_S=$((SECONDS - PYTEST_T0))
 BENCH_ARGS=(--json "$OUT/bench_forward.json")
 [ "$MODE" = quick ] && BENCH_ARGS+=(--quick)
 [ "${BENCH_COLD:-1}" = 1 ] && BENCH_ARGS+=(--cold)
-BENCH_BUDGET=$(( $(left) - 15 ))
+BENCH_BUDGET=$(( $(left) - 75 ))   # 75 s stay for the host-time bench
 if [ "$BENCH_BUDGET" -ge 30 ]; then
   echo "=== bench/bench_forward.py ${BENCH_ARGS[*]} (limit ${BENCH_BUDGET}s)"
   timeout -k 10 "$BENCH_BUDGET" "$PY" bench/bench_forward.py "${BENCH_ARGS[@]}" 2>&1 | tee "$OUT/bench.log"
@@ -158,6 +160,21 @@ if [ "$BENCH_BUDGET" -ge 30 ]; then
 else
   echo "=== bench skipped: no time left" | tee "$OUT/bench.log"
   BENCH_RC=125
+fi
+
+# ------------------------------------------------------------------ 4b. host time per call
+# bench/bench_host.py on a shape where the GPU work is negligible: cuflash's eager torch and CuPy
+# calls against SDPA-flash in the same process (the host-time targets of the eager-speed issue).
+HOST_BUDGET=$(( $(left) - 10 ))
+if [ "$HOST_BUDGET" -ge 30 ]; then
+  echo "=== bench/bench_host.py (limit ${HOST_BUDGET}s)"
+  timeout -k 10 "$HOST_BUDGET" "$PY" bench/bench_host.py --rounds 9 --rows 'torch.fwd' 'torch.fwd_grad' \
+    'torch.fwd.window' 'torch.fwd.lengths' 'torch.fwdbwd' 'sdpa_flash.*' 'cupy.fwd' \
+    --json "$OUT/bench_host.json" > "$OUT/bench_host.log" 2>&1
+  HOST_RC=$?
+else
+  echo "=== bench_host skipped: no time left" > "$OUT/bench_host.log"
+  HOST_RC=125
 fi
 
 # ------------------------------------------------------------------ 5. summary (last)
@@ -230,6 +247,9 @@ if [ -f "$OUT/bench_forward.json" ]; then
 else
   echo "bench: no results (rc $BENCH_RC); see $OUT/bench.log"
 fi
+
+echo "host time per call (rc $HOST_RC; bench/bench_host.py):"
+sed -n '/^row /,/^  [0-9]* PASS/p' "$OUT/bench_host.log" | cut -c1-110 || true
 
 if [ "$TESTS_RC" != 0 ] || [ "$PYTEST_RC" != 0 ]; then
   echo "RESULT: FAIL (tests)"

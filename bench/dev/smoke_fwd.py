@@ -13,7 +13,6 @@ import torch
 
 import cuflash
 from cuflash import _config, _launch
-from cuflash._api import _attention_gpu
 
 
 def ref(q, k, v, causal, scale):
