@@ -101,9 +101,10 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
 
     Gradients: torch tensors that require grad record an autograd node (saving q, k, v, out and
     lse, never the probabilities); under torch.compile the call is a torch.library custom op, so
-    it traces without a graph break. JAX arrays work with jax.grad / jax.vjp in eager mode
-    (jax.custom_vjp); under jax.jit the call raises NotImplementedError. lse is not
-    differentiable: no gradient flows back through it.
+    it traces without a graph break. JAX arrays work with jax.grad / jax.vjp (jax.custom_vjp).
+    Under jax.jit and vmap the call runs on the CPU (the NumPy path through jax.pure_callback;
+    vmap calls it once per mapped element); compiling it for a GPU raises NotImplementedError at
+    lowering, before anything runs. lse is not differentiable: no gradient flows back through it.
 
     Every combination of the options is accepted. Calls that use none of them (or only a window
     equivalent to plain / causal attention) run the plain kernels; the others run the feature
@@ -155,16 +156,19 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool = False, softmax_sc
     ad = _adapter(q)
     opts = _options(q_lengths, kv_lengths, window, num_sink_tokens, sink_logits, alibi_slopes, softcap)
     plan = ad.forward_plan(q, k, v, causal, softmax_scale, deterministic, False, opts)
-    _no_tracers(plan, "attention_backward")
-    dq, dk, dv, dsink = ad.backward(plan, dout, q, k, v, out, lse, opts or {})
+    if _traced(plan):
+        from ._adapters._jax import traced_backward
+
+        dq, dk, dv, dsink = traced_backward(dout, q, k, v, out, lse, opts or {},
+                                            (causal, softmax_scale, deterministic, False), None)
+    else:
+        dq, dk, dv, dsink = ad.backward(plan, dout, q, k, v, out, lse, opts or {})
     return (dq, dk, dv, dsink) if sink_logits is not None else (dq, dk, dv)
 
 
-def _no_tracers(plan, what):
-    if plan.call.device[0] == "traced":
-        from ._adapters._jax import jit_error
-
-        raise jit_error(what)
+def _traced(plan) -> bool:
+    """Whether the call was planned on JAX tracers (under jit: see cuflash/_adapters/_jax.py)."""
+    return plan.call.device[0] == "traced"
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
@@ -204,9 +208,14 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     opts = _options(None, None, window, num_sink_tokens, sink_logits, alibi_slopes, softcap) or {}
     plan = ad.varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                           deterministic, False, opts)
-    _no_tracers(plan, "attention_varlen_backward")
     full = dict(opts, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
-    dq, dk, dv, dsink = ad.backward(plan, dout, q, k, v, out, lse, full)
+    if _traced(plan):
+        from ._adapters._jax import traced_backward
+
+        dq, dk, dv, dsink = traced_backward(dout, q, k, v, out, lse, full, (causal, softmax_scale, deterministic, False),
+                                            (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+    else:
+        dq, dk, dv, dsink = ad.backward(plan, dout, q, k, v, out, lse, full)
     return (dq, dk, dv, dsink) if sink_logits is not None else (dq, dk, dv)
 
 

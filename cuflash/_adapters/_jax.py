@@ -8,8 +8,15 @@ JAX call's host time (bench/bench_host.py).
 
 A call on concrete arrays runs the plan directly. A call on tracers (jax.grad / jax.vjp in eager
 mode, which trace the primal) goes through a jax.custom_vjp whose rules receive concrete arrays
-and run the forward and backward plans. Under jax.jit (or any transformation that hands the rules
-abstract values) the rules raise NotImplementedError rather than crash or copy to the host.
+and run the forward and backward plans.
+
+Under jax.jit (or vmap, or any transformation that hands the rules abstract values) the rules
+build the call into the traced program with jax.lax.platform_dependent: on the CPU a
+jax.pure_callback runs the NumPy path (the same entry points on NumPy arrays; vmap runs it once per
+mapped element); on any other platform the branch is a primitive whose lowering raises
+NotImplementedError, so compiling for a GPU fails with that message before anything runs, rather
+than copying the arrays to the host behind XLA's back. The checks run at trace time on the abstract
+shapes and dtypes.
 """
 
 from __future__ import annotations
@@ -26,16 +33,126 @@ from ._base import Adapter, info_of, option_infos
 _Tracer = jax.core.Tracer
 
 
-def jit_error(what: str = "attention") -> NotImplementedError:
+def jit_error(what: str = "attention", platform: str = "gpu") -> NotImplementedError:
     return NotImplementedError(
-        f"cuflash.{what} does not support jax.jit (or other JAX transformations that trace abstract "
-        "values, such as vmap) yet: its kernels run from Python on concrete arrays. Call it outside "
-        "jit; jax.grad and jax.vjp work in eager mode.")
+        f"cuflash.{what} under jax.jit (or vmap, or another JAX transformation that traces abstract values) "
+        f"runs on the CPU only so far; this program is being compiled for {platform!r}, where its kernels run "
+        "only from Python on concrete arrays. Call it outside jit there (jax.grad and jax.vjp work in eager "
+        "mode).")
 
 
-def _concrete(*xs):
-    if any(isinstance(x, _Tracer) for x in xs):
-        raise jit_error()
+def _traced(*xs) -> bool:
+    return any(isinstance(x, _Tracer) for x in xs)
+
+
+# ---- under jit: the NumPy path on the CPU, a lowering error elsewhere ----
+
+def _make_unsupported():
+    """A primitive with the call's result shapes whose lowering raises jit_error: the branch of
+    platform_dependent for the platforms cuflash cannot run under jit yet."""
+    from jax.extend.core import Primitive
+    from jax.interpreters import batching, mlir
+
+    prim = Primitive("cuflash_unsupported_under_jit")
+    prim.multiple_results = True
+    prim.def_abstract_eval(lambda *args, shapes, what: shapes)
+    prim.def_impl(lambda *args, shapes, what: (_ for _ in ()).throw(jit_error(what)))
+
+    def lowering(ctx, *args, shapes, what):
+        platforms = getattr(ctx.module_context, "platforms", None) or ("gpu",)
+        raise jit_error(what, ",".join(platforms))
+
+    def batch(args, dims, *, shapes, what):
+        import jax.numpy as jnp
+
+        size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)  # None: not mapped
+        args = [a if d is None else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims)]
+        out = prim.bind(*args, shapes=tuple(s.update(shape=(size,) + s.shape) for s in shapes), what=what)
+        return out, (0,) * len(shapes)
+
+    mlir.register_lowering(prim, lowering)
+    batching.primitive_batchers[prim] = batch
+    return prim
+
+
+_UNSUPPORTED = None
+
+
+def _under_jit(host, result_types, args, what: str):
+    """result_types (ShapeDtypeStructs) from host(*numpy arrays) on the CPU; a lowering error elsewhere."""
+    global _UNSUPPORTED
+    if _UNSUPPORTED is None:
+        _UNSUPPORTED = _make_unsupported()
+    shapes = tuple(jax.core.ShapedArray(t.shape, t.dtype) for t in result_types)
+
+    def cpu(*a):
+        return tuple(jax.pure_callback(host, tuple(result_types), *a, vmap_method="sequential"))
+
+    def other(*a):
+        return tuple(_UNSUPPORTED.bind(*a, shapes=shapes, what=what))
+
+    return jax.lax.platform_dependent(*args, cpu=cpu, default=other)
+
+
+def _split_opts(opts):
+    """(names of the array options, their arrays, the scalar options)."""
+    names = [n for n, x in opts.items() if x is not None and hasattr(x, "shape")]
+    return names, [opts[n] for n in names], {n: x for n, x in opts.items() if n not in names}
+
+
+def _host_options(names, scalars, arrays):
+    import numpy as np
+
+    return dict(scalars, **{n: np.asarray(a) for n, a in zip(names, arrays)})
+
+
+def traced_forward(q, k, v, opts, plan_args, packed):
+    """(out, lse) of a call on tracers, built into the traced program (see the module docstring)."""
+    import numpy as np
+
+    from .. import _api
+
+    causal, scale, det, _ = plan_args
+    names, arrays, scalars = _split_opts(opts)
+    lse_shape = (q.shape[0], q.shape[2], q.shape[1]) if packed is None else (q.shape[1], q.shape[0])
+    types = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(lse_shape, np.float32))
+
+    def host(q, k, v, *arrays):
+        kw = _host_options(names, scalars, arrays)
+        q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
+        if packed is None:
+            return _api.attention(q, k, v, causal, scale, True, det, **kw)
+        cu = (kw.pop("cu_seqlens_q"), kw.pop("cu_seqlens_k"), packed[2], packed[3])
+        return _api.attention_varlen(q, k, v, *cu, causal, scale, True, det, **kw)
+
+    what = "attention" if packed is None else "attention_varlen"
+    return _under_jit(host, types, (q, k, v, *arrays), what)
+
+
+def traced_backward(dout, q, k, v, out, lse, opts, plan_args, packed):
+    """(dq, dk, dv, d sink_logits or None) of a call on tracers (see the module docstring)."""
+    import numpy as np
+
+    from .. import _api
+
+    causal, scale, det, _ = plan_args
+    names, arrays, scalars = _split_opts(opts)
+    sink = opts.get("sink_logits")
+    types = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
+    if sink is not None:
+        types += (jax.ShapeDtypeStruct(sink.shape, np.float32),)
+
+    def host(dout, q, k, v, out, lse, *arrays):
+        kw = _host_options(names, scalars, arrays)
+        lead = [np.asarray(x) for x in (dout, q, k, v, out, lse)]
+        if packed is None:
+            return _api.attention_backward(*lead, causal, scale, det, **kw)
+        cu = (kw.pop("cu_seqlens_q"), kw.pop("cu_seqlens_k"), packed[2], packed[3])
+        return _api.attention_varlen_backward(*lead, *cu, causal, scale, det, **kw)
+
+    what = "attention_backward" if packed is None else "attention_varlen_backward"
+    grads = _under_jit(host, types, (dout, q, k, v, out, lse, *arrays), what)
+    return tuple(grads) + ((None,) if sink is None else ())
 
 
 def _device(x):
@@ -160,24 +277,23 @@ class JaxAdapter(Adapter):
         """Forward with gradients to q, k, v and sink_logits (jax.custom_vjp). The option arrays that get
         no gradient (lengths, offsets, ALiBi slopes) and the scalars are closed over."""
         sink = opts.get("sink_logits")
-        if sink is None and not [n for n, x in opts.items() if x is not None and hasattr(x, "shape")]:
+        if not opts:  # (a scalar option, window or softcap, is not plain either)
             return _plain(q, k, v, self, plan_args, packed)
 
-        def run(q, k, v, sink):
-            a = dict(opts, sink_logits=sink) if sink is not None else opts
-            _concrete(q, k, v, *(x for x in a.values() if x is not None and hasattr(x, "shape")))
-            plan = self._plan(q, k, v, a, plan_args, packed)
-            return plan, a
-
         def fwd_impl(q, k, v, sink):
-            plan, a = run(q, k, v, sink)
+            a = dict(opts, sink_logits=sink) if sink is not None else opts
+            if _traced(q, k, v, *(x for x in a.values() if x is not None and hasattr(x, "shape"))):
+                return traced_forward(q, k, v, a, plan_args, packed)
+            plan = self._plan(q, k, v, a, plan_args, packed)
             return self.run_forward(plan, q, k, v, a)
 
         def bwd_impl(res, cts):
             q, k, v, sink, out, lse = res
             dout, _ = cts  # lse is not differentiable
-            _concrete(dout)
-            plan, a = run(q, k, v, sink)
+            a = dict(opts, sink_logits=sink) if sink is not None else opts
+            if _traced(dout, q, k, v, out, lse, *(x for x in a.values() if x is not None and hasattr(x, "shape"))):
+                return traced_backward(dout, q, k, v, out, lse, a, plan_args, packed)
+            plan = self._plan(q, k, v, a, plan_args, packed)
             return self.backward(plan, dout, q, k, v, out, lse, a)
 
         @jax.custom_vjp
@@ -225,7 +341,9 @@ def _plain(q, k, v, ad, plan_args, packed):
 
 
 def _plain_fwd(q, k, v, ad, plan_args, packed):
-    _concrete(q, k, v)
+    if _traced(q, k, v):
+        out, lse = traced_forward(q, k, v, {}, plan_args, packed)
+        return (out, lse), (q, k, v, out, lse)
     plan = ad._plan(q, k, v, {}, plan_args, packed)
     out, lse = ad.run_forward(plan, q, k, v, {})
     return (out, lse), (q, k, v, out, lse)
@@ -234,7 +352,8 @@ def _plain_fwd(q, k, v, ad, plan_args, packed):
 def _plain_bwd(ad, plan_args, packed, residuals, cotangents):
     q, k, v, out, lse = residuals
     dout, _ = cotangents  # lse is not differentiable
-    _concrete(q, k, v, out, lse, dout)
+    if _traced(q, k, v, out, lse, dout):
+        return traced_backward(dout, q, k, v, out, lse, {}, plan_args, packed)[:3]
     plan = ad._plan(q, k, v, {}, plan_args, packed)
     return ad.backward(plan, dout, q, k, v, out, lse, {})[:3]
 
