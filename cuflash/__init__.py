@@ -7,6 +7,7 @@ torch, JAX and CuPy arrays; NumPy arrays run a NumPy implementation of the same 
 from ._api import (AttentionPlan, attention, attention_backward, attention_varlen, attention_varlen_backward,
                    lengths_from_padding_mask, plan, plan_varlen)
 from ._gpu import precompile
+from ._kvcache import attention_with_kvcache
 from ._plan import LaunchError
 from ._version import __version__
 
@@ -25,6 +26,6 @@ def _load_torch_adapter():
 
 _load_torch_adapter()
 
-__all__ = ["attention", "attention_backward", "attention_varlen", "attention_varlen_backward",
+__all__ = ["attention", "attention_backward", "attention_varlen", "attention_varlen_backward", "attention_with_kvcache",
            "lengths_from_padding_mask", "plan", "plan_varlen", "AttentionPlan", "LaunchError", "precompile",
            "__version__"]

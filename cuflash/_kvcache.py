@@ -1,0 +1,517 @@
+"""Attention against a KV cache, with the new tokens appended in place (flash-attn's
+`flash_attn_with_kvcache`): decoding, speculative decoding and chunked prefill.
+
+    attention_with_kvcache  ->  KVCacheCall (describe_kvcache)  ->  values checked  ->  append  ->  forward
+
+The cache is contiguous, (batch_cache, seqlen_cache, nheads_kv, head_dim) with batch entry b in
+row b (or row cache_batch_idx[b]), or paged, (num_blocks, page_size, nheads_kv, head_dim) with a
+block table: the logical key position t of entry b lives at
+
+    block block_table[b, t // page_size], row t % page_size
+
+    logical keys of entry b:   | 0 .. page_size-1 | page_size .. 2*page_size-1 | ...
+    block_table[b]:            [        7         ,             2              , ...]
+    k_cache:                   block 2 = keys page_size.., block 7 = keys 0.., other blocks: other entries
+
+The call validates everything first (`describe_kvcache`: what the signature fixes; then the
+values of the index arrays, which live on the host on the CPU path), writes k and v into the
+caches at [cache_seqlens[b], cache_seqlens[b] + seqlen_new), gathers each entry's logical keys
+into a padded (batch, max_len, nheads_kv, head_dim) array and runs the tiled NumPy forward of
+cuflash/_cpu.py on it with kv_lengths = cache_seqlens + seqlen_new. So the masks, windows, sinks,
+ALiBi and softcap mean exactly what they mean for `cuflash.attention` with those kv_lengths
+(cuflash/_features.py): bottom-right alignment on the valid lengths.
+
+GPU arrays are refused in one place, `_refuse_gpu`, before anything runs: the kernels that read a
+paged cache come later.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ._call import MAX_SOFTMAX_SCALE, SUPPORTED_DTYPES, ArrayInfo, _check_bool
+from ._config import HEAD_DIMS
+from ._features import Features, _is_int, check_features
+
+__all__ = ["attention_with_kvcache", "describe_kvcache", "KVCacheCall"]
+
+PAGE_MULTIPLE = 16  # a page holds whole 16-row tiles (the GPU kernels will load K/V tiles of 16 rows)
+_ARRAYS = "a torch.Tensor, jax.Array, cupy.ndarray or numpy.ndarray"
+
+
+@dataclass(frozen=True)
+class KVCacheCall:
+    """A validated call of `attention_with_kvcache`: what its signature fixes."""
+
+    lib: str
+    device: tuple
+    dtype: str
+    batch: int
+    seqlen_q: int
+    nheads: int
+    nheads_kv: int
+    head_dim: int
+    scale: float
+    feats: Features          # causal folded into window_right (cuflash/_features.py)
+    return_lse: bool
+    paged: bool
+    page_size: int           # rows per block of a paged cache; 0 for a contiguous one
+    cache_rows: int          # batch_cache (contiguous) or num_blocks (paged)
+    capacity: int            # keys an entry can hold: seqlen_cache or max_blocks_per_seq * page_size
+    seqlen_new: int          # tokens appended per entry; 0: nothing is appended
+    fixed_seqlen: int | None  # cache_seqlens given as an int (or None: capacity); None when it is an array
+    has_batch_idx: bool
+    arrays: tuple = ()       # the option arrays given: "sink_logits", "alibi_slopes"
+
+    @property
+    def appends(self) -> bool:
+        return self.seqlen_new > 0
+
+
+def _refuse_gpu(q: ArrayInfo) -> None:
+    """The one place that keeps CUDA arrays out until the kernels exist (the call runs on q's device;
+    any other array elsewhere is a device mismatch, a ValueError)."""
+    if q.device[0] == "cuda":
+        raise NotImplementedError(
+            "attention_with_kvcache on the GPU is not built yet; its kernels come in a later release. "
+            f"q is a {q.lib} array on cuda:{q.device[1]}. Pass CPU arrays (NumPy, torch or JAX on the CPU) "
+            "for the NumPy implementation, or call cuflash.attention with kv_lengths on the gathered keys.")
+
+
+def _shape_text(names, values) -> str:
+    return "(" + ", ".join(names) + ") = (" + ", ".join(str(v) for v in values) + ")"
+
+
+def _check_index(name, x, lib, device, shape, shape_text):
+    """An int32 index array of q's library and device with the given shape."""
+    if x.lib is None:
+        raise TypeError(f"{name}: expected an int32 {lib} array of shape {shape_text}; got {x.type_name}")
+    if x.lib != lib:
+        raise TypeError(f"{name}: expected a {lib} array like q; got {x.type_name}")
+    if x.dtype != "int32":
+        raise TypeError(f"{name}: expected dtype int32; got {x.dtype}")
+    if len(x.shape) != len(shape) or any(want is not None and got != want for got, want in zip(x.shape, shape)):
+        raise ValueError(f"{name}: expected shape {shape_text}; got {x.shape}")
+    if x.device != device:
+        raise ValueError(f"{name}: on {x.device[0]}:{x.device[1]}; expected q's device {device[0]}:{device[1]}")
+
+
+def describe_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, *, cache_batch_idx=None,
+                     block_table=None, causal=False, softmax_scale=None, return_lse=False, window=None,
+                     num_sink_tokens=0, sink_logits=None, alibi_slopes=None, softcap=None) -> KVCacheCall:
+    """Validates what the signature of a call fixes. Arrays are ArrayInfo / Foreign / None;
+    cache_seqlens may also be an int. Every error names the argument, what it got and what was
+    expected. Values of the index arrays are checked later (`_check_values`)."""
+    arrays = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, sink_logits=sink_logits,
+                  alibi_slopes=alibi_slopes)
+    if q.lib is None:
+        raise TypeError(f"q: expected {_ARRAYS}; got {q.type_name}")
+    lib = q.lib
+    for name in ("k_cache", "v_cache", "k", "v"):
+        x = arrays[name]
+        if x is not None and x.lib != lib:
+            raise TypeError(f"{name}: expected a {lib} array like q; got {x.type_name}")
+    _refuse_gpu(q)
+    device = q.device
+    if device[0] != "cpu":
+        raise ValueError(f"q: expected an array on the CPU; got one on {device[0]}")
+    for name in ("k_cache", "v_cache", "k", "v"):
+        x = arrays[name]
+        if x is not None and x.device != device:
+            raise ValueError(f"{name}: on {x.device[0]}:{x.device[1]}; expected q's device {device[0]}:{device[1]}")
+
+    # ---- shapes and dtypes of q and the caches
+    for name, layout in (("q", "(batch, seqlen_q, nheads, head_dim)"),
+                         ("k_cache", "(batch_cache, seqlen_cache, nheads_kv, head_dim) or paged "
+                                     "(num_blocks, page_size, nheads_kv, head_dim)"),
+                         ("v_cache", "k_cache's shape")):
+        if len(arrays[name].shape) != 4:
+            raise ValueError(f"{name}: expected 4 dimensions {layout}; got shape {arrays[name].shape}")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"q: expected dtype float16 or bfloat16; got {q.dtype}")
+    for name in ("k_cache", "v_cache"):
+        if arrays[name].dtype != q.dtype:
+            raise TypeError(f"{name}: expected q's dtype {q.dtype}; got {arrays[name].dtype}")
+    b, sq, h, d = q.shape
+    rows, seq, hk, dk = k_cache.shape
+    if min(q.shape) < 1:
+        raise ValueError(f"q: expected every dimension >= 1; got shape {q.shape}")
+    if d not in HEAD_DIMS:
+        raise ValueError(f"q: expected a head_dim that is a multiple of 8 from 8 to 256; got {d} (q shape {q.shape})")
+    if min(k_cache.shape) < 1:
+        raise ValueError(f"k_cache: expected every dimension >= 1; got shape {k_cache.shape}")
+    if dk != d:
+        raise ValueError(f"k_cache: expected q's head_dim {d} in its last dimension; got head_dim {dk} (q shape "
+                         f"{q.shape}, k_cache shape {k_cache.shape})")
+    if h % hk != 0:
+        raise ValueError(f"k_cache: expected nheads_kv dividing q's nheads {h} (MQA/GQA); got nheads_kv {hk} "
+                         f"(q shape {q.shape}, k_cache shape {k_cache.shape})")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache: expected k_cache's shape {k_cache.shape}; got {v_cache.shape}")
+
+    # ---- paged or contiguous
+    paged = block_table is not None
+    if paged:
+        _check_index("block_table", block_table, lib, device, (b, None), f"(batch, max_blocks_per_seq) = ({b}, *)")
+        if block_table.shape[1] < 1:
+            raise ValueError(f"block_table: expected at least one block per sequence; got shape {block_table.shape}")
+        if seq % PAGE_MULTIPLE != 0:
+            raise ValueError(f"k_cache: expected a page_size (dimension 1 of a paged cache (num_blocks, page_size, "
+                             f"nheads_kv, head_dim)) that is a multiple of {PAGE_MULTIPLE}; got {seq} (shape "
+                             f"{k_cache.shape})")
+        if cache_batch_idx is not None:
+            raise ValueError("cache_batch_idx: expected None with block_table (the table already says where each "
+                             "entry's keys are); got an array as well")
+        if cache_seqlens is None:
+            raise ValueError("cache_seqlens: expected an int32 array (batch,) or an int with block_table (how many "
+                             "keys each entry holds); got None")
+        capacity = block_table.shape[1] * seq
+    else:
+        if cache_batch_idx is not None:
+            _check_index("cache_batch_idx", cache_batch_idx, lib, device, (b,), f"(batch,) = ({b},)")
+        elif rows < b:
+            raise ValueError(f"k_cache: expected batch_cache >= q's batch {b} (without cache_batch_idx entry b "
+                             f"uses cache row b); got batch_cache {rows} (shape {k_cache.shape})")
+        capacity = seq
+
+    # ---- the new tokens
+    if (k is None) != (v is None):
+        given, missing = ("k", "v") if v is None else ("v", "k")
+        raise ValueError(f"{missing}: expected {missing} with {given} (both or neither: the tokens to append); got "
+                         f"{given} and {missing}=None")
+    seqlen_new = 0
+    if k is not None:
+        for name in ("k", "v"):
+            x = arrays[name]
+            if len(x.shape) != 4:
+                raise ValueError(f"{name}: expected 4 dimensions (batch, seqlen_new, nheads_kv, head_dim); "
+                                 f"got shape {x.shape}")
+            if x.dtype != q.dtype:
+                raise TypeError(f"{name}: expected q's dtype {q.dtype}; got {x.dtype}")
+        kb, seqlen_new, khk, kd = k.shape
+        if (kb, khk, kd) != (b, hk, d):
+            raise ValueError(f"k: expected shape (batch, seqlen_new, nheads_kv, head_dim) = ({b}, *, {hk}, {d}) "
+                             f"(q's batch, the cache's heads and head_dim); got {k.shape}")
+        if seqlen_new < 1:
+            raise ValueError(f"k: expected seqlen_new >= 1 (pass k=None, v=None to append nothing); got shape "
+                             f"{k.shape}")
+        if v.shape != k.shape:
+            raise ValueError(f"v: expected k's shape {k.shape}; got {v.shape}")
+        if lib == "jax":
+            raise TypeError("k: expected None for JAX arrays, which are immutable: k and v cannot be appended into "
+                            "k_cache / v_cache in place; got a jax array. Write them yourself (k_cache.at[...].set(k) "
+                            "or dynamic_update_slice) and call with k=None, v=None and cache_seqlens counting them")
+
+    # ---- the cache lengths
+    fixed = None
+    if cache_seqlens is None:
+        fixed = capacity
+        if seqlen_new:
+            raise ValueError(f"cache_seqlens: expected how many keys each entry holds before the append; got None, "
+                             f"which means the whole cache (seqlen_cache = {capacity}) is filled and leaves no room "
+                             "for k and v")
+    elif _is_int(cache_seqlens):
+        fixed = int(cache_seqlens)
+        if fixed < 0 or fixed + seqlen_new > capacity:
+            raise ValueError(f"cache_seqlens: expected an int in [0, {capacity - seqlen_new}] (capacity {capacity} "
+                             f"minus seqlen_new {seqlen_new}); got {fixed}")
+    elif cache_seqlens.lib is None:
+        raise TypeError(f"cache_seqlens: expected an int32 {lib} array of shape (batch,) = ({b},), an int or None; "
+                        f"got {cache_seqlens.type_name}")
+    else:
+        _check_index("cache_seqlens", cache_seqlens, lib, device, (b,), f"(batch,) = ({b},)")
+
+    # ---- the scalars and the options
+    _check_bool("causal", causal)
+    _check_bool("return_lse", return_lse)
+    scale = _check_scale(softmax_scale, d)
+    options = {n: arrays[n] for n in ("sink_logits", "alibi_slopes") if arrays[n] is not None}
+    feats, _ = check_features(lib, device, batch=b, nheads=h, seqlen_q=sq, seqlen_k=capacity, causal=bool(causal),
+                              window=window, num_sink_tokens=num_sink_tokens, softcap=softcap, arrays=options,
+                              packed=False)
+    return KVCacheCall(lib=lib, device=device, dtype=q.dtype, batch=b, seqlen_q=sq, nheads=h, nheads_kv=hk,
+                       head_dim=d, scale=scale, feats=feats, return_lse=bool(return_lse), paged=paged,
+                       page_size=seq if paged else 0, cache_rows=rows, capacity=capacity, seqlen_new=seqlen_new,
+                       fixed_seqlen=fixed, has_batch_idx=cache_batch_idx is not None, arrays=tuple(options))
+
+
+def _check_scale(softmax_scale, head_dim) -> float:
+    """The softmax scale of `cuflash.attention` (cuflash/_call.py states the bound)."""
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(softmax_scale, (str, bytes, bool)) or not hasattr(softmax_scale, "__float__"):
+        raise TypeError(f"softmax_scale: expected a float or None; got {type(softmax_scale).__name__}")
+    scale = float(softmax_scale)
+    if not (math.isfinite(scale) and 0 < scale <= MAX_SOFTMAX_SCALE):
+        raise ValueError(f"softmax_scale: expected a number in (0, {MAX_SOFTMAX_SCALE:g}]; got {softmax_scale!r}")
+    return scale
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The NumPy path: values, append, gather, forward.
+
+
+def _show(values, limit=8) -> str:
+    values = [int(x) for x in values]
+    text = ", ".join(str(x) for x in values[:limit])
+    return f"[{text}{', ...' if len(values) > limit else ''}]"
+
+
+@dataclass
+class _Where:
+    """Where each entry's keys live, from the checked index arrays (int64 NumPy arrays)."""
+
+    lengths: object       # (batch,) keys each entry sees: cache_seqlens + seqlen_new
+    cache_seqlens: object  # (batch,)
+    rows: object = None   # (batch,) cache rows of a contiguous cache
+    table: object = None  # (batch, max_blocks_per_seq) block table, entries past those an entry uses set to 0
+
+
+def _check_values(c: KVCacheCall, cache_seqlens, cache_batch_idx, block_table) -> _Where:
+    """Checks the values of the index arrays (NumPy) against the call, before anything is written."""
+    import numpy as np
+
+    b, new = c.batch, c.seqlen_new
+    if c.fixed_seqlen is not None:
+        cs = np.full(b, c.fixed_seqlen, dtype=np.int64)
+    else:
+        cs = np.asarray(cache_seqlens).astype(np.int64).reshape(b)
+        bad = (cs < 0) | (cs + new > c.capacity)
+        if bad.any():
+            i = int(np.argmax(bad))
+            room = f"capacity {c.capacity} minus seqlen_new {new}" if new else f"capacity {c.capacity}"
+            raise ValueError(f"cache_seqlens: expected values in [0, {c.capacity - new}] ({room}); got "
+                             f"cache_seqlens[{i}] = {int(cs[i])} in {_show(cs)}")
+    where = _Where(lengths=cs + new, cache_seqlens=cs)
+    if c.paged:
+        _check_table(c, np.asarray(block_table).astype(np.int64), where)
+    else:
+        if cache_batch_idx is None:
+            where.rows = np.arange(b, dtype=np.int64)
+        else:
+            rows = np.asarray(cache_batch_idx).astype(np.int64).reshape(b)
+            bad = (rows < 0) | (rows >= c.cache_rows)
+            if bad.any():
+                i = int(np.argmax(bad))
+                raise ValueError(f"cache_batch_idx: expected values in [0, {c.cache_rows}) (the rows of k_cache); got "
+                                 f"cache_batch_idx[{i}] = {int(rows[i])} in {_show(rows)}")
+            if c.appends:
+                uniq, counts = np.unique(rows, return_counts=True)
+                if (counts > 1).any():
+                    r = int(uniq[np.argmax(counts > 1)])
+                    i, j = np.nonzero(rows == r)[0][:2]
+                    raise ValueError(f"cache_batch_idx: expected distinct rows when k and v are appended (each entry "
+                                     f"appends into its own row); got entries {i} and {j} both in row {r}: "
+                                     f"{_show(rows)}")
+            where.rows = rows
+    return where
+
+
+def _check_table(c: KVCacheCall, table, where: _Where) -> None:
+    """The block table: the entries an entry uses (its first ceil(length / page_size)) must name blocks of
+    k_cache; the others are not read. When appending, every position written must be a cache slot no other
+    position of the call reads or writes (two writers, or a write under another entry's keys, would make
+    the result depend on the order)."""
+    import numpy as np
+
+    ps, lengths = c.page_size, where.lengths
+    used = np.arange(table.shape[1])[None, :] < -(-lengths // ps)[:, None]  # (batch, max_blocks)
+    bad = used & ((table < 0) | (table >= c.cache_rows))
+    if bad.any():
+        i, j = (int(x) for x in np.argwhere(bad)[0])
+        raise ValueError(f"block_table: expected block numbers in [0, {c.cache_rows}) (num_blocks of k_cache); got "
+                         f"block_table[{i}, {j}] = {int(table[i, j])}, which entry {i} uses for its keys "
+                         f"{j * ps}..{min((j + 1) * ps, int(lengths[i])) - 1} (length {int(lengths[i])})")
+    table = np.where(used, table, 0)
+    where.table = table
+    if not c.appends:
+        return
+    # Every (entry, position) the call touches, as a cache slot block * page_size + row.
+    t = np.arange(max(1, int(lengths.max())))
+    valid = t[None, :] < lengths[:, None]
+    slot = np.take_along_axis(table, np.broadcast_to(t // ps, valid.shape), axis=1) * ps + t % ps
+    written = valid & (t[None, :] >= where.cache_seqlens[:, None])
+    uniq, counts = np.unique(slot[valid], return_counts=True)
+    shared = counts[np.searchsorted(uniq, slot[written])] > 1
+    if shared.any():
+        bi, ti = (int(x) for x in np.argwhere(written)[np.argmax(shared)])
+        s = slot[bi, ti]
+        bj, tj = next((int(x), int(y)) for x, y in np.argwhere(valid & (slot == s)) if (x, y) != (bi, ti))
+        raise ValueError(f"block_table: expected every slot an entry appends into to be its own; got entry {bi} "
+                         f"appending its key {ti} into block {s // ps} row {s % ps}, which entry {bj} also uses for "
+                         f"its key {tj}")
+
+
+def _check_writable(name, a, other) -> None:
+    import numpy as np
+
+    if not a.flags.writeable:
+        raise ValueError(f"{name}: expected a writable array to append k and v into in place; got a read-only one "
+                         "(pass a writable array, or k=None, v=None)")
+    too_hard = getattr(np, "exceptions", np).TooHardError
+    try:
+        overlap = np.shares_memory(a, other, max_work=1 << 20)
+    except too_hard:  # an overlap too costly to decide exactly: assume the worst
+        overlap = True
+    if overlap:
+        raise ValueError(f"{name}: expected k_cache and v_cache in separate memory to append into; got caches that "
+                         "share memory (appending v would overwrite k)")
+
+
+def append_numpy(c: KVCacheCall, where: _Where, k_cache, v_cache, k, v) -> None:
+    """Writes k and v into the caches (NumPy views of the caller's arrays) at each entry's positions
+    [cache_seqlens[b], cache_seqlens[b] + seqlen_new)."""
+    import numpy as np
+
+    pos = where.cache_seqlens[:, None] + np.arange(c.seqlen_new)[None, :]  # (batch, seqlen_new)
+    if c.paged:
+        blocks = np.take_along_axis(where.table, pos // c.page_size, axis=1)
+        index = (blocks, pos % c.page_size)
+    else:
+        index = (where.rows[:, None], pos)
+    k_cache[index] = k
+    v_cache[index] = v
+
+
+def gather_numpy(c: KVCacheCall, where: _Where, cache):
+    """Each entry's logical keys (or values) as a padded (batch, max_len, nheads_kv, head_dim) array
+    (a view of the cache when entry b is row b; positions past an entry's length hold whatever the cache
+    holds there, and the forward never reads them)."""
+    max_len = max(1, int(where.lengths.max()))
+    if c.paged:
+        blocks = where.table[:, :-(-max_len // c.page_size)]
+        g = cache[blocks]  # (batch, blocks, page_size, nheads_kv, head_dim)
+        return g.reshape(c.batch, -1, c.nheads_kv, c.head_dim)[:, :max_len]
+    if not c.has_batch_idx:
+        return cache[:c.batch, :max_len]
+    return cache[where.rows, :max_len]
+
+
+def forward_numpy(c: KVCacheCall, where: _Where, q, k_cache, v_cache, options: dict):
+    """(out, lse): the tiled NumPy forward on the gathered keys with kv_lengths = cache_seqlens + seqlen_new."""
+    from ._cpu import attention_forward_numpy
+    from ._plan import _cpu_kwargs
+
+    keys, values = gather_numpy(c, where, k_cache), gather_numpy(c, where, v_cache)
+    return attention_forward_numpy(q, keys, values, False, c.scale, kv_lengths=where.lengths,
+                                   alibi_slopes=options.get("alibi_slopes"), **_cpu_kwargs(c, options))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The entry point.
+
+
+def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, *, cache_batch_idx=None,
+                           block_table=None, causal: bool = False, softmax_scale: float | None = None,
+                           return_lse: bool = False, window=None, num_sink_tokens: int = 0, sink_logits=None,
+                           alibi_slopes=None, softcap: float | None = None):
+    """Attention of new queries against a KV cache, appending the new keys and values to the cache
+    in place first (flash-attn's ``flash_attn_with_kvcache``): one decoding step (seqlen_q = 1),
+    speculative decoding or chunked prefill (seqlen_q > 1). Inference only: there is no backward,
+    and torch outputs carry no autograd history.
+
+    Args:
+        q: (batch, seqlen_q, nheads, head_dim), float16 or bfloat16; head_dim a multiple of 8 from
+            8 to 256; nheads a multiple of nheads_kv (query head h uses kv head
+            h // (nheads // nheads_kv)).
+        k_cache, v_cache: q's dtype and library, one of two layouts:
+            contiguous (batch_cache, seqlen_cache, nheads_kv, head_dim): entry b's key t is
+                k_cache[cache_batch_idx[b], t] (k_cache[b, t] without cache_batch_idx; then
+                batch_cache >= batch, and rows past batch are neither read nor written);
+            paged (num_blocks, page_size, nheads_kv, head_dim), with block_table: entry b's key t
+                is k_cache[block_table[b, t // page_size], t % page_size]; page_size any multiple
+                of 16. Blocks may be shared between entries for reading (a common prefix).
+            Any strides. Written in place when k and v are given.
+        k, v: (batch, seqlen_new, nheads_kv, head_dim), q's dtype, or None (both or neither): the
+            new tokens, written into the caches at entry b's positions
+            [cache_seqlens[b], cache_seqlens[b] + seqlen_new) before the attention, which then
+            sees them. Not for JAX arrays, which cannot be written in place (TypeError): write
+            them with ``.at[].set`` and pass cache_seqlens counting them.
+        cache_seqlens: how many keys each entry's cache holds before the append: an int32
+            (batch,) array of q's library, an int (the same for every entry), or None (the whole
+            seqlen_cache of a contiguous cache; not allowed with block_table or with k, v).
+            cache_seqlens[b] + seqlen_new must fit in the capacity: seqlen_cache, or
+            max_blocks_per_seq * page_size when paged.
+        cache_batch_idx: int32 (batch,) cache rows of a contiguous cache, or None (entry b uses
+            row b). When k and v are appended the rows must differ; without k and v they may
+            repeat. Not allowed with block_table.
+        block_table: int32 (batch, max_blocks_per_seq), or None for a contiguous cache. Only the
+            blocks an entry uses are read (its first ceil((cache_seqlens[b] + seqlen_new) /
+            page_size) entries: they must be in [0, num_blocks)); the rest may hold anything.
+            When appending, no position written may be a slot that another key of the call
+            also uses.
+        causal, softmax_scale, return_lse, window, num_sink_tokens, sink_logits, alibi_slopes,
+            softcap: as for `cuflash.attention` with kv_lengths = cache_seqlens + seqlen_new (see
+            cuflash/_features.py): entry b sees keys [0, L_b), L_b = cache_seqlens[b] +
+            seqlen_new, and the masks align to the bottom-right corner of those valid keys:
+            query row i stands at key position i' = i + L_b - seqlen_q, and causal lets it see
+            keys j <= i'. For seqlen_q = 2, cache_seqlens = 3, seqlen_new = 2 (keys 0..2 were
+            cached, 3..4 are the new ones; 1 = kept)::
+
+                1 1 1 1 0
+                1 1 1 1 1
+
+            A row that sees no key (L_b = 0, or causal with L_b < seqlen_q) gets out = 0 and
+            lse = -inf (lse = the sink logit with sink_logits).
+
+    Returns:
+        out: q's shape and dtype, the caller's kind of array; and with return_lse lse
+        (batch, nheads, seqlen_q) float32, the natural-log logsumexp of each row.
+
+    Raises:
+        TypeError / ValueError naming the argument, what it got and what was expected, before
+            anything is written: wrong types, dtypes (the index arrays are int32), shapes,
+            libraries or devices; k without v; a page_size that is not a multiple of 16;
+            cache_seqlens < 0 or past the capacity; cache_batch_idx or used block_table entries
+            out of range; two entries appending into one cache row or slot; a read-only cache
+            (or k_cache and v_cache sharing memory, or a torch cache that requires grad) when
+            appending. The CPU path reads the index arrays' values to check them.
+        NotImplementedError for CUDA arrays (torch, CuPy, JAX on a GPU) and for JAX tracers
+            (jax.jit): the GPU kernels for KV caches are not built yet.
+    """
+    from ._adapters import adapter_for, info_of
+
+    names = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_batch_idx=cache_batch_idx,
+                 block_table=block_table, sink_logits=sink_logits, alibi_slopes=alibi_slopes)
+    seqlens_is_int = _is_int(cache_seqlens) or cache_seqlens is None
+    if not seqlens_is_int:
+        names["cache_seqlens"] = cache_seqlens
+    infos = {n: (None if x is None else info_of(x)) for n, x in names.items()}
+    for n, x in infos.items():
+        if isinstance(x, ArrayInfo) and x.device[0] == "traced":
+            raise NotImplementedError(f"cuflash.attention_with_kvcache does not support jax.jit (or other JAX "
+                                      f"transformations that trace values): {n} is a tracer. Call it outside jit")
+    call = describe_kvcache(infos["q"], infos["k_cache"], infos["v_cache"], infos["k"], infos["v"],
+                            cache_seqlens if seqlens_is_int else infos["cache_seqlens"],
+                            cache_batch_idx=infos["cache_batch_idx"], block_table=infos["block_table"], causal=causal,
+                            softmax_scale=softmax_scale, return_lse=return_lse, window=window,
+                            num_sink_tokens=num_sink_tokens, sink_logits=infos["sink_logits"],
+                            alibi_slopes=infos["alibi_slopes"], softcap=softcap)
+    ad = adapter_for(q)
+    host = {n: (None if x is None else ad.to_numpy(x)) for n, x in names.items()}
+    if call.appends:
+        for name, other in (("k_cache", "v_cache"), ("v_cache", "k_cache")):
+            if getattr(names[name], "requires_grad", False):
+                raise ValueError(f"{name}: expected a tensor that does not require grad, to write in place; got one "
+                                 f"that requires grad (pass {name}.detach(), which shares the storage)")
+            _check_writable(name, host[name], host[other])
+    where = _check_values(call, host.get("cache_seqlens"), host["cache_batch_idx"], host["block_table"])
+    qn = host["q"]
+    if call.appends:
+        import numpy as np
+
+        # The new tokens (and q) may be views of the caches: read them before writing.
+        kn, vn = np.array(host["k"]), np.array(host["v"])
+        if any(np.may_share_memory(qn, host[n]) for n in ("k_cache", "v_cache")):
+            qn = np.array(qn)
+        append_numpy(call, where, host["k_cache"], host["v_cache"], kn, vn)
+        if call.lib == "torch":
+            import torch
+
+            for t in (k_cache, v_cache):  # written through NumPy views, behind autograd's back
+                torch.autograd.graph.increment_version(t)
+    options = {n: host[n] for n in call.arrays}
+    out, lse = forward_numpy(call, where, qn, host["k_cache"], host["v_cache"], options)
+    out = ad.from_numpy(out, q)
+    return (out, ad.from_numpy(lse, q)) if call.return_lse else out
