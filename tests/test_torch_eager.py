@@ -119,3 +119,62 @@ def test_torch_compile_traces_without_graph_break(options):
     assert torch.equal(o1, o2), f"seed={seed}: out differs under torch.compile"
     for name, a, b in zip(("dq", "dk", "dv"), g1, g2):
         assert torch.equal(a, b), f"seed={seed}: {name} differs under torch.compile"
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("varlen", [False, True])
+def test_torch_compile_checks_once_at_trace_time(monkeypatch, dynamic, varlen):
+    """With static shapes the checks run at trace time through `_checked` (a constant to Dynamo: no
+    guards from the validation code), not through the traced checks; symbolic shapes take the traced
+    checks. Both give the eager results bitwise, with options."""
+    import cuflash as cf
+    from cuflash._adapters import _torch as T
+
+    traced_checks = []
+
+    def spy(real):
+        def wrapper(*a, **kw):
+            traced_checks.append(real.__name__)
+            return real(*a, **kw)
+        return wrapper
+
+    for name in ("_traced_attention_checks", "_traced_varlen_checks"):
+        monkeypatch.setattr(T, name, spy(getattr(T, name)))
+    seed = int(np.random.SeedSequence().entropy % (1 << 31))
+    gen = torch.Generator().manual_seed(seed)
+    alibi = torch.rand(4, generator=gen) * 0.3
+
+    def f(q, k, v, cu):
+        if varlen:
+            return cf.attention_varlen(q, k, v, cu, cu, 24, 24, causal=True, window=(6, 0), alibi_slopes=alibi)
+        return cf.attention(q, k, v, causal=True, window=(6, 0), alibi_slopes=alibi)
+
+    torch._dynamo.reset()
+    g = torch.compile(f, backend="aot_eager", fullgraph=True, dynamic=dynamic)
+    for s in (16, 24):  # a second length re-traces (and is checked again)
+        shape = (2 * s, 4, 16) if varlen else (2, s, 4, 16)
+        q, k, v = (torch.randn(shape, generator=gen).to(torch.bfloat16) for _ in range(3))
+        cu = torch.tensor([0, s, 2 * s], dtype=torch.int32)
+        assert torch.equal(g(q, k, v, cu), f(q, k, v, cu)), f"seed={seed}: seqlen {s}"
+    if dynamic:
+        assert traced_checks, "symbolic shapes should take the traced checks"
+    else:
+        assert not traced_checks, "static shapes should be checked by _checked, not traced"
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_torch_compile_bad_input(fullgraph):
+    """Bad input under torch.compile: without fullgraph Dynamo runs the frame eagerly and the eager
+    ValueError reaches the caller; with fullgraph Dynamo refuses to compile a frame that raises, and
+    its error carries ours. Either way nothing runs."""
+    import cuflash as cf
+
+    q = torch.randn(1, 16, 2, 12).to(torch.bfloat16)  # head_dim 12: not a multiple of 8
+    torch._dynamo.reset()
+    g = torch.compile(lambda q: cf.attention(q, q, q, causal=True), backend="aot_eager", fullgraph=fullgraph)
+    if fullgraph:
+        with pytest.raises(Exception, match="q: head_dim 12 is not supported"):
+            g(q)
+    else:
+        with pytest.raises(ValueError, match="q: head_dim 12 is not supported"):
+            g(q)

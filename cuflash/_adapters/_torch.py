@@ -510,12 +510,17 @@ def _attention_feat_bwd_fake(dout, q, k, v, out, lse, q_lengths, kv_lengths, cu_
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), q.new_empty((n,), dtype=torch.float32)
 
 
+# The operators' namespace, read once: traced code that spells torch.ops.cuflash.<op> leaves a guard on
+# each attribute of the chain.
+_OPS = torch.ops.cuflash
+
+
 class _CompiledAttention(torch.autograd.Function):
     """A plain call under tracing: forward and backward are one operator each."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal, softmax_scale, deterministic):
-        out, lse = torch.ops.cuflash.attention_fwd(q, k, v, causal, softmax_scale, deterministic)
+        out, lse = _OPS.attention_fwd(q, k, v, causal, softmax_scale, deterministic)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic
         ctx.mark_non_differentiable(lse)
@@ -524,7 +529,7 @@ class _CompiledAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = torch.ops.cuflash.attention_bwd(dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale,
+        dq, dk, dv = _OPS.attention_bwd(dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale,
                                                      ctx.deterministic)
         return dq, dk, dv, None, None, None
 
@@ -536,7 +541,7 @@ class _CompiledFeatAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, *args):
         arrays, scalars = args[:6], args[6:]
-        out, lse = torch.ops.cuflash.attention_feat_fwd(q, k, v, *arrays, *scalars)
+        out, lse = _OPS.attention_feat_fwd(q, k, v, *arrays, *scalars)
         ctx.save_for_backward(q, k, v, out, lse, *arrays)
         ctx.scalars = scalars
         ctx.mark_non_differentiable(lse)
@@ -545,7 +550,7 @@ class _CompiledFeatAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, *arrays = ctx.saved_tensors
-        dq, dk, dv, dsink = torch.ops.cuflash.attention_feat_bwd(dout, q, k, v, out, lse, *arrays, *ctx.scalars)
+        dq, dk, dv, dsink = _OPS.attention_feat_bwd(dout, q, k, v, out, lse, *arrays, *ctx.scalars)
         sink = arrays[4]
         return (dq, dk, dv, None, None, None, None, dsink if sink is not None else None) + (None,) * 9
 
@@ -563,7 +568,123 @@ def _traced_call_ops(q, k, v, call, arrays: dict, return_lse):
     return (out, lse) if return_lse else out
 
 
+# ---- the checks under tracing ----
+#
+# Dynamo guards every global, function and constant tuple the code it traces reads: traced through
+# describe_forward, the checks left ~110 guards (bench/NOTES.md), evaluated on every call of the
+# compiled code. With static shapes the checks instead run once, at trace time, outside Dynamo's
+# view: `_checked` takes the call's signature (dtypes, sizes, strides, devices, scalars: all
+# constants then) as a torch.compiler.assume_constant_result function, and the traced code reads
+# only its result. Dynamo still guards the tensors' dtypes, sizes and strides, so a call with
+# another signature re-traces and is checked again. Symbolic shapes, or arguments that are not
+# constants, take the traced checks below.
+
+def _static_sig(x):
+    """(dtype, sizes, strides, device) of a tensor whose sizes and strides are ints, else None."""
+    shape, stride = tuple(x.shape), tuple(x.stride())
+    for n in shape + stride:
+        if n.__class__ is not int:  # under Dynamo, type(n) of a symbolic size says int; __class__ does not
+            return None
+    return (x.dtype, shape, stride, x.device)
+
+
+def _scalar_sig(x):
+    """x if it is a constant Dynamo can pass to `_checked` (a number, bool, None, or a pair of them), else
+    a marker that sends the call to the traced checks."""
+    # x.__class__, not type(x): under Dynamo type() of a symbolic int says int. Literal tuples of types,
+    # not a module constant: Dynamo guards each element of a global tuple it reads.
+    if x is None or x.__class__ in (bool, int, float):
+        return x
+    if x.__class__ is tuple and len(x) == 2 and x[0].__class__ in (bool, int, float) \
+            and x[1].__class__ in (bool, int, float):
+        return x
+    return _scalar_sig
+
+
+def _call_sig(q, k, v, causal, softmax_scale, deterministic, return_lse, opts, packed):
+    """The signature `_checked` validates, or None when some part of it is not a trace-time constant."""
+    sigs = (_static_sig(q), _static_sig(k), _static_sig(v))
+    if sigs[0] is None or sigs[1] is None or sigs[2] is None:
+        return None
+    scalars = (_scalar_sig(causal), _scalar_sig(softmax_scale), _scalar_sig(deterministic), _scalar_sig(return_lse))
+    items = []
+    for name, x in (opts or {}).items():
+        if isinstance(x, torch.Tensor):
+            t = _static_sig(x)
+            if t is None:
+                return None
+            items.append((name, True, t))
+        else:
+            items.append((name, False, _scalar_sig(x)))
+    if packed is not None:
+        cu_q, cu_k, mq, mk = packed
+        if not (isinstance(cu_q, torch.Tensor) and isinstance(cu_k, torch.Tensor)):
+            return None
+        packed = (_static_sig(cu_q), _static_sig(cu_k), _scalar_sig(mq), _scalar_sig(mk))
+        if packed[0] is None or packed[1] is None:
+            return None
+        scalars += packed[2:]
+    for x in scalars:
+        if x is _scalar_sig:
+            return None
+    for item in items:
+        if item[2] is _scalar_sig:
+            return None
+    return (sigs, scalars[:4], tuple(items), packed)
+
+
+def _info(sig) -> ArrayInfo:
+    dtype, shape, stride, device = sig
+    index = device.index if device.index is not None else (torch.cuda.current_device() if device.type == "cuda" else 0)
+    return ArrayInfo("torch", shape, stride, str(dtype)[6:], (device.type, index if device.type == "cuda" else 0),
+                     True, "torch.Tensor")
+
+
+@torch.compiler.assume_constant_result
+def _checked(sig):
+    """Validates a call from its signature (see above): ("", what the traced code applies) or
+    (the exception's type name, its message)."""
+    sigs, (causal, scale, det, ret), items, packed = sig
+    opts = {name: (_info(x) if is_tensor else x) for name, is_tensor, x in items}
+    infos = [_info(x) for x in sigs]
+    try:
+        if packed is None:
+            call = _call.describe_forward(infos, causal, scale, det, ret, **opts)
+        else:
+            call = _call.describe_varlen(infos, _info(packed[0]), _info(packed[1]), packed[2], packed[3], causal,
+                                         scale, det, ret, **opts)
+    except (TypeError, ValueError) as e:
+        return (type(e).__name__, str(e))
+    if call.feats is None:
+        return ("", (True, call.causal, call.scale, call.deterministic))
+    f = call.feats
+    mq, mk = call.packed if call.packed else (-1, -1)
+    return ("", (False, call.scale, call.deterministic, f.window_left, f.window_right, f.num_sink_tokens,
+                 float(f.softcap), int(mq), int(mk)))
+
+
+def _apply_checked(q, k, v, res, arrays: dict, return_lse):
+    """The autograd.Function of a call `_checked` accepted."""
+    if res[0]:
+        raise (TypeError if res[0] == "TypeError" else ValueError)(res[1])
+    a = res[1]
+    if a[0]:
+        out, lse = _CompiledAttention.apply(q, k, v, a[1], a[2], a[3])
+    else:
+        out, lse = _CompiledFeatAttention.apply(
+            q, k, v, arrays.get("q_lengths"), arrays.get("kv_lengths"), arrays.get("cu_seqlens_q"),
+            arrays.get("cu_seqlens_k"), arrays.get("sink_logits"), arrays.get("alibi_slopes"), *a[1:])
+    return (out, lse) if return_lse else out
+
+
 def _traced_attention(q, k, v, causal, softmax_scale, return_lse, deterministic, opts):
+    sig = _call_sig(q, k, v, causal, softmax_scale, deterministic, return_lse, opts, None)
+    if sig is not None:
+        return _apply_checked(q, k, v, _checked(sig), opts or {}, return_lse)
+    return _traced_attention_checks(q, k, v, causal, softmax_scale, return_lse, deterministic, opts)
+
+
+def _traced_attention_checks(q, k, v, causal, softmax_scale, return_lse, deterministic, opts):
     from ._base import option_infos
 
     infos = [info_of(x) for x in (q, k, v)]
@@ -574,6 +695,17 @@ def _traced_attention(q, k, v, causal, softmax_scale, return_lse, deterministic,
 
 def _traced_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                    return_lse, deterministic, opts):
+    sig = _call_sig(q, k, v, causal, softmax_scale, deterministic, return_lse, opts,
+                    (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+    if sig is not None:
+        arrays = dict(opts, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+        return _apply_checked(q, k, v, _checked(sig), arrays, return_lse)
+    return _traced_varlen_checks(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                 softmax_scale, return_lse, deterministic, opts)
+
+
+def _traced_varlen_checks(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                          return_lse, deterministic, opts):
     from ._base import option_infos
 
     infos = [info_of(x) for x in (q, k, v)]
