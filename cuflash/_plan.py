@@ -224,6 +224,22 @@ class Plan:
         return dq, dk, dv, dsink
 
 
+def scratch_layout(c: Call, target: str, has_sink: bool) -> tuple:
+    """The backward's float32 scratch for a call on a compile target: (atomic dQ, rows, dQ accumulator,
+    sink rows) element counts, laid out in that order (delta [+ lse * log2 e], dq_accum, the per-row
+    terms of d sink_logits). JAX under jit sizes its scratch output with it at trace time."""
+    d, batch, h = c.head_dim, c.batch, c.nheads
+    if c.feats is None:
+        atomic = _launch.bwd_uses_atomics(c.deterministic, target, d)
+        n_rows, n_acc = _launch.bwd_scratch_sizes(batch, h, c.seqlen_q, d, atomic, target)
+        return atomic, n_rows, n_acc, 0
+    # dQ by float atomics from sm_90a's wgmma dK/dV kernel where it fits, unless deterministic.
+    atomic = _config.feat_bwd_uses_atomics(c.deterministic, target, d)
+    pad = _launch.bwd_row_pad(c.seqlen_q)
+    n_rows = max(1, 2 * batch * h * pad)
+    return atomic, n_rows, batch * h * pad * d if atomic else 0, batch * h * pad if has_sink else 0
+
+
 class BackwardPlan:
     """The backward of a forward plan for one layout of dout, out and lse: which inputs are copied,
     the scratch it needs (one float32 buffer: delta [+ lse * log2 e], the dQ accumulator of the
@@ -259,31 +275,22 @@ class BackwardPlan:
         c = self.call
         cc = _cc(self.device_id)
         target = _config.compile_arch(*cc)
-        d = c.head_dim
         views = {n: self._layout(infos, n, s) for n, s in
                  (("dout", B_DOUT), ("q", B_Q), ("k", B_K), ("v", B_V), ("out", B_OUT))}
         grads = {n: DeviceTensor(Slot(s), infos[src].shape, contiguous_strides(infos[src].shape))
                  for n, s, src in (("dq", B_DQ, "q"), ("dk", B_DK, "k"), ("dv", B_DV, "v"))}
         batch, h = c.batch, c.nheads
-        pad = _launch.bwd_row_pad(c.seqlen_q)
         scratch = Slot(B_SCRATCH)
+        atomic, n_rows, n_acc, n_sink = scratch_layout(c, target, self.has_sink)
+        self.scratch_floats = n_rows + n_acc + n_sink
         if c.feats is None:
-            atomic = _launch.bwd_uses_atomics(c.deterministic, target, d)
-            n_rows, n_acc = _launch.bwd_scratch_sizes(batch, h, c.seqlen_q, d, atomic, target)
-            self.scratch_floats = n_rows + n_acc
             return _launch.bwd_launches(views["dout"], views["q"], views["k"], views["v"], views["out"], Slot(B_LSE),
                                         grads["dq"], grads["dk"], grads["dv"], scratch,
                                         scratch + 4 * n_rows if n_acc else 0, c.dtype, c.causal, c.scale, atomic,
                                         self.device_id, cc)
-        # dQ by float atomics from sm_90a's wgmma dK/dV kernel where it fits, unless deterministic.
-        atomic = _config.feat_bwd_uses_atomics(c.deterministic, target, d)
-        n_rows = max(1, 2 * batch * h * pad)
-        n_acc = batch * h * pad * d if atomic else 0
-        n_sink = batch * h * pad if self.has_sink else 0
-        self.scratch_floats = n_rows + n_acc + n_sink
         dsink = 0
         if n_sink:
-            self.dsink_offset, self.dsink_shape = n_rows + n_acc, (batch, h, pad)
+            self.dsink_offset, self.dsink_shape = n_rows + n_acc, (batch, h, _launch.bwd_row_pad(c.seqlen_q))
             dsink = scratch + 4 * self.dsink_offset
         m = _mask_args(c, self.copy, infos, BWD_OPT, dsink=dsink)
         acc = scratch + 4 * n_rows if atomic else 0

@@ -468,3 +468,113 @@ def test_jax_out_of_memory_is_jaxs_own(monkeypatch):
     monkeypatch.setattr(_cupy.ADAPTER, "empty", oom)
     with pytest.raises(jax.errors.JaxRuntimeError, match="RESOURCE_EXHAUSTED"):
         _jax.ADAPTER.empty((4, 4), "float32", 0)
+
+
+class _Buffer:
+    """Stands in for jax.experimental.buffer_callback.Buffer: a device pointer with a shape."""
+
+    def __init__(self, a):
+        self.a, self.shape, self.dtype = a, a.shape, a.dtype
+        self.__cuda_array_interface__ = {"data": (a.ctypes.data, False), "shape": a.shape, "version": 3}
+
+
+class _Ctx:
+    stream = 91
+
+
+@pytest.mark.parametrize("options", [False, True])
+def test_jax_jit_gpu_callbacks_launch_what_eager_launches(dev, monkeypatch, options):
+    """JAX under jit on a GPU (cuflash/_adapters/_jax.py, CUFLASH_JAX_JIT_GPU=1): the buffer_callback
+    functions, run here against the fake device, launch the same kernels with the same Params as the
+    eager call, except that the pointers are XLA's buffers and the stream is XLA's."""
+    pytest.importorskip("jax")
+    from cuflash._adapters import _jax as J
+
+    monkeypatch.setenv("CUFLASH_JAX_JIT_GPU", "1")
+    ad, launched = dev
+    rng = np.random.default_rng()
+    b, s, h, hkv, d = 2, 70, 4, 2, 64
+    q, k, v = arr(rng, (b, s, h, d)), arr(rng, (b, s, hkv, d)), arr(rng, (b, s, hkv, d))
+    opts, scalars = {}, {}
+    if options:
+        opts = {"kv_lengths": np.array([70, 9], np.int32).view(Dev),
+                "sink_logits": rng.standard_normal(h).astype(np.float32).view(Dev)}
+        scalars = {"window": (11, 0), "softcap": 5.0}
+    kw = dict(opts, **scalars)
+    out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True, **kw)
+    eager_fwd = launched[-1]
+    dout = arr(rng, q.shape)
+    ad.allocs.clear()
+    n0 = len(launched)
+    cuflash.attention_backward(dout, q, k, v, out, lse, causal=True, **kw)
+    eager_bwd = launched[n0:]
+    eager_scratch = next(a for a in ad.allocs if a.dtype == np.float32 and a.ndim == 1)
+
+    names = list(opts)
+    arrays = [opts[n] for n in names]
+    plans = J._JitPlans(q, k, v, names, arrays, scalars, (True, None, False, True), None)
+    # forward: out and lse are XLA's buffers
+    x_out, x_lse = np.empty_like(out), np.empty_like(lse)
+    n0 = len(launched)
+    J.forward_callback(plans)(_Ctx(), (_Buffer(x_out), _Buffer(x_lse)), *map(_Buffer, (q, k, v, *arrays)))
+    (jf,) = launched[n0:]
+    assert (jf["name"], jf["grid"], jf["threads"], jf["smem"], jf["stream"]) == \
+        (eager_fwd["name"], eager_fwd["grid"], eager_fwd["threads"], eager_fwd["smem"], 91)
+    pj, pe = jf["p"].copy(), eager_fwd["p"].copy()
+    assert (int(pj["o"]), int(pj["lse"])) == (addr(x_out), addr(x_lse))
+    pj["o"] = pe["o"]
+    pj["lse"] = pe["lse"]
+    assert pj.tobytes() == pe.tobytes(), "forward Params differ beyond the output pointers"
+
+    # backward: dq, dk, dv and the scratch are XLA's buffers, laid out as scratch_layout says at trace time
+    from cuflash._plan import scratch_layout
+
+    call, _ = plans.call(0)
+    _, n_rows, n_acc, n_sink = scratch_layout(call, "sm_90a", options)
+    x_dq, x_dk, x_dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
+    x_scratch = np.empty(n_rows + n_acc + n_sink, np.float32)
+    cb = J.backward_callback(plans, x_scratch.size, n_rows + n_acc if options else None)
+    n0 = len(launched)
+    cb(_Ctx(), tuple(map(_Buffer, (x_dq, x_dk, x_dv, x_scratch))), *map(_Buffer, (dout, q, k, v, out, lse, *arrays)))
+    jb = launched[n0:]
+    assert [L["name"] for L in jb] == [L["name"] for L in eager_bwd]
+    moved = {"dq": x_dq, "dk": x_dk, "dv": x_dv}
+    base_e, base_j = addr(eager_scratch), addr(x_scratch)
+    for lj, le in zip(jb, eager_bwd):
+        assert (lj["grid"], lj["threads"], lj["smem"], lj["stream"]) == (le["grid"], le["threads"], le["smem"], 91)
+        pj, pe = lj["p"].copy(), le["p"].copy()
+        for name, x in moved.items():
+            assert int(pj[name]) == addr(x), name
+            pj[name] = pe[name]
+        for name in ("delta", "lse_log2", "dq_accum"):  # same offsets into the scratch, or both absent
+            e, j = int(pe[name]), int(pj[name])
+            assert (e == 0) == (j == 0) and (e == 0 or e - base_e == j - base_j), name
+            pj[name] = pe[name]
+        e, j = int(pe["mask"]["dsink_rows"]), int(pj["mask"]["dsink_rows"])
+        assert (e == 0) == (j == 0) and (e == 0 or e - base_e == j - base_j), "dsink_rows"
+        pj["mask"]["dsink_rows"] = pe["mask"]["dsink_rows"]
+        assert pj.tobytes() == pe.tobytes(), f"{lj['name']}: Params differ beyond the moved pointers"
+    assert x_scratch.size >= max(1, eager_scratch.size) or eager_scratch.size == 1
+
+
+def test_jax_jit_gpu_lowering(monkeypatch):
+    """With CUFLASH_JAX_JIT_GPU=1, lowering for 'cuda' builds the forward and the backward into XLA
+    buffer callbacks (the CPU still runs the NumPy path); without it, lowering raises."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    q = jnp.ones((2, 16, 4, 64), jnp.bfloat16)
+    k = jnp.ones((2, 16, 2, 64), jnp.bfloat16)
+    sink = jnp.ones(4, jnp.float32)
+
+    def loss(q, k, v, s):
+        return jnp.sum(cuflash.attention(q, k, v, causal=True, sink_logits=s, window=(3, 0)).astype(jnp.float32))
+
+    def lower():  # a new jit each time: the setting is read at trace time, and jit caches its traces
+        return jax.jit(jax.grad(loss, argnums=(0, 3))).trace(q, k, k, sink).lower(lowering_platforms=("cuda",))
+
+    monkeypatch.setenv("CUFLASH_JAX_JIT_GPU", "1")
+    assert lower().as_text().count("xla_buffer_python_gpu_callback") == 2, "forward and backward callbacks"
+    monkeypatch.delenv("CUFLASH_JAX_JIT_GPU")
+    with pytest.raises(NotImplementedError, match="'cuda'"):
+        lower()

@@ -78,8 +78,9 @@ def _make_unsupported():
 _UNSUPPORTED = None
 
 
-def _under_jit(host, result_types, args, what: str):
-    """result_types (ShapeDtypeStructs) from host(*numpy arrays) on the CPU; a lowering error elsewhere."""
+def _under_jit(host, result_types, args, what: str, gpu=None):
+    """result_types (ShapeDtypeStructs) from host(*numpy arrays) on the CPU; on CUDA from gpu(*args)
+    where given (see jit_gpu_enabled); a lowering error elsewhere."""
     global _UNSUPPORTED
     if _UNSUPPORTED is None:
         _UNSUPPORTED = _make_unsupported()
@@ -91,7 +92,177 @@ def _under_jit(host, result_types, args, what: str):
     def other(*a):
         return tuple(_UNSUPPORTED.bind(*a, shapes=shapes, what=what))
 
+    if gpu is not None and jit_gpu_enabled():
+        return jax.lax.platform_dependent(*args, cpu=cpu, cuda=gpu, default=other)
     return jax.lax.platform_dependent(*args, cpu=cpu, default=other)
+
+
+# ---- under jit on CUDA: the GPU plans, launched from a buffer_callback on XLA's stream ----
+#
+# jax.experimental.buffer_callback hands a Python function XLA's stream and the device pointers of
+# the call's operands and results (allocated by XLA: out and lse, or dq, dk, dv and the backward's
+# scratch). The function runs the same Plan as an eager call: pointers patched into the Params
+# bytes, cuLaunchKernel on that stream. The plan is made on first use per device, from the shapes
+# and dtypes known at trace time (XLA's buffers are dense and row-major). Nothing is allocated
+# behind XLA's back; the sink gradient is summed from the scratch output with jnp.
+#
+# Status: written and wired on a machine without a GPU (tests/test_jax_jit_cpu.py lowers it for
+# 'cuda' and runs its callbacks against the fake device of tests/test_plan_wiring.py). It is off
+# until the GPU tests have run it: CUFLASH_JAX_JIT_GPU=1 turns it on; otherwise compiling for a GPU
+# raises NotImplementedError as before. CUFLASH_JAX_JIT_CMD_BUFFER=1 also lets XLA record the
+# launches into its command buffers (CUDA graphs), so that Python runs at capture only.
+
+
+def jit_gpu_enabled() -> bool:
+    import os
+
+    return os.environ.get("CUFLASH_JAX_JIT_GPU") == "1"
+
+
+def _cmd_buffer() -> bool:
+    import os
+
+    return os.environ.get("CUFLASH_JAX_JIT_CMD_BUFFER") == "1"
+
+
+def _buffer_ptr(b) -> int:
+    return int(b.__cuda_array_interface__["data"][0])
+
+
+def _xla_info(shape, dtype, device_id: int) -> ArrayInfo:
+    import numpy as np
+
+    shape = tuple(int(n) for n in shape)
+    return ArrayInfo("jax", shape, contiguous_strides(shape), np.dtype(dtype).name, ("cuda", device_id), True,
+                     "jax.Array")
+
+
+def _trace_target() -> str:
+    """The compile target of the GPU a traced program will run on (the first CUDA device; cuflash assumes
+    one kind of GPU per process). A trace on a machine without one (lowering for 'cuda' elsewhere)
+    gets sm_90a: the program is not run there."""
+    from .. import _config
+
+    try:
+        major, minor = (int(x) for x in str(jax.devices("cuda")[0].compute_capability).split("."))
+        return _config.compile_arch(major, minor)
+    except Exception:
+        return "sm_90a"
+
+
+class _JitPlans:
+    """The plans of one traced call, per device: made from the trace-time shapes and dtypes."""
+
+    def __init__(self, q, k, v, names, arrays, scalars, plan_args, packed):
+        self.avals = {"q": (q.shape, q.dtype), "k": (k.shape, k.dtype), "v": (v.shape, v.dtype)}
+        self.avals.update({n: (a.shape, a.dtype) for n, a in zip(names, arrays)})
+        self.names, self.scalars, self.plan_args, self.packed = tuple(names), dict(scalars), plan_args, packed
+        self.plans: dict = {}
+
+    def call(self, device_id: int):
+        """The validated Call (on the trace device for device_id = 0)."""
+        from .._features import ARRAY_OPTIONS
+
+        info = {n: _xla_info(s, d, device_id) for n, (s, d) in self.avals.items()}
+        causal, scale, det, _ = self.plan_args
+        opts = {n: info.get(n) for n in ARRAY_OPTIONS if n not in ("cu_seqlens_q", "cu_seqlens_k")}
+        opts.update(self.scalars)
+        qkv = [info["q"], info["k"], info["v"]]
+        if self.packed is None:
+            return _call.describe_forward(qkv, causal, scale, det, True, **opts), info
+        return _call.describe_varlen(qkv, info["cu_seqlens_q"], info["cu_seqlens_k"], self.packed[2], self.packed[3],
+                                     causal, scale, det, True, **opts), info
+
+    def plan(self, device_id: int):
+        plan = self.plans.get(device_id)
+        if plan is None:
+            from .._plan import Plan
+
+            call, info = self.call(device_id)
+            plan = Plan(call, {n: info[n] for n in ("q", "k", "v") + tuple(call.arrays)})
+            if plan.copy:  # XLA's buffers are dense and aligned: nothing should need a copy
+                raise RuntimeError(f"cuflash under jax.jit: the plan wants copies of {plan.copy}")
+            self.plans[device_id] = plan
+        return plan
+
+    def option_ptrs(self, plan, arrays) -> list:
+        from .._features import ARRAY_OPTIONS
+        from .._plan import NO_OPTIONS
+
+        if not plan.options:
+            return list(NO_OPTIONS)
+        by_name = dict(zip(self.names, arrays))
+        return [_buffer_ptr(by_name[n]) if n in by_name else 0 for n in ARRAY_OPTIONS]
+
+
+def _device_now() -> int:
+    from .. import _plan
+
+    return _plan._current_device()
+
+
+def forward_callback(plans: _JitPlans):
+    """The buffer_callback of a forward: outs = (out, lse)."""
+    def callback(ctx, outs, q, k, v, *arrays):
+        plan = plans.plan(_device_now())
+        ptrs = [_buffer_ptr(q), _buffer_ptr(k), _buffer_ptr(v), _buffer_ptr(outs[0]), _buffer_ptr(outs[1])]
+        plan.launch(int(ctx.stream), ptrs + plans.option_ptrs(plan, arrays))
+
+    return callback
+
+
+def _gpu_forward(plans: _JitPlans, result_types):
+    callback = forward_callback(plans)
+
+    def gpu(*args):
+        from jax.experimental.buffer_callback import buffer_callback
+
+        return tuple(buffer_callback(callback, tuple(result_types), command_buffer_compatible=_cmd_buffer())(*args))
+
+    return gpu
+
+
+def _gpu_backward(plans: _JitPlans, grad_types, has_sink: bool):
+    """The backward under jit: results dq, dk, dv (and d sink_logits), with the scratch a result too."""
+    import numpy as np
+
+    from .._plan import scratch_layout
+
+    call, _ = plans.call(0)
+    _, n_rows, n_acc, n_sink = scratch_layout(call, _trace_target(), has_sink)
+    n_scratch = max(1, n_rows + n_acc + n_sink)
+    types = tuple(grad_types[:3]) + (jax.ShapeDtypeStruct((n_scratch,), np.float32),)
+    callback = backward_callback(plans, n_scratch, n_rows + n_acc if has_sink else None)
+
+    def gpu(*args):
+        import jax.numpy as jnp
+        from jax.experimental.buffer_callback import buffer_callback
+
+        dq, dk, dv, scratch = buffer_callback(callback, types, command_buffer_compatible=_cmd_buffer())(*args)
+        if not has_sink:
+            return dq, dk, dv
+        b, h = call.batch, call.nheads
+        rows = scratch[n_rows + n_acc:n_rows + n_acc + n_sink].reshape(b, h, n_sink // (b * h))
+        return dq, dk, dv, jnp.sum(rows, axis=(0, 2))
+
+    return gpu
+
+
+def backward_callback(plans: _JitPlans, n_scratch: int, dsink_offset):
+    """The buffer_callback of a backward: outs = (dq, dk, dv, scratch of n_scratch floats, with the sink
+    rows at dsink_offset when there are sink logits)."""
+    def callback(ctx, outs, dout, q, k, v, out, lse, *arrays):
+        plan = plans.plan(_device_now())
+        c = plan.call
+        infos = {n: _xla_info(x.shape, x.dtype, plan.device_id) for n, x in (("dout", dout), ("out", out), ("lse", lse))}
+        bp = plan.backward_plan(("jit",), infos)
+        if bp.copy or bp.scratch_floats > n_scratch or (dsink_offset is not None and bp.dsink_offset != dsink_offset):
+            raise RuntimeError(f"cuflash under jax.jit: the backward of {c} does not fit the scratch laid out at "
+                               f"trace time for {_trace_target()} ({n_scratch} floats); is this a different GPU?")
+        ptrs = [_buffer_ptr(x) for x in (dout, q, k, v, out, lse)] + [_buffer_ptr(x) for x in outs]
+        bp.launch(int(ctx.stream), ptrs + plans.option_ptrs(plan, arrays))
+
+    return callback
 
 
 def _split_opts(opts):
@@ -126,7 +297,10 @@ def traced_forward(q, k, v, opts, plan_args, packed):
         return _api.attention_varlen(q, k, v, *cu, causal, scale, True, det, **kw)
 
     what = "attention" if packed is None else "attention_varlen"
-    return _under_jit(host, types, (q, k, v, *arrays), what)
+    gpu = None
+    if jit_gpu_enabled():
+        gpu = _gpu_forward(_JitPlans(q, k, v, names, arrays, scalars, plan_args, packed), types)
+    return _under_jit(host, types, (q, k, v, *arrays), what, gpu)
 
 
 def traced_backward(dout, q, k, v, out, lse, opts, plan_args, packed):
@@ -151,7 +325,10 @@ def traced_backward(dout, q, k, v, out, lse, opts, plan_args, packed):
         return _api.attention_varlen_backward(*lead, *cu, causal, scale, det, **kw)
 
     what = "attention_backward" if packed is None else "attention_varlen_backward"
-    grads = _under_jit(host, types, (dout, q, k, v, out, lse, *arrays), what)
+    gpu = None
+    if jit_gpu_enabled():
+        gpu = _gpu_backward(_JitPlans(q, k, v, names, arrays, scalars, plan_args, packed), types, sink is not None)
+    grads = _under_jit(host, types, (dout, q, k, v, out, lse, *arrays), what, gpu)
     return tuple(grads) + ((None,) if sink is None else ())
 
 
