@@ -174,7 +174,7 @@ def _traced(plan) -> bool:
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
                      causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False,
                      deterministic: bool = False, *, window=None, num_sink_tokens: int = 0, sink_logits=None,
-                     alibi_slopes=None, softcap: float | None = None):
+                     alibi_slopes=None, softcap: float | None = None, block_table=None):
     """Attention over a packed batch of sequences of different lengths (flash-attn's varlen form).
 
     Args:
@@ -188,11 +188,32 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
             on the GPU are not read back, and a longer sequence is cut to them).
         causal, softmax_scale, deterministic, window, num_sink_tokens, sink_logits, alibi_slopes
             (float32 (nheads,) or (batch, nheads)), softcap: as for `attention`, per sequence.
+        block_table: int32 (batch, max_blocks_per_seq), batch = len(cu_seqlens_q) - 1, or None. With
+            it the keys come from a paged KV cache (a prefill that reads its prefix from the cache, as
+            flash-attn's varlen call with block_table): k and v are (num_blocks, page_size,
+            nheads_kv, head_dim), page_size a multiple of 16, and sequence b's key t, for t in
+            [0, cu_seqlens_k[b + 1] - cu_seqlens_k[b]), is k[block_table[b, t // page_size],
+            t % page_size]. cu_seqlens_k then only gives the key lengths (its differences; the
+            offsets index nothing, and need not start at 0). Each length must be <= max_seqlen_k
+            and <= max_blocks_per_seq * page_size; the table entries a sequence reads (its first
+            ceil(length / page_size)) must be in [0, num_blocks), the rest may hold anything, and
+            sequences may share blocks (a common prefix). q, out, lse and every option are as
+            without it (masks bottom-right aligned on each sequence's lengths). Forward only, on
+            the CPU path (NumPy, torch or JAX CPU arrays, eager) for now: CUDA arrays, torch inputs
+            that require grad (with grad mode on), and JAX tracers (jax.jit, jax.grad, vmap) raise
+            NotImplementedError before anything runs; the values are checked (ValueError).
     Returns:
         out (total_q, nheads, head_dim), and with return_lse lse (nheads, total_q) float32.
     Gradients flow as for `attention` (torch autograd, JAX eager); `attention_varlen_backward`
-    computes them directly.
+    computes them directly (not with block_table).
     """
+    if block_table is not None:
+        from ._kvcache import attention_varlen_paged
+
+        return attention_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                      softmax_scale, return_lse, deterministic, block_table=block_table,
+                                      window=window, num_sink_tokens=num_sink_tokens, sink_logits=sink_logits,
+                                      alibi_slopes=alibi_slopes, softcap=softcap)
     opts = _options(None, None, window, num_sink_tokens, sink_logits, alibi_slopes, softcap) or {}
     return _adapter(q).attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                         softmax_scale, return_lse, deterministic, opts)
@@ -201,9 +222,14 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
                               max_seqlen_k: int, causal: bool = False, softmax_scale: float | None = None,
                               deterministic: bool = False, *, window=None, num_sink_tokens: int = 0,
-                              sink_logits=None, alibi_slopes=None, softcap: float | None = None):
+                              sink_logits=None, alibi_slopes=None, softcap: float | None = None, block_table=None):
     """Gradients of `attention_varlen`: (dq, dk, dv), plus d sink_logits (float32 (nheads,)) when
-    sink_logits is given. dout and out are (total_q, nheads, head_dim), lse (nheads, total_q)."""
+    sink_logits is given. dout and out are (total_q, nheads, head_dim), lse (nheads, total_q).
+    A paged call (block_table) has no backward yet: NotImplementedError."""
+    if block_table is not None:
+        from ._kvcache import refuse_paged_backward
+
+        raise refuse_paged_backward()
     ad = _adapter(q)
     opts = _options(None, None, window, num_sink_tokens, sink_logits, alibi_slopes, softcap) or {}
     plan = ad.varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,

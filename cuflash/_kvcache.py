@@ -21,6 +21,12 @@ cuflash/_cpu.py on it with kv_lengths = cache_seqlens + seqlen_new. So the masks
 ALiBi and softcap mean exactly what they mean for `cuflash.attention` with those kv_lengths
 (cuflash/_features.py): bottom-right alignment on the valid lengths.
 
+The same paged layout serves a prefill: `attention_varlen(..., block_table=...)` (flash-attn's varlen
+call with a block table) reads each sequence's keys from the pages, cu_seqlens_k giving only their
+lengths, gathers them into the packed (total_k, nheads_kv, head_dim) layout and runs the NumPy varlen
+forward of cuflash/_plan.py on them (`attention_varlen_paged`, at the end of this module). Forward
+only for now.
+
 GPU arrays are refused in one place, `_refuse_gpu`, before anything runs: the kernels that read a
 paged cache come later.
 """
@@ -69,14 +75,24 @@ class KVCacheCall:
         return self.seqlen_new > 0
 
 
-def _refuse_gpu(q: ArrayInfo) -> None:
+def _refuse_gpu(q: ArrayInfo, what: str = "attention_with_kvcache",
+                instead: str = "or call cuflash.attention with kv_lengths on the gathered keys") -> None:
     """The one place that keeps CUDA arrays out until the kernels exist (the call runs on q's device;
-    any other array elsewhere is a device mismatch, a ValueError)."""
+    any other array elsewhere is a device mismatch, a ValueError). what: the call refused; instead:
+    what to do meanwhile."""
     if q.device[0] == "cuda":
         raise NotImplementedError(
-            "attention_with_kvcache on the GPU is not built yet; its kernels come in a later release. "
+            f"{what} on the GPU is not built yet; its kernels come in a later release. "
             f"q is a {q.lib} array on cuda:{q.device[1]}. Pass CPU arrays (NumPy, torch or JAX on the CPU) "
-            "for the NumPy implementation, or call cuflash.attention with kv_lengths on the gathered keys.")
+            f"for the NumPy implementation, {instead}.")
+
+
+def _check_page_size(name, shape) -> None:
+    """Dimension 1 of a paged cache (num_blocks, page_size, nheads_kv, head_dim): whole 16-row tiles."""
+    if shape[1] % PAGE_MULTIPLE != 0:
+        raise ValueError(f"{name}: expected a page_size (dimension 1 of a paged cache (num_blocks, page_size, "
+                         f"nheads_kv, head_dim)) that is a multiple of {PAGE_MULTIPLE}; got {shape[1]} (shape "
+                         f"{shape})")
 
 
 def _shape_text(names, values) -> str:
@@ -156,10 +172,7 @@ def describe_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, *,
         _check_index("block_table", block_table, lib, device, (b, None), f"(batch, max_blocks_per_seq) = ({b}, *)")
         if block_table.shape[1] < 1:
             raise ValueError(f"block_table: expected at least one block per sequence; got shape {block_table.shape}")
-        if seq % PAGE_MULTIPLE != 0:
-            raise ValueError(f"k_cache: expected a page_size (dimension 1 of a paged cache (num_blocks, page_size, "
-                             f"nheads_kv, head_dim)) that is a multiple of {PAGE_MULTIPLE}; got {seq} (shape "
-                             f"{k_cache.shape})")
+        _check_page_size("k_cache", k_cache.shape)
         if cache_batch_idx is not None:
             raise ValueError("cache_batch_idx: expected None with block_table (the table already says where each "
                              "entry's keys are); got an array as well")
@@ -308,6 +321,24 @@ def _check_values(c: KVCacheCall, cache_seqlens, cache_batch_idx, block_table) -
     return where
 
 
+def _check_blocks(table, lengths, page_size, num_blocks, cache: str, who: str):
+    """The block table's entries that are read, the first ceil(lengths[b] / page_size) of row b, must name
+    blocks of the cache, [0, num_blocks); the others are not read and may hold anything. Returns the
+    table (int64) with the unread entries set to 0. cache, who: the cache's argument name and what a
+    row of the table serves ("entry", "sequence"), for the message."""
+    import numpy as np
+
+    used = np.arange(table.shape[1])[None, :] < -(-lengths // page_size)[:, None]  # (batch, max_blocks)
+    bad = used & ((table < 0) | (table >= num_blocks))
+    if bad.any():
+        i, j = (int(x) for x in np.argwhere(bad)[0])
+        raise ValueError(f"block_table: expected block numbers in [0, {num_blocks}) (num_blocks of {cache}); got "
+                         f"block_table[{i}, {j}] = {int(table[i, j])}, which {who} {i} uses for its keys "
+                         f"{j * page_size}..{min((j + 1) * page_size, int(lengths[i])) - 1} (length "
+                         f"{int(lengths[i])})")
+    return np.where(used, table, 0)
+
+
 def _check_table(c: KVCacheCall, table, where: _Where) -> None:
     """The block table: the entries an entry uses (its first ceil(length / page_size)) must name blocks of
     k_cache; the others are not read. When appending, every position written must be a cache slot no other
@@ -316,15 +347,7 @@ def _check_table(c: KVCacheCall, table, where: _Where) -> None:
     import numpy as np
 
     ps, lengths = c.page_size, where.lengths
-    used = np.arange(table.shape[1])[None, :] < -(-lengths // ps)[:, None]  # (batch, max_blocks)
-    bad = used & ((table < 0) | (table >= c.cache_rows))
-    if bad.any():
-        i, j = (int(x) for x in np.argwhere(bad)[0])
-        raise ValueError(f"block_table: expected block numbers in [0, {c.cache_rows}) (num_blocks of k_cache); got "
-                         f"block_table[{i}, {j}] = {int(table[i, j])}, which entry {i} uses for its keys "
-                         f"{j * ps}..{min((j + 1) * ps, int(lengths[i])) - 1} (length {int(lengths[i])})")
-    table = np.where(used, table, 0)
-    where.table = table
+    table = where.table = _check_blocks(table, lengths, ps, c.cache_rows, "k_cache", "entry")
     if not c.appends:
         return
     # Every (entry, position) the call touches, as a cache slot block * page_size + row.
@@ -515,3 +538,248 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
     out, lse = forward_numpy(call, where, qn, host["k_cache"], host["v_cache"], options)
     out = ad.from_numpy(out, q)
     return (out, ad.from_numpy(lse, q)) if call.return_lse else out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Paged prefill: `attention_varlen(..., block_table=...)` (flash-attn's varlen call with a block table).
+#
+#     attention_varlen  ->  attention_varlen_paged  ->  PagedVarlenCall (describe_paged_varlen)  ->  values checked
+#                       ->  each sequence's keys gathered into a packed (total_k, nheads_kv, head_dim) array
+#                       ->  the NumPy varlen forward of cuflash/_plan.py (Plan.forward_numpy), unchanged
+#
+# k and v are paged caches (num_blocks, page_size, nheads_kv, head_dim); sequence b's keys are its logical
+# positions t in [0, cu_seqlens_k[b+1] - cu_seqlens_k[b]), at block block_table[b, t // page_size], row
+# t % page_size. cu_seqlens_k only says how many keys each sequence has (its differences); q, out and lse are
+# packed as for any attention_varlen call. Forward only and eager only, for now.
+
+_PAGED = "attention_varlen with block_table"
+
+
+@dataclass(frozen=True)
+class PagedVarlenCall:
+    """A validated call of `attention_varlen` with a block_table: what its signature fixes."""
+
+    lib: str
+    device: tuple
+    dtype: str
+    batch: int
+    total_q: int
+    nheads: int
+    nheads_kv: int
+    head_dim: int
+    page_size: int
+    num_blocks: int
+    capacity: int            # keys a sequence can hold: max_blocks_per_seq * page_size
+    max_seqlen_q: int
+    max_seqlen_k: int
+    causal: bool
+    scale: float
+    return_lse: bool
+    window: object           # the scalar options as given (validated); the varlen forward normalizes them
+    num_sink_tokens: int
+    softcap: object
+    arrays: tuple = ()       # the option arrays given: "sink_logits", "alibi_slopes"
+
+
+def describe_paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
+                          softmax_scale=None, return_lse=False, deterministic=False, *, block_table, window=None,
+                          num_sink_tokens=0, sink_logits=None, alibi_slopes=None, softcap=None) -> PagedVarlenCall:
+    """Validates what the signature of a paged varlen call fixes. Arrays are ArrayInfo / Foreign / None.
+    Every error names the argument, what it got and what was expected; values are checked later
+    (`_check_paged_values`)."""
+    from ._features import _check_int
+
+    arrays = dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, block_table=block_table,
+                  sink_logits=sink_logits, alibi_slopes=alibi_slopes)
+    if q.lib is None:
+        raise TypeError(f"q: expected {_ARRAYS}; got {q.type_name}")
+    lib = q.lib
+    for name in ("k", "v"):
+        if arrays[name].lib != lib:
+            raise TypeError(f"{name}: expected a {lib} array like q; got {arrays[name].type_name}")
+    _refuse_gpu(q, _PAGED, "or gather each sequence's keys into a packed k, v yourself and call attention_varlen "
+                           "without block_table")
+    device = q.device
+    if device[0] != "cpu":
+        raise ValueError(f"q: expected an array on the CPU; got one on {device[0]}")
+    for name in ("k", "v"):
+        x = arrays[name]
+        if x.device != device:
+            raise ValueError(f"{name}: on {x.device[0]}:{x.device[1]}; expected q's device {device[0]}:{device[1]}")
+
+    # ---- q and the paged caches
+    if len(q.shape) != 3:
+        raise ValueError(f"q: expected 3 dimensions (total_q, nheads, head_dim) (a packed batch); got shape {q.shape}")
+    for name in ("k", "v"):
+        if len(arrays[name].shape) != 4:
+            raise ValueError(f"{name}: expected 4 dimensions (num_blocks, page_size, nheads_kv, head_dim) with "
+                             f"block_table (a paged cache); got shape {arrays[name].shape}")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"q: expected dtype float16 or bfloat16; got {q.dtype}")
+    for name in ("k", "v"):
+        if arrays[name].dtype != q.dtype:
+            raise TypeError(f"{name}: expected q's dtype {q.dtype}; got {arrays[name].dtype}")
+    total_q, h, d = q.shape
+    num_blocks, page, hk, dk = k.shape
+    if min(q.shape) < 1:
+        raise ValueError(f"q: expected every dimension >= 1; got shape {q.shape}")
+    if d not in HEAD_DIMS:
+        raise ValueError(f"q: expected a head_dim that is a multiple of 8 from 8 to 256; got {d} (q shape {q.shape})")
+    if min(k.shape) < 1:
+        raise ValueError(f"k: expected every dimension >= 1; got shape {k.shape}")
+    if dk != d:
+        raise ValueError(f"k: expected q's head_dim {d} in its last dimension; got head_dim {dk} (q shape {q.shape}, "
+                         f"k shape {k.shape})")
+    if h % hk != 0:
+        raise ValueError(f"k: expected nheads_kv dividing q's nheads {h} (MQA/GQA); got nheads_kv {hk} (q shape "
+                         f"{q.shape}, k shape {k.shape})")
+    if v.shape != k.shape:
+        raise ValueError(f"v: expected k's shape {k.shape}; got {v.shape}")
+    _check_page_size("k", k.shape)
+
+    # ---- offsets and the block table
+    x = cu_seqlens_q
+    if x.lib is None:
+        raise TypeError(f"cu_seqlens_q: expected an int32 {lib} array of shape (batch + 1,); got {x.type_name}")
+    _check_index("cu_seqlens_q", x, lib, device, (None,), "(batch + 1,)")
+    if x.shape[0] < 2:
+        raise ValueError(f"cu_seqlens_q: expected shape (batch + 1,) with batch >= 1; got {x.shape}")
+    b = x.shape[0] - 1
+    _check_index("cu_seqlens_k", cu_seqlens_k, lib, device, (b + 1,), f"(batch + 1,) = ({b + 1},), cu_seqlens_q's")
+    _check_index("block_table", block_table, lib, device, (b, None),
+                 f"(batch, max_blocks_per_seq) = ({b}, *), batch = len(cu_seqlens_q) - 1")
+    if block_table.shape[1] < 1:
+        raise ValueError(f"block_table: expected at least one block per sequence; got shape {block_table.shape}")
+    capacity = block_table.shape[1] * page
+
+    # ---- the scalars and the options
+    mq = _check_int("max_seqlen_q", max_seqlen_q, 0)
+    mk = _check_int("max_seqlen_k", max_seqlen_k, 0)
+    _check_bool("causal", causal)
+    _check_bool("return_lse", return_lse)
+    _check_bool("deterministic", deterministic)
+    scale = _check_scale(softmax_scale, d)
+    options = {n: arrays[n] for n in ("sink_logits", "alibi_slopes") if arrays[n] is not None}
+    check_features(lib, device, batch=b, nheads=h, seqlen_q=min(mq, total_q), seqlen_k=min(mk, capacity),
+                   causal=bool(causal), window=window, num_sink_tokens=num_sink_tokens, softcap=softcap,
+                   arrays=dict(options, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k), packed=True)
+    return PagedVarlenCall(lib=lib, device=device, dtype=q.dtype, batch=b, total_q=total_q, nheads=h, nheads_kv=hk,
+                           head_dim=d, page_size=page, num_blocks=num_blocks, capacity=capacity, max_seqlen_q=mq,
+                           max_seqlen_k=mk, causal=bool(causal), scale=scale, return_lse=bool(return_lse),
+                           window=window, num_sink_tokens=num_sink_tokens, softcap=softcap, arrays=tuple(options))
+
+
+def _check_paged_values(c: PagedVarlenCall, cu_seqlens_q, cu_seqlens_k, block_table):
+    """Checks the values of the offsets and the block table (NumPy). Returns (key lengths int64 (batch,),
+    the block table int64 with the entries no sequence reads set to 0)."""
+    import numpy as np
+
+    cq = np.asarray(cu_seqlens_q).astype(np.int64)
+    lq = np.diff(cq)
+    if cq[0] < 0 or (lq < 0).any() or cq[-1] > c.total_q:
+        raise ValueError(f"cu_seqlens_q: expected non-decreasing offsets from >= 0 to <= {c.total_q} (the rows of "
+                         f"q); got {_show(cq)}")
+    if lq.max() > c.max_seqlen_q:
+        i = int(np.argmax(lq))
+        raise ValueError(f"cu_seqlens_q: expected sequence lengths <= max_seqlen_q = {c.max_seqlen_q}; got "
+                         f"sequence {i} of length {int(lq[i])} in {_show(cq)}")
+    ck = np.asarray(cu_seqlens_k).astype(np.int64)
+    lk = np.diff(ck)
+    if (lk < 0).any():
+        i = int(np.argmax(lk < 0))
+        raise ValueError(f"cu_seqlens_k: expected non-decreasing offsets (their differences are the sequences' key "
+                         f"lengths); got cu_seqlens_k[{i + 1}] = {int(ck[i + 1])} < cu_seqlens_k[{i}] = "
+                         f"{int(ck[i])} in {_show(ck)}")
+    for limit, what in ((c.max_seqlen_k, f"max_seqlen_k = {c.max_seqlen_k}"),
+                        (c.capacity, f"max_blocks_per_seq * page_size = {c.capacity // c.page_size} * "
+                                     f"{c.page_size} = {c.capacity}, what block_table holds")):
+        if lk.max() > limit:
+            i = int(np.argmax(lk))
+            raise ValueError(f"cu_seqlens_k: expected key lengths (cu_seqlens_k[b + 1] - cu_seqlens_k[b]) <= {what}; "
+                             f"got sequence {i} with {int(lk[i])} keys in {_show(ck)}")
+    table = _check_blocks(np.asarray(block_table).astype(np.int64), lk, c.page_size, c.num_blocks, "k", "sequence")
+    return lk, table
+
+
+def gather_packed_numpy(table, lengths, page_size, k, v):
+    """Each sequence's logical keys and values, packed one sequence after the other: (total_k, nheads_kv,
+    head_dim) copies with total_k = sum(lengths) (one row of zeros when that is 0), and their int32
+    offsets (batch + 1,) from 0."""
+    import numpy as np
+
+    total = int(lengths.sum())
+    cu = np.zeros(len(lengths) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=cu[1:])
+    if total == 0:
+        zero = np.zeros((1,) + k.shape[2:], dtype=k.dtype)
+        return zero, zero.copy(), cu
+    seq = np.repeat(np.arange(len(lengths)), lengths)           # the sequence of each packed row
+    t = np.arange(total) - np.repeat(cu[:-1].astype(np.int64), lengths)  # its logical key position
+    blocks, rows = table[seq, t // page_size], t % page_size
+    return k[blocks, rows], v[blocks, rows], cu
+
+
+def paged_varlen_forward_numpy(c: PagedVarlenCall, q, k, v, cu_seqlens_q, lengths, table, options: dict):
+    """(out, lse): the keys gathered, then the NumPy varlen forward that attention_varlen runs on a packed
+    batch (the same Call and Plan path, so the result is that of attention_varlen on the gathered keys)."""
+    from ._adapters._numpy import ADAPTER
+    from ._call import describe_varlen
+    from ._plan import Plan
+
+    keys, values, cu_k = gather_packed_numpy(table, lengths, c.page_size, k, v)
+    infos = [ADAPTER.info(x) for x in (q, keys, values)]
+    call = describe_varlen(infos, ADAPTER.info(cu_seqlens_q), ADAPTER.info(cu_k), c.max_seqlen_q, c.max_seqlen_k,
+                           c.causal, c.scale, False, c.return_lse, window=c.window,
+                           num_sink_tokens=c.num_sink_tokens, softcap=c.softcap,
+                           **{n: ADAPTER.info(options[n]) for n in c.arrays})
+    arrays = dict(options, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_k)
+    return Plan(call, {}).forward_numpy(q, keys, values, arrays)
+
+
+def attention_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
+                           softmax_scale=None, return_lse=False, deterministic=False, *, block_table, window=None,
+                           num_sink_tokens=0, sink_logits=None, alibi_slopes=None, softcap=None):
+    """`cuflash.attention_varlen` with a block_table (its docstring states the call): validation, then
+    the NumPy path. Forward only: torch inputs that require grad (with grad mode on) and JAX tracers
+    (jax.jit, jax.grad, vmap) raise NotImplementedError before anything runs."""
+    from ._adapters import adapter_for, info_of
+
+    names = dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, block_table=block_table,
+                 sink_logits=sink_logits, alibi_slopes=alibi_slopes)
+    infos = {n: (None if x is None else info_of(x)) for n, x in names.items()}
+    for n, x in infos.items():
+        if isinstance(x, ArrayInfo) and x.device[0] == "traced":
+            raise NotImplementedError(
+                f"block_table: {_PAGED} runs eagerly and forward only for now: expected concrete arrays; got a "
+                f"JAX tracer for {n} (jax.jit, jax.grad, jax.vmap or another transformation). Call it outside "
+                "them, or gather the keys and call attention_varlen without block_table")
+    call = describe_paged_varlen(infos["q"], infos["k"], infos["v"], infos["cu_seqlens_q"], infos["cu_seqlens_k"],
+                                 max_seqlen_q, max_seqlen_k, causal, softmax_scale, return_lse, deterministic,
+                                 block_table=infos["block_table"], window=window, num_sink_tokens=num_sink_tokens,
+                                 sink_logits=infos["sink_logits"], alibi_slopes=infos["alibi_slopes"],
+                                 softcap=softcap)
+    if call.lib == "torch":
+        import torch
+
+        if torch.is_grad_enabled():
+            for n in ("q", "k", "v", "sink_logits"):
+                if getattr(names[n], "requires_grad", False):
+                    raise NotImplementedError(
+                        f"block_table: {_PAGED} is forward only for now (no backward): expected tensors that do "
+                        f"not require grad; got {n} with requires_grad=True. Call it under torch.no_grad() or "
+                        f"torch.inference_mode(), or pass {n}.detach()")
+    ad = adapter_for(q)
+    host = {n: (None if x is None else ad.to_numpy(x)) for n, x in names.items()}
+    lengths, table = _check_paged_values(call, host["cu_seqlens_q"], host["cu_seqlens_k"], host["block_table"])
+    options = {n: host[n] for n in call.arrays}
+    out, lse = paged_varlen_forward_numpy(call, host["q"], host["k"], host["v"], host["cu_seqlens_q"], lengths,
+                                          table, options)
+    out = ad.from_numpy(out, q)
+    return (out, ad.from_numpy(lse, q)) if call.return_lse else out
+
+
+def refuse_paged_backward(what: str = "attention_varlen_backward"):
+    """The error of a backward asked for with a block_table (forward only for now)."""
+    return NotImplementedError(f"block_table: {what} with block_table is not built yet ({_PAGED} is forward only "
+                               "for now); expected block_table=None with packed k, v (total_k, nheads_kv, "
+                               "head_dim); got a block_table")
