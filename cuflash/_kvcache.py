@@ -128,10 +128,9 @@ def describe_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, *,
         x = arrays[name]
         if x is not None and x.lib != lib:
             raise TypeError(f"{name}: expected a {lib} array like q; got {x.type_name}")
-    _refuse_gpu(q)
     device = q.device
-    if device[0] != "cpu":
-        raise ValueError(f"q: expected an array on the CPU; got one on {device[0]}")
+    if device[0] not in ("cpu", "cuda"):
+        raise ValueError(f"q: expected an array on the CPU or a CUDA GPU; got one on {device[0]}")
     for name in ("k_cache", "v_cache", "k", "v"):
         x = arrays[name]
         if x is not None and x.device != device:
@@ -243,6 +242,10 @@ def describe_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, *,
     feats, _ = check_features(lib, device, batch=b, nheads=h, seqlen_q=sq, seqlen_k=capacity, causal=bool(causal),
                               window=window, num_sink_tokens=num_sink_tokens, softcap=softcap, arrays=options,
                               packed=False)
+    if device[0] == "cuda" and (paged or cache_batch_idx is not None):
+        # The GPU path so far: a contiguous cache whose entry b is row b (see attention_with_kvcache).
+        _refuse_gpu(q, "attention_with_kvcache with " + ("block_table" if paged else "cache_batch_idx"),
+                    "or a contiguous cache whose row b is entry b (cache_batch_idx=None, block_table=None)")
     return KVCacheCall(lib=lib, device=device, dtype=q.dtype, batch=b, seqlen_q=sq, nheads=h, nheads_kv=hk,
                        head_dim=d, scale=scale, feats=feats, return_lse=bool(return_lse), paged=paged,
                        page_size=seq if paged else 0, cache_rows=rows, capacity=capacity, seqlen_new=seqlen_new,
@@ -425,6 +428,31 @@ def forward_numpy(c: KVCacheCall, where: _Where, q, k_cache, v_cache, options: d
 # The entry point.
 
 
+def _gpu_contiguous(c: KVCacheCall, ad, q, k_cache, v_cache, k, v, cache_seqlens, causal, softmax_scale, window,
+                    num_sink_tokens, sink_logits, alibi_slopes, softcap):
+    """The GPU path for a contiguous cache whose row b is entry b: the new tokens are written with the
+    library's own indexing on the device (positions clamped to the cache: lengths on the GPU are not read
+    back), then the feature forward runs on rows [0, batch) of the caches with kv_lengths =
+    min(cache_seqlens + seqlen_new, seqlen_cache). Correct, and as fast as cuflash.attention with
+    kv_lengths; the decode kernels (split-KV, GQA packing, paged loads) will replace it."""
+    from ._api import attention
+
+    if c.lib == "torch":
+        for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if c.appends and x.requires_grad:
+                raise ValueError(f"{name}: expected a tensor that does not require grad, to write in place; got one "
+                                 f"that requires grad (pass {name}.detach(), which shares the storage)")
+    seqlens = c.fixed_seqlen if c.fixed_seqlen is not None else cache_seqlens  # an int, or the device array
+    if c.appends:
+        ad.kvcache_append(k_cache, v_cache, k, v, seqlens, c.capacity)
+    lengths = ad.kvcache_lengths(seqlens, c.seqlen_new, c.capacity, c.batch, q)
+    if k_cache.shape[0] != c.batch:
+        k_cache, v_cache = k_cache[:c.batch], v_cache[:c.batch]
+    return attention(q, k_cache, v_cache, causal, softmax_scale, c.return_lse, kv_lengths=lengths, window=window,
+                     num_sink_tokens=num_sink_tokens, sink_logits=sink_logits, alibi_slopes=alibi_slopes,
+                     softcap=softcap)
+
+
 def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, *, cache_batch_idx=None,
                            block_table=None, causal: bool = False, softmax_scale: float | None = None,
                            return_lse: bool = False, window=None, num_sink_tokens: int = 0, sink_logits=None,
@@ -512,6 +540,9 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
                             num_sink_tokens=num_sink_tokens, sink_logits=infos["sink_logits"],
                             alibi_slopes=infos["alibi_slopes"], softcap=softcap)
     ad = adapter_for(q)
+    if call.device[0] == "cuda":
+        return _gpu_contiguous(call, ad, q, k_cache, v_cache, k, v, cache_seqlens, causal, softmax_scale, window,
+                               num_sink_tokens, sink_logits, alibi_slopes, softcap)
     host = {n: (None if x is None else ad.to_numpy(x)) for n, x in names.items()}
     if call.appends:
         for name, other in (("k_cache", "v_cache"), ("v_cache", "k_cache")):

@@ -517,15 +517,20 @@ def test_errors(layout, mutate, exc, name):
 
 
 def test_gpu_arrays_are_refused():
-    """The one GPU check, on the description (no GPU here): CUDA arrays raise NotImplementedError."""
+    """The GPU check, on the description (no GPU here): a contiguous cache whose row b is entry b is
+    accepted (the GPU path runs the feature forward with kv_lengths); paged caches and cache_batch_idx
+    raise NotImplementedError."""
     def info(shape, dtype="float16", device=("cuda", 0)):
         strides = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
         return ArrayInfo("cupy", shape, strides, dtype, device, True, "cupy.ndarray")
 
     q, cache = info((2, 1, 4, 64)), info((2, 64, 2, 64))
-    with pytest.raises(NotImplementedError, match="on the GPU is not built yet"):
-        describe_kvcache(q, cache, cache, cache_seqlens=3)
-    with pytest.raises(NotImplementedError, match="on the GPU is not built yet"):
+    c = describe_kvcache(q, cache, cache, cache_seqlens=3)
+    assert c.device == ("cuda", 0) and not c.paged and not c.has_batch_idx
+    with pytest.raises(NotImplementedError, match="cache_batch_idx on the GPU is not built yet"):
+        describe_kvcache(q, info((3, 64, 2, 64)), info((3, 64, 2, 64)), cache_seqlens=3,
+                         cache_batch_idx=info((2,), "int32"))
+    with pytest.raises(NotImplementedError, match="block_table on the GPU is not built yet"):
         describe_kvcache(q, cache, cache, info((2, 1, 2, 64)), info((2, 1, 2, 64)),
                          info((2,), "int32"), block_table=info((2, 4), "int32"))
     # A CPU q with a cache elsewhere is a device mismatch.

@@ -64,6 +64,24 @@ class FakeCuda(NumpyAdapter):
         n = shape[0] * shape[1] * shape[2]
         return np.asarray(scratch[offset:offset + n]).reshape(shape).sum(axis=(0, 2))
 
+    # the KV cache's device-side steps, as the torch / CuPy adapters do them with their own indexing
+    def kvcache_append(self, k_cache, v_cache, k, v, seqlens, capacity):
+        b, n = k.shape[:2]
+        start = np.asarray(seqlens).astype(np.int64)[:, None] if hasattr(seqlens, "shape") else int(seqlens)
+        pos = np.clip(start + np.arange(n), 0, capacity - 1)
+        rows = np.arange(b)[:, None]
+        k_cache[rows, pos] = k
+        v_cache[rows, pos] = v
+
+    def kvcache_lengths(self, seqlens, n, capacity, batch, like):
+        if hasattr(seqlens, "shape"):
+            a = np.minimum(np.asarray(seqlens) + n, capacity).astype(np.int32)
+        else:
+            a = np.full(batch, min(int(seqlens) + n, capacity), np.int32)
+        a = a.view(Dev)
+        self.allocs.append(a)
+        return a
+
 
 SIZES = {"fwd": _launch.FWD_PARAMS, "bwd": _launch.BWD_PARAMS, "varlen": _launch.TAIL_PARAMS}
 
@@ -583,3 +601,41 @@ def test_jax_jit_gpu_lowering(monkeypatch):
     monkeypatch.delenv("CUFLASH_JAX_JIT_GPU")
     with pytest.raises(NotImplementedError, match="'cuda'"):
         lower()
+
+
+@pytest.mark.parametrize("seqlens_kind", ["array", "int"])
+def test_kvcache_gpu_path_wiring(dev, seqlens_kind):
+    """attention_with_kvcache on a GPU, contiguous cache (cuflash/_kvcache.py _gpu_contiguous): the new
+    tokens are appended at cache_seqlens (clamped to the cache), and the feature forward reads rows
+    [0, batch) of the caches in place with kv_lengths = min(cache_seqlens + seqlen_new, seqlen_cache)."""
+    ad, launched = dev
+    rng = np.random.default_rng()
+    b, cap, h, hkv, d, n = 2, 96, 8, 2, 64, 3
+    q = arr(rng, (b, 1 + n - 1, h, d))
+    k_cache, v_cache = arr(rng, (b + 1, cap, hkv, d)), arr(rng, (b + 1, cap, hkv, d))
+    k_new, v_new = arr(rng, (b, n, hkv, d)), arr(rng, (b, n, hkv, d))
+    before_k = k_cache.copy()
+    seqlens = np.array([5, 94], np.int32).view(Dev) if seqlens_kind == "array" else 40
+    cuflash.attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, seqlens, causal=True)
+    starts = [5, 94] if seqlens_kind == "array" else [40, 40]
+    for i, s0 in enumerate(starts):
+        for t in range(n):
+            if s0 + t < cap - 1:
+                assert np.array_equal(np.asarray(k_cache[i, s0 + t]), np.asarray(k_new[i, t])), (i, t)
+        if s0 + n > cap:  # 94 + 3 > 96: the writes past the cache are clamped onto its last row, never beyond
+            last = np.asarray(k_cache[i, cap - 1])
+            assert any(np.array_equal(last, np.asarray(k_new[i, t])) for t in range(cap - 1 - s0, n)), i
+    untouched = np.ones((b + 1, cap), bool)
+    for i, s0 in enumerate(starts):
+        untouched[i, s0:min(s0 + n, cap)] = False
+    assert np.array_equal(np.asarray(k_cache)[untouched], np.asarray(before_k)[untouched]), "writes outside the appends"
+    L = launched[-1]
+    assert "feat" in L["name"], L["name"]
+    p = L["p"]
+    assert int(p["k"]) == addr(k_cache) and int(p["v"]) == addr(v_cache), "the caches are read in place"
+    assert int(p["batch"]) == b and int(p["seqlen_k"]) == cap
+    lengths = next(a for a in reversed(ad.allocs) if a.dtype == np.int32)
+    assert int(p["mask"]["kv_lengths"]) == addr(lengths)
+    want = [min(s0 + n, cap) for s0 in starts]
+    assert np.asarray(lengths).tolist() == want
+    assert int(p["mask"]["window_right"]) == 0, "causal"

@@ -1,0 +1,157 @@
+"""attention_with_kvcache on device arrays: torch CUDA and CuPy (marked gpu), and torch CPU (the NumPy
+path, so that this file's checks run everywhere).
+
+On the GPU a contiguous cache whose row b is entry b runs the feature forward with kv_lengths =
+cache_seqlens + seqlen_new after the library appends the new tokens on the device
+(cuflash/_kvcache.py _gpu_contiguous). Checked against the float64 reference of
+tests/_kvcache_reference.py with the accuracy rule of the CPU tests (out within 2x the naive
+input-dtype error + 1e-5; lse as there), the caches after the call bit for bit, cache slots that
+hold no key NaN-poisoned (a read past an entry's length would show), and paged caches and
+cache_batch_idx refused with NotImplementedError before anything is written.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from _cpu_helpers import _ctx, _new_seed
+from _kvcache_reference import kvcache_reference
+from cuflash._kvcache import attention_with_kvcache
+from cuflash._reference import check_close
+from test_cpu_features import FWD_FACTOR, FWD_FLOOR, LSE_ATOL, LSE_RTOL, _score_magnitude
+from test_kvcache_cpu import BF16, FP16, _diff_count, _features, make_case
+
+torch = pytest.importorskip("torch")
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu), pytest.param("cupy", marks=pytest.mark.gpu)]
+
+
+def _to(a, device):
+    if a is None or isinstance(a, int):
+        return a
+    a = np.ascontiguousarray(a)
+    if device == "cupy":
+        import cupy
+
+        return cupy.asarray(a)  # float16 only: CuPy has no bfloat16 (those cases are skipped)
+    if a.dtype == BF16:
+        t = torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
+    else:
+        t = torch.from_numpy(a.copy())
+    return t.to(device)
+
+
+def _back(x):
+    if x is None:
+        return None
+    if type(x).__module__.startswith("cupy"):
+        return x.get()
+    x = x.detach().cpu()
+    if x.dtype == torch.bfloat16:
+        return x.view(torch.int16).numpy().view(BF16)
+    return x.numpy()
+
+
+def _check(case, device, causal, opts, ctx):
+    opts = dict(opts)
+    scale = opts.pop("softmax_scale", None)
+    ref = kvcache_reference(case.q, case.k_cache, case.v_cache, case.k, case.v, case.cache_seqlens, None, None,
+                            causal, scale, **opts)
+    args = {n: _to(x, device) for n, x in case.args().items()}
+    dev_opts = {n: (_to(x, device) if isinstance(x, np.ndarray) else x) for n, x in opts.items()}
+    out, lse = attention_with_kvcache(**args, causal=causal, softmax_scale=scale, return_lse=True, **dev_opts)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    out, lse = _back(out), _back(lse)
+    for name, got, want in (("k_cache", args["k_cache"], ref.k_cache), ("v_cache", args["v_cache"], ref.v_cache)):
+        n = _diff_count(_back(got), want)
+        assert n == 0, f"{name}: {n} elements differ from the expected cache after the append; {ctx}"
+    assert out.shape == case.q.shape and out.dtype == case.q.dtype, ctx
+    assert np.isfinite(out.astype(np.float32)).all(), f"non-finite out (a poisoned slot was read?); {ctx}"
+    ok, msg = check_close(out, ref.out, ref.naive_out, factor=FWD_FACTOR, floor=FWD_FLOOR)
+    assert ok, f"out: {msg}; {ctx}"
+    fin = ~np.isneginf(ref.lse)
+    assert np.array_equal(np.isneginf(lse), ~fin), f"lse -inf pattern; {ctx}"
+    feats = {n: x for n, x in opts.items() if n in ("alibi_slopes", "sink_logits")}
+    d = case.q.shape[-1]
+    mag = np.maximum(np.abs(ref.lse), _score_magnitude(case.q, ref.keys, scale or d ** -0.5, feats))[fin]
+    err = np.abs(lse[fin].astype(np.float64) - ref.lse[fin])
+    assert (err <= LSE_ATOL + LSE_RTOL * mag).all(), f"lse max err {err.max(initial=0):.3g}; {ctx}"
+
+
+def _skip_unusable(device, dtype):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device")
+    if device == "cupy":
+        pytest.importorskip("cupy")
+        if dtype == BF16:
+            pytest.skip("CuPy arrays have no bfloat16 dtype")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seqlen_q,seqlen_new", [(1, 1), (1, 0), (4, 4), (5, 2)])
+@pytest.mark.parametrize("gqa,head_dim,dtype", [(1, 64, FP16), (4, 128, BF16), (8, 64, BF16), (2, 256, FP16)])
+def test_contiguous_cache(device, seqlen_q, seqlen_new, gqa, head_dim, dtype):
+    _skip_unusable(device, dtype)
+    seed = _new_seed()
+    for causal in (False, True):
+        case = make_case(np.random.default_rng([seed, int(causal)]), dtype=dtype, batch=4, seqlen_q=seqlen_q,
+                         nheads=2 * gqa, nheads_kv=2, head_dim=head_dim, layout="contig", capacity=300,
+                         seqlen_new=seqlen_new)
+        _check(case, device, causal, {}, _ctx(seed, device=device, causal=causal, gqa=gqa, d=head_dim))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["win3_0", "sinktok", "sinklogit", "alibi_h", "alibi_bh", "softcap", "scale", "all"])
+def test_options(device, name):
+    _skip_unusable(device, FP16)
+    seed = _new_seed()
+    rng = np.random.default_rng(seed)
+    opts, qk_scale = _features(rng, name, 4, 8)
+    case = make_case(rng, dtype=FP16, batch=4, seqlen_q=3, nheads=8, nheads_kv=2, head_dim=64, layout="contig",
+                     capacity=200, seqlen_new=3, qk_scale=qk_scale)
+    _check(case, device, True, opts, _ctx(seed, device=device, option=name))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_long_cache_int_seqlens(device):
+    _skip_unusable(device, BF16 if device != "cupy" else FP16)
+    seed = _new_seed()
+    rng = np.random.default_rng(seed)
+    dtype = FP16 if device == "cupy" else BF16
+    case = make_case(rng, dtype=dtype, batch=2, seqlen_q=1, nheads=16, nheads_kv=2, head_dim=128, layout="contig",
+                     capacity=8192 if device != "cpu" else 1024, seqlen_new=1,
+                     seqlens=np.array([8191 if device != "cpu" else 1023] * 2, np.int32))
+    case.cache_seqlens = int(case.cache_seqlens[0])  # the int form: the same length for every entry
+    _check(case, device, True, {}, _ctx(seed, device=device))
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=pytest.mark.gpu),
+                                    pytest.param("cupy", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("layout", ["paged16", "contig_idx"])
+def test_gpu_refuses_paged_and_batch_idx(device, layout):
+    _skip_unusable(device, FP16)
+    seed = _new_seed()
+    case = make_case(np.random.default_rng(seed), dtype=FP16, batch=2, seqlen_q=1, layout=layout, capacity=64)
+    args = {n: _to(x, device) for n, x in case.args().items()}
+    before = _back(args["k_cache"]).copy()
+    with pytest.raises(NotImplementedError, match="on the GPU is not built yet"):
+        attention_with_kvcache(**args, causal=True)
+    assert _diff_count(_back(args["k_cache"]), before) == 0, f"a refused call wrote the cache; {_ctx(seed)}"
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_gpu_lengths_past_the_cache_are_clamped(device):
+    """cache_seqlens + seqlen_new past the cache: the GPU does not read lengths back; the writes are
+    clamped onto the cache's last row and the kernels read at most seqlen_cache keys (no fault)."""
+    _skip_unusable(device, FP16)
+    seed = _new_seed()
+    rng = np.random.default_rng(seed)
+    case = make_case(rng, dtype=FP16, batch=2, seqlen_q=1, layout="contig", capacity=64, seqlen_new=2,
+                     seqlens=np.array([10, 62], np.int32))
+    args = {n: _to(x, device) for n, x in case.args().items()}
+    args["cache_seqlens"] = _to(np.array([10, 63], np.int32), device)  # 63 + 2 > 64
+    out = attention_with_kvcache(**args, causal=True)
+    torch.cuda.synchronize()
+    assert np.isfinite(_back(out).astype(np.float32)).all(), _ctx(seed)
