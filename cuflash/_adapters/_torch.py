@@ -362,7 +362,8 @@ class TorchAdapter(Adapter):
         start = seqlens.to(torch.int64)[:, None] if isinstance(seqlens, torch.Tensor) else int(seqlens)
         pos = (start + steps).clamp_(0, capacity - 1).expand(b, n)
         rows = torch.arange(b, device=k.device)[:, None].expand(b, n)
-        with torch.no_grad():
+        # An inference tensor can be written only under inference_mode (a cache made under it often is one).
+        with torch.inference_mode() if k_cache.is_inference() else torch.no_grad():
             k_cache[rows, pos] = k
             v_cache[rows, pos] = v
 
