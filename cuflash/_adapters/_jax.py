@@ -13,10 +13,11 @@ and run the forward and backward plans.
 Under jax.jit (or vmap, or any transformation that hands the rules abstract values) the rules
 build the call into the traced program with jax.lax.platform_dependent: on the CPU a
 jax.pure_callback runs the NumPy path (the same entry points on NumPy arrays; vmap runs it once per
-mapped element); on any other platform the branch is a primitive whose lowering raises
-NotImplementedError, so compiling for a GPU fails with that message before anything runs, rather
-than copying the arrays to the host behind XLA's back. The checks run at trace time on the abstract
-shapes and dtypes.
+mapped element); on CUDA, with CUFLASH_JAX_JIT_GPU=1 (experimental, below), a buffer_callback runs
+the GPU plans on XLA's buffers and stream; on any other platform (and on CUDA without that setting)
+the branch is a primitive whose lowering raises NotImplementedError, so compiling fails with that
+message before anything runs, rather than copying the arrays to the host behind XLA's back. The
+checks run at trace time on the abstract shapes and dtypes.
 """
 
 from __future__ import annotations
