@@ -1,0 +1,67 @@
+"""bench/bench_decode.py --cpu-smoke end to end, in a subprocess with a time limit: torch CPU tensors and
+tiny shapes (cuflash's NumPy path, SDPA's MATH backend as the peer), the JSON and the plot (when
+matplotlib imports). Checks that the run completes, prints its targets last, and writes the keys the
+next GPU run's analysis reads. No GPU needed."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "bench" / "bench_decode.py"
+TARGET_IDS = ["decode_vs_sdpa", "paged_vs_contiguous", "bandwidth", "host_time", "cuda_graph"]
+
+
+def test_cpu_smoke_runs_and_writes_json(tmp_path):
+    out, png = tmp_path / "bd.json", tmp_path / "bd.png"
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--cpu-smoke", "--json", str(out), "--plot", str(png)],
+                          capture_output=True, text=True, timeout=60, cwd=str(ROOT), env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert lines[-7].startswith("=== targets"), proc.stdout[-2000:]   # printed last: header, 5 targets, counts
+    assert "met," in lines[-1] and "not measured" in lines[-1]
+
+    data = json.loads(out.read_text())
+    assert {"meta", "copy", "host", "points", "targets"} <= set(data)
+    meta = data["meta"]
+    for key in ("timestamp_utc", "device", "torch", "cudnn", "cuflash", "copy_gbps", "grid", "timing"):
+        assert key in meta, key
+    assert data["copy"]["gbps"] > 0
+
+    host = {(r["impl"], r["layout"]): r for r in data["host"]["rows"]}
+    for key in (("cuflash", "contiguous"), ("cuflash", "paged"), ("sdpa_flash", "contiguous")):
+        assert host[key]["us_median"] > 0, host[key]
+    assert host[("sdpa_cudnn", "contiguous")]["status"] == "error"   # no cuDNN on the CPU: recorded, not fatal
+
+    pts = data["points"]
+    measured = [r for r in pts if r.get("ms")]
+    assert {(r["impl"], r["layout"]) for r in measured} == {("cuflash", "contiguous"), ("cuflash", "paged"),
+                                                            ("sdpa_flash", "contiguous")}
+    for r in measured:
+        for key in ("gbps", "frac_copy", "eager_ms", "first_call_ms", "rounds_ms", "kv_bytes"):
+            assert key in r, (key, r)
+        assert r["max_abs_diff"] < 0.05, r   # each checked against SDPA on the logical (gathered) keys
+    cf = [r for r in measured if r["impl"] == "cuflash"]
+    assert all(r.get("x_best_sdpa") for r in cf if r["layout"] == "contiguous")
+    assert all(r.get("x_contiguous") for r in cf if r["layout"] == "paged")
+    assert any(r["status"] == "skipped" and r["message"].startswith("memory") for r in pts)   # the cap's skip
+
+    assert [t["id"] for t in data["targets"]] == TARGET_IDS
+    for t in data["targets"]:
+        assert t["verdict"] in ("met", "missed", "not measured"), t
+        assert t["text"]
+
+    if importlib.util.find_spec("matplotlib") is None:
+        assert "plot skipped: matplotlib" in proc.stdout
+    else:
+        assert png.stat().st_size > 1000
