@@ -598,6 +598,10 @@ def test_jax_jit_gpu_lowering(monkeypatch):
 
     monkeypatch.setenv("CUFLASH_JAX_JIT_GPU", "1")
     assert lower().as_text().count("xla_buffer_python_gpu_callback") == 2, "forward and backward callbacks"
+    # vmap over a leading axis: the callback runs once per element (vmap_method="sequential")
+    qs = jnp.stack([q, q])
+    batched = jax.jit(jax.vmap(jax.grad(lambda q: loss(q, q[..., :2, :], q[..., :2, :], sink))))
+    assert batched.trace(qs).lower(lowering_platforms=("cuda",)).as_text().count("xla_buffer_python_gpu_callback") == 2
     monkeypatch.delenv("CUFLASH_JAX_JIT_GPU")
     with pytest.raises(NotImplementedError, match="'cuda'"):
         lower()

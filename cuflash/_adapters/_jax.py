@@ -218,7 +218,8 @@ def _gpu_forward(plans: _JitPlans, result_types):
     def gpu(*args):
         from jax.experimental.buffer_callback import buffer_callback
 
-        return tuple(buffer_callback(callback, tuple(result_types), command_buffer_compatible=_cmd_buffer())(*args))
+        return tuple(buffer_callback(callback, tuple(result_types), vmap_method="sequential",
+                                     command_buffer_compatible=_cmd_buffer())(*args))
 
     return gpu
 
@@ -239,7 +240,8 @@ def _gpu_backward(plans: _JitPlans, grad_types, has_sink: bool):
         import jax.numpy as jnp
         from jax.experimental.buffer_callback import buffer_callback
 
-        dq, dk, dv, scratch = buffer_callback(callback, types, command_buffer_compatible=_cmd_buffer())(*args)
+        dq, dk, dv, scratch = buffer_callback(callback, types, vmap_method="sequential",
+                                               command_buffer_compatible=_cmd_buffer())(*args)
         if not has_sink:
             return dq, dk, dv
         b, h = call.batch, call.nheads
