@@ -321,3 +321,53 @@ def test_small_transformer_trains_under_jit_like_xla():
     assert np.isfinite(a).all(), f"seed={seed}: {a}"
     assert a[-1] < a[0] - 0.05, f"cuflash did not train: {a}; seed={seed}"
     assert np.abs(a - b).max() <= 0.02 * np.abs(b).max(), f"cuflash {a} vs xla {b}; seed={seed}"
+
+
+_SHARD_MAP_SCRIPT = r"""
+import sys
+import numpy as np, jax, jax.numpy as jnp, cuflash
+from jax.sharding import Mesh, PartitionSpec as P
+
+assert len(jax.devices()) == 2, jax.devices()
+mesh = Mesh(np.array(jax.devices()), ("x",))
+rng = np.random.default_rng(int(sys.argv[1]))
+q = jnp.asarray(rng.standard_normal((4, 32, 4, 32)).astype(np.float16))
+k = jnp.asarray(rng.standard_normal((4, 40, 2, 32)).astype(np.float16))
+v = jnp.asarray(rng.standard_normal((4, 40, 2, 32)).astype(np.float16))
+s = jnp.asarray(rng.standard_normal(4).astype(np.float32))
+
+def f(q, k, v, s):
+    return cuflash.attention(q, k, v, causal=True, sink_logits=s, window=(5, 0))
+
+def loss(q, k, v, s):
+    return jnp.sum(f(q, k, v, s).astype(jnp.float32))
+
+want_out = np.asarray(f(q, k, v, s))
+want = jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, s)
+# over batch (sink logits replicated: their gradient is the sum of the shards'), and over heads
+for name, spec, sspec in (("batch", P("x"), P()), ("heads", P(None, None, "x"), P("x"))):
+    fwd = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(spec,) * 3 + (sspec,), out_specs=spec))
+    assert np.array_equal(np.asarray(fwd(q, k, v, s)).view(np.uint16), want_out.view(np.uint16)), name
+    grad = jax.jit(jax.shard_map(jax.grad(loss, argnums=(0, 1, 2, 3)), mesh=mesh,
+                                 in_specs=(spec,) * 3 + (sspec,), out_specs=(spec,) * 3 + (sspec,)))
+    got = grad(q, k, v, s)
+    for gname, a, b in zip(("dq", "dk", "dv"), got, want):
+        assert np.array_equal(np.asarray(a).astype(np.float32), np.asarray(b).astype(np.float32)), (name, gname)
+    np.testing.assert_allclose(np.asarray(got[3]), np.asarray(want[3]), rtol=1e-5, atol=1e-6, err_msg=name)
+print("ok")
+"""
+
+
+def test_shard_map_over_batch_and_heads():
+    """jax.shard_map over batch or heads on two CPU devices (a subprocess: the device count is fixed when
+    JAX starts): forward and gradients equal the unsharded call; a replicated sink logit's gradient is
+    the sum over the shards."""
+    import os
+    import subprocess
+    import sys
+
+    seed = _new_seed()
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-c", _SHARD_MAP_SCRIPT, str(seed % (1 << 31))], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), f"seed={seed}\n{r.stdout}\n{r.stderr[-3000:]}"

@@ -268,6 +268,42 @@ def backward_callback(plans: _JitPlans, n_scratch: int, dsink_offset):
     return callback
 
 
+def _varying_axes(x) -> frozenset:
+    """The manual mesh axes over which x varies inside shard_map (empty outside it). jax 0.10 keeps
+    them in aval.mat.varying; earlier releases in aval.vma."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)
+    if mat is not None:
+        return frozenset(getattr(mat, "varying", ()))
+    return frozenset(getattr(aval, "vma", ()))
+
+
+def _to_varying(x, axes: frozenset):
+    missing = tuple(sorted(axes - _varying_axes(x)))
+    if not missing:
+        return x
+    return jax.lax.pcast(x, missing, to="varying") if hasattr(jax.lax, "pcast") else jax.lax.pvary(x, missing)
+
+
+def _shard_types(results, operands, grads_of=None):
+    """Inside shard_map: a callback's results carry no manual axes, but they depend on every operand,
+    so they vary over the union U of the operands' varying axes. Forward results (grads_of None) are
+    marked varying over U. A gradient of an input that varies over fewer axes (a replicated sink
+    logit, a k shared by the shards of q) is the sum of the shards' parts: psum over the axes U has
+    beyond that input's, as the transpose of JAX's implicit broadcast would give."""
+    union = frozenset().union(*(_varying_axes(x) for x in operands))
+    if not union:
+        return list(results)
+    out = [_to_varying(r, union) for r in results]
+    if grads_of is None:
+        return out
+    summed = []
+    for g, x in zip(out, grads_of):
+        extra = tuple(sorted(union - _varying_axes(x)))
+        summed.append(jax.lax.psum(g, extra) if extra else g)
+    return summed
+
+
 def _split_opts(opts):
     """(names of the array options, their arrays, the scalar options)."""
     names = [n for n, x in opts.items() if x is not None and hasattr(x, "shape")]
@@ -303,7 +339,7 @@ def traced_forward(q, k, v, opts, plan_args, packed):
     gpu = None
     if jit_gpu_enabled():
         gpu = _gpu_forward(_JitPlans(q, k, v, names, arrays, scalars, plan_args, packed), types)
-    return _under_jit(host, types, (q, k, v, *arrays), what, gpu)
+    return tuple(_shard_types(_under_jit(host, types, (q, k, v, *arrays), what, gpu), (q, k, v, *arrays)))
 
 
 def traced_backward(dout, q, k, v, out, lse, opts, plan_args, packed):
@@ -332,6 +368,7 @@ def traced_backward(dout, q, k, v, out, lse, opts, plan_args, packed):
     if jit_gpu_enabled():
         gpu = _gpu_backward(_JitPlans(q, k, v, names, arrays, scalars, plan_args, packed), types, sink is not None)
     grads = _under_jit(host, types, (dout, q, k, v, out, lse, *arrays), what, gpu)
+    grads = _shard_types(grads, (dout, q, k, v, out, lse, *arrays), (q, k, v) + (() if sink is None else (sink,)))
     return tuple(grads) + ((None,) if sink is None else ())
 
 
