@@ -113,6 +113,27 @@ def _check_index(name, x, lib, device, shape, shape_text):
         raise ValueError(f"{name}: on {x.device[0]}:{x.device[1]}; expected q's device {device[0]}:{device[1]}")
 
 
+def _check_q_and_cache(q, k, v, k_name: str, v_name: str) -> None:
+    """q (..., nheads, head_dim) against a cache k (rows, seq, nheads_kv, head_dim) and v: no empty
+    dimension, a supported head_dim, GQA, v shaped like k (the shapes' lengths are checked before)."""
+    h, d = q.shape[-2], q.shape[-1]
+    hk, dk = k.shape[2], k.shape[3]
+    if min(q.shape) < 1:
+        raise ValueError(f"q: expected every dimension >= 1; got shape {q.shape}")
+    if d not in HEAD_DIMS:
+        raise ValueError(f"q: expected a head_dim that is a multiple of 8 from 8 to 256; got {d} (q shape {q.shape})")
+    if min(k.shape) < 1:
+        raise ValueError(f"{k_name}: expected every dimension >= 1; got shape {k.shape}")
+    if dk != d:
+        raise ValueError(f"{k_name}: expected q's head_dim {d} in its last dimension; got head_dim {dk} (q shape "
+                         f"{q.shape}, {k_name} shape {k.shape})")
+    if h % hk != 0:
+        raise ValueError(f"{k_name}: expected nheads_kv dividing q's nheads {h} (MQA/GQA); got nheads_kv {hk} "
+                         f"(q shape {q.shape}, {k_name} shape {k.shape})")
+    if v.shape != k.shape:
+        raise ValueError(f"{v_name}: expected {k_name}'s shape {k.shape}; got {v.shape}")
+
+
 def describe_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, *, cache_batch_idx=None,
                      block_table=None, causal=False, softmax_scale=None, return_lse=False, window=None,
                      num_sink_tokens=0, sink_logits=None, alibi_slopes=None, softcap=None) -> KVCacheCall:
@@ -150,20 +171,7 @@ def describe_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, *,
             raise TypeError(f"{name}: expected q's dtype {q.dtype}; got {arrays[name].dtype}")
     b, sq, h, d = q.shape
     rows, seq, hk, dk = k_cache.shape
-    if min(q.shape) < 1:
-        raise ValueError(f"q: expected every dimension >= 1; got shape {q.shape}")
-    if d not in HEAD_DIMS:
-        raise ValueError(f"q: expected a head_dim that is a multiple of 8 from 8 to 256; got {d} (q shape {q.shape})")
-    if min(k_cache.shape) < 1:
-        raise ValueError(f"k_cache: expected every dimension >= 1; got shape {k_cache.shape}")
-    if dk != d:
-        raise ValueError(f"k_cache: expected q's head_dim {d} in its last dimension; got head_dim {dk} (q shape "
-                         f"{q.shape}, k_cache shape {k_cache.shape})")
-    if h % hk != 0:
-        raise ValueError(f"k_cache: expected nheads_kv dividing q's nheads {h} (MQA/GQA); got nheads_kv {hk} "
-                         f"(q shape {q.shape}, k_cache shape {k_cache.shape})")
-    if v_cache.shape != k_cache.shape:
-        raise ValueError(f"v_cache: expected k_cache's shape {k_cache.shape}; got {v_cache.shape}")
+    _check_q_and_cache(q, k_cache, v_cache, "k_cache", "v_cache")
 
     # ---- paged or contiguous
     paged = block_table is not None
@@ -652,20 +660,7 @@ def describe_paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
             raise TypeError(f"{name}: expected q's dtype {q.dtype}; got {arrays[name].dtype}")
     total_q, h, d = q.shape
     num_blocks, page, hk, dk = k.shape
-    if min(q.shape) < 1:
-        raise ValueError(f"q: expected every dimension >= 1; got shape {q.shape}")
-    if d not in HEAD_DIMS:
-        raise ValueError(f"q: expected a head_dim that is a multiple of 8 from 8 to 256; got {d} (q shape {q.shape})")
-    if min(k.shape) < 1:
-        raise ValueError(f"k: expected every dimension >= 1; got shape {k.shape}")
-    if dk != d:
-        raise ValueError(f"k: expected q's head_dim {d} in its last dimension; got head_dim {dk} (q shape {q.shape}, "
-                         f"k shape {k.shape})")
-    if h % hk != 0:
-        raise ValueError(f"k: expected nheads_kv dividing q's nheads {h} (MQA/GQA); got nheads_kv {hk} (q shape "
-                         f"{q.shape}, k shape {k.shape})")
-    if v.shape != k.shape:
-        raise ValueError(f"v: expected k's shape {k.shape}; got {v.shape}")
+    _check_q_and_cache(q, k, v, "k", "v")
     _check_page_size("k", k.shape)
 
     # ---- offsets and the block table
