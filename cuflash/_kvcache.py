@@ -87,6 +87,14 @@ def _refuse_gpu(q: ArrayInfo, what: str = "attention_with_kvcache",
             f"for the NumPy implementation, {instead}.")
 
 
+def gpu_path_enabled() -> bool:
+    """The experimental GPU path for contiguous caches (CUFLASH_KVCACHE_GPU=1): wired and checked on a
+    fake device, not yet run on a GPU (tests/test_kvcache_device.py is its GPU check)."""
+    import os
+
+    return os.environ.get("CUFLASH_KVCACHE_GPU") == "1"
+
+
 def _check_page_size(name, shape) -> None:
     """Dimension 1 of a paged cache (num_blocks, page_size, nheads_kv, head_dim): whole 16-row tiles."""
     if shape[1] % PAGE_MULTIPLE != 0:
@@ -250,10 +258,14 @@ def describe_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, *,
     feats, _ = check_features(lib, device, batch=b, nheads=h, seqlen_q=sq, seqlen_k=capacity, causal=bool(causal),
                               window=window, num_sink_tokens=num_sink_tokens, softcap=softcap, arrays=options,
                               packed=False)
-    if device[0] == "cuda" and (paged or cache_batch_idx is not None):
-        # The GPU path so far: a contiguous cache whose entry b is row b (see attention_with_kvcache).
-        _refuse_gpu(q, "attention_with_kvcache with " + ("block_table" if paged else "cache_batch_idx"),
-                    "or a contiguous cache whose row b is entry b (cache_batch_idx=None, block_table=None)")
+    if device[0] == "cuda":
+        if not gpu_path_enabled():
+            # The contiguous GPU path (_gpu_contiguous) has not run on a GPU yet: off unless asked for.
+            _refuse_gpu(q, instead="or set CUFLASH_KVCACHE_GPU=1 to try the experimental path for a contiguous "
+                        "cache whose row b is entry b")
+        if paged or cache_batch_idx is not None:
+            _refuse_gpu(q, "attention_with_kvcache with " + ("block_table" if paged else "cache_batch_idx"),
+                        "or a contiguous cache whose row b is entry b (cache_batch_idx=None, block_table=None)")
     return KVCacheCall(lib=lib, device=device, dtype=q.dtype, batch=b, seqlen_q=sq, nheads=h, nheads_kv=hk,
                        head_dim=d, scale=scale, feats=feats, return_lse=bool(return_lse), paged=paged,
                        page_size=seq if paged else 0, cache_rows=rows, capacity=capacity, seqlen_new=seqlen_new,
@@ -438,7 +450,8 @@ def forward_numpy(c: KVCacheCall, where: _Where, q, k_cache, v_cache, options: d
 
 def _gpu_contiguous(c: KVCacheCall, ad, q, k_cache, v_cache, k, v, cache_seqlens, causal, softmax_scale, window,
                     num_sink_tokens, sink_logits, alibi_slopes, softcap):
-    """The GPU path for a contiguous cache whose row b is entry b: the new tokens are written with the
+    """The GPU path for a contiguous cache whose row b is entry b (experimental, CUFLASH_KVCACHE_GPU=1:
+    not yet run on a GPU): the new tokens are written with the
     library's own indexing on the device (positions clamped to the cache: lengths on the GPU are not read
     back), then the feature forward runs on rows [0, batch) of the caches with kv_lengths =
     min(cache_seqlens + seqlen_new, seqlen_cache). Correct, and as fast as cuflash.attention with

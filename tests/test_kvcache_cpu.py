@@ -516,15 +516,19 @@ def test_errors(layout, mutate, exc, name):
         assert _diff_count(x, x0) == 0, f"a cache was written by a call that raised {exc.__name__}; {_ctx(seed)}"
 
 
-def test_gpu_arrays_are_refused():
-    """The GPU check, on the description (no GPU here): a contiguous cache whose row b is entry b is
-    accepted (the GPU path runs the feature forward with kv_lengths); paged caches and cache_batch_idx
-    raise NotImplementedError."""
+def test_gpu_arrays_are_refused(monkeypatch):
+    """The GPU check, on the description (no GPU here): CUDA arrays raise NotImplementedError unless
+    CUFLASH_KVCACHE_GPU=1; with it, a contiguous cache whose row b is entry b is accepted (the GPU path
+    runs the feature forward with kv_lengths), and paged caches and cache_batch_idx are still refused."""
     def info(shape, dtype="float16", device=("cuda", 0)):
         strides = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
         return ArrayInfo("cupy", shape, strides, dtype, device, True, "cupy.ndarray")
 
     q, cache = info((2, 1, 4, 64)), info((2, 64, 2, 64))
+    monkeypatch.delenv("CUFLASH_KVCACHE_GPU", raising=False)
+    with pytest.raises(NotImplementedError, match="CUFLASH_KVCACHE_GPU=1"):
+        describe_kvcache(q, cache, cache, cache_seqlens=3)
+    monkeypatch.setenv("CUFLASH_KVCACHE_GPU", "1")
     c = describe_kvcache(q, cache, cache, cache_seqlens=3)
     assert c.device == ("cuda", 0) and not c.paged and not c.has_batch_idx
     with pytest.raises(NotImplementedError, match="cache_batch_idx on the GPU is not built yet"):

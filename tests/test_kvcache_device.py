@@ -1,5 +1,5 @@
-"""attention_with_kvcache on device arrays: torch CUDA and CuPy (marked gpu), and torch CPU (the NumPy
-path, so that this file's checks run everywhere).
+"""attention_with_kvcache on device arrays: torch CUDA and CuPy (marked gpu; the experimental GPU path,
+on with CUFLASH_KVCACHE_GPU=1), and torch CPU (the NumPy path, so that this file's checks run everywhere).
 
 On the GPU a contiguous cache whose row b is entry b runs the feature forward with kv_lengths =
 cache_seqlens + seqlen_new after the library appends the new tokens on the device
@@ -78,6 +78,11 @@ def _check(case, device, causal, opts, ctx):
     mag = np.maximum(np.abs(ref.lse), _score_magnitude(case.q, ref.keys, scale or d ** -0.5, feats))[fin]
     err = np.abs(lse[fin].astype(np.float64) - ref.lse[fin])
     assert (err <= LSE_ATOL + LSE_RTOL * mag).all(), f"lse max err {err.max(initial=0):.3g}; {ctx}"
+
+
+@pytest.fixture(autouse=True)
+def _gpu_path(monkeypatch):
+    monkeypatch.setenv("CUFLASH_KVCACHE_GPU", "1")  # the experimental GPU path this file checks
 
 
 def _skip_unusable(device, dtype):

@@ -608,10 +608,11 @@ def test_jax_jit_gpu_lowering(monkeypatch):
 
 
 @pytest.mark.parametrize("seqlens_kind", ["array", "int"])
-def test_kvcache_gpu_path_wiring(dev, seqlens_kind):
+def test_kvcache_gpu_path_wiring(dev, monkeypatch, seqlens_kind):
     """attention_with_kvcache on a GPU, contiguous cache (cuflash/_kvcache.py _gpu_contiguous): the new
     tokens are appended at cache_seqlens (clamped to the cache), and the feature forward reads rows
     [0, batch) of the caches in place with kv_lengths = min(cache_seqlens + seqlen_new, seqlen_cache)."""
+    monkeypatch.setenv("CUFLASH_KVCACHE_GPU", "1")
     ad, launched = dev
     rng = np.random.default_rng()
     b, cap, h, hkv, d, n = 2, 96, 8, 2, 64, 3
