@@ -122,6 +122,7 @@ def _features(rng, name, batch, nheads):
         "win3_0": (dict(window=(3, 0)), 1.0),
         "win5_2": (dict(window=(5, 2)), 1.0),
         "win0_-1": (dict(window=(0, -1)), 1.0),
+        "win20_0": (dict(window=(20, 0)), 1.0),
         "sinktok": (dict(window=(4, 0), num_sink_tokens=3), 1.0),
         "sinklogit": (dict(sink_logits=sinks), 1.0),
         "alibi_h": (dict(alibi_slopes=slopes), 1.0),
@@ -557,6 +558,7 @@ def _to_torch(a):
 
 def _from_torch(t):
     torch = _torch()
+    t = t.detach()
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(BF16)
     return t.numpy()

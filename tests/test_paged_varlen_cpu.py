@@ -34,6 +34,7 @@ from cuflash._call import ArrayInfo
 from cuflash._kvcache import describe_paged_varlen
 from cuflash._reference import attention_reference, check_close
 from test_cpu_features import FWD_FACTOR, FWD_FLOOR, LSE_ATOL, LSE_RTOL, _score_magnitude
+from test_kvcache_cpu import _features, _from_torch, _to_torch  # shared with the KV-cache tests
 
 # Any numpy floating-point warning (divide by zero, invalid value, overflow) is a test failure.
 pytestmark = pytest.mark.filterwarnings("error")
@@ -137,26 +138,6 @@ def _bits(x):
 
 def _same_bits(a, b) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and np.array_equal(_bits(a), _bits(b))
-
-
-def _features(rng, name, batch, nheads):
-    """(options, qk_scale of the inputs) of the named options."""
-    slopes = (2.0 ** (-8.0 * (np.arange(nheads) + 1) / nheads) * rng.uniform(0.5, 2.0, nheads)).astype(np.float32)
-    sinks = (rng.standard_normal(nheads) * 1.5 + 0.5).astype(np.float32)
-    return {
-        "none": ({}, 1.0),
-        "win3_0": (dict(window=(3, 0)), 1.0),
-        "win5_2": (dict(window=(5, 2)), 1.0),
-        "win0_-1": (dict(window=(0, -1)), 1.0),
-        "win20_0": (dict(window=(20, 0)), 1.0),
-        "sinktok": (dict(window=(4, 0), num_sink_tokens=3), 1.0),
-        "sinklogit": (dict(sink_logits=sinks), 1.0),
-        "alibi_h": (dict(alibi_slopes=slopes), 1.0),
-        "alibi_bh": (dict(alibi_slopes=rng.uniform(0.0, 1.0, (batch, nheads)).astype(np.float32)), 1.0),
-        "softcap": (dict(softcap=5.0), 3.0),
-        "scale": (dict(softmax_scale=0.3), 1.0),
-        "all": (dict(window=(6, 0), num_sink_tokens=2, sink_logits=sinks, alibi_slopes=slopes, softcap=20.0), 2.0),
-    }[name]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -506,22 +487,6 @@ def test_varlen_backward_refuses_block_table():
 
 # --------------------------------------------------------------------------------------------------------------
 # torch CPU tensors and JAX CPU arrays.
-
-
-def _to_torch(a):
-    torch = _torch()
-    a = np.ascontiguousarray(a)
-    if a.dtype == BF16:
-        return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
-    return torch.from_numpy(a.copy())
-
-
-def _from_torch(t):
-    torch = _torch()
-    t = t.detach()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(BF16)
-    return t.numpy()
 
 
 def _torch_args(case):
