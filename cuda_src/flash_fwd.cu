@@ -32,8 +32,9 @@
 // Features (FEAT = true; mask.cuh): per-sequence lengths of padded or packed batches, sliding
 // window, sink tokens and logits, ALiBi and softcap. The block's key tiles come from key_tiles (sink
 // tiles, then the window's), scores become log2-unit logits with the window / length mask on the
-// tiles that cross a bound, and a sink logit seeds the online softmax as a key of value 0 (m = sink,
-// l = 1). With FEAT = false none of this code exists: the plain kernel is unchanged.
+// tiles that cross a bound, and a sink logit joins the online softmax after the last tile as a key
+// of value 0 (softmax.cuh: finalize with a sink). With FEAT = false none of this code exists: the
+// plain kernel is unchanged.
 //
 // Grid. 1-D: blockIdx.x = (b * nheads + h) * num_m_blocks + (num_m_blocks - 1 - m_block), so the
 // grid is not bounded by the 65535 limit of y/z, and within a head the longest causal blocks start
@@ -123,9 +124,6 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
             for (int e = 0; e < 4; ++e) acc_o[mt][dt][e] = 0.f;
     OnlineSoftmax<M_TILES, N_TILES> softmax;
     softmax.init();
-    if constexpr (FEAT) {
-        if (p.mask.sink_logits != nullptr) softmax.seed(p.mask.sink_logits[h] * CUFLASH_LOG2E, t == 0);
-    }
 
     const int warp_row0 = warp * Tr::ROWS_PER_WARP;
     // ldmatrix lane offsets (see common.cuh for the fragment layouts):
@@ -305,7 +303,13 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
     cp_async_wait<0>();  // with n_blocks == 0 the Q copy may still be in flight
     __syncthreads();
     float inv_l[M_TILES][2], lse[M_TILES][2];
-    softmax.finalize(inv_l, lse);
+    if constexpr (FEAT) {
+        // A sink logit joins here, after the last key tile (softmax.cuh); -inf: none.
+        const float* sink = p.mask.sink_logits;
+        softmax.finalize(inv_l, lse, sink != nullptr ? sink[h] * CUFLASH_LOG2E : -CUFLASH_INF);
+    } else {
+        softmax.finalize(inv_l, lse);
+    }
     if constexpr (FEAT) {
         // Rows past the sequence's valid length (padding of a padded batch): out = 0, lse = -inf.
 #pragma unroll

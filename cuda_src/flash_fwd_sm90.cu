@@ -27,8 +27,8 @@
 //
 // Causal alignment, the empty-row convention, the grid mapping and FwdParams are those of
 // flash_fwd.cu, and so is FEAT (the optional features of mask.cuh): the key tiles of key_tiles,
-// masks on the tiles a bound crosses, log2-unit logits for softcap / ALiBi, a sink logit seeding the
-// softmax. A block that lies past its sequence in a packed batch runs no iteration and writes nothing
+// masks on the tiles a bound crosses, log2-unit logits for softcap / ALiBi, a sink logit joining the
+// softmax after the last tile. A block that lies past its sequence in a packed batch runs no iteration and writes nothing
 // (no early return: any branch around the wgmma code would serialize it).
 #include "blocks.cuh"
 #include "common.cuh"
@@ -106,9 +106,6 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p) {
     for (int i = 0; i < HEAD_DIM / 2; ++i) acc_o[i] = 0.f;
     OnlineSoftmax<1, N_TILES> softmax;
     softmax.init();
-    if constexpr (FEAT) {
-        if (p.mask.sink_logits != nullptr) softmax.seed(p.mask.sink_logits[h] * CUFLASH_LOG2E, t == 0);
-    }
     u32 pa[PV_STEPS][4];  // P of the previous tile, as wgmma A fragments (one per k16 step of keys)
 #pragma unroll
     for (int kk = 0; kk < PV_STEPS; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
@@ -213,7 +210,13 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p) {
 
     // ---- epilogue: O /= l, lse, O through this warp's 16 rows of sQ ----
     float inv_l[1][2], lse[1][2];
-    softmax.finalize(inv_l, lse);
+    if constexpr (FEAT) {
+        // A sink logit joins here, after the last key tile (softmax.cuh); -inf: none.
+        const float* sink = p.mask.sink_logits;
+        softmax.finalize(inv_l, lse, sink != nullptr ? sink[h] * CUFLASH_LOG2E : -CUFLASH_INF);
+    } else {
+        softmax.finalize(inv_l, lse);
+    }
     if constexpr (FEAT) {
         // Rows past the sequence's valid length (padding of a padded batch): out = 0, lse = -inf.
 #pragma unroll

@@ -42,15 +42,6 @@ struct OnlineSoftmax {
             for (int r = 0; r < 2; ++r) { row_m[mt][r] = -CUFLASH_INF; row_l[mt][r] = 0.f; }
     }
 
-    // A sink logit (log2 units) acts as a key of value 0 seen first: m = sink, l = exp2(0) = 1, the
-    // 1 held by one thread of the quad (finalize sums the quad's shares).
-    __device__ __forceinline__ void seed(float sink_log2, bool owner) {
-#pragma unroll
-        for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-            for (int r = 0; r < 2; ++r) { row_m[mt][r] = sink_log2; row_l[mt][r] = owner ? 1.f : 0.f; }
-    }
-
     // Turns scores s into probabilities p in place and returns the factor alpha by which each row's
     // output accumulator must be rescaled.
     __device__ __forceinline__ void update(float (&s)[M_TILES][N_TILES][4], float scale_log2,
@@ -93,6 +84,30 @@ struct OnlineSoftmax {
                 const bool empty = (l == 0.f);
                 inv_l[mt][r] = empty ? 0.f : 1.f / l;
                 lse[mt][r] = empty ? -CUFLASH_INF : (row_m[mt][r] + fast_log2(l)) * LN2;
+            }
+    }
+
+    // finalize with a sink logit (log2 units; -inf: none, and then the same as finalize): a key of
+    // value 0 joined after the last tile, so that P stays relative to the keys' own max and the
+    // largest key's P is exactly 1 before its rounding for P V. With m' = max(m, sink):
+    //   l' = l * exp2(m - m') + exp2(sink - m'),   O' = O * exp2(m - m') / l',   lse = m' + log2 l'
+    // (no term exceeds 1, so nothing overflows whatever the sink). A row with no visible key and a
+    // finite sink gets O = 0 and lse = sink; with no sink either, O = 0 and lse = -inf.
+    __device__ __forceinline__ void finalize(float (&inv_l)[M_TILES][2], float (&lse)[M_TILES][2],
+                                             float sink_log2) {
+        const float LN2 = 0.6931471805599453f;
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const float m = row_m[mt][r];
+                const float m_new = fmaxf(m, sink_log2);
+                const float base = exp_base(m_new);
+                const float alpha = fast_exp2(m - base);
+                const float l = quad_sum(row_l[mt][r]) * alpha + fast_exp2(sink_log2 - base);
+                const bool empty = (l == 0.f);
+                inv_l[mt][r] = empty ? 0.f : alpha / l;
+                lse[mt][r] = empty ? -CUFLASH_INF : (m_new + fast_log2(l)) * LN2;
             }
     }
 };
