@@ -295,3 +295,42 @@ def feat_bwd_uses_atomics(deterministic: bool, target: str, head_dim: int) -> bo
 def feat_dq_config(target: str, head_dim: int, dtype: str) -> TileConfig:
     """dQ tiles of the feature kernel: the mma.sync table."""
     return bwd_dq_config(family_of_target(target), head_dim, dtype)
+
+
+# ---- decoding against a KV cache (cuda_src/flash_decode.cu) ----
+DECODE_BLOCK_N = 64   # keys per tile: 4 warps x 16
+DECODE_ROWS = 16      # packed query rows (query heads of a kv head x positions) per thread block
+
+
+def decode_smem_bytes(head_dim: int, stages: int) -> int:
+    """Dynamic shared memory of the decode kernel: sQ (16 rows) and `stages` stages of sK and sV
+    (cuda_src/flash_decode.cu: DecodeTraits::SMEM_BYTES)."""
+    pitch = padded_pitch(head_dim)
+    return DECODE_ROWS * pitch * 2 + 2 * stages * DECODE_BLOCK_N * pitch * 2
+
+
+def decode_stages(target: str, head_dim: int) -> int | None:
+    """Pipeline stages of the decode kernel for a compile target: 4 up to head_dim 64; 3 up to 128 on
+    sm_90 (two blocks still fit an SM), else 2; fewer where the target's shared memory is smaller.
+    None when even 2 stages do not fit (large head_dims on 99 KB parts)."""
+    fam = family_of_target(target)
+    want = 4 if head_dim <= 64 else (3 if head_dim <= 128 and fam == "sm90" else 2)
+    for stages in range(want, 1, -1):
+        if decode_smem_bytes(head_dim, stages) + 512 <= SMEM_LIMIT[fam]:  # + the merge's static (m, l)
+            return stages
+    return None
+
+
+def decode_num_splits(blocks: int, keys: int, sm_count: int, blocks_per_sm: int, max_splits: int = 64) -> int:
+    """How many chunks the keys of each (entry, kv head, row tile) are split into (flash-decoding).
+    blocks: thread blocks without splitting; keys: the most keys one block may see. Splitting pays
+    when `blocks` cannot fill the GPU. Modelled time: waves(s) * (keys / s + 2 tiles), the 2 tiles
+    standing for a block's fixed cost (start, pipeline fill, merge, its share of the combine);
+    each split keeps at least 2 tiles of keys. Returns the smallest s within 3 % of the best."""
+    slots = max(1, sm_count * blocks_per_sm)
+    cap = max(1, min(max_splits, keys // (2 * DECODE_BLOCK_N)))
+    if blocks >= slots or cap == 1:
+        return 1
+    cost = {s: -(-blocks * s // slots) * (keys / s + 2 * DECODE_BLOCK_N) for s in range(1, cap + 1)}
+    best = min(cost.values())
+    return min(s for s, c in cost.items() if c <= best * 1.03)

@@ -34,7 +34,8 @@ def precompile(head_dims=None, dtypes=None, causal=(False, True), backward=True,
             onto it, so the first call pays nothing.
         workers: compile processes (default: CPU count).
         features: also build the feature kernels (lengths, attention_varlen, window, sinks, ALiBi,
-            softcap) for these head_dims and dtypes.
+            softcap) and the KV-cache decode kernels (attention_with_kvcache) for these head_dims and
+            dtypes.
 
     Returns:
         The readable names of the specializations built or found in the cache.
@@ -59,6 +60,7 @@ def precompile(head_dims=None, dtypes=None, causal=(False, True), backward=True,
         specs += _launch.all_bwd_specializations(target, head_dims, dtypes, tuple(causal))
     if features:
         specs += _launch.all_feat_specializations(target, head_dims, dtypes, backward)
+        specs += _launch.all_decode_specializations(target, head_dims, dtypes)
     names = compile_many([spec for spec, _ in specs], target, workers)
     if load:
         for spec, smem in specs:

@@ -27,12 +27,17 @@ lengths, gathers them into the packed (total_k, nheads_kv, head_dim) layout and 
 forward of cuflash/_plan.py on them (`attention_varlen_paged`, at the end of this module). Forward
 only for now.
 
-GPU arrays are refused in one place, `_refuse_gpu`, before anything runs: the kernels that read a
-paged cache come later.
+On the GPU (`_gpu_kvcache`) the call runs the decode kernels of cuda_src/flash_decode.cu through a
+`DecodePlan` (append, split-KV decode with GQA packing, combine), cached by the call's signature so
+that a repeated decode step skips the checks; the lengths and indices stay on the device. A contiguous
+cache whose row b is entry b with more than 64 packed query rows per kv head (a prefill chunk) takes the
+training forward with kv_lengths instead (`_gpu_contiguous`). The paged prefill has no GPU path yet:
+`_refuse_gpu` keeps CUDA arrays out of it, before anything runs.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -85,14 +90,6 @@ def _refuse_gpu(q: ArrayInfo, what: str = "attention_with_kvcache",
             f"{what} on the GPU is not built yet; its kernels come in a later release. "
             f"q is a {q.lib} array on cuda:{q.device[1]}. Pass CPU arrays (NumPy, torch or JAX on the CPU) "
             f"for the NumPy implementation, {instead}.")
-
-
-def gpu_path_enabled() -> bool:
-    """The experimental GPU path for contiguous caches (CUFLASH_KVCACHE_GPU=1): wired and checked on a
-    fake device, not yet run on a GPU (tests/test_kvcache_device.py is its GPU check)."""
-    import os
-
-    return os.environ.get("CUFLASH_KVCACHE_GPU") == "1"
 
 
 def _check_page_size(name, shape) -> None:
@@ -258,18 +255,24 @@ def describe_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, *,
     feats, _ = check_features(lib, device, batch=b, nheads=h, seqlen_q=sq, seqlen_k=capacity, causal=bool(causal),
                               window=window, num_sink_tokens=num_sink_tokens, softcap=softcap, arrays=options,
                               packed=False)
-    if device[0] == "cuda":
-        if not gpu_path_enabled():
-            # The contiguous GPU path (_gpu_contiguous) has not run on a GPU yet: off unless asked for.
-            _refuse_gpu(q, instead="or set CUFLASH_KVCACHE_GPU=1 to try the experimental path for a contiguous "
-                        "cache whose row b is entry b")
-        if paged or cache_batch_idx is not None:
-            _refuse_gpu(q, "attention_with_kvcache with " + ("block_table" if paged else "cache_batch_idx"),
-                        "or a contiguous cache whose row b is entry b (cache_batch_idx=None, block_table=None)")
     return KVCacheCall(lib=lib, device=device, dtype=q.dtype, batch=b, seqlen_q=sq, nheads=h, nheads_kv=hk,
                        head_dim=d, scale=scale, feats=feats, return_lse=bool(return_lse), paged=paged,
                        page_size=seq if paged else 0, cache_rows=rows, capacity=capacity, seqlen_new=seqlen_new,
                        fixed_seqlen=fixed, has_batch_idx=cache_batch_idx is not None, arrays=tuple(options))
+
+
+MAX_SPLITS = 128
+
+
+def _check_num_splits(num_splits) -> int:
+    """num_splits: 0 (the heuristic) or a forced split count for the GPU decode kernel."""
+    if not _is_int(num_splits):
+        raise TypeError(f"num_splits: expected an int (0: chosen from the shape and the GPU); got "
+                        f"{type(num_splits).__name__}")
+    if not 0 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits: expected an int in [0, {MAX_SPLITS}] (0: chosen from the shape and the GPU); "
+                         f"got {num_splits}")
+    return int(num_splits)
 
 
 def _check_scale(softmax_scale, head_dim) -> float:
@@ -474,10 +477,272 @@ def _gpu_contiguous(c: KVCacheCall, ad, q, k_cache, v_cache, k, v, cache_seqlens
                      softcap=softcap)
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_id: int) -> int:
+    import cupy
+
+    return int(cupy.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"])
+
+
+# Pointer slots of a decode plan's launches.
+_D_Q, _D_KC, _D_VC, _D_OUT, _D_LSE, _D_SCRATCH, _D_SEQLENS, _D_BIDX, _D_TABLE, _D_K, _D_V, _D_ALIBI, _D_SINK = range(13)
+_D_ARRAYS = ("q", "k_cache", "v_cache", "out", "lse", "scratch", "cache_seqlens", "cache_batch_idx", "block_table",
+             "k", "v", "alibi_slopes", "sink_logits")
+
+
+class DecodePlan:
+    """What one signature of attention_with_kvcache runs on the GPU (cuda_src/flash_decode.cu): the
+    append, the decode kernel with its split count, the combine; prepared once, then each call only
+    allocates out (lse, scratch), reads pointers and fires. `copy`: the arrays the kernels cannot
+    read in place (q, index and option arrays; never the caches, which are written in place)."""
+
+    def __init__(self, c: KVCacheCall, infos: dict, num_splits: int):
+        import threading
+
+        from . import _config, _launch
+        from ._launch import DecodeArgs, DeviceTensor, MaskArgs, Slot
+        from ._plan import _small_needs_copy, contiguous_strides, needs_copy
+        from ._gpu import compute_capability
+
+        self.call = c
+        self.device_id = dev = c.device[1]
+        self.ad = None  # the adapter that runs the plan (set by its maker)
+        self.cache_layouts = {n: infos[n] for n in ("k_cache", "v_cache")}
+        self._lock = threading.Lock()
+        cc = compute_capability(dev)
+        for name in ("k_cache", "v_cache"):
+            if needs_copy(infos[name]):
+                x = infos[name]
+                raise ValueError(f"{name}: expected a cache the GPU kernels can read in place: a unit-stride last "
+                                 f"dimension and a 16-byte aligned base pointer and strides (multiples of 8 "
+                                 f"elements); got strides {x.strides}{'' if x.aligned else ' at an unaligned pointer'}"
+                                 " (a cache is read and written in place, never copied)")
+        copy = []
+        if needs_copy(infos["q"]):
+            copy.append("q")
+        for name in ("cache_seqlens", "cache_batch_idx", "block_table", "alibi_slopes", "sink_logits"):
+            if infos.get(name) is not None and _small_needs_copy(infos[name]):
+                copy.append(name)
+        self.copy = tuple(copy)
+
+        def tensor(name, slot):
+            x = infos[name]
+            strides = contiguous_strides(x.shape) if name in copy else x.strides
+            return DeviceTensor(Slot(slot), x.shape, strides)
+
+        b, sq, h, d = c.batch, c.seqlen_q, c.nheads, c.head_dim
+        self.out_shape = (b, sq, h, d)
+        self.lse_shape = (b, h, sq)
+        rows = sq * (h // c.nheads_kv)
+        blocks = b * c.nheads_kv * -(-rows // _config.DECODE_ROWS)
+        f = c.feats
+        keys = c.capacity if f.window_left < 0 else min(c.capacity, f.window_left + sq + max(f.window_right, 0)
+                                                         + f.num_sink_tokens)
+        if num_splits == 0:
+            # Two blocks per SM: one alone keeps too few bytes in flight to draw the SM's share of
+            # the memory bandwidth (measured: 48 % of the copy bandwidth at 1 block per SM).
+            num_splits = _config.decode_num_splits(blocks, keys, _sm_count(dev), 2)
+        self.num_splits = num_splits
+        self.scratch_floats = _launch.decode_scratch_floats(b, h, sq, d, num_splits)
+        table = infos.get("block_table")
+        table_stride = 0
+        if table is not None:
+            table_stride = table.shape[1] if "block_table" in copy else table.strides[0]
+        alibi = infos.get("alibi_slopes")
+        alibi_bs = 0
+        if alibi is not None and len(alibi.shape) == 2:
+            alibi_bs = alibi.shape[1] if "alibi_slopes" in copy else alibi.strides[0]
+        mask = MaskArgs(alibi_slopes=Slot(_D_ALIBI) if alibi is not None else 0, alibi_batch_stride=alibi_bs,
+                        sink_logits=Slot(_D_SINK) if infos.get("sink_logits") is not None else 0,
+                        window_left=f.window_left, window_right=f.window_right, num_sink_tokens=f.num_sink_tokens,
+                        softcap=f.softcap)
+        args = DecodeArgs(lse=Slot(_D_LSE), scratch=Slot(_D_SCRATCH),
+                          cache_seqlens=Slot(_D_SEQLENS) if c.fixed_seqlen is None else 0,
+                          cache_batch_idx=Slot(_D_BIDX) if c.has_batch_idx else 0,
+                          block_table=Slot(_D_TABLE) if c.paged else 0, table_stride=table_stride,
+                          k_new=tensor("k", _D_K) if c.appends else None,
+                          v_new=tensor("v", _D_V) if c.appends else None,
+                          cache_rows=c.cache_rows, capacity=c.capacity, page_size=c.page_size,
+                          fixed_seqlen=c.fixed_seqlen or 0, num_splits=num_splits)
+        used = {"q", "k_cache", "v_cache", "out"}
+        used.update(n for n, on in (("lse", c.return_lse), ("scratch", self.scratch_floats > 0),
+                                    ("cache_seqlens", c.fixed_seqlen is None), ("cache_batch_idx", c.has_batch_idx),
+                                    ("block_table", c.paged), ("k", c.appends), ("v", c.appends),
+                                    ("alibi_slopes", alibi is not None),
+                                    ("sink_logits", infos.get("sink_logits") is not None)) if on)
+        self.used = frozenset(used)
+        self.zero_ptrs = [0] * len(_D_ARRAYS)
+        self.input_slots = tuple((i, n) for i, n in enumerate(_D_ARRAYS)
+                                 if n in used and n not in ("out", "lse", "scratch"))
+        self.launches = _launch.decode_launches(tensor("q", _D_Q), tensor("k_cache", _D_KC), tensor("v_cache", _D_VC),
+                                                DeviceTensor(Slot(_D_OUT), self.out_shape,
+                                                             contiguous_strides(self.out_shape)),
+                                                args, c.dtype, c.scale, mask, dev, cc)
+
+    def run_call(self, names: dict):
+        """One call: the checks that depend on the arrays' values or identity (a torch cache that
+        requires grad, caches that share memory), the run, and the return value of the call."""
+        c, ad = self.call, self.ad
+        if c.appends:
+            if c.lib == "torch":
+                for name in ("k_cache", "v_cache"):
+                    if names[name].requires_grad:
+                        raise ValueError(f"{name}: expected a tensor that does not require grad, to write in place; "
+                                         f"got one that requires grad (pass {name}.detach(), which shares the "
+                                         "storage)")
+            _check_caches_apart(self.cache_layouts, names, ad)
+        out, lse = self.run(ad, names)
+        if c.appends and c.lib == "torch":
+            import torch
+
+            for name in ("k_cache", "v_cache"):  # written by a kernel, behind autograd's back
+                torch.autograd.graph.increment_version(names[name])
+        return (out, lse) if c.return_lse else out
+
+    def run(self, ad, arrays: dict):
+        """(out, lse or None) as the caller's arrays; appends first when the call has k and v."""
+        from ._plan import _current_device
+
+        dev, c = self.device_id, self.call
+        keep = []
+        if self.copy:
+            arrays = dict(arrays)
+            for n in self.copy:
+                arrays[n] = ad.contiguous(arrays[n], dev, keep)
+        out = ad.empty(self.out_shape, c.dtype, dev)
+        ptrs = self.zero_ptrs.copy()
+        ptrs[_D_OUT] = ad.ptr(out, keep)
+        lse = None
+        if c.return_lse:
+            lse = ad.empty(self.lse_shape, "float32", dev)
+            ptrs[_D_LSE] = ad.ptr(lse, keep)
+        if self.scratch_floats:
+            scratch = ad.empty((self.scratch_floats,), "float32", dev)
+            ptrs[_D_SCRATCH] = ad.ptr(scratch, keep)
+        for i, n in self.input_slots:
+            ptrs[i] = ad.ptr(arrays[n], keep)
+        stream = ad.stream(dev)
+        launch = None
+        try:
+            with self._lock:
+                if _current_device() == dev:
+                    for launch in self.launches:
+                        launch.fire(stream, ptrs)
+                else:
+                    import cupy
+
+                    with cupy.cuda.Device(dev):
+                        for launch in self.launches:
+                            launch.fire(stream, ptrs)
+        except Exception as e:
+            if launch is None:
+                raise
+            from ._plan import LaunchError
+
+            raise LaunchError(f"cuflash: launching {launch.name} failed (grid {launch.grid}, {launch.threads} threads, "
+                              f"{launch.smem} B shared memory, device {dev}) for attention_with_kvcache {c.dtype} q "
+                              f"{self.out_shape}, cache capacity {c.capacity}, paged={c.paged}, num_splits "
+                              f"{self.num_splits}: {type(e).__name__}: {e}") from e
+        return ad.export(out), (None if lse is None else ad.export(lse))
+
+
+_DECODE_PLANS: dict = {}
+
+
+def _gpu_decode_available(c: KVCacheCall) -> bool:
+    from . import _config
+    from ._gpu import compute_capability
+
+    return _config.decode_stages(_config.compile_arch(*compute_capability(c.device[1])), c.head_dim) is not None
+
+
+def _gpu_kvcache(c: KVCacheCall, ad, infos: dict, names: dict, num_splits: int, fast_key=None):
+    """The GPU path: the decode kernels for every layout; a contiguous cache whose row b is entry b
+    with many query rows per kv head (a prefill chunk: seqlen_q * nheads / nheads_kv > 64) takes the
+    feature forward (_gpu_contiguous), whose tiles suit it."""
+    from . import _config
+
+    rows = c.seqlen_q * (c.nheads // c.nheads_kv)
+    plain_rows = not c.paged and not c.has_batch_idx
+    if plain_rows and (rows > 4 * _config.DECODE_ROWS or not _gpu_decode_available(c)):
+        return None
+    if not _gpu_decode_available(c):
+        _refuse_gpu(infos["q"], f"attention_with_kvcache at head_dim {c.head_dim} on this GPU (too little shared "
+                                "memory for the decode kernel) with " + ("block_table" if c.paged else
+                                                                         "cache_batch_idx"),
+                    "or a contiguous cache whose row b is entry b (cache_batch_idx=None, block_table=None)")
+    plan_key = (c, tuple(infos.get(n) for n in _D_ARRAYS), num_splits)
+    plan = _DECODE_PLANS.get(plan_key)
+    if plan is None:
+        plan = DecodePlan(c, infos, num_splits)
+        plan.ad = ad
+        if len(_DECODE_PLANS) > 1024:
+            _DECODE_PLANS.clear()
+        _DECODE_PLANS[plan_key] = plan
+    out = plan.run_call(names)
+    if fast_key is not None:  # the call went through: its signature may skip the checks from now on
+        if len(_FAST_PLANS) > 1024:
+            _FAST_PLANS.clear()
+        _FAST_PLANS[fast_key] = plan
+    return out
+
+
+_FAST_PLANS: dict = {}
+
+
+def _fast_key(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, causal, softmax_scale,
+              return_lse, window, num_sink_tokens, sink_logits, alibi_slopes, softcap, num_splits) -> tuple:
+    """The signature of a call: equal for two calls only when validation and planning give the same
+    result (the arrays' signatures from q's adapter, every scalar with its type). Raises (so that the
+    call takes the full path) for anything it cannot key, e.g. arrays of another type than q's."""
+    global _key_parts
+    if _key_parts is None:
+        from ._adapters import adapter_for
+        from ._adapters._base import window_key
+
+        _key_parts = adapter_for, window_key
+    adapter_for, window_key = _key_parts
+    t = type(q)
+    sig = adapter_for(q).sig
+
+    def s(x):
+        if x is None:
+            return None
+        if type(x) is not t:
+            raise TypeError("mixed array types")
+        return sig(x)
+
+    seqlens = (cache_seqlens.__class__, cache_seqlens) if cache_seqlens is None or cache_seqlens.__class__ is int \
+        else s(cache_seqlens)
+    return (t, sig(q), sig(k_cache), sig(v_cache), s(k), s(v), seqlens, s(cache_batch_idx), s(block_table),
+            causal.__class__, causal, softmax_scale.__class__, softmax_scale, return_lse.__class__, return_lse,
+            window_key(window), num_sink_tokens.__class__, num_sink_tokens, s(sink_logits), s(alibi_slopes),
+            softcap.__class__, softcap, num_splits.__class__, num_splits)
+
+
+_key_parts = None
+
+
+def _check_caches_apart(infos: dict, names: dict, ad) -> None:
+    """Appending needs k_cache and v_cache in separate memory (else writing v overwrites k): their
+    byte extents must not overlap."""
+    spans = []
+    for name in ("k_cache", "v_cache"):
+        x = infos[name]
+        base = ad.ptr(names[name], [])
+        lo = base + 2 * sum(min(0, (n - 1) * st) for n, st in zip(x.shape, x.strides))
+        hi = base + 2 * sum(max(0, (n - 1) * st) for n, st in zip(x.shape, x.strides)) + 2
+        spans.append((lo, hi))
+    (a0, a1), (b0, b1) = spans
+    if a0 < b1 and b0 < a1:
+        raise ValueError("k_cache: expected k_cache and v_cache in separate memory to append into; got caches that "
+                         "share memory (appending v would overwrite k)")
+
+
 def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, *, cache_batch_idx=None,
                            block_table=None, causal: bool = False, softmax_scale: float | None = None,
                            return_lse: bool = False, window=None, num_sink_tokens: int = 0, sink_logits=None,
-                           alibi_slopes=None, softcap: float | None = None):
+                           alibi_slopes=None, softcap: float | None = None, num_splits: int = 0):
     """Attention of new queries against a KV cache, appending the new keys and values to the cache
     in place first (flash-attn's ``flash_attn_with_kvcache``): one decoding step (seqlen_q = 1),
     speculative decoding or chunked prefill (seqlen_q > 1). Inference only: there is no backward,
@@ -539,10 +804,29 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
             out of range; two entries appending into one cache row or slot; a read-only cache
             (or k_cache and v_cache sharing memory, or a torch cache that requires grad) when
             appending. The CPU path reads the index arrays' values to check them.
-        NotImplementedError for CUDA arrays (torch, CuPy, JAX on a GPU) and for JAX tracers
-            (jax.jit): the GPU kernels for KV caches are not built yet.
+        NotImplementedError for JAX tracers (jax.jit).
+
+    On the GPU the lengths and indices are never read back: values out of range are clamped into
+    the cache (writes past the capacity are dropped), so they cannot read or write out of bounds,
+    and a decode step can be captured in a CUDA graph and replayed with new cache_seqlens.
+    num_splits: 0 (the default) lets a heuristic choose how many chunks the keys are split into
+    (split-KV, from the shape and the SM count); n in [1, 128] forces n. The CPU path ignores it.
     """
     from ._adapters import adapter_for, info_of
+
+    # A repeated signature (decoding calls the same shapes again and again) goes straight to its GPU
+    # plan: every check that depends only on the signature passed when the plan was made.
+    try:
+        key = _fast_key(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, causal,
+                        softmax_scale, return_lse, window, num_sink_tokens, sink_logits, alibi_slopes, softcap,
+                        num_splits)
+        plan = _FAST_PLANS.get(key)
+    except Exception:  # cannot be keyed: the full path checks (and raises)
+        key = plan = None
+    if plan is not None:
+        return plan.run_call(dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=cache_seqlens,
+                                  cache_batch_idx=cache_batch_idx, block_table=block_table, sink_logits=sink_logits,
+                                  alibi_slopes=alibi_slopes))
 
     names = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_batch_idx=cache_batch_idx,
                  block_table=block_table, sink_logits=sink_logits, alibi_slopes=alibi_slopes)
@@ -554,6 +838,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
         if isinstance(x, ArrayInfo) and x.device[0] == "traced":
             raise NotImplementedError(f"cuflash.attention_with_kvcache does not support jax.jit (or other JAX "
                                       f"transformations that trace values): {n} is a tracer. Call it outside jit")
+    num_splits = _check_num_splits(num_splits)
     call = describe_kvcache(infos["q"], infos["k_cache"], infos["v_cache"], infos["k"], infos["v"],
                             cache_seqlens if seqlens_is_int else infos["cache_seqlens"],
                             cache_batch_idx=infos["cache_batch_idx"], block_table=infos["block_table"], causal=causal,
@@ -562,6 +847,11 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
                             alibi_slopes=infos["alibi_slopes"], softcap=softcap)
     ad = adapter_for(q)
     if call.device[0] == "cuda":
+        if not seqlens_is_int:
+            names["cache_seqlens"] = cache_seqlens
+        res = _gpu_kvcache(call, ad, infos, names, num_splits, key)
+        if res is not None:
+            return res
         return _gpu_contiguous(call, ad, q, k_cache, v_cache, k, v, cache_seqlens, causal, softmax_scale, window,
                                num_sink_tokens, sink_logits, alibi_slopes, softcap)
     host = {n: (None if x is None else ad.to_numpy(x)) for n, x in names.items()}

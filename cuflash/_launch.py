@@ -67,6 +67,21 @@ TAIL_PARAMS = np.dtype(
 
 _TAIL_CHECKS_PARAMS = _compile.params_layout_checks("cuflash", "TailParams", TAIL_PARAMS)
 
+# Mirror of cuflash::DecodeParams (cuda_src/flash_decode.cu).
+DECODE_PARAMS = np.dtype(
+    [(n, np.uint64) for n in ("q", "k", "v", "o", "lse", "o_part", "lse_part", "cache_seqlens", "cache_batch_idx",
+                              "block_table", "k_new", "v_new")]
+    + [(f"{t}_{s}_stride", np.int64) for t in ("q", "k", "v", "o", "kn", "vn") for s in ("batch", "row", "head")]
+    + [("table_stride", np.int64)]
+    + [(n, np.int32) for n in ("batch", "nheads", "nheads_kv", "head_group", "seqlen_q", "cache_rows", "capacity",
+                               "page_size", "fixed_seqlen", "seqlen_new", "rows", "num_row_tiles", "num_splits",
+                               "head_dim")]
+    + [("scale_log2", np.float32), ("mask", MASK_PARAMS)],
+    align=True,
+)
+
+_DECODE_CHECKS_PARAMS = _compile.params_layout_checks("cuflash", "DecodeParams", DECODE_PARAMS)
+
 _DTYPE_TAG = {"float16": ("f16", "cuflash::f16"), "bfloat16": ("bf16", "cuflash::bf16")}
 
 MAX_GRID_X = 2**31 - 1
@@ -599,3 +614,128 @@ def launch_bwd(dout, q, k, v, o, lse_ptr, dq, dk, dv, rows_scratch_ptr, dq_accum
 
 def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
+
+
+# ---- decoding against a KV cache (cuda_src/flash_decode.cu) ----
+
+def decode_specialization(dtype: str, head_dim: int, stages: int):
+    short, ctype = _DTYPE_TAG[dtype]
+    smem = _config.decode_smem_bytes(head_dim, stages)
+    checks = "\n".join([
+        _DECODE_CHECKS_PARAMS,
+        f"static_assert(cuflash::DecodeTraits<{head_dim}, {stages}>::SMEM_BYTES == {smem},"
+        f' "shared memory size differs from cuflash/_config.py:decode_smem_bytes");',
+    ])
+    return _compile.Specialization("flash_decode.cu", f"cuflash::flash_decode_kernel<{ctype}, {head_dim}, {stages}>",
+                                   f"decode_{short}_d{head_dim}_s{stages}", checks), smem
+
+
+def decode_combine_specialization(dtype: str, head_dim: int):
+    short, ctype = _DTYPE_TAG[dtype]
+    return _compile.Specialization("flash_decode.cu", f"cuflash::decode_combine_kernel<{ctype}, {head_dim}>",
+                                   f"decode_combine_{short}_d{head_dim}", _DECODE_CHECKS_PARAMS)
+
+
+def decode_append_specialization():
+    return _compile.Specialization("flash_decode.cu", "cuflash::decode_append_kernel", "decode_append",
+                                   _DECODE_CHECKS_PARAMS)
+
+
+def all_decode_specializations(target: str, head_dims=None, dtypes=None):
+    """The decode kernel and the split combine per (dtype, head_dim) the target serves, and the append."""
+    out = []
+    for dtype in dtypes or _config.DTYPES:
+        for d in head_dims or _config.HEAD_DIMS:
+            stages = _config.decode_stages(target, d)
+            if stages is not None:
+                out.append(decode_specialization(dtype, d, stages))
+                out.append((decode_combine_specialization(dtype, d), 0))
+    out.append((decode_append_specialization(), 0))
+    return out
+
+
+@dataclass(frozen=True)
+class DecodeArgs:
+    """What the decode launches read besides q / caches / out: pointers (int or Slot; 0 = absent) and
+    the sizes of the call (validated by the caller)."""
+
+    lse: "int | Slot"
+    scratch: "int | Slot"          # float32 o_part then lse_part, when num_splits > 1
+    cache_seqlens: "int | Slot"    # 0: fixed_seqlen
+    cache_batch_idx: "int | Slot"
+    block_table: "int | Slot"
+    table_stride: int
+    k_new: "DeviceTensor | None"
+    v_new: "DeviceTensor | None"
+    cache_rows: int
+    capacity: int
+    page_size: int                 # 0: contiguous
+    fixed_seqlen: int
+    num_splits: int
+
+
+def decode_scratch_floats(batch: int, nheads: int, seqlen_q: int, head_dim: int, num_splits: int) -> int:
+    """float32 scratch of a split decode: o_part then lse_part (0 without splitting)."""
+    if num_splits <= 1:
+        return 0
+    return num_splits * batch * nheads * seqlen_q * (head_dim + 1)
+
+
+def decode_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTensor, a: DecodeArgs, dtype: str,
+                    softmax_scale: float, mask: MaskArgs, device_id: int, cc: tuple[int, int]) -> list[Launch]:
+    """The launches of one attention_with_kvcache call on the GPU: the append (when k_new is given),
+    the decode kernel, and the combine of the splits (num_splits > 1). k / v: the caches, with the
+    strides of a cache row (contiguous) or a block (paged) first."""
+    batch, seqlen_q, nheads, head_dim = q.shape
+    nheads_kv = k.shape[2]
+    target = _config.compile_arch(*cc)
+    stages = _config.decode_stages(target, head_dim)
+    assert stages is not None, (target, head_dim)
+    group = nheads // nheads_kv
+    rows = seqlen_q * group
+    row_tiles = _cdiv(rows, _config.DECODE_ROWS)
+    grid = batch * nheads_kv * row_tiles * a.num_splits
+    if grid > MAX_GRID_X:
+        raise ValueError(f"batch * nheads_kv * ceil(seqlen_q * nheads / nheads_kv / 16) * num_splits = {grid} thread "
+                         f"blocks exceeds the grid limit {MAX_GRID_X}; split the batch")
+    p = np.zeros((), dtype=DECODE_PARAMS)
+    named = [("q", q), ("k", k), ("v", v), ("o", o)]
+    ptrs = _tensor_ptrs(named)
+    _set_strides(p, named)
+    seqlen_new = 0
+    if a.k_new is not None:
+        seqlen_new = a.k_new.shape[1]
+        ptrs["k_new"], ptrs["v_new"] = a.k_new.ptr, a.v_new.ptr
+        _set_strides(p, (("kn", a.k_new), ("vn", a.v_new)))
+    ptrs["lse"] = a.lse
+    ptrs["cache_seqlens"], ptrs["cache_batch_idx"], ptrs["block_table"] = (a.cache_seqlens, a.cache_batch_idx,
+                                                                           a.block_table)
+    if a.num_splits > 1:
+        ptrs["o_part"] = a.scratch
+        ptrs["lse_part"] = a.scratch + 4 * a.num_splits * batch * nheads * seqlen_q * head_dim
+    else:
+        ptrs["o_part"] = ptrs["lse_part"] = 0
+    p["table_stride"] = a.table_stride
+    for name, value in (("batch", batch), ("nheads", nheads), ("nheads_kv", nheads_kv), ("head_group", group),
+                        ("seqlen_q", seqlen_q), ("cache_rows", a.cache_rows), ("capacity", a.capacity),
+                        ("page_size", a.page_size), ("fixed_seqlen", a.fixed_seqlen), ("seqlen_new", seqlen_new),
+                        ("rows", rows), ("num_row_tiles", row_tiles), ("num_splits", a.num_splits),
+                        ("head_dim", head_dim)):
+        p[name] = value
+    p["scale_log2"] = softmax_scale * LOG2E
+    ptrs.update(_set_mask(p, mask, softmax_scale, nheads, seqlen_q))
+
+    launches = []
+    if seqlen_new:
+        spec = decode_append_specialization()
+        fn = _compile.get_function(spec, target, device_id, 0)
+        count = batch * seqlen_new * nheads_kv * head_dim
+        launches.append(Launch(spec.name, fn.ptr, max(1, min(_cdiv(count, 256), 1024)), 256, 0, p, ptrs, device_id))
+    spec, smem = decode_specialization(dtype, head_dim, stages)
+    fn = _compile.get_function(spec, target, device_id, smem)
+    launches.append(Launch(spec.name, fn.ptr, grid, 128, smem, p, ptrs, device_id))
+    if a.num_splits > 1:
+        spec = decode_combine_specialization(dtype, head_dim)
+        fn = _compile.get_function(spec, target, device_id, 0)
+        launches.append(Launch(spec.name, fn.ptr, _cdiv(batch * nheads * seqlen_q, 4), 128, 0, p, ptrs, device_id))
+    return launches

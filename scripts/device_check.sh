@@ -112,7 +112,7 @@ import cuflash
 if not hasattr(cuflash, "precompile"):
     print("cuflash.precompile is missing; kernels compile at first use")
     sys.exit(0)
-names = cuflash.precompile(head_dims=[8, 32, 40, 64, 96, 128, 136, 200, 256], features=True,
+names = cuflash.precompile(head_dims=[8, 32, 40, 64, 72, 96, 128, 136, 200, 256], features=True,
                            dtypes=["float16", "bfloat16"], causal=[False, True], backward=True)
 n = len(names) if hasattr(names, "__len__") else "?"
 print(f"precompiled {n} specializations in {time.perf_counter() - t:.1f} s")

@@ -43,6 +43,12 @@ def _all_specs(kind, target):
         assert len(specs) == len(_config.DTYPES) * (len(_config.HEAD_DIMS) * 4 + wgmma) + 2
         assert len({spec.name for spec, _ in specs}) == len(specs)
         return specs
+    if kind == "decode":
+        # attention_with_kvcache: the decode kernel and the split combine per (dtype, head_dim) (every
+        # head_dim fits on sm_80 and sm_90a), and the append.
+        specs = _launch.all_decode_specializations(target)
+        assert len(specs) == len(_config.DTYPES) * len(_config.HEAD_DIMS) * 2 + 1
+        return specs
     if kind == "fwd":
         specs = _launch.all_fwd_specializations(target)
         # One specialization per (dtype, head_dim, causal, even): nothing may be left out.
@@ -63,7 +69,7 @@ def _all_specs(kind, target):
     return specs
 
 
-@pytest.mark.parametrize("kind", ["fwd", "bwd", "feat"])
+@pytest.mark.parametrize("kind", ["fwd", "bwd", "feat", "decode"])
 @pytest.mark.parametrize("target", TARGETS)
 def test_every_specialization_compiles_clean(kind, target, tmp_path, monkeypatch):
     specs = _all_specs(kind, target)

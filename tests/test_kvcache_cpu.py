@@ -517,27 +517,22 @@ def test_errors(layout, mutate, exc, name):
         assert _diff_count(x, x0) == 0, f"a cache was written by a call that raised {exc.__name__}; {_ctx(seed)}"
 
 
-def test_gpu_arrays_are_refused(monkeypatch):
-    """The GPU check, on the description (no GPU here): CUDA arrays raise NotImplementedError unless
-    CUFLASH_KVCACHE_GPU=1; with it, a contiguous cache whose row b is entry b is accepted (the GPU path
-    runs the feature forward with kv_lengths), and paged caches and cache_batch_idx are still refused."""
+def test_gpu_arrays_are_described():
+    """The description of a GPU call (no GPU here): CUDA arrays of every layout are accepted (contiguous,
+    with cache_batch_idx, paged); the decode kernels run them (tests/test_kvcache_decode.py)."""
     def info(shape, dtype="float16", device=("cuda", 0)):
         strides = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
         return ArrayInfo("cupy", shape, strides, dtype, device, True, "cupy.ndarray")
 
     q, cache = info((2, 1, 4, 64)), info((2, 64, 2, 64))
-    monkeypatch.delenv("CUFLASH_KVCACHE_GPU", raising=False)
-    with pytest.raises(NotImplementedError, match="CUFLASH_KVCACHE_GPU=1"):
-        describe_kvcache(q, cache, cache, cache_seqlens=3)
-    monkeypatch.setenv("CUFLASH_KVCACHE_GPU", "1")
     c = describe_kvcache(q, cache, cache, cache_seqlens=3)
     assert c.device == ("cuda", 0) and not c.paged and not c.has_batch_idx
-    with pytest.raises(NotImplementedError, match="cache_batch_idx on the GPU is not built yet"):
-        describe_kvcache(q, info((3, 64, 2, 64)), info((3, 64, 2, 64)), cache_seqlens=3,
+    c = describe_kvcache(q, info((3, 64, 2, 64)), info((3, 64, 2, 64)), cache_seqlens=3,
                          cache_batch_idx=info((2,), "int32"))
-    with pytest.raises(NotImplementedError, match="block_table on the GPU is not built yet"):
-        describe_kvcache(q, cache, cache, info((2, 1, 2, 64)), info((2, 1, 2, 64)),
+    assert c.has_batch_idx and c.cache_rows == 3
+    c = describe_kvcache(q, cache, cache, info((2, 1, 2, 64)), info((2, 1, 2, 64)),
                          info((2,), "int32"), block_table=info((2, 4), "int32"))
+    assert c.paged and c.page_size == 64 and c.capacity == 256 and c.seqlen_new == 1
     # A CPU q with a cache elsewhere is a device mismatch.
     cpu_q = info((2, 1, 4, 64), device=("cpu", 0))
     with pytest.raises(ValueError, match="^k_cache: on cuda:0"):

@@ -1,13 +1,14 @@
-"""attention_with_kvcache on device arrays: torch CUDA and CuPy (marked gpu; the experimental GPU path,
-on with CUFLASH_KVCACHE_GPU=1), and torch CPU (the NumPy path, so that this file's checks run everywhere).
+"""attention_with_kvcache on device arrays: torch CUDA and CuPy (marked gpu), and torch CPU (the NumPy
+path, so that this file's checks run everywhere).
 
-On the GPU a contiguous cache whose row b is entry b runs the feature forward with kv_lengths =
-cache_seqlens + seqlen_new after the library appends the new tokens on the device
-(cuflash/_kvcache.py _gpu_contiguous). Checked against the float64 reference of
+On the GPU every layout runs the decode kernels of cuda_src/flash_decode.cu (append, split-KV decode
+with GQA packing, combine); a contiguous cache whose row b is entry b with more than 64 packed
+query rows per kv head takes the feature forward with kv_lengths after the library appends the new
+tokens on the device (cuflash/_kvcache.py _gpu_contiguous). Checked against the float64 reference of
 tests/_kvcache_reference.py with the accuracy rule of the CPU tests (out within 2x the naive
-input-dtype error + 1e-5; lse as there), the caches after the call bit for bit, cache slots that
-hold no key NaN-poisoned (a read past an entry's length would show), and paged caches and
-cache_batch_idx refused with NotImplementedError before anything is written.
+input-dtype error + 1e-5; lse as there), the caches after the call bit for bit, and cache slots that
+hold no key NaN-poisoned (a read past an entry's length would show). tests/test_kvcache_decode.py
+covers the layouts, splits and CUDA graphs.
 """
 
 from __future__ import annotations
@@ -53,14 +54,16 @@ def _back(x):
     return x.numpy()
 
 
-def _check(case, device, causal, opts, ctx):
+def _check(case, device, causal, opts, ctx, num_splits=0):
     opts = dict(opts)
     scale = opts.pop("softmax_scale", None)
-    ref = kvcache_reference(case.q, case.k_cache, case.v_cache, case.k, case.v, case.cache_seqlens, None, None,
+    ref = kvcache_reference(case.q, case.k_cache, case.v_cache, case.k, case.v, case.cache_seqlens,
+                            case.cache_batch_idx, case.block_table,
                             causal, scale, **opts)
     args = {n: _to(x, device) for n, x in case.args().items()}
     dev_opts = {n: (_to(x, device) if isinstance(x, np.ndarray) else x) for n, x in opts.items()}
-    out, lse = attention_with_kvcache(**args, causal=causal, softmax_scale=scale, return_lse=True, **dev_opts)
+    out, lse = attention_with_kvcache(**args, causal=causal, softmax_scale=scale, return_lse=True,
+                                      num_splits=num_splits, **dev_opts)
     if device == "cuda":
         torch.cuda.synchronize()
     out, lse = _back(out), _back(lse)
@@ -78,11 +81,6 @@ def _check(case, device, causal, opts, ctx):
     mag = np.maximum(np.abs(ref.lse), _score_magnitude(case.q, ref.keys, scale or d ** -0.5, feats))[fin]
     err = np.abs(lse[fin].astype(np.float64) - ref.lse[fin])
     assert (err <= LSE_ATOL + LSE_RTOL * mag).all(), f"lse max err {err.max(initial=0):.3g}; {ctx}"
-
-
-@pytest.fixture(autouse=True)
-def _gpu_path(monkeypatch):
-    monkeypatch.setenv("CUFLASH_KVCACHE_GPU", "1")  # the experimental GPU path this file checks
 
 
 def _skip_unusable(device, dtype):
@@ -132,31 +130,22 @@ def test_long_cache_int_seqlens(device):
     _check(case, device, True, {}, _ctx(seed, device=device))
 
 
-@pytest.mark.parametrize("device", [pytest.param("cuda", marks=pytest.mark.gpu),
-                                    pytest.param("cupy", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("layout", ["paged16", "contig_idx"])
-def test_gpu_refuses_paged_and_batch_idx(device, layout):
-    _skip_unusable(device, FP16)
-    seed = _new_seed()
-    case = make_case(np.random.default_rng(seed), dtype=FP16, batch=2, seqlen_q=1, layout=layout, capacity=64)
-    args = {n: _to(x, device) for n, x in case.args().items()}
-    before = _back(args["k_cache"]).copy()
-    with pytest.raises(NotImplementedError, match="on the GPU is not built yet"):
-        attention_with_kvcache(**args, causal=True)
-    assert _diff_count(_back(args["k_cache"]), before) == 0, f"a refused call wrote the cache; {_ctx(seed)}"
-
-
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_gpu_lengths_past_the_cache_are_clamped(device):
-    """cache_seqlens + seqlen_new past the cache: the GPU does not read lengths back; the writes are
-    clamped onto the cache's last row and the kernels read at most seqlen_cache keys (no fault)."""
+    """cache_seqlens + seqlen_new past the cache: the GPU does not read lengths back; the writes past
+    the cache are dropped and the kernels read at most seqlen_cache keys (no fault)."""
     _skip_unusable(device, FP16)
     seed = _new_seed()
     rng = np.random.default_rng(seed)
     case = make_case(rng, dtype=FP16, batch=2, seqlen_q=1, layout="contig", capacity=64, seqlen_new=2,
-                     seqlens=np.array([10, 62], np.int32))
+                     seqlens=np.array([10, 63], np.int32))  # 63 + 2 > 64; slots 0..62 hold keys
     args = {n: _to(x, device) for n, x in case.args().items()}
-    args["cache_seqlens"] = _to(np.array([10, 63], np.int32), device)  # 63 + 2 > 64
     out = attention_with_kvcache(**args, causal=True)
     torch.cuda.synchronize()
     assert np.isfinite(_back(out).astype(np.float32)).all(), _ctx(seed)
+    kc = _back(args["k_cache"])
+    assert _diff_count(kc[0, 10:12], case.k[0]) == 0, f"entry 0's append; {_ctx(seed)}"
+    assert _diff_count(kc[1, :63], case.k_cache[1, :63]) == 0, f"entry 1's keys were overwritten; {_ctx(seed)}"
+    # The decode kernels' append drops the write past the cache (position 64): slot 63 holds key 0.
+    assert _diff_count(kc[1, 63], case.k[1, 0]) == 0, f"entry 1's last slot; {_ctx(seed)}"
+    assert _diff_count(kc[2:], case.k_cache[2:]) == 0, f"a cache row no entry uses was written; {_ctx(seed)}"

@@ -83,7 +83,8 @@ class FakeCuda(NumpyAdapter):
         return a
 
 
-SIZES = {"fwd": _launch.FWD_PARAMS, "bwd": _launch.BWD_PARAMS, "varlen": _launch.TAIL_PARAMS}
+SIZES = {"fwd": _launch.FWD_PARAMS, "bwd": _launch.BWD_PARAMS, "varlen": _launch.TAIL_PARAMS,
+         "decode": _launch.DECODE_PARAMS}
 
 
 @pytest.fixture
@@ -602,32 +603,32 @@ def test_jax_jit_gpu_lowering(monkeypatch):
     qs = jnp.stack([q, q])
     batched = jax.jit(jax.vmap(jax.grad(lambda q: loss(q, q[..., :2, :], q[..., :2, :], sink))))
     assert batched.trace(qs).lower(lowering_platforms=("cuda",)).as_text().count("xla_buffer_python_gpu_callback") == 2
-    monkeypatch.delenv("CUFLASH_JAX_JIT_GPU")
+    monkeypatch.setenv("CUFLASH_JAX_JIT_GPU", "0")  # the switch that turns the route off
     with pytest.raises(NotImplementedError, match="'cuda'"):
         lower()
 
 
 @pytest.mark.parametrize("seqlens_kind", ["array", "int"])
-def test_kvcache_gpu_path_wiring(dev, monkeypatch, seqlens_kind):
-    """attention_with_kvcache on a GPU, contiguous cache (cuflash/_kvcache.py _gpu_contiguous): the new
-    tokens are appended at cache_seqlens (clamped to the cache), and the feature forward reads rows
-    [0, batch) of the caches in place with kv_lengths = min(cache_seqlens + seqlen_new, seqlen_cache)."""
-    monkeypatch.setenv("CUFLASH_KVCACHE_GPU", "1")
+def test_kvcache_prefill_path_wiring(dev, seqlens_kind):
+    """attention_with_kvcache on a GPU, contiguous cache, more than 64 packed query rows per kv head (a
+    prefill chunk: cuflash/_kvcache.py _gpu_contiguous): the new tokens are appended at cache_seqlens
+    (clamped to the cache), and the feature forward reads rows [0, batch) of the caches in place with
+    kv_lengths = min(cache_seqlens + seqlen_new, seqlen_cache)."""
     ad, launched = dev
     rng = np.random.default_rng()
-    b, cap, h, hkv, d, n = 2, 96, 8, 2, 64, 3
-    q = arr(rng, (b, 1 + n - 1, h, d))
+    b, cap, h, hkv, d, n = 2, 96, 8, 2, 64, 17  # 17 * 4 = 68 rows per kv head
+    q = arr(rng, (b, n, h, d))
     k_cache, v_cache = arr(rng, (b + 1, cap, hkv, d)), arr(rng, (b + 1, cap, hkv, d))
     k_new, v_new = arr(rng, (b, n, hkv, d)), arr(rng, (b, n, hkv, d))
     before_k = k_cache.copy()
-    seqlens = np.array([5, 94], np.int32).view(Dev) if seqlens_kind == "array" else 40
+    seqlens = np.array([5, 79], np.int32).view(Dev) if seqlens_kind == "array" else 40
     cuflash.attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, seqlens, causal=True)
-    starts = [5, 94] if seqlens_kind == "array" else [40, 40]
+    starts = [5, 79] if seqlens_kind == "array" else [40, 40]
     for i, s0 in enumerate(starts):
         for t in range(n):
             if s0 + t < cap - 1:
                 assert np.array_equal(np.asarray(k_cache[i, s0 + t]), np.asarray(k_new[i, t])), (i, t)
-        if s0 + n > cap:  # 94 + 3 > 96: the writes past the cache are clamped onto its last row, never beyond
+        if s0 + n > cap:  # 79 + 17 > 96: the writes past the cache are clamped onto its last row, never beyond
             last = np.asarray(k_cache[i, cap - 1])
             assert any(np.array_equal(last, np.asarray(k_new[i, t])) for t in range(cap - 1 - s0, n)), i
     untouched = np.ones((b + 1, cap), bool)
@@ -644,3 +645,87 @@ def test_kvcache_gpu_path_wiring(dev, monkeypatch, seqlens_kind):
     want = [min(s0 + n, cap) for s0 in starts]
     assert np.asarray(lengths).tolist() == want
     assert int(p["mask"]["window_right"]) == 0, "causal"
+
+
+@pytest.mark.parametrize("layout", ["contig", "contig_idx", "paged"])
+@pytest.mark.parametrize("splits", [1, 5])
+def test_kvcache_decode_wiring(dev, monkeypatch, layout, splits):
+    """attention_with_kvcache on a GPU through the decode kernels (cuda_src/flash_decode.cu): the
+    append, decode and combine launches read the caller's caches, index arrays and new tokens in place,
+    with their strides; the split scratch holds o_part then lse_part; the heuristic is not asked when
+    num_splits is forced."""
+    from cuflash import _kvcache
+
+    monkeypatch.setattr(_kvcache, "_sm_count", lambda device_id: 132)
+    ad, launched = dev
+    rng = np.random.default_rng()
+    b, h, hkv, d, n, sq = 3, 8, 2, 64, 2, 2
+    q = arr(rng, (b, sq, h, d))
+    if layout == "paged":
+        k_cache, v_cache = arr(rng, (10, 32, hkv, d)), arr(rng, (10, 32, hkv, d))
+        extra = dict(block_table=np.arange(12, dtype=np.int32).reshape(b, 4)[:, ::1].copy().view(Dev) % 10)
+        cap, rows, step = 128, 10, 32 * hkv * d
+    else:
+        k_cache, v_cache = arr(rng, (b + 2, 100, hkv, d)), arr(rng, (b + 2, 100, hkv, d))
+        extra = dict(cache_batch_idx=np.array([4, 0, 2], np.int32).view(Dev)) if layout == "contig_idx" else {}
+        cap, rows, step = 100, b + 2, 100 * hkv * d
+    k_new, v_new = arr(rng, (b, n, hkv, d)), arr(rng, (b, n, hkv, d))
+    seqlens = np.array([3, 0, 50], np.int32).view(Dev)
+    cuflash.attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, seqlens, causal=True, num_splits=splits,
+                                   softcap=5.0, **extra)
+    names = [L["name"] for L in launched]
+    assert names == ["decode_append", "decode_f16_d64_s4"] + (["decode_combine_f16_d64"] if splits > 1 else [])
+    for L in launched:
+        p = L["p"]
+        assert int(p["k"]) == addr(k_cache) and int(p["v"]) == addr(v_cache), "the caches, in place"
+        assert int(p["k_batch_stride"]) == step and int(p["k_row_stride"]) == hkv * d and int(p["k_head_stride"]) == d
+        check_tensor(p, "q", q)
+        assert int(p["cache_seqlens"]) == addr(seqlens)
+        assert int(p["k_new"]) == addr(k_new) and int(p["v_new"]) == addr(v_new)
+        assert tuple(int(p[f"kn_{s}_stride"]) for s in ("batch", "row", "head")) == elem_strides(k_new)[:3]
+        assert int(p["cache_batch_idx"]) == (addr(extra["cache_batch_idx"]) if layout == "contig_idx" else 0)
+        assert int(p["block_table"]) == (addr(extra["block_table"]) if layout == "paged" else 0)
+        assert int(p["table_stride"]) == (4 if layout == "paged" else 0)
+        assert (int(p["page_size"]), int(p["capacity"]), int(p["cache_rows"])) == (32 if layout == "paged" else 0, cap,
+                                                                                  rows)
+        assert (int(p["seqlen_new"]), int(p["rows"]), int(p["num_row_tiles"]), int(p["num_splits"])) == (n, 8, 1,
+                                                                                                         splits)
+        assert int(p["mask"]["window_right"]) == 0 and float(p["mask"]["softcap"]) == 5.0
+        out = next(a for a in ad.allocs if a.shape == q.shape)
+        assert int(p["o"]) == addr(out)
+        if splits > 1:
+            scratch = next(a for a in ad.allocs if a.dtype == np.float32 and a.ndim == 1)
+            assert scratch.size == splits * b * h * sq * (d + 1)
+            assert int(p["o_part"]) == addr(scratch)
+            assert int(p["lse_part"]) == addr(scratch) + 4 * splits * b * h * sq * d
+        else:
+            assert int(p["o_part"]) == 0 and int(p["lse_part"]) == 0
+    assert launched[1]["grid"] == b * hkv * 1 * splits and launched[1]["threads"] == 128
+
+
+def test_kvcache_repeat_call_takes_the_fast_path(dev, monkeypatch):
+    """A repeated signature skips describe_kvcache (its plan is found by the signature) and patches the new
+    call's own pointers; a bad value of a scalar (a new signature) still gets its error."""
+    from cuflash import _kvcache
+
+    monkeypatch.setattr(_kvcache, "_sm_count", lambda device_id: 132)
+    ad, launched = dev
+    rng = np.random.default_rng()
+    calls = []
+    real = _kvcache.describe_kvcache
+    monkeypatch.setattr(_kvcache, "describe_kvcache", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for rep in range(3):
+        q = arr(rng, (2, 1, 8, 64))
+        kc, vc = arr(rng, (2, 64, 2, 64)), arr(rng, (2, 64, 2, 64))
+        kn, vn = arr(rng, (2, 1, 2, 64)), arr(rng, (2, 1, 2, 64))
+        seqlens = np.array([3, 9], np.int32).view(Dev)
+        cuflash.attention_with_kvcache(q, kc, vc, kn, vn, seqlens, causal=True, num_splits=2)
+        for L in launched[-3:]:
+            p = L["p"]
+            assert (int(p["q"]), int(p["k"]), int(p["v"]), int(p["k_new"]), int(p["cache_seqlens"])) == (
+                addr(q), addr(kc), addr(vc), addr(kn), addr(seqlens)), rep
+    assert len(calls) == 1, "the repeated calls were validated again"
+    with pytest.raises(ValueError, match="^num_splits: "):
+        cuflash.attention_with_kvcache(q, kc, vc, kn, vn, seqlens, causal=True, num_splits=-2)
+    with pytest.raises(ValueError, match="^k_cache: expected k_cache and v_cache in separate memory"):
+        cuflash.attention_with_kvcache(q, kc, kc, kn, vn, seqlens, causal=True, num_splits=2)

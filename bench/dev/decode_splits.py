@@ -1,0 +1,85 @@
+#!/usr/bin/env python3
+"""Decode kernel: GPU time per step against the forced split count (tuning the num_splits heuristic).
+
+For each shape (batch, cache length, GQA group; 32 query heads, head_dim 128, bf16, contiguous cache,
+no append; --paged: also a 16-row paged view of it) and each num_splits in --splits (0 = the
+heuristic's choice, printed), the median over rounds of CUDA-event time around N back-to-back calls
+/ N, with a sleep kernel queued first so that the host runs ahead: the GPU's time per call, not the
+host's. Prints one table; --json writes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", nargs="+", default=["1x512x8", "1x8192x8", "1x8192x1", "16x512x8", "16x8192x8",
+                                                    "64x512x8", "64x8192x8", "4x32768x8", "1x131072x8"],
+                    help="batch x cache x group")
+    ap.add_argument("--splits", type=int, nargs="+", default=[0, 1, 2, 4, 8, 16, 32, 64])
+    ap.add_argument("--paged", action="store_true", help="also time a 16-row paged layout of the same cache")
+    ap.add_argument("--calls", type=int, default=50)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+
+    import torch
+
+    import cuflash
+    from cuflash import _kvcache
+
+    dev = torch.device("cuda")
+    rows = []
+    for shape in args.shapes:
+        b, L, g = (int(x) for x in shape.split("x"))
+        h, d = 32, 128
+        hk = h // g
+        q = torch.randn(b, 1, h, d, device=dev, dtype=torch.bfloat16)
+        kc = torch.randn(b, L, hk, d, device=dev, dtype=torch.bfloat16)
+        vc = torch.randn(b, L, hk, d, device=dev, dtype=torch.bfloat16)
+        seqlens = torch.full((b,), L, device=dev, dtype=torch.int32)
+        layouts = [("contig", dict(k_cache=kc, v_cache=vc))]
+        if args.paged:
+            page = 16
+            nblk = b * L // page
+            table = torch.randperm(nblk, device=dev, dtype=torch.int32).view(b, L // page)
+            layouts.append(("paged16", dict(k_cache=kc.view(nblk, page, hk, d), v_cache=vc.view(nblk, page, hk, d),
+                                             block_table=table)))
+        kv_bytes = 2 * b * L * hk * d * 2
+        for lname, kw in layouts:
+            for s in args.splits:
+                fn = lambda: cuflash.attention_with_kvcache(q, cache_seqlens=seqlens, num_splits=s, **kw)  # noqa: E731
+                for _ in range(3):
+                    fn()
+                torch.cuda.synchronize()
+                times = []
+                for _ in range(args.rounds):
+                    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    torch.cuda._sleep(int(args.calls * 200_000))  # ~0.1 ms per call queued: the host runs ahead
+                    e0.record()
+                    for _ in range(args.calls):
+                        fn()
+                    e1.record()
+                    torch.cuda.synchronize()
+                    times.append(e0.elapsed_time(e1) / args.calls)
+                ms = statistics.median(times)
+                chosen = s
+                if s == 0:
+                    plan = next(p for p in _kvcache._FAST_PLANS.values()
+                                if p.out_shape == (b, 1, h, d) and p.call.capacity == L and p.call.paged == (lname != "contig"))
+                    chosen = plan.num_splits
+                rows.append(dict(shape=shape, layout=lname, splits=s, chosen=chosen, ms=ms,
+                                 gbps=kv_bytes / ms / 1e6))
+                print(f"{shape:>12} {lname:8} splits {s:3d} ({chosen:3d})  {ms * 1e3:9.1f} us  {kv_bytes / ms / 1e6:7.0f} GB/s",
+                      flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

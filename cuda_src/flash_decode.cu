@@ -1,0 +1,488 @@
+// flash_decode.cu: attention of a few query rows against a long KV cache (decoding, speculative
+// decoding), split-KV with GQA packing; the cache contiguous or paged. Plus the in-place append of
+// the new tokens and the combine of the splits.
+//
+// Layouts (element strides, int64; the last dimension unit-stride):
+//   q, o:           (batch, seqlen_q, nheads, head_dim)
+//   k/v cache:      contiguous (batch_cache, capacity, nheads_kv, head_dim): entry b's key t at row
+//                   cache_batch_idx[b] (or b), position t; paged (num_blocks, page_size, nheads_kv,
+//                   head_dim): entry b's key t at block block_table[b * table_stride + t / page_size],
+//                   row t % page_size. The "batch" strides step a cache row or a block.
+//   k_new, v_new:   (batch, seqlen_new, nheads_kv, head_dim), appended at cache_seqlens[b] + i
+//   lse:            (batch, nheads, seqlen_q) float32, natural log (null: not wanted)
+//   o_part:         (num_splits, batch, nheads, seqlen_q, head_dim) float32: each split's output,
+//                   already divided by its own row sum; lse_part (num_splits, batch, nheads,
+//                   seqlen_q) float32 in log2 units. Only when num_splits > 1.
+// Entry b sees keys [0, L_b), L_b = min(cache_seqlens[b] + seqlen_new, capacity) (the lengths stay
+// on the device; out-of-range values are clamped, block numbers too, so a bad table or length can
+// never make a read or write out of bounds). The masks are those of mask.cuh with sq = seqlen_q,
+// sk = L_b: query row i stands at key position i + L_b - seqlen_q.
+//
+// GQA packing. A thread block serves one kv head of one entry: its rows are the head_group query
+// heads of that kv head times the seqlen_q positions, packed as row r = i * head_group + g (query
+// position i, head h_kv * head_group + g), 16 rows per block (the mma's m). So each K/V tile is
+// loaded once for all the query heads that read it, and one decode step reads the cache once per
+// kv head, not once per query head.
+//
+// Split-KV. The keys a block's rows may see (sink tokens, then the window's span; mask.cuh) are
+// numbered 0..n-1 ("virtual" keys) and cut into num_splits contiguous chunks of whole BN-key
+// tiles; block (.., split) walks its chunk. With num_splits = 1 it writes o and lse directly;
+// otherwise o_part / lse_part, and decode_combine_kernel merges the splits with their
+// log-sum-exp (and the sink logit), one warp per output row.
+//
+// Inside a block. 4 warps split each BN = 64-key tile: warp w takes keys [16w, 16w + 16), keeps
+// its own online softmax (m, l) and O accumulator for all 16 rows, and never waits for the others
+// inside the loop. K/V tiles come through a STAGES-deep cp.async pipeline (tile it + STAGES - 1 is
+// issued while tile it computes). At the end the warps' (m, l, O) are merged through shared memory
+// in a fixed order (deterministic). Q stays in shared memory; S = Q K^T and O += P V are mma.sync
+// m16n8k16 (warp_gemm.cuh for S; P re-packed from the S accumulators as the A operand).
+//
+// Grid. 1-D: block = ((b * nheads_kv + h_kv) * num_row_tiles + row_tile) * num_splits + split.
+#include "common.cuh"
+#include "mask.cuh"
+#include "softmax.cuh"
+#include "warp_gemm.cuh"
+
+namespace cuflash {
+
+struct DecodeParams {
+    const void* q;
+    const void* k;              // k_cache
+    const void* v;              // v_cache
+    void* o;
+    float* lse;                 // null: not wanted
+    float* o_part;              // num_splits > 1 only
+    float* lse_part;
+    const int* cache_seqlens;   // (batch,) or null: fixed_seqlen for every entry
+    const int* cache_batch_idx; // (batch,) or null: entry b uses cache row b (contiguous caches)
+    const int* block_table;     // (batch, table_stride) or null: a contiguous cache
+    const void* k_new;          // append kernel only
+    const void* v_new;
+
+    i64 q_batch_stride, q_row_stride, q_head_stride;
+    i64 k_batch_stride, k_row_stride, k_head_stride;
+    i64 v_batch_stride, v_row_stride, v_head_stride;
+    i64 o_batch_stride, o_row_stride, o_head_stride;
+    i64 kn_batch_stride, kn_row_stride, kn_head_stride;
+    i64 vn_batch_stride, vn_row_stride, vn_head_stride;
+    i64 table_stride;
+
+    int batch;
+    int nheads;
+    int nheads_kv;
+    int head_group;     // nheads / nheads_kv
+    int seqlen_q;
+    int cache_rows;     // batch_cache (contiguous) or num_blocks (paged)
+    int capacity;       // keys an entry can hold
+    int page_size;      // 0: contiguous
+    int fixed_seqlen;   // cache_seqlens when that pointer is null
+    int seqlen_new;     // tokens appended per entry (counted in L_b)
+    int rows;           // seqlen_q * head_group
+    int num_row_tiles;  // ceil(rows / 16)
+    int num_splits;
+    int head_dim;       // the append kernel's (the others have it as a template argument)
+    float scale_log2;   // softmax_scale * log2(e)
+    MaskParams mask;    // window, sink tokens, sink logits, ALiBi, softcap (the rest unused)
+};
+
+template <int HEAD_DIM, int STAGES>
+struct DecodeTraits {
+    static constexpr int WARPS = 4;
+    static constexpr int THREADS = WARPS * 32;
+    static constexpr int WN = 16;               // keys per warp per tile
+    static constexpr int BN = WARPS * WN;       // keys per tile
+    static constexpr int ROWS = 16;             // packed query rows per block
+    static constexpr int PITCH = padded_pitch(HEAD_DIM);
+    static constexpr int CHUNKS = HEAD_DIM / 8;
+    static constexpr int D_TILES = HEAD_DIM / 8;
+    static constexpr int SQ_ELEMS = ROWS * PITCH;
+    static constexpr int SKV_ELEMS = BN * PITCH;
+    static constexpr int KV_BYTES = 2 * STAGES * SKV_ELEMS * 2;
+    static constexpr int MERGE_BYTES = WARPS * ROWS * HEAD_DIM * 4;  // the warps' O, reusing the K/V stages
+    // sQ, then sK[STAGES], sV[STAGES]. Must equal cuflash/_config.py:decode_smem_bytes.
+    static constexpr int SMEM_BYTES = SQ_ELEMS * 2 + KV_BYTES;
+
+    static_assert(HEAD_DIM % 8 == 0 && HEAD_DIM >= 8 && HEAD_DIM <= 256, "head_dim: multiple of 8 in [8, 256]");
+    static_assert(STAGES >= 2, "a pipeline needs two stages");
+    static_assert(MERGE_BYTES <= KV_BYTES, "the merge buffer lives in the K/V stages");
+};
+
+// Keys an entry sees: min(cache_seqlens[b] + seqlen_new, capacity), every value clamped.
+__device__ __forceinline__ int decode_length(const DecodeParams& p, int b) {
+    const int s = p.cache_seqlens != nullptr ? p.cache_seqlens[b] : p.fixed_seqlen;
+    return min(min(max(s, 0), p.capacity) + p.seqlen_new, p.capacity);
+}
+
+// Element offset of (entry b, key position t) in a cache, without the head and column: a row of a
+// contiguous cache, or a block of a paged one (block numbers clamped into the cache).
+__device__ __forceinline__ i64 cache_offset(const DecodeParams& p, i64 batch_stride, i64 row_stride, int cache_row,
+                                            const int* table_row, int t) {
+    if (p.page_size == 0) return cache_row * batch_stride + t * row_stride;
+    const int blk = min(max(table_row[t / p.page_size], 0), p.cache_rows - 1);
+    return blk * batch_stride + (i64)(t % p.page_size) * row_stride;
+}
+
+__device__ __forceinline__ int decode_cache_row(const DecodeParams& p, int b) {
+    if (p.page_size != 0) return 0;
+    return p.cache_batch_idx != nullptr ? min(max(p.cache_batch_idx[b], 0), p.cache_rows - 1) : b;
+}
+
+template <typename T, int HEAD_DIM, int STAGES>
+__global__ void __launch_bounds__(128)
+flash_decode_kernel(const __grid_constant__ DecodeParams p) {
+    using Tr = DecodeTraits<HEAD_DIM, STAGES>;
+    using Ops = ElemOps<T>;
+    constexpr int THREADS = Tr::THREADS, WN = Tr::WN, BN = Tr::BN, PITCH = Tr::PITCH, CHUNKS = Tr::CHUNKS;
+    constexpr int D_TILES = Tr::D_TILES, N_TILES = WN / 8;
+
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    T* sQ = reinterpret_cast<T*>(smem_raw);   // (16, PITCH)
+    T* sK = sQ + Tr::SQ_ELEMS;                 // STAGES x (BN, PITCH)
+    T* sV = sK + STAGES * Tr::SKV_ELEMS;       // STAGES x (BN, PITCH)
+    __shared__ float s_m[Tr::WARPS][16], s_l[Tr::WARPS][16];
+
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, t4 = lane % 4;
+    const int split = (int)(blockIdx.x % (unsigned)p.num_splits);
+    const unsigned rest = blockIdx.x / (unsigned)p.num_splits;
+    const int row_tile = (int)(rest % (unsigned)p.num_row_tiles);
+    const int bh = (int)(rest / (unsigned)p.num_row_tiles);
+    const int h_kv = bh % p.nheads_kv, b = bh / p.nheads_kv;
+    const int G = p.head_group;
+    const int r0 = row_tile * 16;
+    const int r_end = min(r0 + 16, p.rows);
+
+    // ---- the entry, its mask, and the keys this block's rows may see ----
+    const int L = decode_length(p, b);
+    MaskInfo mi;
+    mi.sq = p.seqlen_q;
+    mi.sk = L;
+    mi.shift = L - p.seqlen_q;
+    mi.alibi_log2 = 0.f;
+    const int qi0 = r0 / G, qi1 = (r_end - 1) / G;
+    const int hi = mi.key_hi(p.mask, qi1);
+    int lo = mi.key_lo(p.mask, qi0);
+    const int sink_hi = p.mask.window_left < 0 ? 0 : min(p.mask.num_sink_tokens, hi);
+    int n_sink = 0;  // virtual keys [0, n_sink) are keys [0, n_sink); the rest map to lo + (v - n_sink)
+    if (lo <= sink_hi) lo = 0; else n_sink = sink_hi;
+    const int n_keys = n_sink + max(0, hi - lo);
+    const int key_off = lo - n_sink;
+    const int chunk = ((n_keys + p.num_splits - 1) / p.num_splits + BN - 1) / BN * BN;
+    const int v_begin = min(split * chunk, n_keys);
+    const int v_end = min(v_begin + chunk, n_keys);
+    const int n_tiles = (v_end - v_begin + BN - 1) / BN;
+
+    const T* gK = static_cast<const T*>(p.k) + h_kv * p.k_head_stride;
+    const T* gV = static_cast<const T*>(p.v) + h_kv * p.v_head_stride;
+    const int cache_row = decode_cache_row(p, b);
+    const int* table_row = p.block_table != nullptr ? p.block_table + b * p.table_stride : nullptr;
+
+    // ---- Q: the 16 packed rows (zeros past the last), in the first cp.async group ----
+    {
+        const T* gQ = static_cast<const T*>(p.q) + b * p.q_batch_stride;
+        for (int c = tid; c < 16 * CHUNKS; c += THREADS) {
+            const int rr = c / CHUNKS, col = (c % CHUNKS) * 8, r = r0 + rr;
+            const bool ok = r < r_end;
+            const int qi = ok ? r / G : 0, head = h_kv * G + (ok ? r % G : 0);
+            cp_async_16(smem_addr(sQ + rr * PITCH + col), gQ + qi * p.q_row_stride + head * p.q_head_stride + col,
+                        ok ? 16 : 0);
+        }
+    }
+
+    // Where each key row of a tile lives is worked out once, by one thread per (row, K or V), into
+    // a ring of STAGES offset tables (-1: past the chunk, zero-filled): tile j's table is written in
+    // iteration j - STAGES and read (after the next block barrier) when tile j's copy is issued.
+    // Then consecutive threads copy consecutive 16-byte chunks of a row, so one warp instruction
+    // moves whole rows (coalesced), and no thread computes an address of its own.
+    __shared__ i64 s_off[STAGES][2][BN];
+    static_assert(THREADS == 2 * BN, "one thread per (key row, K or V)");
+    auto tile_offsets = [&](int it) {
+        const int row = tid % BN, which = tid / BN;
+        const int vv = v_begin + it * BN + row;
+        i64 off = -1;
+        if (vv < v_end) {
+            const int key = vv < n_sink ? vv : vv + key_off;
+            off = which == 0 ? cache_offset(p, p.k_batch_stride, p.k_row_stride, cache_row, table_row, key)
+                             : cache_offset(p, p.v_batch_stride, p.v_row_stride, cache_row, table_row, key);
+        }
+        s_off[it % STAGES][which][row] = off;
+    };
+    auto load_tile = [&](int it) {
+        const int stage = it % STAGES;
+        T* dK = sK + stage * Tr::SKV_ELEMS;
+        T* dV = sV + stage * Tr::SKV_ELEMS;
+#if __CUDA_ARCH__ >= 900
+#pragma unroll 4
+#else
+#pragma unroll 2  // sm_80's ptxas keeps head_dim 64 at 128 registers and spills with 4
+#endif
+        for (int i = 0; i < (BN * CHUNKS + THREADS - 1) / THREADS; ++i) {
+            const int c = tid + i * THREADS;
+            if ((BN * CHUNKS) % THREADS == 0 || c < BN * CHUNKS) {
+                const int row = c / CHUNKS, col = (c % CHUNKS) * 8;
+                const i64 ko = s_off[stage][0][row], vo = s_off[stage][1][row];
+                // Keys past the chunk land as zeros (their P is 0, and 0 * V must not meet garbage).
+                cp_async_16(smem_addr(dK + row * PITCH + col), gK + (ko < 0 ? 0 : ko) + col, ko < 0 ? 0 : 16);
+                cp_async_16(smem_addr(dV + row * PITCH + col), gV + (vo < 0 ? 0 : vo) + col, vo < 0 ? 0 : 16);
+            }
+        }
+    };
+
+    for (int st = 0; st < STAGES; ++st)
+        if (st < n_tiles) tile_offsets(st);
+    __syncthreads();
+#pragma unroll
+    for (int st = 0; st < STAGES - 1; ++st) {
+        if (st < n_tiles) load_tile(st);
+        cp_async_commit();
+    }
+
+    // ---- per-row facts of this thread's two rows (g, g + 8): key span, ALiBi slope ----
+    KeySpan span[2];
+    float alibi[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = r0 + g + 8 * r;
+        if (row < r_end) {
+            span[r] = mi.key_span(p.mask, row / G);
+            const int head = h_kv * G + row % G;
+            alibi[r] = p.mask.alibi_slopes != nullptr
+                           ? p.mask.alibi_slopes[(i64)b * p.mask.alibi_batch_stride + head] * CUFLASH_LOG2E : 0.f;
+        } else {
+            span[r].lo = INT_HIGHEST;
+            span[r].hi = INT_LOWEST;  // a padding row sees nothing
+            alibi[r] = 0.f;
+        }
+    }
+    const bool score_mod = p.mask.softcap > 0.f || p.mask.alibi_slopes != nullptr;
+
+    OnlineSoftmax<1, N_TILES> softmax;
+    softmax.init();
+    float acc_o[D_TILES][4];
+#pragma unroll
+    for (int dt = 0; dt < D_TILES; ++dt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_o[dt][e] = 0.f;
+
+    for (int it = 0; it < n_tiles; ++it) {
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();
+        if (it + STAGES - 1 < n_tiles) load_tile(it + STAGES - 1);
+        cp_async_commit();
+        if (it + STAGES < n_tiles) tile_offsets(it + STAGES);  // its slot's table was read above
+
+        const int stage = it % STAGES;
+        const T* sKw = sK + stage * Tr::SKV_ELEMS + warp * WN * PITCH;
+        const T* sVw = sV + stage * Tr::SKV_ELEMS + warp * WN * PITCH;
+
+        // ---- S = Q K^T for this warp's 16 keys ----
+        float s[1][N_TILES][4];
+#pragma unroll
+        for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[0][nt][e] = 0.f;
+        warp_mma<T, HEAD_DIM, N_TILES, false, false>(s[0], sQ, PITCH, sKw, PITCH, N_TILES, lane);
+
+        // ---- logits in log2 units, masked; then the online softmax ----
+        const int vw0 = v_begin + it * BN + warp * WN;
+#pragma unroll
+        for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = e / 2;
+                const int vv = vw0 + nt * 8 + 2 * t4 + (e % 2);
+                const int key = vv < n_sink ? vv : vv + key_off;
+                float x;
+                if (score_mod) {
+                    if (p.mask.softcap > 0.f) {
+                        const float ex = fast_exp2(s[0][nt][e] * p.mask.softcap_pre * (2.f * CUFLASH_LOG2E));
+                        x = (1.f - __fdividef(2.f, ex + 1.f)) * p.mask.softcap_log2;
+                    } else {
+                        x = s[0][nt][e] * p.scale_log2;
+                    }
+                    const int qi = (r0 + g + 8 * r) / G;
+                    x -= alibi[r] * fabsf((float)(qi + mi.shift - key));
+                } else {
+                    x = s[0][nt][e] * p.scale_log2;
+                }
+                s[0][nt][e] = (vv < v_end && span[r].has(p.mask, key)) ? x : -CUFLASH_INF;
+            }
+        float alpha[1][2];
+        softmax.update(s, 1.f, alpha);
+#pragma unroll
+        for (int dt = 0; dt < D_TILES; ++dt) {
+            acc_o[dt][0] *= alpha[0][0];
+            acc_o[dt][1] *= alpha[0][0];
+            acc_o[dt][2] *= alpha[0][1];
+            acc_o[dt][3] *= alpha[0][1];
+        }
+
+        // ---- O += P V: P (16 rows, 16 keys) from registers, V (16 keys, HEAD_DIM) ----
+        u32 pa[4];
+        pa[0] = Ops::pack(s[0][0][0], s[0][0][1]);
+        pa[1] = Ops::pack(s[0][0][2], s[0][0][3]);
+        pa[2] = Ops::pack(s[0][1][0], s[0][1][1]);
+        pa[3] = Ops::pack(s[0][1][2], s[0][1][3]);
+#pragma unroll
+        for (int dp = 0; dp < D_TILES / 2; ++dp) {
+            u32 bv[4];
+            load_b_pair_k16<true>(bv, sVw, PITCH, 0, dp * 16, lane);
+            Ops::mma16816(acc_o[2 * dp], pa, bv[0], bv[1]);
+            Ops::mma16816(acc_o[2 * dp + 1], pa, bv[2], bv[3]);
+        }
+        if (D_TILES % 2) {
+            u32 b0, b1;
+            load_b_one_k16<true>(b0, b1, sVw, PITCH, 0, (D_TILES - 1) * 8, lane);
+            Ops::mma16816(acc_o[D_TILES - 1], pa, b0, b1);
+        }
+    }
+
+    // ---- merge the 4 warps: (m, l) per row, then O in a fixed order through shared memory ----
+    cp_async_wait<0>();
+    __syncthreads();  // every warp is done with the K/V stages, which now hold the merge buffer
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const float l = quad_sum(softmax.row_l[0][r]);
+        if (t4 == 0) {
+            s_m[warp][g + 8 * r] = softmax.row_m[0][r];
+            s_l[warp][g + 8 * r] = l;
+        }
+    }
+    __syncthreads();
+    float* sO = reinterpret_cast<float*>(sK);  // (WARPS, 16, HEAD_DIM)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int rr = g + 8 * r;
+        float mx = -CUFLASH_INF;
+#pragma unroll
+        for (int w = 0; w < Tr::WARPS; ++w) mx = fmaxf(mx, s_m[w][rr]);
+        const float f = fast_exp2(softmax.row_m[0][r] - exp_base(mx));
+        float* dst = sO + (warp * 16 + rr) * HEAD_DIM + 2 * t4;
+#pragma unroll
+        for (int dt = 0; dt < D_TILES; ++dt)
+            *reinterpret_cast<float2*>(dst + dt * 8) = make_float2(acc_o[dt][2 * r] * f, acc_o[dt][2 * r + 1] * f);
+    }
+    __syncthreads();
+
+    // ---- out: 8 columns per step; each row's max and sum from the warps' (m, l) ----
+    for (int c = tid; c < 16 * CHUNKS; c += THREADS) {
+        const int rr = c / CHUNKS, col = (c % CHUNKS) * 8, r = r0 + rr;
+        if (r >= r_end) continue;
+        const int qi = r / G, head = h_kv * G + r % G;
+        float mx = -CUFLASH_INF;
+#pragma unroll
+        for (int w = 0; w < Tr::WARPS; ++w) mx = fmaxf(mx, s_m[w][rr]);
+        const float base = exp_base(mx);
+        float l = 0.f;
+#pragma unroll
+        for (int w = 0; w < Tr::WARPS; ++w) l += s_l[w][rr] * fast_exp2(s_m[w][rr] - base);
+        float o[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) o[e] = 0.f;
+#pragma unroll
+        for (int w = 0; w < Tr::WARPS; ++w) {
+            const float4* src = reinterpret_cast<const float4*>(sO + (w * 16 + rr) * HEAD_DIM + col);
+            const float4 a = src[0], bq = src[1];
+            o[0] += a.x; o[1] += a.y; o[2] += a.z; o[3] += a.w;
+            o[4] += bq.x; o[5] += bq.y; o[6] += bq.z; o[7] += bq.w;
+        }
+        const i64 row_index = ((i64)b * p.nheads + head) * p.seqlen_q + qi;  // (batch, nheads, seqlen_q)
+        if (p.num_splits == 1) {
+            // A sink logit joins after every key (softmax.cuh: finalize with a sink).
+            const float sk2 = p.mask.sink_logits != nullptr ? p.mask.sink_logits[head] * CUFLASH_LOG2E : -CUFLASH_INF;
+            const float m_new = fmaxf(mx, sk2);
+            const float nb = exp_base(m_new);
+            const float a = fast_exp2(mx - nb);
+            const float lt = l * a + fast_exp2(sk2 - nb);
+            const bool empty = lt == 0.f;
+            const float sc = empty ? 0.f : a / lt;
+            uint4 pk;
+            pk.x = Ops::pack(o[0] * sc, o[1] * sc);
+            pk.y = Ops::pack(o[2] * sc, o[3] * sc);
+            pk.z = Ops::pack(o[4] * sc, o[5] * sc);
+            pk.w = Ops::pack(o[6] * sc, o[7] * sc);
+            T* gO = static_cast<T*>(p.o) + b * p.o_batch_stride + qi * p.o_row_stride + head * p.o_head_stride + col;
+            *reinterpret_cast<uint4*>(gO) = pk;
+            if (col == 0 && p.lse != nullptr)
+                p.lse[row_index] = empty ? -CUFLASH_INF : (m_new + fast_log2(lt)) * 0.6931471805599453f;
+        } else {
+            const bool empty = l == 0.f;
+            const float sc = empty ? 0.f : 1.f / l;
+            const i64 part = (i64)split * p.batch * p.nheads * p.seqlen_q + row_index;
+            float4* dst = reinterpret_cast<float4*>(p.o_part + part * HEAD_DIM + col);
+            dst[0] = make_float4(o[0] * sc, o[1] * sc, o[2] * sc, o[3] * sc);
+            dst[1] = make_float4(o[4] * sc, o[5] * sc, o[6] * sc, o[7] * sc);
+            if (col == 0) p.lse_part[part] = empty ? -CUFLASH_INF : mx + fast_log2(l);
+        }
+    }
+}
+
+// The splits of each output row merged: lse = log(sum_s exp(lse_s) + exp(sink)), out = sum_s
+// exp(lse_s - lse) o_s. One warp per row (b, head, i); rows in (batch, nheads, seqlen_q) order.
+template <typename T, int HEAD_DIM>
+__global__ void __launch_bounds__(128)
+decode_combine_kernel(const __grid_constant__ DecodeParams p) {
+    const int lane = threadIdx.x % 32;
+    const i64 total = (i64)p.batch * p.nheads * p.seqlen_q;
+    const i64 row = (i64)blockIdx.x * 4 + threadIdx.x / 32;
+    if (row >= total) return;
+    const int qi = (int)(row % p.seqlen_q);
+    const int head = (int)((row / p.seqlen_q) % p.nheads);
+    const int b = (int)(row / ((i64)p.seqlen_q * p.nheads));
+    const float sk2 = p.mask.sink_logits != nullptr ? p.mask.sink_logits[head] * CUFLASH_LOG2E : -CUFLASH_INF;
+    float mx = sk2;
+    for (int s = lane; s < p.num_splits; s += 32) mx = fmaxf(mx, p.lse_part[s * total + row]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    const float base = exp_base(mx);
+    float sum = 0.f;
+    for (int s = lane; s < p.num_splits; s += 32) sum += fast_exp2(p.lse_part[s * total + row] - base);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    const float lt = sum + fast_exp2(sk2 - base);
+    const bool empty = lt == 0.f;
+    const float inv = empty ? 0.f : 1.f / lt;
+    T* gO = static_cast<T*>(p.o) + b * p.o_batch_stride + qi * p.o_row_stride + head * p.o_head_stride;
+    for (int d = 2 * lane; d < HEAD_DIM; d += 64) {
+        float a0 = 0.f, a1 = 0.f;
+        for (int s = 0; s < p.num_splits; ++s) {
+            const float w = fast_exp2(p.lse_part[s * total + row] - base) * inv;
+            const float2 v = *reinterpret_cast<const float2*>(p.o_part + (s * total + row) * HEAD_DIM + d);
+            a0 += w * v.x;
+            a1 += w * v.y;
+        }
+        *reinterpret_cast<u32*>(gO + d) = ElemOps<T>::pack(a0, a1);
+    }
+    if (lane == 0 && p.lse != nullptr) p.lse[row] = empty ? -CUFLASH_INF : (base + fast_log2(lt)) * 0.6931471805599453f;
+}
+
+// The new tokens written into the caches: k_new[b, i] at entry b's position cache_seqlens[b] + i
+// (cache_seqlens clamped to [0, capacity]; positions past the cache are dropped), 16-bit elements
+// one by one (the append is tiny next to the read).
+// A grid-stride loop over (b, i, h_kv, e).
+__global__ void __launch_bounds__(256)
+decode_append_kernel(const __grid_constant__ DecodeParams p) {
+    const int head_dim = p.head_dim;
+    const i64 per_token = (i64)p.nheads_kv * head_dim;
+    const i64 count = (i64)p.batch * p.seqlen_new * per_token;
+    for (i64 x = (i64)blockIdx.x * blockDim.x + threadIdx.x; x < count; x += (i64)gridDim.x * blockDim.x) {
+        const int e = (int)(x % head_dim);
+        const int hk = (int)((x / head_dim) % p.nheads_kv);
+        const i64 bi = x / per_token;
+        const int i = (int)(bi % p.seqlen_new), b = (int)(bi / p.seqlen_new);
+        const int s = p.cache_seqlens != nullptr ? p.cache_seqlens[b] : p.fixed_seqlen;
+        const int t = min(max(s, 0), p.capacity) + i;
+        if (t >= p.capacity) continue;  // past the cache (bad cache_seqlens): dropped, never out of bounds
+        const int cache_row = decode_cache_row(p, b);
+        const int* table_row = p.block_table != nullptr ? p.block_table + b * p.table_stride : nullptr;
+        const i64 ko = cache_offset(p, p.k_batch_stride, p.k_row_stride, cache_row, table_row, t);
+        const i64 vo = cache_offset(p, p.v_batch_stride, p.v_row_stride, cache_row, table_row, t);
+        const u16 kx = static_cast<const u16*>(p.k_new)[b * p.kn_batch_stride + i * p.kn_row_stride
+                                                        + hk * p.kn_head_stride + e];
+        const u16 vx = static_cast<const u16*>(p.v_new)[b * p.vn_batch_stride + i * p.vn_row_stride
+                                                        + hk * p.vn_head_stride + e];
+        static_cast<u16*>(const_cast<void*>(p.k))[ko + hk * p.k_head_stride + e] = kx;
+        static_cast<u16*>(const_cast<void*>(p.v))[vo + hk * p.v_head_stride + e] = vx;
+    }
+}
+
+}  // namespace cuflash

@@ -1,0 +1,154 @@
+"""The GPU decode kernels of attention_with_kvcache (cuda_src/flash_decode.cu) on every cache layout:
+contiguous, contiguous with cache_batch_idx, paged with page sizes 16 / 64 / 256 (and a block table
+whose unused entries are garbage); with and without the append; GQA ratios 1 to 8; seqlen_q 1 to
+several row tiles; forced split counts (one split, several, more splits than key tiles) and the
+heuristic's; cache lengths 0 to 128k; the options; a decode step captured in a CUDA graph and
+replayed with new lengths on the device. torch CUDA and CuPy (marked gpu); the same cases on torch
+CPU run the NumPy path (so the file's checks run everywhere). Accuracy rule and cache checks: those
+of tests/test_kvcache_device.py (`_check`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from _cpu_helpers import _ctx, _new_seed
+from _kvcache_reference import kvcache_reference
+from cuflash._kvcache import attention_with_kvcache
+from cuflash._reference import check_close
+from test_cpu_features import FWD_FACTOR, FWD_FLOOR
+from test_kvcache_cpu import BF16, FP16, _diff_count, _features, make_case
+from test_kvcache_device import DEVICES, _back, _check, _skip_unusable, _to
+
+torch = pytest.importorskip("torch")
+
+LAYOUTS = ["contig", "contig_idx", "paged16", "paged64", "paged256"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("seqlen_new", [0, 1, 3])
+def test_layouts(device, layout, seqlen_new):
+    _skip_unusable(device, FP16)
+    seed = _new_seed()
+    for i, (gqa, seqlen_q, splits, d, dtype) in enumerate([(1, 1, 0, 64, FP16), (4, 1, 1, 128, BF16),
+                                                           (8, 3, 3, 128, FP16), (2, 5, 0, 72, BF16)]):
+        if device == "cupy" and dtype == BF16:
+            continue
+        rng = np.random.default_rng([seed, i])
+        case = make_case(rng, dtype=dtype, batch=4, seqlen_q=seqlen_q, nheads=2 * gqa, nheads_kv=2, head_dim=d,
+                         layout=layout, capacity=300, seqlen_new=seqlen_new, table_garbage=layout.startswith("paged"))
+        _check(case, device, True, {}, _ctx(seed, device=device, case=i, layout=layout, gqa=gqa, sq=seqlen_q,
+                                             splits=splits, d=d), num_splits=splits)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("splits", [1, 2, 7, 40, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_forced_splits(device, splits, causal):
+    """Splits past the number of key tiles leave some splits empty (out 0, lse -inf into the combine);
+    cache lengths 0 (a row with no key: out 0, lse -inf) are in the pattern."""
+    _skip_unusable(device, FP16)
+    seed = _new_seed()
+    case = make_case(np.random.default_rng(seed), dtype=FP16, batch=4, seqlen_q=2, nheads=8, nheads_kv=2,
+                     head_dim=128, layout="paged64", capacity=1000, seqlen_new=1)
+    _check(case, device, causal, {}, _ctx(seed, device=device, splits=splits), num_splits=splits)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["win3_0", "win5_2", "win20_0", "sinktok", "sinklogit", "alibi_h", "alibi_bh",
+                                  "softcap", "scale", "all"])
+@pytest.mark.parametrize("layout,splits", [("paged16", 3), ("contig_idx", 1)])
+def test_options(device, name, layout, splits):
+    _skip_unusable(device, FP16)
+    seed = _new_seed()
+    rng = np.random.default_rng(seed)
+    opts, qk_scale = _features(rng, name, 4, 8)
+    case = make_case(rng, dtype=FP16, batch=4, seqlen_q=3, nheads=8, nheads_kv=2, head_dim=64, layout=layout,
+                     capacity=500, seqlen_new=2, qk_scale=qk_scale)
+    causal = name != "win5_2"  # a window with a right part replaces causal
+    _check(case, device, causal, opts, _ctx(seed, device=device, option=name, layout=layout), num_splits=splits)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("head_dim", [8, 32, 96, 136, 200, 256])
+def test_head_dims(device, head_dim):
+    dtype = FP16 if device == "cupy" else BF16
+    _skip_unusable(device, dtype)
+    seed = _new_seed()
+    case = make_case(np.random.default_rng(seed), dtype=dtype, batch=3, seqlen_q=2, nheads=8, nheads_kv=2,
+                     head_dim=head_dim, layout="paged16", capacity=400, seqlen_new=1)
+    _check(case, device, True, {}, _ctx(seed, device=device, d=head_dim), num_splits=2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["contig", "paged64"])
+def test_many_row_tiles(device, layout):
+    """seqlen_q * nheads / nheads_kv = 9 * 8 = 72 packed rows: 5 row tiles of the decode kernel when
+    paged; a contiguous cache takes the feature forward."""
+    _skip_unusable(device, FP16)
+    seed = _new_seed()
+    case = make_case(np.random.default_rng(seed), dtype=FP16, batch=2, seqlen_q=9, nheads=16, nheads_kv=2,
+                     head_dim=64, layout=layout, capacity=256, seqlen_new=9)
+    _check(case, device, True, {}, _ctx(seed, device=device, layout=layout), num_splits=0)
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=pytest.mark.gpu), "cpu"])
+@pytest.mark.parametrize("layout", ["contig", "paged256"])
+def test_long_cache(device, layout):
+    """A 128k-key cache (8k on the CPU), GQA 8, one query token, the heuristic's splits."""
+    _skip_unusable(device, BF16)
+    seed = _new_seed()
+    cap = 131072 if device != "cpu" else 8192
+    case = make_case(np.random.default_rng(seed), dtype=BF16, batch=1, seqlen_q=1, nheads=8, nheads_kv=1,
+                     head_dim=128, layout=layout, capacity=cap, seqlen_new=1,
+                     seqlens=np.array([cap - 1], np.int32))
+    _check(case, device, True, {}, _ctx(seed, device=device, layout=layout))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["contig", "paged16"])
+def test_cuda_graph_replay(layout):
+    """A decode step (append one token, attend) captured once in a CUDA graph, replayed after the
+    lengths on the device change: each replay matches the reference of its own lengths."""
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device")
+    seed = _new_seed()
+    rng = np.random.default_rng(seed)
+    case = make_case(rng, dtype=FP16, batch=3, seqlen_q=1, nheads=8, nheads_kv=2, head_dim=64, layout=layout,
+                     capacity=256, seqlen_new=1, seqlens=np.array([5, 100, 200], np.int32))
+    args = {n: _to(x, "cuda") for n, x in case.args().items()}
+    static_seqlens = args["cache_seqlens"]
+    for _ in range(2):  # warm-up outside the graph: compile, plan
+        attention_with_kvcache(**dict(args, k_cache=args["k_cache"].clone(), v_cache=args["v_cache"].clone()),
+                               causal=True)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attention_with_kvcache(**args, causal=True)
+    for step, lengths in enumerate(([5, 100, 200], [6, 101, 201], [7, 102, 3])):
+        # the caches as the reference sees them: what the device holds now (earlier replays appended)
+        kc, vc = _back(args["k_cache"]).copy(), _back(args["v_cache"]).copy()
+        new_k = case.k + np.asarray(step + 1, case.k.dtype)
+        args["k"].copy_(_to(new_k, "cuda"))
+        static_seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = kvcache_reference(case.q, kc, vc, new_k, case.v, np.array(lengths, np.int32), case.cache_batch_idx,
+                                case.block_table, True, None)
+        ok, msg = check_close(_back(out), ref.out, ref.naive_out, factor=FWD_FACTOR, floor=FWD_FLOOR)
+        assert ok, f"replay {step} (lengths {lengths}): {msg}; {_ctx(seed, layout=layout)}"
+        assert _diff_count(_back(args["k_cache"]), ref.k_cache) == 0, f"replay {step}: cache; {_ctx(seed)}"
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=pytest.mark.gpu), "cpu"])
+def test_bad_num_splits(device):
+    _skip_unusable(device, FP16)
+    case = make_case(np.random.default_rng(0), dtype=FP16, batch=2, seqlen_q=1, layout="contig", capacity=64)
+    args = {n: _to(x, device) for n, x in case.args().items()}
+    before = _back(args["k_cache"]).copy()
+    with pytest.raises(ValueError, match="num_splits: expected an int in"):
+        attention_with_kvcache(**args, num_splits=-1)
+    with pytest.raises(TypeError, match="num_splits: expected an int"):
+        attention_with_kvcache(**args, num_splits=2.0)
+    assert _diff_count(_back(args["k_cache"]), before) == 0
