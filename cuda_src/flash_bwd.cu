@@ -38,7 +38,9 @@
 // (batch, nheads, seqlen_q_pad) with seqlen_q = max_seqlen_q, so its tiles stay aligned. With sink
 // logits it also writes each row's term of d sink = -sum_i exp(sink - lse_i) D_i, which the host
 // sums. The atomic dQ path with FEAT is the sm_90a wgmma kernel's (flash_bwd_sm90.cu), whose
-// conversion kernel then also finds each row's sequence.
+// conversion kernel then also finds each row's sequence. With FEAT, P = exp2(min(s - lse, 0)): with
+// the lse of the same call s - lse <= 0 anyway (up to rounding), but an lse from a call with other
+// lengths or offsets would otherwise make P (and dQ, dK) overflow; so P <= 1 always.
 //
 // Grids are 1-D: blockIdx.x enumerates (batch, head, block along the sequence), so batch * nheads
 // is not bounded by the 65535 limit of grid y / z.
@@ -292,7 +294,7 @@ flash_bwd_dkdv_kernel(const __grid_constant__ BwdParams p) {
                             const int key = n0 + kl, query = m0 + ql;
                             float tanh_s;
                             const float x = mi.logit_log2(p.mask, p.scale_log2, s[nt][e], query, key, tanh_s);
-                            const float pv = (edge && !qs[e / 2].has(query)) ? 0.f : fast_exp2(x - sLse[st * BLOCK_M + ql]);
+                            const float pv = (edge && !qs[e / 2].has(query)) ? 0.f : fast_exp2(fminf(x - sLse[st * BLOCK_M + ql], 0.f));
                             s[nt][e] = pv;
                             // softcap: d logit / d s = 1 - tanh^2 (tanh_s = 0 without softcap)
                             dp[nt][e] = pv * (dp[nt][e] - sDelta[st * BLOCK_M + ql]) * (1.f - tanh_s * tanh_s);
@@ -304,7 +306,7 @@ flash_bwd_dkdv_kernel(const __grid_constant__ BwdParams p) {
                         for (int e = 0; e < 4; ++e) {
                             const int ql = cg * Tr::A_COLS + nt * 8 + 2 * t + (e % 2);
                             const float pv = qs[e / 2].has(m0 + ql)
-                                                 ? fast_exp2(fmaf(s[nt][e], p.scale_log2, -sLse[st * BLOCK_M + ql])) : 0.f;
+                                                 ? fast_exp2(fminf(fmaf(s[nt][e], p.scale_log2, -sLse[st * BLOCK_M + ql]), 0.f)) : 0.f;
                             s[nt][e] = pv;
                             dp[nt][e] = pv * (dp[nt][e] - sDelta[st * BLOCK_M + ql]);
                         }
@@ -539,7 +541,7 @@ flash_bwd_dq_kernel(const __grid_constant__ BwdParams p) {
                         const int col = n0 + nt * 8 + 2 * t + (e % 2);
                         float tanh_s;
                         const float x = qf.mi.logit_log2(p.mask, p.scale_log2, s[nt][e], row, col, tanh_s);
-                        const float pv = (edge && !ks[e / 2].has(p.mask, col)) ? 0.f : fast_exp2(x - lse2[e / 2]);
+                        const float pv = (edge && !ks[e / 2].has(p.mask, col)) ? 0.f : fast_exp2(fminf(x - lse2[e / 2], 0.f));
                         dp[nt][e] = pv * (dp[nt][e] - dlt[e / 2]) * (1.f - tanh_s * tanh_s);  // dS
                     }
             } else {  // an edge tile without softcap / ALiBi
@@ -548,7 +550,7 @@ flash_bwd_dq_kernel(const __grid_constant__ BwdParams p) {
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         const int col = n0 + nt * 8 + 2 * t + (e % 2);
-                        const float pv = ks[e / 2].has(p.mask, col) ? fast_exp2(fmaf(s[nt][e], p.scale_log2, -lse2[e / 2])) : 0.f;
+                        const float pv = ks[e / 2].has(p.mask, col) ? fast_exp2(fminf(fmaf(s[nt][e], p.scale_log2, -lse2[e / 2]), 0.f)) : 0.f;
                         dp[nt][e] = pv * (dp[nt][e] - dlt[e / 2]);  // dS
                     }
             }

@@ -230,7 +230,7 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ BwdParams p) {
                 });
             } else if (!score_mod) {
                 each_score<BLOCK_M>(lse_s, dlt_s, q0, [&](int i, int query, float l2, float dl) {
-                    s[i] = qs[(i % 4) / 2].has(query) ? fast_exp2(fmaf(s[i], p.scale_log2, -l2)) : 0.f;
+                    s[i] = qs[(i % 4) / 2].has(query) ? fast_exp2(fminf(fmaf(s[i], p.scale_log2, -l2), 0.f)) : 0.f;
                     dp[i] = s[i] * (dp[i] - dl);
                 });
             } else {
@@ -238,7 +238,7 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ BwdParams p) {
                     const int key = n0 + key_row0 + g + ((i % 4) / 2) * 8;
                     float tanh_s;
                     const float x = mi.logit_log2(p.mask, p.scale_log2, s[i], query, key, tanh_s);
-                    s[i] = (edge && !qs[(i % 4) / 2].has(query)) ? 0.f : fast_exp2(x - l2);
+                    s[i] = (edge && !qs[(i % 4) / 2].has(query)) ? 0.f : fast_exp2(fminf(x - l2, 0.f));
                     // softcap: d logit / d s = 1 - tanh^2 (tanh_s = 0 without softcap)
                     dp[i] = s[i] * (dp[i] - dl) * (1.f - tanh_s * tanh_s);
                 });
