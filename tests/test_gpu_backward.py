@@ -638,10 +638,11 @@ def test_jax_vjp(cf, jax_gpu, dtype, causal, heads, det):
     assert_grads_close(tuple(_torch_from_jax(g, tdt) for g in grads), q_t, k_t, v_t, do_t, causal, d ** -0.5, msg)
 
 
-def test_jax_jit_not_supported(cf, jax_gpu):
-    """Under jax.jit on the GPU the forward, its gradient and attention_backward raise
-    NotImplementedError naming jit and the platform, when the program is lowered (the CPU runs them:
-    tests/test_jax_jit_cpu.py)."""
+def test_jax_jit_not_supported(cf, jax_gpu, monkeypatch):
+    """With the GPU route under jit turned off (CUFLASH_JAX_JIT_GPU=0; it is on by default and
+    tests/test_jax_jit_route.py checks it), the forward, its gradient and attention_backward under
+    jax.jit raise NotImplementedError naming jit and the platform, when the program is lowered."""
+    monkeypatch.setenv("CUFLASH_JAX_JIT_GPU", "0")
     jax, dev = jax_gpu
     import jax.numpy as jnp
 

@@ -13,9 +13,9 @@ and run the forward and backward plans.
 Under jax.jit (or vmap, or any transformation that hands the rules abstract values) the rules
 build the call into the traced program with jax.lax.platform_dependent: on the CPU a
 jax.pure_callback runs the NumPy path (the same entry points on NumPy arrays; vmap runs it once per
-mapped element); on CUDA, with CUFLASH_JAX_JIT_GPU=1 (experimental, below), a buffer_callback runs
-the GPU plans on XLA's buffers and stream; on any other platform (and on CUDA without that setting)
-the branch is a primitive whose lowering raises NotImplementedError, so compiling fails with that
+mapped element); on CUDA (CUFLASH_JAX_JIT_GPU=0 turns it off; below) a buffer_callback runs
+the GPU plans on XLA's buffers and stream; on any other platform (and on CUDA with
+CUFLASH_JAX_JIT_GPU=0) the branch is a primitive whose lowering raises NotImplementedError, so compiling fails with that
 message before anything runs, rather than copying the arrays to the host behind XLA's back. The
 checks run at trace time on the abstract shapes and dtypes.
 """
@@ -107,17 +107,16 @@ def _under_jit(host, result_types, args, what: str, gpu=None):
 # and dtypes known at trace time (XLA's buffers are dense and row-major). Nothing is allocated
 # behind XLA's back; the sink gradient is summed from the scratch output with jnp.
 #
-# Status: written and wired on a machine without a GPU (tests/test_jax_jit_cpu.py lowers it for
-# 'cuda' and runs its callbacks against the fake device of tests/test_plan_wiring.py). It is off
-# until the GPU tests have run it: CUFLASH_JAX_JIT_GPU=1 turns it on; otherwise compiling for a GPU
-# raises NotImplementedError as before. CUFLASH_JAX_JIT_CMD_BUFFER=1 also lets XLA record the
-# launches into its command buffers (CUDA graphs), so that Python runs at capture only.
+# Status: on by default since tests/test_jax_jit_route.py passed on an H100 (2026-11-23);
+# CUFLASH_JAX_JIT_GPU=0 turns it off (compiling for a GPU then raises NotImplementedError).
+# CUFLASH_JAX_JIT_CMD_BUFFER=1 also lets XLA record the launches into its command buffers (CUDA
+# graphs), so that Python runs at capture only.
 
 
 def jit_gpu_enabled() -> bool:
     import os
 
-    return os.environ.get("CUFLASH_JAX_JIT_GPU") == "1"
+    return os.environ.get("CUFLASH_JAX_JIT_GPU", "1") != "0"
 
 
 def _cmd_buffer() -> bool:
