@@ -340,7 +340,9 @@ def _form_numpy(x, form: str, rng):
 
 
 def _np_to_torch(torch, a, device):
-    a = np.ascontiguousarray(a)
+    # np.array, not np.ascontiguousarray: that returns at least 1 dimension, and a 0-d array (the "0d"
+    # variants) would become a valid (1,) one
+    a = np.array(a, order="C", copy=True)
     if a.dtype == BF16:
         return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16).to(device)
     return torch.from_numpy(a).to(device)
