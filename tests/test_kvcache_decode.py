@@ -152,3 +152,20 @@ def test_bad_num_splits(device):
     with pytest.raises(TypeError, match="num_splits: expected an int"):
         attention_with_kvcache(**args, num_splits=2.0)
     assert _diff_count(_back(args["k_cache"]), before) == 0
+
+
+def test_split_heuristic():
+    """cuflash/_config.py decode_num_splits: no split when the blocks fill the GPU or a block has at
+    most 16 tiles of keys; otherwise at least 2 tiles per split and at most max_splits; a single
+    block over a long cache is spread over many."""
+    from cuflash._config import DECODE_BLOCK_N, decode_num_splits
+
+    for sms in (108, 132):
+        for keys in (64, 512, 1024, 1025, 2048, 8192, 131072):
+            for blocks in (1, 2, 4, 8, 16, 32, 64, 128, 200, 264, 1000):
+                s = decode_num_splits(blocks, keys, sms, 2)
+                assert 1 <= s <= 64, (sms, keys, blocks, s)
+                if blocks >= 2 * sms or keys <= 16 * DECODE_BLOCK_N:
+                    assert s == 1, (sms, keys, blocks, s)
+                assert s == 1 or keys / s >= 2 * DECODE_BLOCK_N, (sms, keys, blocks, s)
+    assert decode_num_splits(1, 131072, 132, 2) >= 32  # one block and a long cache: spread it
