@@ -844,6 +844,29 @@ def test_fuzz_torch_cuda(call):
         run_call(call, "gpu")
 
 
+# Cases the GPU fuzzer found, replayed on every run (each was a bug; the comment says which).
+REGRESSIONS = [
+    # attention_varlen_backward given the forward's lse, then a non-monotonic cu_seqlens_k: the feature
+    # backward's P = exp2(s - lse) overflowed (inf dQ from finite input) before P was capped at 1.
+    Call("attention_varlen_backward",
+         Problem(seed=0, dtype="float16", batch=12, seqlen_q=3, seqlen_k=2, nheads_kv=1, group=1, head_dim=8,
+                 causal=False, scale=None, layouts=("contiguous",) * 4, softcap=13.5,
+                 seq_q=[0, 0, 0, 0, 0, 0, 0, 0, 3, 0, 0, 0], seq_k=[0, 0, 0, 0, 0, 0, 0, 0, 1, 2, 0, 0]),
+         (("cu_seqlens_k", "set", "nonmonotonic"),), ("unchecked",)),
+]
+
+
+@pytest.mark.parametrize("backend", [pytest.param("gpu", marks=pytest.mark.gpu), "cpu"])
+@pytest.mark.parametrize("index", range(len(REGRESSIONS)))
+def test_fuzz_regressions(backend, index):
+    if backend == "gpu":
+        torch = pytest.importorskip("torch")
+        if not torch.cuda.is_available():
+            pytest.skip("torch has no CUDA device")
+    with np.errstate(all="ignore"):
+        run_call(REGRESSIONS[index], backend)
+
+
 # ------------------------------------------------------------------------------------------------
 # The fuzzer's own parts
 
