@@ -32,7 +32,7 @@ from test_cpu_features import FWD_FACTOR, FWD_FLOOR, LSE_ATOL, LSE_RTOL, _score_
 pytestmark = pytest.mark.filterwarnings("error")
 
 FP16, BF16 = np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)
-PAGE = {"contig": 0, "contig_idx": 0, "paged16": 16, "paged64": 64, "paged256": 256}
+PAGE = {"contig": 0, "contig_idx": 0, "paged16": 16, "paged48": 48, "paged64": 64, "paged256": 256}
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -187,7 +187,7 @@ def run_and_check(case, causal, opts, ctx, return_lse=True):
 GQA = [1, 2, 4, 8]
 HEAD_DIMS = [8, 64, 128, 256, 40]
 DTYPES = [FP16, BF16]
-CAPACITY = {"contig": 45, "contig_idx": 37, "paged16": 70, "paged64": 130, "paged256": 300}
+CAPACITY = {"contig": 45, "contig_idx": 37, "paged16": 70, "paged48": 150, "paged64": 130, "paged256": 300}
 
 
 def _grid():

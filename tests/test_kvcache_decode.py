@@ -22,7 +22,7 @@ from test_kvcache_device import DEVICES, _back, _check, _skip_unusable, _to
 
 torch = pytest.importorskip("torch")
 
-LAYOUTS = ["contig", "contig_idx", "paged16", "paged64", "paged256"]
+LAYOUTS = ["contig", "contig_idx", "paged16", "paged48", "paged64", "paged256"]
 
 
 @pytest.mark.parametrize("device", DEVICES)
