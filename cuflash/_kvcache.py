@@ -939,11 +939,14 @@ def describe_paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     for name in ("k", "v"):
         if arrays[name].lib != lib:
             raise TypeError(f"{name}: expected a {lib} array like q; got {arrays[name].type_name}")
-    _refuse_gpu(q, _PAGED, "or gather each sequence's keys into a packed k, v yourself and call attention_varlen "
-                           "without block_table")
     device = q.device
-    if device[0] != "cpu":
-        raise ValueError(f"q: expected an array on the CPU; got one on {device[0]}")
+    if device[0] == "cuda" and not (paged_prefill_gpu_enabled() and lib != "jax"):
+        _refuse_gpu(q, _PAGED, "or gather each sequence's keys into a packed k, v yourself and call attention_varlen "
+                               "without block_table" + ("" if lib == "jax" else
+                                                        " (CUFLASH_PAGED_PREFILL_GPU=1 turns on an experimental GPU "
+                                                        "path for torch and CuPy, not yet run on a GPU)"))
+    if device[0] not in ("cpu", "cuda"):
+        raise ValueError(f"q: expected an array on the CPU or a CUDA GPU; got one on {device[0]}")
     for name in ("k", "v"):
         x = arrays[name]
         if x.device != device:
@@ -1098,6 +1101,9 @@ def attention_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                         f"not require grad; got {n} with requires_grad=True. Call it under torch.no_grad() or "
                         f"torch.inference_mode(), or pass {n}.detach()")
     ad = adapter_for(q)
+    if call.device[0] == "cuda":
+        return _gpu_paged_varlen(call, ad, infos, names, causal, softmax_scale, return_lse, deterministic, window,
+                                 num_sink_tokens, softcap)
     host = {n: (None if x is None else ad.to_numpy(x)) for n, x in names.items()}
     lengths, table = _check_paged_values(call, host["cu_seqlens_q"], host["cu_seqlens_k"], host["block_table"])
     options = {n: host[n] for n in call.arrays}
@@ -1105,6 +1111,106 @@ def attention_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                           table, options)
     out = ad.from_numpy(out, q)
     return (out, ad.from_numpy(lse, q)) if call.return_lse else out
+
+
+def paged_prefill_gpu_enabled() -> bool:
+    """The experimental GPU path of the paged prefill (CUFLASH_PAGED_PREFILL_GPU=1): written and checked
+    against a fake device, not yet run on a GPU (tests/test_paged_varlen_gpu.py is its GPU check)."""
+    import os
+
+    return os.environ.get("CUFLASH_PAGED_PREFILL_GPU") == "1"
+
+
+# Pointer slots of a gather plan.
+_G_K, _G_V, _G_TABLE, _G_CU_K, _G_KG, _G_VG, _G_CU_OUT = range(7)
+_GATHER_PLANS: dict = {}
+
+
+class GatherPlan:
+    """The paged prefill's gather on the GPU (cuda_src/paged_gather.cu): each sequence's keys and values
+    copied from the paged caches to rows cu_seqlens_k[b] - cu_seqlens_k[0] + t of packed
+    (batch * max_seqlen_k, nheads_kv, head_dim) arrays, with those offsets, which attention_varlen then
+    reads as any packed batch (the same kernels, so the result is attention_varlen's on the gathered
+    keys). Every valid batch fits (each length <= max_seqlen_k); the device clamps the offsets to the
+    arrays otherwise, as the forward does."""
+
+    def __init__(self, c: PagedVarlenCall, infos: dict):
+        import threading
+
+        from . import _launch
+        from ._gpu import compute_capability
+        from ._launch import DeviceTensor, Slot
+        from ._plan import _small_needs_copy, contiguous_strides, needs_copy
+
+        self.call = c
+        self.device_id = dev = c.device[1]
+        self._lock = threading.Lock()
+        for name in ("k", "v"):
+            x = infos[name]
+            if needs_copy(x):
+                raise ValueError(f"{name}: expected a paged cache the GPU kernels can read in place: a unit-stride "
+                                 f"last dimension and a 16-byte aligned base pointer and strides (multiples of 8 "
+                                 f"elements); got strides {x.strides}{'' if x.aligned else ' at an unaligned pointer'}")
+        self.copy = tuple(n for n in ("block_table", "cu_seqlens_k") if _small_needs_copy(infos[n]))
+        self.rows = max(1, c.batch * c.max_seqlen_k)
+        self.packed_shape = (self.rows, c.nheads_kv, c.head_dim)
+        dst = contiguous_strides(self.packed_shape)
+        table = infos["block_table"]
+        table_t = DeviceTensor(Slot(_G_TABLE), table.shape,
+                               contiguous_strides(table.shape) if "block_table" in self.copy else table.strides)
+        cc = compute_capability(dev)
+        self.launches = []
+        for src, dst_slot, name in ((_G_K, _G_KG, "k"), (_G_V, _G_VG, "v")):
+            self.launches += _launch.gather_launches(
+                DeviceTensor(Slot(src), infos[name].shape, infos[name].strides),
+                DeviceTensor(Slot(dst_slot), self.packed_shape, dst), table_t, Slot(_G_CU_K), Slot(_G_CU_OUT),
+                c.batch, c.max_seqlen_k, dev, cc)
+
+    def run(self, ad, names: dict):
+        """(packed keys, packed values, their offsets) as the caller's arrays, on the caller's stream."""
+        from ._plan import _current_device
+
+        dev, c = self.device_id, self.call
+        keep = []
+        arrays = {n: names[n] for n in ("k", "v", "block_table", "cu_seqlens_k")}
+        for n in self.copy:
+            arrays[n] = ad.contiguous(arrays[n], dev, keep)
+        kg = ad.empty(self.packed_shape, c.dtype, dev)
+        vg = ad.empty(self.packed_shape, c.dtype, dev)
+        cu = ad.empty((c.batch + 1,), "int32", dev)
+        ptrs = [ad.ptr(arrays["k"], keep), ad.ptr(arrays["v"], keep), ad.ptr(arrays["block_table"], keep),
+                ad.ptr(arrays["cu_seqlens_k"], keep), ad.ptr(kg, keep), ad.ptr(vg, keep), ad.ptr(cu, keep)]
+        stream = ad.stream(dev)
+        with self._lock:
+            if _current_device() == dev:
+                for launch in self.launches:
+                    launch.fire(stream, ptrs)
+            else:
+                import cupy
+
+                with cupy.cuda.Device(dev):
+                    for launch in self.launches:
+                        launch.fire(stream, ptrs)
+        return kg, vg, cu
+
+
+def _gpu_paged_varlen(c: PagedVarlenCall, ad, infos, names, causal, softmax_scale, return_lse, deterministic,
+                      window, num_sink_tokens, softcap):
+    """The paged prefill on the GPU (experimental): gather, then attention_varlen on the packed keys."""
+    from ._api import attention_varlen
+
+    key = (c, tuple(infos.get(n) for n in ("k", "v", "block_table", "cu_seqlens_k")))
+    plan = _GATHER_PLANS.get(key)
+    if plan is None:
+        plan = GatherPlan(c, infos)
+        if len(_GATHER_PLANS) > 256:
+            _GATHER_PLANS.clear()
+        _GATHER_PLANS[key] = plan
+    kg, vg, cu_k = plan.run(ad, names)
+    return attention_varlen(names["q"], ad.export(kg), ad.export(vg), names["cu_seqlens_q"], ad.export(cu_k),
+                            c.max_seqlen_q, c.max_seqlen_k, causal, softmax_scale, return_lse, deterministic,
+                            window=window, num_sink_tokens=num_sink_tokens, sink_logits=names["sink_logits"],
+                            alibi_slopes=names["alibi_slopes"], softcap=softcap)
 
 
 def refuse_paged_backward(what: str = "attention_varlen_backward"):

@@ -82,6 +82,18 @@ DECODE_PARAMS = np.dtype(
 
 _DECODE_CHECKS_PARAMS = _compile.params_layout_checks("cuflash", "DecodeParams", DECODE_PARAMS)
 
+# Mirror of cuflash::GatherParams (cuda_src/paged_gather.cu).
+GATHER_PARAMS = np.dtype(
+    [(n, np.uint64) for n in ("src", "dst", "block_table", "cu_seqlens_k", "cu_out")]
+    + [(n, np.int64) for n in ("src_block_stride", "src_row_stride", "src_head_stride", "dst_row_stride",
+                               "dst_head_stride", "table_stride")]
+    + [(n, np.int32) for n in ("batch", "max_seqlen_k", "num_blocks", "page_size", "nheads_kv", "head_dim",
+                               "total_rows", "tiles")],
+    align=True,
+)
+
+_GATHER_CHECKS_PARAMS = _compile.params_layout_checks("cuflash", "GatherParams", GATHER_PARAMS)
+
 _DTYPE_TAG = {"float16": ("f16", "cuflash::f16"), "bfloat16": ("bf16", "cuflash::bf16")}
 
 MAX_GRID_X = 2**31 - 1
@@ -642,7 +654,8 @@ def decode_append_specialization():
 
 
 def all_decode_specializations(target: str, head_dims=None, dtypes=None):
-    """The decode kernel and the split combine per (dtype, head_dim) the target serves, and the append."""
+    """The decode kernel and the split combine per (dtype, head_dim) the target serves, the append, and
+    the paged prefill's gather."""
     out = []
     for dtype in dtypes or _config.DTYPES:
         for d in head_dims or _config.HEAD_DIMS:
@@ -651,6 +664,7 @@ def all_decode_specializations(target: str, head_dims=None, dtypes=None):
                 out.append(decode_specialization(dtype, d, stages))
                 out.append((decode_combine_specialization(dtype, d), 0))
     out.append((decode_append_specialization(), 0))
+    out.append((gather_specialization(), 0))
     return out
 
 
@@ -739,3 +753,40 @@ def decode_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: Device
         fn = _compile.get_function(spec, target, device_id, 0)
         launches.append(Launch(spec.name, fn.ptr, _cdiv(batch * nheads * seqlen_q, 4), 128, 0, p, ptrs, device_id))
     return launches
+
+
+def gather_specialization():
+    return _compile.Specialization("paged_gather.cu", "cuflash::paged_gather_kernel", "paged_gather",
+                                   _GATHER_CHECKS_PARAMS)
+
+
+GATHER_ROWS = 16  # key rows per thread block of paged_gather_kernel
+
+
+def gather_launches(src: DeviceTensor, dst: DeviceTensor, table: DeviceTensor, cu_seqlens_k, cu_out, batch: int,
+                    max_seqlen_k: int, device_id: int, cc: tuple[int, int]) -> list[Launch]:
+    """Copies each sequence's keys from a paged cache src (num_blocks, page_size, nheads_kv, head_dim)
+    to rows cu_seqlens_k[b] - cu_seqlens_k[0] + t of dst (rows, nheads_kv, head_dim), and those offsets
+    to cu_out (cuda_src/paged_gather.cu). table: the int32 block table (batch, max_blocks) with a unit
+    last stride."""
+    num_blocks, page, hk, d = src.shape
+    tiles = _cdiv(max_seqlen_k, GATHER_ROWS)
+    if batch * tiles == 0:
+        return []
+    grid = batch * tiles
+    if grid > MAX_GRID_X:
+        raise ValueError(f"batch * ceil(max_seqlen_k / {GATHER_ROWS}) = {grid} thread blocks exceeds the grid limit "
+                         f"{MAX_GRID_X}; split the batch")
+    target = _config.compile_arch(*cc)
+    spec = gather_specialization()
+    fn = _compile.get_function(spec, target, device_id, 0)
+    p = np.zeros((), dtype=GATHER_PARAMS)
+    p["src_block_stride"], p["src_row_stride"], p["src_head_stride"] = src.strides[:3]
+    p["dst_row_stride"], p["dst_head_stride"] = dst.strides[:2]
+    p["table_stride"] = table.strides[0]
+    for name, value in (("batch", batch), ("max_seqlen_k", max_seqlen_k), ("num_blocks", num_blocks),
+                        ("page_size", page), ("nheads_kv", hk), ("head_dim", d), ("total_rows", dst.shape[0]),
+                        ("tiles", tiles)):
+        p[name] = value
+    ptrs = {"src": src.ptr, "dst": dst.ptr, "block_table": table.ptr, "cu_seqlens_k": cu_seqlens_k, "cu_out": cu_out}
+    return [Launch(spec.name, fn.ptr, grid, 128, 0, p, ptrs, device_id)]

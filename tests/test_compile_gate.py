@@ -45,9 +45,9 @@ def _all_specs(kind, target):
         return specs
     if kind == "decode":
         # attention_with_kvcache: the decode kernel and the split combine per (dtype, head_dim) (every
-        # head_dim fits on sm_80 and sm_90a), and the append.
+        # head_dim fits on sm_80 and sm_90a), the append, and the paged prefill's gather.
         specs = _launch.all_decode_specializations(target)
-        assert len(specs) == len(_config.DTYPES) * len(_config.HEAD_DIMS) * 2 + 1
+        assert len(specs) == len(_config.DTYPES) * len(_config.HEAD_DIMS) * 2 + 2
         return specs
     if kind == "fwd":
         specs = _launch.all_fwd_specializations(target)
@@ -96,8 +96,8 @@ def test_gate_detects_spills_and_smem():
 
 
 def test_params_layout_matches_numpy_mirror():
-    """sizeof and every field offset of FwdParams, BwdParams, MaskParams (nested in both) and
-    TailParams equal the NumPy dtypes' (static_assert in C++)."""
+    """sizeof and every field offset of FwdParams, BwdParams, MaskParams (nested in both), TailParams,
+    DecodeParams and GatherParams equal the NumPy dtypes' (static_assert in C++)."""
     cfg = _config.feat_fwd_config("sm_90a", 64, "float16")
     spec, _ = _launch.fwd_specialization("float16", 64, cfg, False, False, feat=True)
     checks = "\n".join(_compile.params_layout_checks("cuflash", name, dt, offsets=True) for name, dt in (
@@ -107,6 +107,11 @@ def test_params_layout_matches_numpy_mirror():
     tail = _launch.tail_specialization("u16")
     checks = _compile.params_layout_checks("cuflash", "TailParams", _launch.TAIL_PARAMS, offsets=True)
     _compile.nvrtc_compile(_compile.Specialization(tail.source, tail.expression, tail.name, checks), "sm_90a")
+    # attention_with_kvcache's DecodeParams (MaskParams nested) and the paged prefill's GatherParams
+    for spec, name, dt in ((_launch.decode_append_specialization(), "DecodeParams", _launch.DECODE_PARAMS),
+                           (_launch.gather_specialization(), "GatherParams", _launch.GATHER_PARAMS)):
+        checks = _compile.params_layout_checks("cuflash", name, dt, offsets=True)
+        _compile.nvrtc_compile(_compile.Specialization(spec.source, spec.expression, spec.name, checks), "sm_90a")
 
 
 def test_params_layout_check_can_fail():

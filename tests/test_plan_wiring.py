@@ -84,7 +84,7 @@ class FakeCuda(NumpyAdapter):
 
 
 SIZES = {"fwd": _launch.FWD_PARAMS, "bwd": _launch.BWD_PARAMS, "varlen": _launch.TAIL_PARAMS,
-         "decode": _launch.DECODE_PARAMS}
+         "decode": _launch.DECODE_PARAMS, "paged_gather": _launch.GATHER_PARAMS}
 
 
 @pytest.fixture
@@ -729,3 +729,40 @@ def test_kvcache_repeat_call_takes_the_fast_path(dev, monkeypatch):
         cuflash.attention_with_kvcache(q, kc, vc, kn, vn, seqlens, causal=True, num_splits=-2)
     with pytest.raises(ValueError, match="^k_cache: expected k_cache and v_cache in separate memory"):
         cuflash.attention_with_kvcache(q, kc, kc, kn, vn, seqlens, causal=True, num_splits=2)
+
+
+def test_paged_prefill_gpu_wiring(dev, monkeypatch):
+    """attention_varlen with a block_table on a GPU (CUFLASH_PAGED_PREFILL_GPU=1, experimental): two
+    gathers copy the pages to packed arrays (batch * max_seqlen_k rows) and write the rebased offsets,
+    and the varlen forward reads those arrays and offsets; q, the caches and the table in place."""
+    monkeypatch.setenv("CUFLASH_PAGED_PREFILL_GPU", "1")
+    ad, launched = dev
+    rng = np.random.default_rng()
+    q = arr(rng, (20, 8, 64))
+    k, v = arr(rng, (12, 16, 2, 64)), arr(rng, (12, 16, 2, 64))
+    table = np.arange(12, dtype=np.int32).reshape(3, 4).copy().view(Dev)
+    cu_q = np.array([0, 5, 12, 20], np.int32).view(Dev)
+    cu_k = np.array([4, 30, 40, 64], np.int32).view(Dev)  # offsets give lengths only: 26, 10, 24
+    cuflash.attention_varlen(q, k, v, cu_q, cu_k, 8, 32, causal=True, block_table=table)
+    gathers = [L for L in launched if L["name"] == "paged_gather"]
+    assert len(gathers) == 2, [L["name"] for L in launched]
+    kg, vg = (next(a for a in ad.allocs if addr(a) == int(L["p"]["dst"])) for L in gathers)
+    assert kg.shape == vg.shape == (3 * 32, 2, 64)
+    cu_out = next(a for a in ad.allocs if addr(a) == int(gathers[0]["p"]["cu_out"]))
+    assert cu_out.shape == (4,) and cu_out.dtype == np.int32
+    for L, src in zip(gathers, (k, v)):
+        p = L["p"]
+        assert int(p["src"]) == addr(src) and int(p["block_table"]) == addr(table) and int(p["cu_seqlens_k"]) == addr(cu_k)
+        assert (int(p["src_block_stride"]), int(p["src_row_stride"]), int(p["src_head_stride"])) == elem_strides(src)[:3]
+        assert (int(p["dst_row_stride"]), int(p["dst_head_stride"])) == (128, 64)
+        assert (int(p["table_stride"]), int(p["batch"]), int(p["max_seqlen_k"]), int(p["num_blocks"]),
+                int(p["page_size"]), int(p["total_rows"]), int(p["tiles"])) == (4, 3, 32, 12, 16, 96, 2)
+        assert L["grid"] == 3 * 2
+    fwd = next(L for L in launched if "feat" in L["name"])
+    p = fwd["p"]
+    assert int(p["q"]) == addr(q) and int(p["k"]) == addr(kg) and int(p["v"]) == addr(vg)
+    assert int(p["mask"]["cu_seqlens_k"]) == addr(cu_out) and int(p["mask"]["cu_seqlens_q"]) == addr(cu_q)
+    assert int(p["mask"]["total_k"]) == 96
+    monkeypatch.delenv("CUFLASH_PAGED_PREFILL_GPU")
+    with pytest.raises(NotImplementedError, match="CUFLASH_PAGED_PREFILL_GPU=1"):
+        cuflash.attention_varlen(q, k, v, cu_q, cu_k, 8, 32, causal=True, block_table=table)

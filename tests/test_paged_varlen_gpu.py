@@ -1,0 +1,83 @@
+"""attention_varlen with a block_table on the GPU (the paged prefill; experimental, CUFLASH_PAGED_PREFILL_GPU=1:
+cuflash/_kvcache.py GatherPlan + cuda_src/paged_gather.cu, then attention_varlen on the gathered keys).
+
+Marked gpu: torch CUDA and CuPy. Each case (tests/test_paged_varlen_cpu.py's make_case: random block
+tables, slots no sequence reads NaN-poisoned, unused table entries out of range, offsets of
+cu_seqlens_k starting anywhere) must give out and lse bit for bit equal to attention_varlen on the GPU
+with the keys gathered here one position at a time (packed, without block_table) — those kernels are
+checked against the float64 reference by the GPU varlen tests — and be finite everywhere. The CPU
+variant of each case runs the NumPy path the same way (bit-equal to attention_varlen on the gathered
+keys), so the file's own logic is tested without a GPU."""
+
+import numpy as np
+import pytest
+
+import cuflash
+from _cpu_helpers import _ctx, _new_seed
+from test_kvcache_cpu import _features
+from test_kvcache_device import _back, _to
+from test_paged_varlen_cpu import BF16, FP16, _cu, _same_bits, logical_keys, make_case
+
+torch = pytest.importorskip("torch")
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu), pytest.param("cupy", marks=pytest.mark.gpu)]
+
+
+@pytest.fixture(autouse=True)
+def _gpu_path(monkeypatch):
+    monkeypatch.setenv("CUFLASH_PAGED_PREFILL_GPU", "1")
+
+
+def _skip(device, dtype):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device")
+    if device == "cupy":
+        pytest.importorskip("cupy")
+        if dtype == BF16:
+            pytest.skip("CuPy arrays have no bfloat16 dtype")
+
+
+def _check(case, device, causal, opts, ctx):
+    dev_opts = {n: (_to(x, device) if isinstance(x, np.ndarray) else x) for n, x in opts.items()}
+    args = {n: (_to(x, device) if isinstance(x, np.ndarray) else x) for n, x in case.args().items()}
+    out, lse = cuflash.attention_varlen(**args, causal=causal, return_lse=True, **dev_opts)
+    keys = logical_keys(case)
+    kp = np.concatenate([k for k, _ in keys] or [np.zeros((0,) + case.k.shape[2:], case.k.dtype)])
+    vp = np.concatenate([v for _, v in keys] or [np.zeros((0,) + case.v.shape[2:], case.v.dtype)])
+    if len(kp) == 0:
+        kp = vp = np.zeros((1,) + case.k.shape[2:], case.k.dtype)
+    want, want_lse = cuflash.attention_varlen(_to(case.q, device), _to(kp, device), _to(vp, device),
+                                              _to(case.cu_q, device), _to(_cu(case.seq_k), device), case.max_q,
+                                              case.max_k, causal=causal, return_lse=True, **dev_opts)
+    out, lse, want, want_lse = (_back(x) for x in (out, lse, want, want_lse))
+    assert np.isfinite(out.astype(np.float32)).all(), f"non-finite out (a poisoned slot was read?); {ctx}"
+    assert _same_bits(out, want), f"out differs from attention_varlen on the gathered keys; {ctx}"
+    assert np.array_equal(lse, want_lse), f"lse differs; {ctx}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("page", [16, 48, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_paged_prefill(device, page, causal):
+    _skip(device, FP16)
+    seed = _new_seed()
+    for i, (dtype, d, gqa, start) in enumerate([(FP16, 64, 4, 0), (BF16, 128, 1, 7), (FP16, 96, 2, 3)]):
+        if device == "cupy" and dtype == BF16:
+            continue
+        rng = np.random.default_rng([seed, i])
+        case = make_case(rng, seq_q=[7, 20, 1, 0, 9], seq_k=[40, 20, 17, 0, 300], page=page, dtype=dtype,
+                         nheads=2 * gqa, nheads_kv=2, head_dim=d, tail_q=2, cu_k_start=start, max_extra=(1, 5),
+                         shared=1 if page == 16 else 0)
+        _check(case, device, causal, {}, _ctx(seed, device=device, case=i, page=page, causal=causal))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["win5_2", "sinktok", "sinklogit", "alibi_h", "softcap", "all"])
+def test_paged_prefill_options(device, name):
+    _skip(device, FP16)
+    seed = _new_seed()
+    rng = np.random.default_rng(seed)
+    opts, qk_scale = _features(rng, name, 3, 8)
+    case = make_case(rng, seq_q=[12, 5, 30], seq_k=[50, 5, 70], page=16, nheads=8, nheads_kv=2, head_dim=64,
+                     qk_scale=qk_scale)
+    _check(case, device, name != "win5_2", opts, _ctx(seed, device=device, option=name))
