@@ -660,8 +660,16 @@ def _gpu_kvcache(c: KVCacheCall, ad, infos: dict, names: dict, num_splits: int, 
     """The GPU path: the decode kernels for every layout; a contiguous cache whose row b is entry b
     with many query rows per kv head (a prefill chunk: seqlen_q * nheads / nheads_kv > 64) takes the
     feature forward (_gpu_contiguous), whose tiles suit it."""
+    import os
+
     from . import _config
 
+    if c.lib == "jax" and os.environ.get("CUFLASH_KVCACHE_JAX_GPU") != "1":
+        # The same plans as torch and CuPy through the JAX adapter's DLPack primitives, but not yet run on
+        # a GPU with JAX arrays (tests/test_kvcache_device.py's "jax" cases are its check).
+        _refuse_gpu(infos["q"], "attention_with_kvcache with JAX arrays",
+                    "or pass torch or CuPy arrays (CUFLASH_KVCACHE_JAX_GPU=1 turns on the JAX GPU path, not yet "
+                    "run on a GPU)")
     rows = c.seqlen_q * (c.nheads // c.nheads_kv)
     plain_rows = not c.paged and not c.has_batch_idx
     if plain_rows and (rows > 4 * _config.DECODE_ROWS or not _gpu_decode_available(c)):

@@ -1,8 +1,9 @@
 """attention_with_kvcache on device arrays: torch CUDA and CuPy (marked gpu), and torch CPU (the NumPy
 path, so that this file's checks run everywhere).
 
-On the GPU every layout runs the decode kernels of cuda_src/flash_decode.cu (append, split-KV decode
-with GQA packing, combine); a contiguous cache whose row b is entry b with more than 64 packed
+JAX arrays on the GPU ("jax", with CUFLASH_KVCACHE_JAX_GPU=1, not yet GPU-run) take the same cases
+with the new tokens written by the caller. On the GPU every layout runs the decode kernels of
+cuda_src/flash_decode.cu (append, split-KV decode with GQA packing, combine); a contiguous cache whose row b is entry b with more than 64 packed
 query rows per kv head takes the feature forward with kv_lengths after the library appends the new
 tokens on the device (cuflash/_kvcache.py _gpu_contiguous). Checked against the float64 reference of
 tests/_kvcache_reference.py with the accuracy rule of the CPU tests (out within 2x the naive
@@ -25,7 +26,13 @@ from test_kvcache_cpu import BF16, FP16, _diff_count, _features, make_case
 
 torch = pytest.importorskip("torch")
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu), pytest.param("cupy", marks=pytest.mark.gpu)]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu), pytest.param("cupy", marks=pytest.mark.gpu),
+           pytest.param("jax", marks=pytest.mark.gpu)]
+
+
+@pytest.fixture(autouse=True)
+def _jax_gpu_path(monkeypatch):
+    monkeypatch.setenv("CUFLASH_KVCACHE_JAX_GPU", "1")  # the JAX GPU path this file checks (not yet GPU-run)
 
 
 def _to(a, device):
@@ -36,6 +43,10 @@ def _to(a, device):
         import cupy
 
         return cupy.asarray(a)  # float16 only: CuPy has no bfloat16 (those cases are skipped)
+    if device == "jax":
+        import jax
+
+        return jax.device_put(a, jax.devices("cuda")[0])
     if a.dtype == BF16:
         t = torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
     else:
@@ -48,6 +59,8 @@ def _back(x):
         return None
     if type(x).__module__.startswith("cupy"):
         return x.get()
+    if type(x).__module__.startswith("jax"):
+        return np.asarray(x)
     x = x.detach().cpu()
     if x.dtype == torch.bfloat16:
         return x.view(torch.int16).numpy().view(BF16)
@@ -61,6 +74,13 @@ def _check(case, device, causal, opts, ctx, num_splits=0):
                             case.cache_batch_idx, case.block_table,
                             causal, scale, **opts)
     args = {n: _to(x, device) for n, x in case.args().items()}
+    if device == "jax" and case.k is not None:
+        # JAX arrays cannot be appended into: the caller writes the new tokens (here: the caches as the
+        # reference leaves them) and counts them in cache_seqlens.
+        n = case.k.shape[1]
+        cs = case.cache_seqlens
+        args.update(k_cache=_to(ref.k_cache, device), v_cache=_to(ref.v_cache, device), k=None, v=None,
+                    cache_seqlens=cs + n if isinstance(cs, int) else _to((cs + n).astype(np.int32), device))
     dev_opts = {n: (_to(x, device) if isinstance(x, np.ndarray) else x) for n, x in opts.items()}
     out, lse = attention_with_kvcache(**args, causal=causal, softmax_scale=scale, return_lse=True,
                                       num_splits=num_splits, **dev_opts)
@@ -90,6 +110,12 @@ def _skip_unusable(device, dtype):
         pytest.importorskip("cupy")
         if dtype == BF16:
             pytest.skip("CuPy arrays have no bfloat16 dtype")
+    if device == "jax":
+        jax = pytest.importorskip("jax")
+        try:
+            jax.devices("cuda")
+        except RuntimeError:
+            pytest.skip("JAX has no CUDA backend")
 
 
 @pytest.mark.parametrize("device", DEVICES)
