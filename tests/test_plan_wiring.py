@@ -766,3 +766,29 @@ def test_paged_prefill_gpu_wiring(dev, monkeypatch):
     monkeypatch.delenv("CUFLASH_PAGED_PREFILL_GPU")
     with pytest.raises(NotImplementedError, match="CUFLASH_PAGED_PREFILL_GPU=1"):
         cuflash.attention_varlen(q, k, v, cu_q, cu_k, 8, 32, causal=True, block_table=table)
+
+
+def test_kvcache_decode_layout_checks(dev, monkeypatch):
+    """The decode plan reads q through a copy when the kernels cannot read it in place (here a strided
+    last dimension), but never copies a cache (it is written in place): a cache the kernels cannot read
+    in place is a ValueError naming it, raised before anything runs or is written."""
+    from cuflash import _kvcache
+
+    monkeypatch.setattr(_kvcache, "_sm_count", lambda device_id: 132)
+    ad, launched = dev
+    rng = np.random.default_rng()
+    q_big = arr(rng, (2, 1, 8, 128))
+    q = q_big[..., ::2]  # head_dim 64 with element stride 2
+    kc, vc = arr(rng, (2, 64, 2, 64)), arr(rng, (2, 64, 2, 64))
+    seqlens = np.array([3, 9], np.int32).view(Dev)
+    cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens, causal=True)
+    (L,) = [L for L in launched if L["name"].startswith("decode_f16")]
+    assert ad.copies and int(L["p"]["q"]) == addr(ad.copies[-1]), "q read through its copy"
+    assert int(L["p"]["k"]) == addr(kc)
+    launched.clear()
+    odd = arr(rng, (2, 64, 2, 68))[..., :64]  # heads 68 elements apart: not 16-byte aligned strides
+    before = np.array(odd, copy=True)
+    kn = arr(rng, (2, 1, 2, 64))
+    with pytest.raises(ValueError, match="^k_cache: expected a cache the GPU kernels can read in place"):
+        cuflash.attention_with_kvcache(arr(rng, (2, 1, 8, 64)), odd, vc, kn, kn, seqlens, causal=True)
+    assert not launched and np.array_equal(np.asarray(odd), before)
