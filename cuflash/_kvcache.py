@@ -599,9 +599,14 @@ class DecodePlan:
                 torch.autograd.graph.increment_version(names[name])
         return (out, lse) if c.return_lse else out
 
+    def _what(self) -> str:
+        c = self.call
+        return (f"attention_with_kvcache {c.dtype} q {self.out_shape}, cache capacity {c.capacity}, "
+                f"paged={c.paged}, num_splits {self.num_splits}")
+
     def run(self, ad, arrays: dict):
         """(out, lse or None) as the caller's arrays; appends first when the call has k and v."""
-        from ._plan import _current_device
+        from ._plan import run_launches
 
         dev, c = self.device_id, self.call
         keep = []
@@ -621,28 +626,7 @@ class DecodePlan:
             ptrs[_D_SCRATCH] = ad.ptr(scratch, keep)
         for i, n in self.input_slots:
             ptrs[i] = ad.ptr(arrays[n], keep)
-        stream = ad.stream(dev)
-        launch = None
-        try:
-            with self._lock:
-                if _current_device() == dev:
-                    for launch in self.launches:
-                        launch.fire(stream, ptrs)
-                else:
-                    import cupy
-
-                    with cupy.cuda.Device(dev):
-                        for launch in self.launches:
-                            launch.fire(stream, ptrs)
-        except Exception as e:
-            if launch is None:
-                raise
-            from ._plan import LaunchError
-
-            raise LaunchError(f"cuflash: launching {launch.name} failed (grid {launch.grid}, {launch.threads} threads, "
-                              f"{launch.smem} B shared memory, device {dev}) for attention_with_kvcache {c.dtype} q "
-                              f"{self.out_shape}, cache capacity {c.capacity}, paged={c.paged}, num_splits "
-                              f"{self.num_splits}: {type(e).__name__}: {e}") from e
+        run_launches(self, ad.stream(dev), ptrs, self.launches, self._what)
         return ad.export(out), (None if lse is None else ad.export(lse))
 
 
@@ -672,9 +656,10 @@ def _gpu_kvcache(c: KVCacheCall, ad, infos: dict, names: dict, num_splits: int, 
                     "run on a GPU)")
     rows = c.seqlen_q * (c.nheads // c.nheads_kv)
     plain_rows = not c.paged and not c.has_batch_idx
-    if plain_rows and (rows > 4 * _config.DECODE_ROWS or not _gpu_decode_available(c)):
+    available = _gpu_decode_available(c)
+    if plain_rows and (rows > 4 * _config.DECODE_ROWS or not available):
         return None
-    if not _gpu_decode_available(c):
+    if not available:
         _refuse_gpu(infos["q"], f"attention_with_kvcache at head_dim {c.head_dim} on this GPU (too little shared "
                                 "memory for the decode kernel) with " + ("block_table" if c.paged else
                                                                          "cache_batch_idx"),
@@ -1176,7 +1161,7 @@ class GatherPlan:
 
     def run(self, ad, names: dict):
         """(packed keys, packed values, their offsets) as the caller's arrays, on the caller's stream."""
-        from ._plan import _current_device
+        from ._plan import run_launches
 
         dev, c = self.device_id, self.call
         keep = []
@@ -1188,17 +1173,8 @@ class GatherPlan:
         cu = ad.empty((c.batch + 1,), "int32", dev)
         ptrs = [ad.ptr(arrays["k"], keep), ad.ptr(arrays["v"], keep), ad.ptr(arrays["block_table"], keep),
                 ad.ptr(arrays["cu_seqlens_k"], keep), ad.ptr(kg, keep), ad.ptr(vg, keep), ad.ptr(cu, keep)]
-        stream = ad.stream(dev)
-        with self._lock:
-            if _current_device() == dev:
-                for launch in self.launches:
-                    launch.fire(stream, ptrs)
-            else:
-                import cupy
-
-                with cupy.cuda.Device(dev):
-                    for launch in self.launches:
-                        launch.fire(stream, ptrs)
+        run_launches(self, ad.stream(dev), ptrs, self.launches,
+                     lambda: f"{_PAGED}'s gather, {c.dtype} k {self.packed_shape} from pages")
         return kg, vg, cu
 
 

@@ -315,10 +315,12 @@ class LaunchError(RuntimeError):
     """A kernel launch the driver refused: names the specialization, its launch shape and the call."""
 
 
-def run_launches(plan, stream: int, ptrs, launches) -> None:
-    """Fires launches of a plan on the stream, with its device current (switched only when it is
-    not: the switch costs more than the launch). A launch the driver refuses raises LaunchError
-    naming the kernel and the call (the outputs the caller allocated are then its to drop)."""
+def run_launches(plan, stream: int, ptrs, launches, what=None) -> None:
+    """Fires launches of a plan on the stream, under the plan's lock, with its device current (switched
+    only when it is not: the switch costs more than the launch). A launch the driver refuses raises
+    LaunchError naming the kernel and the call (the outputs the caller allocated are then its to
+    drop). what: a function giving the call's description for that message (default: the attention
+    call of plan.call); only called on an error."""
     launch = None
     try:
         with plan._lock:
@@ -334,13 +336,16 @@ def run_launches(plan, stream: int, ptrs, launches) -> None:
     except Exception as e:
         if launch is None:
             raise
-        c = plan.call
-        shape = (f"q {c.q_shape}, k/v ({c.total_k if c.packed else c.batch}, "
-                 f"{'' if c.packed else f'{c.seqlen_k}, '}{c.nheads_kv}, {c.head_dim})")
         raise LaunchError(
             f"cuflash: launching {launch.name} failed (grid {launch.grid}, {launch.threads} threads, "
-            f"{launch.smem} B shared memory, device {plan.device_id}) for {c.dtype} {shape}, "
-            f"causal={c.causal}, options={'none' if c.feats is None else c.feats}: {type(e).__name__}: {e}") from e
+            f"{launch.smem} B shared memory, device {plan.device_id}) for "
+            f"{what() if what is not None else _call_text(plan.call)}: {type(e).__name__}: {e}") from e
+
+
+def _call_text(c: Call) -> str:
+    shape = (f"q {c.q_shape}, k/v ({c.total_k if c.packed else c.batch}, "
+             f"{'' if c.packed else f'{c.seqlen_k}, '}{c.nheads_kv}, {c.head_dim})")
+    return f"{c.dtype} {shape}, causal={c.causal}, options={'none' if c.feats is None else c.feats}"
 
 
 def _mask_args(c: Call, copy: tuple, infos: dict, base: int, dsink=0) -> MaskArgs:

@@ -792,3 +792,30 @@ def test_kvcache_decode_layout_checks(dev, monkeypatch):
     with pytest.raises(ValueError, match="^k_cache: expected a cache the GPU kernels can read in place"):
         cuflash.attention_with_kvcache(arr(rng, (2, 1, 8, 64)), odd, vc, kn, kn, seqlens, causal=True)
     assert not launched and np.array_equal(np.asarray(odd), before)
+
+
+def test_kvcache_launch_failure_names_kernel_and_call(dev, monkeypatch):
+    """A decode launch the driver refuses raises cuflash.LaunchError naming the kernel, its launch shape and
+    the attention_with_kvcache call; the plan stays usable for the next call."""
+    from cuflash import _kvcache
+
+    monkeypatch.setattr(_kvcache, "_sm_count", lambda device_id: 132)
+    ad, launched = dev
+    rng = np.random.default_rng()
+    q, kc, vc = arr(rng, (2, 1, 8, 64)), arr(rng, (2, 64, 2, 64)), arr(rng, (2, 64, 2, 64))
+    seqlens = np.array([3, 9], np.int32).view(Dev)
+    cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens, num_splits=3)
+    record = _launch._launch_kernel
+
+    def refuse(*args):
+        raise RuntimeError("CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES: too many resources requested for launch")
+
+    monkeypatch.setattr(_launch, "_launch_kernel", refuse)
+    with pytest.raises(cuflash.LaunchError, match=r"launching decode_f16_d64_s4 failed \(grid 12, 128 threads.*"
+                                                  r"attention_with_kvcache float16 q \(2, 1, 8, 64\), cache capacity "
+                                                  r"64, paged=False, num_splits 3.*LAUNCH_OUT_OF_RESOURCES"):
+        cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens, num_splits=3)
+    monkeypatch.setattr(_launch, "_launch_kernel", record)
+    n = len(launched)
+    cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens, num_splits=3)
+    assert len(launched) == n + 2  # decode and combine
