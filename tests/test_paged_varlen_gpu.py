@@ -15,7 +15,7 @@ import pytest
 import cuflash
 from _cpu_helpers import _ctx, _new_seed
 from test_kvcache_cpu import _features
-from test_kvcache_device import _back, _to
+from test_kvcache_device import _back, _skip_unusable as _skip, _to
 from test_paged_varlen_cpu import BF16, FP16, _cu, _same_bits, logical_keys, make_case
 
 torch = pytest.importorskip("torch")
@@ -26,15 +26,6 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu), pytest.param("cup
 @pytest.fixture(autouse=True)
 def _gpu_path(monkeypatch):
     monkeypatch.setenv("CUFLASH_PAGED_PREFILL_GPU", "1")
-
-
-def _skip(device, dtype):
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("torch has no CUDA device")
-    if device == "cupy":
-        pytest.importorskip("cupy")
-        if dtype == BF16:
-            pytest.skip("CuPy arrays have no bfloat16 dtype")
 
 
 def _check(case, device, causal, opts, ctx):
