@@ -579,38 +579,33 @@ class Runner:
                            else "k/v transposed views of the cache")
             modes = ["plain"] if g == 1 else (["native", "repeat"] if args.sdpa_gqa == "auto" else [args.sdpa_gqa])
             errors = []
-            for mode in modes:
-                if mode == "repeat":
-                    need = g * s["kv_bytes"] + self.args.mem_margin_mib * 2**20
-                    if T._expanded is None and need > self.clock.free_bytes():
-                        errors.append(f"memory: repeat_interleave fallback needs ~{size_text(need)} (K/V expanded "
-                                      f"{g}x), {size_text(self.clock.free_bytes())} free")
-                        raise SkipMemory("; ".join(errors))
-                    kx, vx = T.expanded()
-                    fn = (lambda kx=kx, vx=vx: sdpa(q4, kx, vx))
-                    mnote = (f"GQA by repeat_interleave outside the timed call (the kernel reads {g}x the K/V "
-                             "bytes)")
-                elif mode == "native":
-                    fn = (lambda: sdpa(q4, k4, v4, enable_gqa=True))
-                    mnote = "enable_gqa=True"
-                else:
-                    fn = (lambda: sdpa(q4, k4, v4))
-                    mnote = ""
-                call = Call(key, fn, ctx=(lambda b=backend: sdpa_kernel(b)), bshd=lambda o: o.transpose(1, 2),
-                            note="; ".join(x for x in (note, layout_note, mnote) if x))
-                try:
-                    ms = self._first(call)
+
+            def attempts():
+                for mode in modes:
                     if mode == "repeat":
-                        self.sdpa_repeat_seen = True
-                        if errors:
-                            call.note += f" (enable_gqa refused: {errors[-1][:200]})"
-                    return call, ms
-                except Exception as e:
-                    if _is_oom(e):
-                        raise
-                    errors.append(f"{mode}: {_err(e)}")
-                    self.clock.sync()
-            raise RuntimeError("; ".join(errors))
+                        need = g * s["kv_bytes"] + self.args.mem_margin_mib * 2**20
+                        if T._expanded is None and need > self.clock.free_bytes():
+                            errors.append(f"memory: repeat_interleave fallback needs ~{size_text(need)} (K/V "
+                                          f"expanded {g}x), {size_text(self.clock.free_bytes())} free")
+                            raise SkipMemory("; ".join(errors))
+                        kx, vx = T.expanded()
+                        fn = (lambda kx=kx, vx=vx: sdpa(q4, kx, vx))
+                        mnote = (f"GQA by repeat_interleave outside the timed call (the kernel reads {g}x the "
+                                 "K/V bytes)")
+                    elif mode == "native":
+                        fn = (lambda: sdpa(q4, k4, v4, enable_gqa=True))
+                        mnote = "enable_gqa=True"
+                    else:
+                        fn = (lambda: sdpa(q4, k4, v4))
+                        mnote = ""
+                    yield mode, Call(key, fn, ctx=(lambda b=backend: sdpa_kernel(b)),
+                                     bshd=lambda o: o.transpose(1, 2),
+                                     note="; ".join(x for x in (note, layout_note, mnote) if x))
+
+            mode, call, ms = self._first_working(attempts(), errors, "enable_gqa")
+            if mode == "repeat":
+                self.sdpa_repeat_seen = True
+            return call, ms
         if impl == "flash_attn":
             if self.fa is None:
                 raise RuntimeError(f"flash_attn did not import: {self.fa_error}")
@@ -619,24 +614,38 @@ class Runner:
                 k, v = T.k, T.v
                 call = Call(key, lambda: f(q, k, v, cache_seqlens=cs, causal=True), bshd=ident, uses_seqlens=True)
                 return call, self._first(call)
-            errors = []
             sizes = [args.page_size] + ([256] if args.page_size != 256 and s["cache"] % 256 == 0 else [])
-            for ps in sizes:
-                P = T.paged(ps)
-                call = Call(key, lambda P=P: f(q, P.k, P.v, cache_seqlens=cs, block_table=P.table, causal=True),
-                            bshd=ident, uses_seqlens=True, paged=P, note=f"page_size {ps}")
-                try:
-                    ms = self._first(call)
-                    if errors:
-                        call.note += f" (page_size {args.page_size} refused: {errors[-1][:200]})"
-                    return call, ms
-                except Exception as e:
-                    if _is_oom(e):
-                        raise
-                    errors.append(f"page_size {ps}: {_err(e)}")
-                    self.clock.sync()
-            raise RuntimeError("; ".join(errors))
+
+            def attempts():
+                for ps in sizes:
+                    P = T.paged(ps)
+                    yield f"page_size {ps}", Call(
+                        key, lambda P=P: f(q, P.k, P.v, cache_seqlens=cs, block_table=P.table, causal=True),
+                        bshd=ident, uses_seqlens=True, paged=P, note=f"page_size {ps}")
+
+            _, call, ms = self._first_working(attempts(), [], f"page_size {args.page_size}")
+            return call, ms
         raise ValueError(impl)
+
+    def _first_working(self, attempts, errors, refused):
+        """(label, call, first-call ms) of the first of attempts ((label, Call) pairs) whose first call
+        runs. An out-of-memory error ends the search at once; any other failure is recorded in errors
+        as "label: error" and the next attempt is tried. When an earlier attempt failed, the working
+        call's note says "(<refused> refused: <its error>)". RuntimeError with every error when none
+        works."""
+        for label, call in attempts:
+            try:
+                ms = self._first(call)
+            except Exception as e:
+                if _is_oom(e):
+                    raise
+                errors.append(f"{label}: {_err(e)}")
+                self.clock.sync()
+                continue
+            if errors:
+                call.note += f" ({refused} refused: {errors[-1][:200]})"
+            return label, call, ms
+        raise RuntimeError("; ".join(errors))
 
     # -------------------------------------------------------------------- status of a failure
 
