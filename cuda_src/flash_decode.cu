@@ -28,7 +28,7 @@
 // numbered 0..n-1 ("virtual" keys) and cut into num_splits contiguous chunks of whole BN-key
 // tiles; block (.., split) walks its chunk. With num_splits = 1 it writes o and lse directly;
 // otherwise o_part / lse_part, and decode_combine_kernel merges the splits with their
-// log-sum-exp (and the sink logit), one warp per output row.
+// log-sum-exp (and the sink logit), one block per output row.
 //
 // Inside a block. 4 warps split each BN = 64-key tile: warp w takes keys [16w, 16w + 16), keeps
 // its own online softmax (m, l) and O accumulator for all 16 rows, and never waits for the others
@@ -417,42 +417,73 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
 }
 
 // The splits of each output row merged: lse = log(sum_s exp(lse_s) + exp(sink)), out = sum_s
-// exp(lse_s - lse) o_s. One warp per row (b, head, i); rows in (batch, nheads, seqlen_q) order.
+// exp(lse_s - lse) o_s. One block of 128 threads per row (b, head, i), rows in (batch, nheads,
+// seqlen_q) order: thread s < num_splits (<= 128) reads lse_s, the weights go to shared memory; then
+// thread t sums columns 2c, 2c + 1 (c = t % (HEAD_DIM / 2)) over the splits s = ph, ph + P, ...
+// (ph = t / (HEAD_DIM / 2), P phases), with independent loads in flight, and the phases are added in
+// a fixed order (deterministic). The block's memory round trips: ~num_splits / (4 P), not num_splits.
 template <typename T, int HEAD_DIM>
 __global__ void __launch_bounds__(128)
 decode_combine_kernel(const __grid_constant__ DecodeParams p) {
-    const int lane = threadIdx.x % 32;
+    constexpr int CP = HEAD_DIM / 2;   // column pairs
+    constexpr int P = 128 / CP;        // phases over the splits
+    __shared__ float s_w[128];
+    __shared__ float s_red[4];
+    __shared__ float2 s_acc[P][CP];
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const i64 total = (i64)p.batch * p.nheads * p.seqlen_q;
-    const i64 row = (i64)blockIdx.x * 4 + threadIdx.x / 32;
-    if (row >= total) return;
+    const i64 row = blockIdx.x;
     const int qi = (int)(row % p.seqlen_q);
     const int head = (int)((row / p.seqlen_q) % p.nheads);
     const int b = (int)(row / ((i64)p.seqlen_q * p.nheads));
+    const int S = p.num_splits;
     const float sk2 = p.mask.sink_logits != nullptr ? p.mask.sink_logits[head] * CUFLASH_LOG2E : -CUFLASH_INF;
-    float mx = sk2;
-    for (int s = lane; s < p.num_splits; s += 32) mx = fmaxf(mx, p.lse_part[s * total + row]);
+
+    const float l2 = tid < S ? p.lse_part[tid * total + row] : -CUFLASH_INF;
+    float mx = l2;
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    if (lane == 0) s_red[warp] = mx;
+    __syncthreads();
+    mx = fmaxf(fmaxf(fmaxf(s_red[0], s_red[1]), fmaxf(s_red[2], s_red[3])), sk2);
     const float base = exp_base(mx);
-    float sum = 0.f;
-    for (int s = lane; s < p.num_splits; s += 32) sum += fast_exp2(p.lse_part[s * total + row] - base);
+    const float w = fast_exp2(l2 - base);  // 0 for splits that saw no key (and past num_splits)
+    float sum = w;
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    const float lt = sum + fast_exp2(sk2 - base);
+    __syncthreads();  // every thread has read s_red's maxima
+    if (lane == 0) s_red[warp] = sum;
+    __syncthreads();
+    const float lt = ((s_red[0] + s_red[1]) + (s_red[2] + s_red[3])) + fast_exp2(sk2 - base);
     const bool empty = lt == 0.f;
     const float inv = empty ? 0.f : 1.f / lt;
-    T* gO = static_cast<T*>(p.o) + b * p.o_batch_stride + qi * p.o_row_stride + head * p.o_head_stride;
-    for (int d = 2 * lane; d < HEAD_DIM; d += 64) {
-        float a0 = 0.f, a1 = 0.f;
-        for (int s = 0; s < p.num_splits; ++s) {
-            const float w = fast_exp2(p.lse_part[s * total + row] - base) * inv;
-            const float2 v = *reinterpret_cast<const float2*>(p.o_part + (s * total + row) * HEAD_DIM + d);
-            a0 += w * v.x;
-            a1 += w * v.y;
+    s_w[tid] = w * inv;
+    __syncthreads();
+
+    const int c = tid % CP, ph = tid / CP;
+    if (ph < P) {
+        float2 acc = make_float2(0.f, 0.f);
+        const float* src = p.o_part + row * HEAD_DIM + 2 * c;
+#pragma unroll 4
+        for (int s = ph; s < S; s += P) {
+            const float2 v = *reinterpret_cast<const float2*>(src + (i64)s * total * HEAD_DIM);
+            acc.x += s_w[s] * v.x;
+            acc.y += s_w[s] * v.y;
         }
-        *reinterpret_cast<u32*>(gO + d) = ElemOps<T>::pack(a0, a1);
+        s_acc[ph][c] = acc;
     }
-    if (lane == 0 && p.lse != nullptr) p.lse[row] = empty ? -CUFLASH_INF : (base + fast_log2(lt)) * 0.6931471805599453f;
+    __syncthreads();
+    if (tid < CP) {
+        float2 acc = s_acc[0][tid];
+#pragma unroll
+        for (int q = 1; q < P; ++q) {
+            acc.x += s_acc[q][tid].x;
+            acc.y += s_acc[q][tid].y;
+        }
+        T* gO = static_cast<T*>(p.o) + b * p.o_batch_stride + qi * p.o_row_stride + head * p.o_head_stride;
+        *reinterpret_cast<u32*>(gO + 2 * tid) = ElemOps<T>::pack(acc.x, acc.y);
+    }
+    if (tid == 0 && p.lse != nullptr) p.lse[row] = empty ? -CUFLASH_INF : (base + fast_log2(lt)) * 0.6931471805599453f;
 }
 
 // The new tokens written into the caches: k_new[b, i] at entry b's position cache_seqlens[b] + i

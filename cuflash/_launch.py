@@ -751,7 +751,7 @@ def decode_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: Device
     if a.num_splits > 1:
         spec = decode_combine_specialization(dtype, head_dim)
         fn = _compile.get_function(spec, target, device_id, 0)
-        launches.append(Launch(spec.name, fn.ptr, _cdiv(batch * nheads * seqlen_q, 4), 128, 0, p, ptrs, device_id))
+        launches.append(Launch(spec.name, fn.ptr, batch * nheads * seqlen_q, 128, 0, p, ptrs, device_id))
     return launches
 
 
