@@ -829,7 +829,10 @@ class Runner:
                     T.seqlens.fill_(L)
                     torch.cuda.synchronize()
             res["ok"] = True
-            res["matches_eager"] = bool(res["diff_vs_eager"] <= 1e-3)
+            # cuflash may split the keys differently under capture (decode_num_splits' host_bound_rule):
+            # the two results then differ by rounding, up to an ulp or two of the largest output.
+            res["eager_amax"] = ref.float().abs().max().item()
+            res["matches_eager"] = bool(res["diff_vs_eager"] <= max(1e-3, 2.0 ** -6 * res["eager_amax"]))
         except Exception as e:
             res["error"] = _err(e)
             self._recover()

@@ -312,7 +312,12 @@ def decode_smem_bytes(head_dim: int, stages: int) -> int:
 def decode_stages(target: str, head_dim: int) -> int | None:
     """Pipeline stages of the decode kernel for a compile target: 4 up to head_dim 64; 3 up to 128 on
     sm_90 (two blocks still fit an SM), else 2; fewer where the target's shared memory is smaller.
-    None when even 2 stages do not fit (large head_dims on 99 KB parts)."""
+    None when even 2 stages do not fit (large head_dims on 99 KB parts). Measured at head_dim 128 on
+    an H100 (bench/dev/decode_splits.py --stages; bench/NOTES.md): 2 stages fit three blocks per SM
+    and read 4 % faster at batch 64 (8k keys, GQA 1), but lost 17 % at batch 16 (512 blocks: 1.3
+    waves of 396 slots against 1.9 of 264) while the split heuristic counts two blocks per SM; 4 or
+    6 stages (one block per SM) were up to 25 % slower. Two stages wait for a heuristic that counts
+    waves at the real occupancy."""
     fam = family_of_target(target)
     want = 4 if head_dim <= 64 else (3 if head_dim <= 128 and fam == "sm90" else 2)
     for stages in range(want, 1, -1):
@@ -321,18 +326,22 @@ def decode_stages(target: str, head_dim: int) -> int | None:
     return None
 
 
-def decode_num_splits(blocks: int, keys: int, sm_count: int, blocks_per_sm: int, max_splits: int = 64) -> int:
+def decode_num_splits(blocks: int, keys: int, sm_count: int, blocks_per_sm: int, max_splits: int = 64,
+                      host_bound_rule: bool = True) -> int:
     """How many chunks the keys of each (entry, kv head, row tile) are split into (flash-decoding).
     blocks: thread blocks without splitting; keys: the most keys one block may see. Splitting pays
     when `blocks` cannot fill the GPU. Modelled time: waves(s) * (keys / s + 2 tiles), the 2 tiles
     standing for a block's fixed cost (start, pipeline fill, merge, its share of the combine);
-    each split keeps at least 2 tiles of keys. Returns the smallest s within 3 % of the best.
-    Blocks of at most 16 tiles are not split: such a call is host-bound in eager use, and a split
-    adds a launch and an allocation (measured on an H100 at 512 keys: 33 against 50 µs per call at
-    batch 1, 39 against 62 at batch 16)."""
+    each split keeps at least 2 tiles of keys (1 without host_bound_rule). Returns the smallest s
+    within 3 % of the best.
+    host_bound_rule: blocks of at most 16 tiles are not split, for eager calls: such a call is
+    host-bound, and a split adds a launch and an allocation (measured on an H100 at 512 keys: 33
+    against 50 µs per call at batch 1, 39 against 62 at batch 16). A call captured in a CUDA graph
+    has no host time to save: there the GPU time alone decides (host_bound_rule=False; measured at
+    batch 1, 512 keys, GQA 8: 20.2 µs with 1 split, 10.8 with the 8 chosen)."""
     slots = max(1, sm_count * blocks_per_sm)
-    cap = max(1, min(max_splits, keys // (2 * DECODE_BLOCK_N)))
-    if blocks >= slots or cap == 1 or keys <= 16 * DECODE_BLOCK_N:
+    cap = max(1, min(max_splits, keys // ((2 if host_bound_rule else 1) * DECODE_BLOCK_N)))
+    if blocks >= slots or cap == 1 or (host_bound_rule and keys <= 16 * DECODE_BLOCK_N):
         return 1
     cost = {s: -(-blocks * s // slots) * (keys / s + 2 * DECODE_BLOCK_N) for s in range(1, cap + 1)}
     best = min(cost.values())

@@ -31,12 +31,14 @@ On the GPU (`_gpu_kvcache`) the call runs the decode kernels of cuda_src/flash_d
 `DecodePlan` (append, split-KV decode with GQA packing, combine), cached by the call's signature so
 that a repeated decode step skips the checks; the lengths and indices stay on the device. A contiguous
 cache whose row b is entry b with more than 64 packed query rows per kv head (a prefill chunk) takes the
-training forward with kv_lengths instead (`_gpu_contiguous`). The paged prefill has no GPU path yet:
-`_refuse_gpu` keeps CUDA arrays out of it, before anything runs.
+training forward with kv_lengths instead (`_gpu_contiguous`). The paged prefill on the GPU
+(`GatherPlan`, cuda_src/paged_gather.cu) gathers each sequence's keys from the pages into packed
+arrays on the device and runs attention_varlen on them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -453,9 +455,8 @@ def forward_numpy(c: KVCacheCall, where: _Where, q, k_cache, v_cache, options: d
 
 def _gpu_contiguous(c: KVCacheCall, ad, q, k_cache, v_cache, k, v, cache_seqlens, causal, softmax_scale, window,
                     num_sink_tokens, sink_logits, alibi_slopes, softcap):
-    """The GPU path for a contiguous cache whose row b is entry b (experimental, CUFLASH_KVCACHE_GPU=1:
-    not yet run on a GPU): the new tokens are written with the
-    library's own indexing on the device (positions clamped to the cache: lengths on the GPU are not read
+    """The GPU path for a contiguous cache whose row b is entry b with many packed query rows (a prefill
+    chunk): the new tokens are written with the library's own indexing on the device (positions clamped to the cache: lengths on the GPU are not read
     back), then the feature forward runs on rows [0, batch) of the caches with kv_lengths =
     min(cache_seqlens + seqlen_new, seqlen_cache). Correct, and as fast as cuflash.attention with
     kv_lengths; the decode kernels (split-KV, GQA packing, paged loads) will replace it."""
@@ -540,10 +541,13 @@ class DecodePlan:
                                                          + f.num_sink_tokens)
         if num_splits == 0:
             # Two blocks per SM: one alone keeps too few bytes in flight to draw the SM's share of
-            # the memory bandwidth (measured: 48 % of the copy bandwidth at 1 block per SM).
+            # the memory bandwidth (measured: 48 % of the copy bandwidth at 1 block per SM). An eager
+            # call and one captured in a CUDA graph may get different counts (decode_num_splits'
+            # host_bound_rule): run() picks by the stream's capture state.
             num_splits = _config.decode_num_splits(blocks, keys, _sm_count(dev), 2)
-        self.num_splits = num_splits
-        self.scratch_floats = _launch.decode_scratch_floats(b, h, sq, d, num_splits)
+            graph_splits = _config.decode_num_splits(blocks, keys, _sm_count(dev), 2, host_bound_rule=False)
+        else:
+            graph_splits = num_splits
         table = infos.get("block_table")
         table_stride = 0
         if table is not None:
@@ -556,7 +560,7 @@ class DecodePlan:
                         sink_logits=Slot(_D_SINK) if infos.get("sink_logits") is not None else 0,
                         window_left=f.window_left, window_right=f.window_right, num_sink_tokens=f.num_sink_tokens,
                         softcap=f.softcap)
-        args = DecodeArgs(lse=Slot(_D_LSE), scratch=Slot(_D_SCRATCH),
+        args0 = DecodeArgs(lse=Slot(_D_LSE), scratch=Slot(_D_SCRATCH),
                           cache_seqlens=Slot(_D_SEQLENS) if c.fixed_seqlen is None else 0,
                           cache_batch_idx=Slot(_D_BIDX) if c.has_batch_idx else 0,
                           block_table=Slot(_D_TABLE) if c.paged else 0, table_stride=table_stride,
@@ -565,7 +569,7 @@ class DecodePlan:
                           cache_rows=c.cache_rows, capacity=c.capacity, page_size=c.page_size,
                           fixed_seqlen=c.fixed_seqlen or 0, num_splits=num_splits)
         used = {"q", "k_cache", "v_cache", "out"}
-        used.update(n for n, on in (("lse", c.return_lse), ("scratch", self.scratch_floats > 0),
+        used.update(n for n, on in (("lse", c.return_lse), ("scratch", max(num_splits, graph_splits) > 1),
                                     ("cache_seqlens", c.fixed_seqlen is None), ("cache_batch_idx", c.has_batch_idx),
                                     ("block_table", c.paged), ("k", c.appends), ("v", c.appends),
                                     ("alibi_slopes", alibi is not None),
@@ -574,10 +578,18 @@ class DecodePlan:
         self.zero_ptrs = [0] * len(_D_ARRAYS)
         self.input_slots = tuple((i, n) for i, n in enumerate(_D_ARRAYS)
                                  if n in used and n not in ("out", "lse", "scratch"))
-        self.launches = _launch.decode_launches(tensor("q", _D_Q), tensor("k_cache", _D_KC), tensor("v_cache", _D_VC),
-                                                DeviceTensor(Slot(_D_OUT), self.out_shape,
-                                                             contiguous_strides(self.out_shape)),
-                                                args, c.dtype, c.scale, mask, dev, cc)
+
+        def variant(splits):
+            """(num_splits, scratch floats, launches) of one split count."""
+            out_t = DeviceTensor(Slot(_D_OUT), self.out_shape, contiguous_strides(self.out_shape))
+            return (splits, _launch.decode_scratch_floats(b, h, sq, d, splits),
+                    _launch.decode_launches(tensor("q", _D_Q), tensor("k_cache", _D_KC), tensor("v_cache", _D_VC),
+                                            out_t, dataclasses.replace(args0, num_splits=splits), c.dtype, c.scale,
+                                            mask, dev, cc))
+
+        self.eager = variant(num_splits)
+        self.graph = self.eager if graph_splits == num_splits else variant(graph_splits)
+        self.num_splits, self.scratch_floats, self.launches = self.eager  # the eager variant's
 
     def run_call(self, names: dict):
         """One call: the checks that depend on the arrays' values or identity (a torch cache that
@@ -599,13 +611,14 @@ class DecodePlan:
                 torch.autograd.graph.increment_version(names[name])
         return (out, lse) if c.return_lse else out
 
-    def _what(self) -> str:
+    def _what(self, splits: int) -> str:
         c = self.call
         return (f"attention_with_kvcache {c.dtype} q {self.out_shape}, cache capacity {c.capacity}, "
-                f"paged={c.paged}, num_splits {self.num_splits}")
+                f"paged={c.paged}, num_splits {splits}")
 
     def run(self, ad, arrays: dict):
         """(out, lse or None) as the caller's arrays; appends first when the call has k and v."""
+        from ._launch import stream_capturing
         from ._plan import run_launches
 
         dev, c = self.device_id, self.call
@@ -621,12 +634,16 @@ class DecodePlan:
         if c.return_lse:
             lse = ad.empty(self.lse_shape, "float32", dev)
             ptrs[_D_LSE] = ad.ptr(lse, keep)
-        if self.scratch_floats:
-            scratch = ad.empty((self.scratch_floats,), "float32", dev)
+        stream = ad.stream(dev)
+        splits, scratch_floats, launches = self.eager
+        if self.graph is not self.eager and stream_capturing(stream):
+            splits, scratch_floats, launches = self.graph
+        if scratch_floats:
+            scratch = ad.empty((scratch_floats,), "float32", dev)
             ptrs[_D_SCRATCH] = ad.ptr(scratch, keep)
         for i, n in self.input_slots:
             ptrs[i] = ad.ptr(arrays[n], keep)
-        run_launches(self, ad.stream(dev), ptrs, self.launches, self._what)
+        run_launches(self, stream, ptrs, launches, lambda: self._what(splits))
         return ad.export(out), (None if lse is None else ad.export(lse))
 
 
@@ -644,16 +661,8 @@ def _gpu_kvcache(c: KVCacheCall, ad, infos: dict, names: dict, num_splits: int, 
     """The GPU path: the decode kernels for every layout; a contiguous cache whose row b is entry b
     with many query rows per kv head (a prefill chunk: seqlen_q * nheads / nheads_kv > 64) takes the
     feature forward (_gpu_contiguous), whose tiles suit it."""
-    import os
-
     from . import _config
 
-    if c.lib == "jax" and os.environ.get("CUFLASH_KVCACHE_JAX_GPU") != "1":
-        # The same plans as torch and CuPy through the JAX adapter's DLPack primitives, but not yet run on
-        # a GPU with JAX arrays (tests/test_kvcache_device.py's "jax" cases are its check).
-        _refuse_gpu(infos["q"], "attention_with_kvcache with JAX arrays",
-                    "or pass torch or CuPy arrays (CUFLASH_KVCACHE_JAX_GPU=1 turns on the JAX GPU path, not yet "
-                    "run on a GPU)")
     rows = c.seqlen_q * (c.nheads // c.nheads_kv)
     plain_rows = not c.paged and not c.has_batch_idx
     available = _gpu_decode_available(c)
@@ -933,11 +942,6 @@ def describe_paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
         if arrays[name].lib != lib:
             raise TypeError(f"{name}: expected a {lib} array like q; got {arrays[name].type_name}")
     device = q.device
-    if device[0] == "cuda" and not (paged_prefill_gpu_enabled() and lib != "jax"):
-        _refuse_gpu(q, _PAGED, "or gather each sequence's keys into a packed k, v yourself and call attention_varlen "
-                               "without block_table" + ("" if lib == "jax" else
-                                                        " (CUFLASH_PAGED_PREFILL_GPU=1 turns on an experimental GPU "
-                                                        "path for torch and CuPy, not yet run on a GPU)"))
     if device[0] not in ("cpu", "cuda"):
         raise ValueError(f"q: expected an array on the CPU or a CUDA GPU; got one on {device[0]}")
     for name in ("k", "v"):
@@ -1106,14 +1110,6 @@ def attention_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return (out, ad.from_numpy(lse, q)) if call.return_lse else out
 
 
-def paged_prefill_gpu_enabled() -> bool:
-    """The experimental GPU path of the paged prefill (CUFLASH_PAGED_PREFILL_GPU=1): written and checked
-    against a fake device, not yet run on a GPU (tests/test_paged_varlen_gpu.py is its GPU check)."""
-    import os
-
-    return os.environ.get("CUFLASH_PAGED_PREFILL_GPU") == "1"
-
-
 # Pointer slots of a gather plan.
 _G_K, _G_V, _G_TABLE, _G_CU_K, _G_KG, _G_VG, _G_CU_OUT = range(7)
 _GATHER_PLANS: dict = {}
@@ -1180,7 +1176,7 @@ class GatherPlan:
 
 def _gpu_paged_varlen(c: PagedVarlenCall, ad, infos, names, causal, softmax_scale, return_lse, deterministic,
                       window, num_sink_tokens, softcap):
-    """The paged prefill on the GPU (experimental): gather, then attention_varlen on the packed keys."""
+    """The paged prefill on the GPU: gather, then attention_varlen on the packed keys."""
     from ._api import attention_varlen
 
     key = (c, tuple(infos.get(n) for n in ("k", "v", "block_table", "cu_seqlens_k")))

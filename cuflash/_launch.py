@@ -445,6 +445,19 @@ def _launch_kernel(*args):
     return driver.launchKernel(*args)
 
 
+def stream_capturing(stream: int) -> bool:
+    """Whether a stream is being captured into a CUDA graph (cudaStreamIsCapturing; a direct Cython
+    call). False for the legacy default stream, which cannot be captured, and on any error."""
+    if not stream:
+        return False
+    from cupy.cuda import runtime
+
+    try:
+        return runtime.streamIsCapturing(stream) != 0
+    except Exception:
+        return False
+
+
 def _tensor_ptrs(named) -> dict:
     return {name: t.ptr for name, t in named}
 

@@ -126,6 +126,13 @@ def test_cuda_graph_replay(layout):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = attention_with_kvcache(**args, causal=True)
+    # This short cache is split only under capture (decode_num_splits' host_bound_rule): the replays
+    # below check the graph's own split count.
+    from cuflash._kvcache import _DECODE_PLANS
+
+    plans = [pl for pl in _DECODE_PLANS.values() if pl.out_shape == tuple(case.q.shape) and pl.call.capacity == 256]
+    assert plans and all(pl.eager[0] == 1 and pl.graph[0] > 1 for pl in plans), [(pl.eager[0], pl.graph[0])
+                                                                                 for pl in plans]
     for step, lengths in enumerate(([5, 100, 200], [6, 101, 201], [7, 102, 3])):
         # the caches as the reference sees them: what the device holds now (earlier replays appended)
         kc, vc = _back(args["k_cache"]).copy(), _back(args["v_cache"]).copy()
@@ -169,3 +176,15 @@ def test_split_heuristic():
                     assert s == 1, (sms, keys, blocks, s)
                 assert s == 1 or keys / s >= 2 * DECODE_BLOCK_N, (sms, keys, blocks, s)
     assert decode_num_splits(1, 131072, 132, 2) >= 32  # one block and a long cache: spread it
+    # Under graph capture (host_bound_rule=False) short caches split too, down to one tile per split.
+    for sms in (108, 132):
+        for keys in (64, 512, 1024, 2048, 8192):
+            for blocks in (1, 8, 32, 128, 264, 1000):
+                s = decode_num_splits(blocks, keys, sms, 2, host_bound_rule=False)
+                assert 1 <= s <= 64 and (s == 1 or keys / s >= DECODE_BLOCK_N), (sms, keys, blocks, s)
+                if blocks >= 2 * sms:
+                    assert s == 1
+                if keys > 16 * DECODE_BLOCK_N:
+                    assert s >= decode_num_splits(blocks, keys, sms, 2), (sms, keys, blocks, s)
+    assert decode_num_splits(8, 512, 132, 2, host_bound_rule=False) == 8  # measured best on an H100
+    assert decode_num_splits(8, 512, 132, 2) == 1

@@ -1,8 +1,7 @@
 """attention_with_kvcache on device arrays: torch CUDA and CuPy (marked gpu), and torch CPU (the NumPy
 path, so that this file's checks run everywhere).
 
-JAX arrays on the GPU ("jax", with CUFLASH_KVCACHE_JAX_GPU=1, not yet GPU-run) take the same cases
-with the new tokens written by the caller. On the GPU every layout runs the decode kernels of
+JAX arrays on the GPU ("jax") take the same cases with the new tokens written by the caller. On the GPU every layout runs the decode kernels of
 cuda_src/flash_decode.cu (append, split-KV decode with GQA packing, combine); a contiguous cache whose row b is entry b with more than 64 packed
 query rows per kv head takes the feature forward with kv_lengths after the library appends the new
 tokens on the device (cuflash/_kvcache.py _gpu_contiguous). Checked against the float64 reference of
@@ -28,11 +27,6 @@ torch = pytest.importorskip("torch")
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu), pytest.param("cupy", marks=pytest.mark.gpu),
            pytest.param("jax", marks=pytest.mark.gpu)]
-
-
-@pytest.fixture(autouse=True)
-def _jax_gpu_path(monkeypatch):
-    monkeypatch.setenv("CUFLASH_KVCACHE_JAX_GPU", "1")  # the JAX GPU path this file checks (not yet GPU-run)
 
 
 def _to(a, device):

@@ -448,16 +448,17 @@ def test_errors(mutate, exc, name):
         assert "expected" in msg and "got" in msg, f"message lacks what it got / expected: {msg!r}; {_ctx(seed)}"
 
 
-def test_gpu_arrays_are_refused():
-    """The one GPU check, on the description (no GPU here): CUDA arrays raise NotImplementedError."""
+def test_gpu_arrays_are_described():
+    """CUDA arrays are described for the GPU path (tests/test_paged_varlen_gpu.py runs it); the devices
+    must agree."""
     def info(shape, dtype="float16", device=("cuda", 0)):
         strides = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
         return ArrayInfo("cupy", shape, strides, dtype, device, True, "cupy.ndarray")
 
     cu = info((3,), "int32")
-    with pytest.raises(NotImplementedError, match="^attention_varlen with block_table on the GPU is not built yet"):
-        describe_paged_varlen(info((10, 4, 64)), info((8, 16, 2, 64)), info((8, 16, 2, 64)), cu, cu, 5, 40,
+    c = describe_paged_varlen(info((10, 4, 64)), info((8, 16, 2, 64)), info((8, 16, 2, 64)), cu, cu, 5, 40,
                               block_table=info((2, 4), "int32"))
+    assert c.device == ("cuda", 0) and c.batch == 2 and c.page_size == 16
     # A CPU q with a cache elsewhere is a device mismatch.
     cpu = ("cpu", 0)
     with pytest.raises(ValueError, match="^k: on cuda:0"):

@@ -1,7 +1,7 @@
-"""attention_varlen with a block_table on the GPU (the paged prefill; experimental, CUFLASH_PAGED_PREFILL_GPU=1:
-cuflash/_kvcache.py GatherPlan + cuda_src/paged_gather.cu, then attention_varlen on the gathered keys).
+"""attention_varlen with a block_table on the GPU (the paged prefill: cuflash/_kvcache.py GatherPlan +
+cuda_src/paged_gather.cu, then attention_varlen on the gathered keys).
 
-Marked gpu: torch CUDA and CuPy. Each case (tests/test_paged_varlen_cpu.py's make_case: random block
+Marked gpu: torch CUDA, CuPy and JAX. Each case (tests/test_paged_varlen_cpu.py's make_case: random block
 tables, slots no sequence reads NaN-poisoned, unused table entries out of range, offsets of
 cu_seqlens_k starting anywhere) must give out and lse bit for bit equal to attention_varlen on the GPU
 with the keys gathered here one position at a time (packed, without block_table) — those kernels are
@@ -20,12 +20,8 @@ from test_paged_varlen_cpu import BF16, FP16, _cu, _same_bits, logical_keys, mak
 
 torch = pytest.importorskip("torch")
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu), pytest.param("cupy", marks=pytest.mark.gpu)]
-
-
-@pytest.fixture(autouse=True)
-def _gpu_path(monkeypatch):
-    monkeypatch.setenv("CUFLASH_PAGED_PREFILL_GPU", "1")
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu), pytest.param("cupy", marks=pytest.mark.gpu),
+           pytest.param("jax", marks=pytest.mark.gpu)]
 
 
 def _check(case, device, causal, opts, ctx):

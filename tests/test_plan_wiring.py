@@ -731,11 +731,36 @@ def test_kvcache_repeat_call_takes_the_fast_path(dev, monkeypatch):
         cuflash.attention_with_kvcache(q, kc, kc, kn, vn, seqlens, causal=True, num_splits=2)
 
 
-def test_paged_prefill_gpu_wiring(dev, monkeypatch):
-    """attention_varlen with a block_table on a GPU (CUFLASH_PAGED_PREFILL_GPU=1, experimental): two
+def test_kvcache_graph_capture_takes_its_own_split_count(dev, monkeypatch):
+    """With num_splits=0 a short cache is not split in eager calls (host-bound: a split adds a launch
+    and an allocation) but is split while the stream is captured into a CUDA graph, where GPU time
+    alone counts (cuflash/_config.py decode_num_splits, host_bound_rule); the plan holds both and
+    asks the stream. A forced count is the same in both."""
+    from cuflash import _kvcache, _launch
+
+    monkeypatch.setattr(_kvcache, "_sm_count", lambda device_id: 132)
+    ad, launched = dev
+    rng = np.random.default_rng()
+    q = arr(rng, (1, 1, 8, 64))
+    kc, vc = arr(rng, (1, 512, 1, 64)), arr(rng, (1, 512, 1, 64))
+    seqlens = np.array([500], np.int32).view(Dev)
+    capturing = []
+    monkeypatch.setattr(_launch, "stream_capturing", lambda stream: bool(capturing))
+    for capture, forced, want in ((False, 0, 1), (True, 0, 8), (False, 0, 1), (True, 3, 3), (False, 3, 3)):
+        capturing[:] = [1] if capture else []
+        del launched[:]
+        cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens, causal=True, num_splits=forced)
+        names = [L["name"] for L in launched]
+        assert names == ["decode_f16_d64_s4"] + (["decode_combine_f16_d64"] if want > 1 else []), (capture, names)
+        assert int(launched[0]["p"]["num_splits"]) == want and launched[0]["grid"] == want, (capture, forced)
+        if want > 1:
+            assert int(launched[0]["p"]["o_part"]) != 0
+
+
+def test_paged_prefill_gpu_wiring(dev):
+    """attention_varlen with a block_table on a GPU: two
     gathers copy the pages to packed arrays (batch * max_seqlen_k rows) and write the rebased offsets,
     and the varlen forward reads those arrays and offsets; q, the caches and the table in place."""
-    monkeypatch.setenv("CUFLASH_PAGED_PREFILL_GPU", "1")
     ad, launched = dev
     rng = np.random.default_rng()
     q = arr(rng, (20, 8, 64))
@@ -763,9 +788,6 @@ def test_paged_prefill_gpu_wiring(dev, monkeypatch):
     assert int(p["q"]) == addr(q) and int(p["k"]) == addr(kg) and int(p["v"]) == addr(vg)
     assert int(p["mask"]["cu_seqlens_k"]) == addr(cu_out) and int(p["mask"]["cu_seqlens_q"]) == addr(cu_q)
     assert int(p["mask"]["total_k"]) == 96
-    monkeypatch.delenv("CUFLASH_PAGED_PREFILL_GPU")
-    with pytest.raises(NotImplementedError, match="CUFLASH_PAGED_PREFILL_GPU=1"):
-        cuflash.attention_varlen(q, k, v, cu_q, cu_k, 8, 32, causal=True, block_table=table)
 
 
 def test_kvcache_decode_layout_checks(dev, monkeypatch):

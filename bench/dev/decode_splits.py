@@ -3,7 +3,8 @@
 
 For each shape (batch, cache length, GQA group; 32 query heads, head_dim 128, bf16, contiguous cache,
 no append; --paged: also a 16-row paged view of it) and each num_splits in --splits (0 = the
-heuristic's choice, printed), the median over rounds of CUDA-event time around N back-to-back calls
+heuristic's choice, printed) and each pipeline depth in --stages (0 = the library's choice,
+cuflash/_config.py decode_stages; others are compiled on the spot), the median over rounds of CUDA-event time around N back-to-back calls
 / N, with a sleep kernel queued first so that the host runs ahead: the GPU's time per call, not the
 host's. Prints one table; --json writes it.
 """
@@ -22,6 +23,8 @@ def main():
                     help="batch x cache x group")
     ap.add_argument("--splits", type=int, nargs="+", default=[0, 1, 2, 4, 8, 16, 32, 64])
     ap.add_argument("--paged", action="store_true", help="also time a 16-row paged layout of the same cache")
+    ap.add_argument("--stages", type=int, nargs="+", default=[0],
+                    help="cp.async pipeline stages of the decode kernel (0: the library's choice)")
     ap.add_argument("--calls", type=int, default=50)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json")
@@ -30,7 +33,9 @@ def main():
     import torch
 
     import cuflash
-    from cuflash import _kvcache
+    from cuflash import _config, _kvcache
+
+    library_stages = _config.decode_stages
 
     dev = torch.device("cuda")
     rows = []
@@ -50,7 +55,11 @@ def main():
             layouts.append(("paged16", dict(k_cache=kc.view(nblk, page, hk, d), v_cache=vc.view(nblk, page, hk, d),
                                              block_table=table)))
         kv_bytes = 2 * b * L * hk * d * 2
-        for lname, kw in layouts:
+        for lname, kw, st in [(lname, kw, st) for lname, kw in layouts for st in args.stages]:
+            # A forced depth: every plan is made anew with it (the stage count is part of the kernel's name).
+            _config.decode_stages = library_stages if st == 0 else (lambda target, head_dim, st=st: st)
+            _kvcache._FAST_PLANS.clear()
+            _kvcache._DECODE_PLANS.clear()
             for s in args.splits:
                 fn = lambda: cuflash.attention_with_kvcache(q, cache_seqlens=seqlens, num_splits=s, **kw)  # noqa: E731
                 for _ in range(3):
@@ -72,10 +81,11 @@ def main():
                     plan = next(p for p in _kvcache._FAST_PLANS.values()
                                 if p.out_shape == (b, 1, h, d) and p.call.capacity == L and p.call.paged == (lname != "contig"))
                     chosen = plan.num_splits
-                rows.append(dict(shape=shape, layout=lname, splits=s, chosen=chosen, ms=ms,
+                stages = st or library_stages(_config.compile_arch(*torch.cuda.get_device_capability()), d)
+                rows.append(dict(shape=shape, layout=lname, stages=stages, splits=s, chosen=chosen, ms=ms,
                                  gbps=kv_bytes / ms / 1e6))
-                print(f"{shape:>12} {lname:8} splits {s:3d} ({chosen:3d})  {ms * 1e3:9.1f} us  {kv_bytes / ms / 1e6:7.0f} GB/s",
-                      flush=True)
+                print(f"{shape:>12} {lname:8} stages {stages} splits {s:3d} ({chosen:3d})  {ms * 1e3:9.1f} us  "
+                      f"{kv_bytes / ms / 1e6:7.0f} GB/s", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
