@@ -60,8 +60,8 @@ _BWD_CHECKS_PARAMS = _compile.params_layout_checks("cuflash", "BwdParams", BWD_P
 
 # Mirror of cuflash::TailParams (cuda_src/varlen.cu).
 TAIL_PARAMS = np.dtype(
-    [("ptr", np.uint64), ("row_stride", np.int64), ("head_stride", np.int64), ("start", np.uint64)]
-    + [(n, np.int32) for n in ("total_rows", "nheads", "row_elems")] + [("fill", np.uint32)],
+    [("ptr", np.uint64), ("row_stride", np.int64), ("head_stride", np.int64), ("cu_seqlens", np.uint64)]
+    + [(n, np.int32) for n in ("batch", "max_seqlen", "total_rows", "nheads", "row_elems")] + [("fill", np.uint32)],
     align=True,
 )
 
@@ -502,10 +502,12 @@ def fwd_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTen
     return [Launch(spec.name, fn.ptr, grid, cfg.warps * 32, smem, p, ptrs, device_id)]
 
 
-def tail_launches(t: DeviceTensor, start_ptr, elem: str, fill_bits: int, device_id: int,
-                  cc: tuple[int, int]) -> list[Launch]:
-    """Fills rows [*start_ptr, rows) of t (rows, heads, row_elems) with fill_bits: the rows of a
-    packed tensor that belong to no sequence (cuda_src/varlen.cu)."""
+def tail_launches(t: DeviceTensor, cu_seqlens, batch: int, max_seqlen: int, elem: str, fill_bits: int,
+                  device_id: int, cc: tuple[int, int]) -> list[Launch]:
+    """Fills the rows of a packed tensor t (rows, heads, row_elems) that no attention kernel visits
+    with fill_bits: rows [cu_seqlens[batch], rows), which belong to no sequence, and the rows of a
+    sequence past its first max_seqlen (a sequence longer than the call said; cuda_src/varlen.cu).
+    Launched after the attention kernels."""
     rows, heads, row_elems = t.shape
     if rows * heads * row_elems == 0:
         return []
@@ -515,9 +517,10 @@ def tail_launches(t: DeviceTensor, start_ptr, elem: str, fill_bits: int, device_
     p = np.zeros((), dtype=TAIL_PARAMS)
     p["row_stride"], p["head_stride"] = t.strides[0], t.strides[1]
     p["total_rows"], p["nheads"], p["row_elems"], p["fill"] = rows, heads, row_elems, fill_bits
+    p["batch"], p["max_seqlen"] = batch, max_seqlen
     # A grid-stride loop: the tail's length is only known on the device (usually 0).
     grid = max(1, min(_cdiv(rows * heads * row_elems, 256), 264))
-    return [Launch(spec.name, fn.ptr, grid, 256, 0, p, {"ptr": t.ptr, "start": start_ptr}, device_id)]
+    return [Launch(spec.name, fn.ptr, grid, 256, 0, p, {"ptr": t.ptr, "cu_seqlens": cu_seqlens}, device_id)]
 
 
 def fire_all(launches, device_id: int, stream_ptr: int, ptrs=()) -> None:

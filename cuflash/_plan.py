@@ -140,10 +140,10 @@ class Plan:
         launches = _launch.fwd_launches(_packed4(q, b, mq), _packed4(k, b, mk), _packed4(v, b, mk),
                                         _packed4(o, b, mq), Slot(LSE), c.dtype, False, c.scale, self.device_id, cc,
                                         mask=m)
-        tail = m.cu_seqlens_q + 4 * b  # &cu_seqlens_q[batch]: rows past it belong to no sequence
-        launches += _launch.tail_launches(o, tail, "u16", 0, self.device_id, cc)
+        # Rows no sequence owns, and rows of a sequence past max_seqlen_q: out 0, lse -inf.
+        launches += _launch.tail_launches(o, m.cu_seqlens_q, b, mq, "u16", 0, self.device_id, cc)
         lse_rows = DeviceTensor(Slot(LSE), (c.total_q, c.nheads, 1), (1, c.total_q, 1))
-        lse_tail = _launch.tail_launches(lse_rows, tail, "u32", _NEG_INF_BITS, self.device_id, cc)
+        lse_tail = _launch.tail_launches(lse_rows, m.cu_seqlens_q, b, mq, "u32", _NEG_INF_BITS, self.device_id, cc)
         self._lse_tail = lse_tail[0] if lse_tail else None
         return launches + lse_tail
 
@@ -303,8 +303,8 @@ class BackwardPlan:
         g4 = [_packed4(grads[n], batch, mq if n == "dq" else mk) for n in ("dq", "dk", "dv")]
         launches = _launch.bwd_launches(*p4, Slot(B_LSE), *g4, scratch, acc, c.dtype, False, c.scale, atomic,
                                         self.device_id, cc, mask=m)
-        for name, cu in (("dq", m.cu_seqlens_q), ("dk", m.cu_seqlens_k), ("dv", m.cu_seqlens_k)):
-            launches += _launch.tail_launches(grads[name], cu + 4 * batch, "u16", 0, self.device_id, cc)
+        for name, cu, max_len in (("dq", m.cu_seqlens_q, mq), ("dk", m.cu_seqlens_k, mk), ("dv", m.cu_seqlens_k, mk)):
+            launches += _launch.tail_launches(grads[name], cu, batch, max_len, "u16", 0, self.device_id, cc)
         return launches
 
     def launch(self, stream: int, ptrs) -> None:

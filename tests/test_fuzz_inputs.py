@@ -61,6 +61,9 @@ def report_counts(request):
     yield
     if COUNTS:
         line = "fuzz: " + ", ".join(f"{k} {v}" for k, v in sorted(COUNTS.items()))
+        if os.environ.get("CUFLASH_FUZZ_COUNTS"):  # a file the counts are appended to (xdist workers' reports are lost)
+            with open(os.environ["CUFLASH_FUZZ_COUNTS"], "a") as f:
+                f.write(line + "\n")
         tr = request.config.pluginmanager.get_plugin("terminalreporter")
         cm = request.config.pluginmanager.get_plugin("capturemanager")
         if tr is not None:
@@ -853,6 +856,29 @@ REGRESSIONS = [
                  causal=False, scale=None, layouts=("contiguous",) * 4, softcap=13.5,
                  seq_q=[0, 0, 0, 0, 0, 0, 0, 0, 3, 0, 0, 0], seq_k=[0, 0, 0, 0, 0, 0, 0, 0, 1, 2, 0, 0]),
          (("cu_seqlens_k", "set", "nonmonotonic"),), ("unchecked",)),
+    # Sequences longer than max_seqlen_q / max_seqlen_k (a promise the GPU cannot check): the rows past
+    # the kernels' grid came back as whatever the allocation held (NaN now and then) before
+    # cuda_src/varlen.cu filled them (tests/test_varlen_max_seqlen_gpu.py checks it with a poisoned
+    # allocator). Found by the soak of 2026-11-23 (hypothesis seeds 795788992, 206026286, 979560638).
+    Call("attention_varlen_backward",
+         Problem(seed=1, dtype="bfloat16", batch=16, seqlen_q=11, seqlen_k=12, nheads_kv=1, group=3, head_dim=16,
+                 causal=False, scale=None, layouts=("contiguous",) * 4,
+                 seq_q=[7, 6, 3, 4, 9, 0, 3, 5, 0, 11, 1, 2, 7, 9, 7, 0],
+                 seq_k=[9, 10, 9, 9, 7, 12, 11, 4, 0, 12, 6, 2, 10, 3, 10, 7], tail_k=3, max_extra=(1, 0)),
+         (("lse", "set", "neg_stride"), ("max_seqlen_q", "set", "too_small")), ("valid", "unchecked")),
+    Call("attention_varlen",
+         Problem(seed=84176839, dtype="bfloat16", batch=12, seqlen_q=12, seqlen_k=11, nheads_kv=3, group=1,
+                 head_dim=16, causal=False, scale=0.093956909013414, layouts=("contiguous",) * 4,
+                 seq_q=[8, 11, 8, 6, 12, 9, 12, 12, 2, 1, 0, 10], seq_k=[10, 8, 3, 11, 6, 6, 11, 2, 8, 5, 7, 1],
+                 tail_q=1, max_extra=(2, 3)),
+         (("max_seqlen_k", "set", "huge"), ("max_seqlen_q", "set", "too_small"), ("v", "form", "strided_last")),
+         ("either", "unchecked", "valid")),
+    Call("attention_varlen_backward",
+         Problem(seed=113, dtype="float16", batch=12, seqlen_q=10, seqlen_k=12, nheads_kv=2, group=1, head_dim=8,
+                 causal=False, scale=None, layouts=("contiguous",) * 4, sink_logits=True,
+                 seq_q=[10, 5, 3, 2, 8, 4, 10, 8, 8, 10, 1, 3], seq_k=[2, 12, 8, 10, 10, 5, 12, 9, 6, 0, 9, 9],
+                 tail_q=2, tail_k=2, max_extra=(2, 2)),
+         (("max_seqlen_k", "set", "too_small"), ("window", "set", (4, -1))), ("unchecked", "valid")),
 ]
 
 

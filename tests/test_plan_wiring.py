@@ -268,7 +268,10 @@ def test_varlen_tail_fill_and_packed_views(dev):
     assert int(p["q_batch_stride"]) == 0 and int(p["q_row_stride"]) == h * d and int(p["seqlen_q"]) == 27
     assert int(p["mask"]["cu_seqlens_q"]) == addr(cu) and int(p["mask"]["lse_head_stride"]) == total
     assert tail_o["name"] == "varlen_fill_tail_u16" and tail_lse["name"] == "varlen_fill_tail_u32"
-    assert int(tail_o["p"]["ptr"]) == addr(out) and int(tail_o["p"]["start"]) == addr(cu) + 4 * 3
+    for t in (tail_o, tail_lse):  # rows past cu[3], and rows of a sequence past max_seqlen_q (27)
+        assert int(t["p"]["cu_seqlens"]) == addr(cu) and (int(t["p"]["batch"]), int(t["p"]["max_seqlen"])) == (3, 27)
+        assert int(t["p"]["total_rows"]) == total and int(t["p"]["nheads"]) == h
+    assert int(tail_o["p"]["ptr"]) == addr(out) and int(tail_o["p"]["row_elems"]) == d
     assert int(tail_lse["p"]["ptr"]) == addr(lse) and int(tail_lse["p"]["fill"]) == 0xFF800000
     assert out.shape == (total, h, d) and lse.shape == (h, total)
 
