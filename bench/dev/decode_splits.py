@@ -79,7 +79,8 @@ def main():
                 chosen = s
                 if s == 0:
                     plan = next(p for p in _kvcache._FAST_PLANS.values()
-                                if p.out_shape == (b, 1, h, d) and p.call.capacity == L and p.call.paged == (lname != "contig"))
+                                if p.out_shape == (b, 1, h, d) and p.call.capacity == L and p.call.nheads_kv == hk
+                                and p.call.paged == (lname != "contig"))
                     chosen = plan.num_splits
                 stages = st or library_stages(_config.compile_arch(*torch.cuda.get_device_capability()), d)
                 rows.append(dict(shape=shape, layout=lname, stages=stages, splits=s, chosen=chosen, ms=ms,
