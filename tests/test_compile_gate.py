@@ -49,6 +49,13 @@ def _all_specs(kind, target):
         specs = _launch.all_decode_specializations(target)
         assert len(specs) == len(_config.DTYPES) * len(_config.HEAD_DIMS) * 2 + 2
         return specs
+    if kind == "tma":
+        # The TMA probe (cuda_src/tma_probe.cu, docs/hopper_plan.md step 1): sm_90a only.
+        from cuflash import _tma
+
+        specs = _tma.all_probe_specializations(target)
+        assert len(specs) == (len(_tma.PROBE_SHAPES) if target == "sm_90a" else 0)
+        return specs
     if kind == "fwd":
         specs = _launch.all_fwd_specializations(target)
         # One specialization per (dtype, head_dim, causal, even): nothing may be left out.
@@ -69,10 +76,13 @@ def _all_specs(kind, target):
     return specs
 
 
-@pytest.mark.parametrize("kind", ["fwd", "bwd", "feat", "decode"])
+@pytest.mark.parametrize("kind", ["fwd", "bwd", "feat", "decode", "tma"])
 @pytest.mark.parametrize("target", TARGETS)
 def test_every_specialization_compiles_clean(kind, target, tmp_path, monkeypatch):
     specs = _all_specs(kind, target)
+    if not specs:
+        assert kind == "tma" and target != "sm_90a"
+        return  # TMA exists on sm_90 only: nothing to build for this target
     smem_of = {spec.name: smem for spec, smem in specs}
     # The run-time path (NVRTC via the disk cache, in worker processes), into an empty cache.
     monkeypatch.setenv("CUFLASH_CACHE_DIR", str(tmp_path))
@@ -97,7 +107,7 @@ def test_gate_detects_spills_and_smem():
 
 def test_params_layout_matches_numpy_mirror():
     """sizeof and every field offset of FwdParams, BwdParams, MaskParams (nested in both), TailParams,
-    DecodeParams and GatherParams equal the NumPy dtypes' (static_assert in C++)."""
+    DecodeParams, GatherParams and TmaProbeParams equal the NumPy dtypes' (static_assert in C++)."""
     cfg = _config.feat_fwd_config("sm_90a", 64, "float16")
     spec, _ = _launch.fwd_specialization("float16", 64, cfg, False, False, feat=True)
     checks = "\n".join(_compile.params_layout_checks("cuflash", name, dt, offsets=True) for name, dt in (
@@ -108,8 +118,12 @@ def test_params_layout_matches_numpy_mirror():
     checks = _compile.params_layout_checks("cuflash", "TailParams", _launch.TAIL_PARAMS, offsets=True)
     _compile.nvrtc_compile(_compile.Specialization(tail.source, tail.expression, tail.name, checks), "sm_90a")
     # attention_with_kvcache's DecodeParams (MaskParams nested) and the paged prefill's GatherParams
+    # ... and the TMA probe's TmaProbeParams (a 64-byte aligned tensor map first)
+    from cuflash import _tma
+
     for spec, name, dt in ((_launch.decode_append_specialization(), "DecodeParams", _launch.DECODE_PARAMS),
-                           (_launch.gather_specialization(), "GatherParams", _launch.GATHER_PARAMS)):
+                           (_launch.gather_specialization(), "GatherParams", _launch.GATHER_PARAMS),
+                           (_tma.probe_specialization(64, 1), "TmaProbeParams", _tma.PROBE_PARAMS)):
         checks = _compile.params_layout_checks("cuflash", name, dt, offsets=True)
         _compile.nvrtc_compile(_compile.Specialization(spec.source, spec.expression, spec.name, checks), "sm_90a")
 

@@ -1,0 +1,71 @@
+// tma.cuh: Hopper's tensor memory accelerator (TMA) and the mbarriers that count its bytes, for
+// sm_90a kernels.
+//
+// A TMA copy moves a box of a global tensor into shared memory in one instruction issued by one
+// thread; the tensor's shape, strides, the box and the shared-memory swizzle are fixed in a
+// 128-byte tensor map that the host encodes (cuTensorMapEncodeTiled, cuflash/_tma.py) and the kernel
+// receives inside its __grid_constant__ Params. Elements of the box outside the tensor arrive as
+// zeros. The copy completes on an mbarrier: a thread arms it with the number of bytes to expect
+// (arrive.expect_tx), each copy adds its box's bytes when it lands (complete_tx), and waiters spin on
+// the barrier's phase parity. Each use of a barrier flips its phase: wait for parity 0 the first
+// time, 1 the second, and so on.
+//
+// Layout used with wgmma: a map with box {64 columns, ROWS rows, 1, 1} of 16-bit elements and the
+// 128-byte swizzle writes one SW128 panel of wgmma_util.cuh (row r's 16-byte chunk k at chunk k ^
+// (r % 8), 128 bytes a row), so a HEAD_DIM-wide tile is HEAD_DIM / 64 copies, one per panel, to
+// panel-aligned (1024-byte) addresses.
+#pragma once
+#include "common.cuh"
+
+namespace cuflash {
+
+// CUtensorMap's bytes (opaque; 64-byte alignment is what the copy instruction requires of it).
+struct alignas(64) TmaDesc {
+    unsigned long long opaque[16];
+};
+
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count) : "memory");
+}
+
+// Orders an mbarrier's initialization before its use by the async proxy (the TMA unit).
+__device__ __forceinline__ void fence_mbar_init() {
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+// This thread's arrival, announcing `bytes` more to come from async copies in this phase.
+__device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ bool mbar_try_wait(u32 bar, u32 parity) {
+    u32 done;
+    asm volatile(
+        "{\n"
+        "  .reg .pred ready;\n"
+        "  mbarrier.try_wait.parity.shared::cta.b64 ready, [%1], %2;\n"
+        "  selp.u32 %0, 1, 0, ready;\n"
+        "}\n"
+        : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    return done != 0;
+}
+
+// Waits until the barrier's phase with this parity has completed.
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    while (!mbar_try_wait(bar, parity)) {
+    }
+}
+
+__device__ __forceinline__ void tma_prefetch_desc(const TmaDesc* map) {
+    asm volatile("prefetch.tensormap [%0];" :: "l"(reinterpret_cast<unsigned long long>(map)) : "memory");
+}
+
+// Box at coordinates (c0 innermost .. c3) of a 4-D map into shared memory at dst, completing on bar.
+__device__ __forceinline__ void tma_load_4d(u32 dst, const TmaDesc* map, u32 bar, int c0, int c1, int c2, int c3) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], [%2];"
+        :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+        : "memory");
+}
+
+}  // namespace cuflash

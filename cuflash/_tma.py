@@ -1,0 +1,182 @@
+"""Tensor maps for Hopper's TMA copies (cuda_src/tma.cuh): step 1 of docs/hopper_plan.md.
+
+A tensor map is 128 opaque bytes that the driver's cuTensorMapEncodeTiled builds from a tensor's
+address, shape and strides, the box one copy moves, and the shared-memory swizzle. A kernel gets it
+by value inside its Params (a `TmaDesc` field, 64-byte aligned). It depends on the pointer, so a
+plan keeps maps per pointer (`MapCache`) and a call with a new pointer pays one encode.
+
+The driver function is called through ctypes on libcuda (no new dependency): the driver library is
+on every machine that has a GPU, and this module is only used where there is one.
+
+`kv_map` describes a (batch, seqlen, heads, head_dim) tensor of 16-bit elements as the 4-D
+(head_dim, seqlen, heads, batch) with a {64, rows, 1, 1} box and the 128-byte swizzle: one copy
+fills one SW128 panel (cuda_src/wgmma_util.cuh) of `rows` rows, rows past the tensor's end as zeros.
+Nothing in cuflash's default paths uses it yet: cuda_src/tma_probe.cu checks it on the GPU
+(tests/test_tma_gpu.py, bench/dev/tma_probe.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import numpy as np
+
+# cuda.h's enums (CUDA 12 and 13 agree).
+DTYPE_UINT16 = 1
+DTYPE_FLOAT16 = 6
+DTYPE_BFLOAT16 = 9
+INTERLEAVE_NONE = 0
+SWIZZLE_128B = 3
+L2_PROMOTION_128B = 2
+OOB_FILL_ZEROS = 0  # CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE: elements outside the tensor arrive as zeros
+
+MAP_BYTES = 128
+SWIZZLE_BYTES = 128  # the inner box dimension of a 128-byte-swizzled map is at most this many bytes
+_DTYPES = {"float16": DTYPE_FLOAT16, "bfloat16": DTYPE_BFLOAT16, "uint16": DTYPE_UINT16}
+
+_encode_fn = None
+_encode_lock = threading.Lock()
+
+
+class TmaError(RuntimeError):
+    """The driver refused a tensor map (its CUresult and the arguments are in the message)."""
+
+
+def _driver_encode():
+    """cuTensorMapEncodeTiled from libcuda, with its argument types."""
+    global _encode_fn
+    with _encode_lock:
+        if _encode_fn is None:
+            lib = ctypes.CDLL("libcuda.so.1")
+            fn = lib.cuTensorMapEncodeTiled
+            u32p, u64p = ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint64)
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p, u64p, u32p, u32p,
+                           ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+            fn.restype = ctypes.c_int
+            _encode_fn = fn
+    return _encode_fn
+
+
+def encode_tiled(ptr: int, dtype: str, dims, strides_bytes, box, swizzle: int = SWIZZLE_128B,
+                 l2: int = L2_PROMOTION_128B, oob: int = OOB_FILL_ZEROS) -> bytes:
+    """The 128 bytes of a tiled tensor map. dims: innermost first; strides_bytes: of dims[1:], in
+    bytes; box: elements per copy along each dim. The documented limits are checked here so that a
+    bad map is a ValueError naming them, not a driver error code."""
+    rank = len(dims)
+    if not 1 <= rank <= 5 or len(strides_bytes) != rank - 1 or len(box) != rank:
+        raise ValueError(f"tensor map: expected rank 1..5 with rank - 1 strides and rank box sizes; got dims {dims}, "
+                         f"strides {strides_bytes}, box {box}")
+    if ptr % 16:
+        raise ValueError(f"tensor map: expected a 16-byte aligned address; got {ptr:#x}")
+    if any(not 1 <= d <= 2**32 for d in dims):
+        raise ValueError(f"tensor map: expected sizes in [1, 2^32]; got {dims}")
+    if any(s % 16 or not 0 < s < 2**40 for s in strides_bytes):
+        raise ValueError(f"tensor map: expected strides that are positive multiples of 16 bytes below 2^40; got "
+                         f"{strides_bytes}")
+    if any(not 1 <= b <= 256 for b in box):
+        raise ValueError(f"tensor map: expected box sizes in [1, 256]; got {box}")
+    elem = 2
+    if (box[0] * elem) % 16 or (swizzle == SWIZZLE_128B and box[0] * elem > SWIZZLE_BYTES):
+        raise ValueError(f"tensor map: the inner box must be a multiple of 16 bytes and, with the 128-byte swizzle, "
+                         f"at most 128 bytes; got {box[0]} elements of {elem} bytes")
+    out = (ctypes.c_uint64 * 16)()
+    dims_a = (ctypes.c_uint64 * rank)(*dims)
+    strides_a = (ctypes.c_uint64 * max(1, rank - 1))(*strides_bytes)
+    box_a = (ctypes.c_uint32 * rank)(*box)
+    ones = (ctypes.c_uint32 * rank)(*([1] * rank))
+    res = _driver_encode()(ctypes.addressof(out), _DTYPES[dtype], rank, ctypes.c_void_p(ptr), dims_a, strides_a,
+                           box_a, ones, INTERLEAVE_NONE, swizzle, l2, oob)
+    if res != 0:
+        raise TmaError(f"cuTensorMapEncodeTiled returned CUresult {res} for {dtype} at {ptr:#x}, dims {tuple(dims)}, "
+                       f"strides {tuple(strides_bytes)} bytes, box {tuple(box)}, swizzle {swizzle}")
+    return bytes(out)
+
+
+def kv_map_args(ptr: int, shape, strides, rows: int, dtype: str):
+    """(dims, strides in bytes, box) of `kv_map`'s encode: a (batch, seqlen, heads, head_dim) tensor
+    with element strides (batch, row, head, 1) as 4-D (head_dim, seqlen, heads, batch), box {64, rows,
+    1, 1}. head_dim must be a multiple of 64 (one copy per 64-column panel)."""
+    batch, seqlen, heads, head_dim = shape
+    bs, rs, hs, es = strides
+    if es != 1:
+        raise ValueError(f"tensor map: expected a unit-stride last dimension; got strides {tuple(strides)}")
+    if head_dim % 64:
+        raise ValueError(f"tensor map: expected head_dim a multiple of 64 (one copy per 64-column panel); got "
+                         f"{head_dim}")
+    if dtype not in _DTYPES:
+        raise ValueError(f"tensor map: expected a 16-bit dtype {sorted(_DTYPES)}; got {dtype}")
+    return (head_dim, seqlen, heads, batch), (2 * rs, 2 * hs, 2 * bs), (64, rows, 1, 1)
+
+
+def kv_map(ptr: int, shape, strides, rows: int, dtype: str) -> bytes:
+    """The tensor map of a K- or V-like tensor for panel-wise TMA loads (see the module docstring)."""
+    dims, strides_bytes, box = kv_map_args(ptr, shape, strides, rows, dtype)
+    return encode_tiled(ptr, dtype, dims, strides_bytes, box)
+
+
+class MapCache:
+    """Tensor maps of one plan, by pointer: equal shapes and strides are the plan's, so the pointer is
+    the key. Bounded: a plan called with ever new pointers (a training loop's activations) keeps the
+    most recent `size` maps."""
+
+    def __init__(self, shape, strides, rows: int, dtype: str, size: int = 8):
+        self.shape, self.strides, self.rows, self.dtype, self.size = tuple(shape), tuple(strides), rows, dtype, size
+        kv_map_args(16, shape, strides, rows, dtype)  # the layout's errors now, not at the first call
+        self._maps: dict[int, bytes] = {}
+
+    def get(self, ptr: int) -> bytes:
+        m = self._maps.get(ptr)
+        if m is None:
+            m = kv_map(ptr, self.shape, self.strides, self.rows, self.dtype)
+            if len(self._maps) >= self.size:
+                self._maps.pop(next(iter(self._maps)))
+            self._maps[ptr] = m
+        return m
+
+
+# ---- the probe kernel (cuda_src/tma_probe.cu) ----
+
+# Mirror of cuflash::TmaProbeParams: the map at offset 0, the struct 64-byte aligned.
+PROBE_PARAMS = np.dtype({"names": ["map", "out", "row0", "head", "batch"],
+                         "formats": [np.dtype((np.uint8, MAP_BYTES)), np.uint64, np.int32, np.int32, np.int32],
+                         "offsets": [0, 128, 136, 140, 144], "itemsize": 192})
+
+
+def probe_specialization(rows: int, panels: int):
+    from . import _compile
+
+    checks = _compile.params_layout_checks("cuflash", "TmaProbeParams", PROBE_PARAMS)
+    return _compile.Specialization("tma_probe.cu", f"cuflash::tma_probe_kernel<{rows}, {panels}>",
+                                   f"tma_probe_r{rows}_p{panels}", checks)
+
+
+PROBE_SHAPES = ((64, 1), (128, 2), (128, 4))  # (rows, panels): head_dim 64, 128, 256 tiles
+
+
+def all_probe_specializations(target: str) -> list:
+    """(spec, dynamic smem) of every probe shape: sm_90a only (TMA is Hopper's)."""
+    if not target.startswith("sm_90"):
+        return []
+    return [(probe_specialization(r, c), probe_smem_bytes(r, c)) for r, c in PROBE_SHAPES]
+
+
+def probe_smem_bytes(rows: int, panels: int) -> int:
+    """Dynamic shared memory of the probe: the tile plus 1024 bytes to align it to 1024."""
+    return rows * panels * 128 + 1024
+
+
+def expected_tile(x: np.ndarray, row0: int, rows: int, head: int, batch: int) -> np.ndarray:
+    """The bytes the probe must write for one tile: rows [row0, row0 + rows) of x[batch, :, head, :]
+    (zeros past the end) in the SW128 panel layout (cuda_src/wgmma_util.cuh: chunk k of row r at
+    chunk k ^ (r % 8), panels of 64 columns one after the other)."""
+    seqlen, head_dim = x.shape[1], x.shape[3]
+    tile = np.zeros((rows, head_dim), dtype=np.uint16)
+    lo, hi = max(row0, 0), min(row0 + rows, seqlen)
+    if hi > lo:
+        tile[lo - row0:hi - row0] = x[batch, lo:hi, head, :].view(np.uint16)
+    out = np.zeros((head_dim // 64, rows, 8, 8), dtype=np.uint16)  # (panel, row, chunk slot, element)
+    for r in range(rows):
+        for k in range(head_dim // 8):
+            out[k // 8, r, (k % 8) ^ (r % 8)] = tile[r, 8 * k:8 * k + 8]
+    return out.reshape(-1).view(np.uint8)
