@@ -46,6 +46,8 @@ from dataclasses import dataclass
 from ._call import MAX_SOFTMAX_SCALE, SUPPORTED_DTYPES, ArrayInfo, _check_bool
 from ._config import HEAD_DIMS
 from ._features import Features, _is_int, check_features
+from ._launch import stream_capturing
+from ._plan import run_launches
 
 __all__ = ["attention_with_kvcache", "describe_kvcache", "KVCacheCall"]
 
@@ -618,9 +620,6 @@ class DecodePlan:
 
     def run(self, ad, arrays: dict):
         """(out, lse or None) as the caller's arrays; appends first when the call has k and v."""
-        from ._launch import stream_capturing
-        from ._plan import run_launches
-
         dev, c = self.device_id, self.call
         keep = []
         if self.copy:
@@ -1157,8 +1156,6 @@ class GatherPlan:
 
     def run(self, ad, names: dict):
         """(packed keys, packed values, their offsets) as the caller's arrays, on the caller's stream."""
-        from ._plan import run_launches
-
         dev, c = self.device_id, self.call
         keep = []
         arrays = {n: names[n] for n in ("k", "v", "block_table", "cu_seqlens_k")}

@@ -414,6 +414,18 @@ def test_huge_bounds_fit_the_kernels_int32(dev):
     assert int(launched[-1]["p"]["mask"]["num_sink_tokens"]) == 30
 
 
+def _refuse_launches(monkeypatch):
+    """Makes every launch fail as the driver does when a kernel asks too much; returns the recorder
+    it replaced, to put back."""
+    record = _launch._launch_kernel
+
+    def refuse(*args):
+        raise RuntimeError("CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES: too many resources requested for launch")
+
+    monkeypatch.setattr(_launch, "_launch_kernel", refuse)
+    return record
+
+
 def test_launch_failure_names_kernel_and_shape(dev, monkeypatch):
     """A launch the driver refuses raises cuflash.LaunchError naming the specialization, its launch
     shape and the call; the plan stays usable (its lock released) for the next call."""
@@ -421,12 +433,7 @@ def test_launch_failure_names_kernel_and_shape(dev, monkeypatch):
     rng = np.random.default_rng()
     q, k, v = arr(rng, (2, 100, 8, 64)), arr(rng, (2, 130, 2, 64)), arr(rng, (2, 130, 2, 64))
     cuflash.attention(q, k, v, causal=True)
-    record = _launch._launch_kernel
-
-    def refuse(*args):
-        raise RuntimeError("CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES: too many resources requested for launch")
-
-    monkeypatch.setattr(_launch, "_launch_kernel", refuse)
+    record = _refuse_launches(monkeypatch)
     with pytest.raises(cuflash.LaunchError, match=r"launching fwd90_f16_d64_\w+ failed \(grid \d+, 256 threads.*"
                                                   r"float16 q \(2, 100, 8, 64\), k/v \(2, 130, 2, 64\), causal=True.*"
                                                   r"LAUNCH_OUT_OF_RESOURCES"):
@@ -739,7 +746,7 @@ def test_kvcache_graph_capture_takes_its_own_split_count(dev, monkeypatch):
     and an allocation) but is split while the stream is captured into a CUDA graph, where GPU time
     alone counts (cuflash/_config.py decode_num_splits, host_bound_rule); the plan holds both and
     asks the stream. A forced count is the same in both."""
-    from cuflash import _kvcache, _launch
+    from cuflash import _kvcache
 
     monkeypatch.setattr(_kvcache, "_sm_count", lambda device_id: 132)
     ad, launched = dev
@@ -748,7 +755,7 @@ def test_kvcache_graph_capture_takes_its_own_split_count(dev, monkeypatch):
     kc, vc = arr(rng, (1, 512, 1, 64)), arr(rng, (1, 512, 1, 64))
     seqlens = np.array([500], np.int32).view(Dev)
     capturing = []
-    monkeypatch.setattr(_launch, "stream_capturing", lambda stream: bool(capturing))
+    monkeypatch.setattr(_kvcache, "stream_capturing", lambda stream: bool(capturing))
     for capture, forced, want in ((False, 0, 1), (True, 0, 8), (False, 0, 1), (True, 3, 3), (False, 3, 3)):
         capturing[:] = [1] if capture else []
         del launched[:]
@@ -830,12 +837,7 @@ def test_kvcache_launch_failure_names_kernel_and_call(dev, monkeypatch):
     q, kc, vc = arr(rng, (2, 1, 8, 64)), arr(rng, (2, 64, 2, 64)), arr(rng, (2, 64, 2, 64))
     seqlens = np.array([3, 9], np.int32).view(Dev)
     cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens, num_splits=3)
-    record = _launch._launch_kernel
-
-    def refuse(*args):
-        raise RuntimeError("CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES: too many resources requested for launch")
-
-    monkeypatch.setattr(_launch, "_launch_kernel", refuse)
+    record = _refuse_launches(monkeypatch)
     with pytest.raises(cuflash.LaunchError, match=r"launching decode_f16_d64_s4 failed \(grid 12, 128 threads.*"
                                                   r"attention_with_kvcache float16 q \(2, 1, 8, 64\), cache capacity "
                                                   r"64, paged=False, num_splits 3.*LAUNCH_OUT_OF_RESOURCES"):
