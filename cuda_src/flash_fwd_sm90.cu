@@ -25,6 +25,18 @@
 // Shared memory: sQ (BLOCK_M x HEAD_DIM), sK[2], sV[2] (BLOCK_N x HEAD_DIM), all in the SW128 panel
 // layout of wgmma_util.cuh. HEAD_DIM is a multiple of 64. The epilogue writes O through sQ.
 //
+// TMA (experimental, docs/hopper_plan.md step 1; not yet run on a GPU, selected only with
+// CUFLASH_FWD_TMA=1, plain calls only): K and V tiles come through TMA copies instead of cp.async
+// from every thread. The Params are then FwdTmaParams, FwdParams plus a tensor map for K and one for
+// V (cuflash/_tma.py kv_map: box {64 columns, BLOCK_N rows}, 128-byte swizzle, so each copy fills
+// one SW128 panel; rows past seqlen_k arrive as zeros, as cp.async's zero-fill gave them). Four
+// mbarriers (K and V, two stages each) follow the V stages in shared memory. Thread 0 arms a
+// stage's barrier with the tile's bytes and issues one copy per panel, right after the loop-top
+// barrier that says every warpgroup is done with that stage; every thread waits on a stage's
+// barrier before that loop-top barrier. Stage s's u-th load completes phase u, so K_j is waited
+// with parity (j / 2) % 2 and V_(j-1) with ((j - 1) / 2) % 2. "V_(-1)" (stage 1 before its first
+// load) is zero-filled with ordinary stores and fence.proxy.async. Q still comes by cp.async.
+//
 // Causal alignment, the empty-row convention, the grid mapping and FwdParams are those of
 // flash_fwd.cu, and so is FEAT (the optional features of mask.cuh): the key tiles of key_tiles,
 // masks on the tiles a bound crosses, log2-unit logits for softcap / ALiBi, a sink logit joining the
@@ -34,10 +46,20 @@
 #include "common.cuh"
 #include "params.cuh"
 #include "softmax.cuh"
+#include "tma.cuh"
 #include "wgmma.cuh"
 #include "wgmma_util.cuh"
 
 namespace cuflash {
+
+// The TMA variant's Params: FwdParams, then the tensor maps of K and V (64-byte aligned). Must
+// match cuflash/_launch.py FWD_TMA_PARAMS.
+struct FwdTmaParams : FwdParams {
+    TmaDesc map_k;
+    TmaDesc map_v;
+};
+template <bool TMA> struct FwdSm90ParamsOf { using type = FwdParams; };
+template <> struct FwdSm90ParamsOf<true> { using type = FwdTmaParams; };
 
 template <int HEAD_DIM, int BLOCK_M, int BLOCK_N>
 struct FwdSm90Traits {
@@ -48,17 +70,20 @@ struct FwdSm90Traits {
     static constexpr int SQ_BYTES = BLOCK_M * HEAD_DIM * 2;
     static constexpr int SKV_BYTES = BLOCK_N * HEAD_DIM * 2;
     // sQ, sK[2], sV[2], plus 1024 bytes to align the start to 1024. Must equal
-    // cuflash/_config.py:fwd_sm90_smem_bytes.
+    // cuflash/_config.py:fwd_smem_bytes. The TMA variant adds its four mbarriers.
     static constexpr int SMEM_BYTES = SQ_BYTES + 4 * SKV_BYTES + 1024;
+    static constexpr int TMA_BAR_BYTES = 64;
 
     static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM <= 256, "head_dim: a multiple of 64 up to 256");
     static_assert(BLOCK_M % 64 == 0 && BLOCK_N % 16 == 0 && BLOCK_N <= 256, "tile shape");
 };
 
-template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, bool IS_CAUSAL, bool IS_EVEN, bool FEAT = false>
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, bool IS_CAUSAL, bool IS_EVEN, bool FEAT = false,
+          bool TMA = false>
 __global__ void __launch_bounds__(BLOCK_M / 64 * 128, 1)
-flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p) {
+flash_fwd_sm90_kernel(const __grid_constant__ typename FwdSm90ParamsOf<TMA>::type p) {
     using Tr = FwdSm90Traits<HEAD_DIM, BLOCK_M, BLOCK_N>;
+    static_assert(!(TMA && FEAT), "the TMA variant serves plain calls (its maps know no sequence lengths)");
     using Ops = ElemOps<T>;
     constexpr int THREADS = Tr::THREADS, N_TILES = Tr::N_TILES, D_TILES = Tr::D_TILES;
     constexpr int PV_STEPS = BLOCK_N / 16;
@@ -69,10 +94,14 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p) {
     unsigned char* sQ_ptr = smem_raw + (sQ - raw_addr);
     const u32 sK = sQ + Tr::SQ_BYTES;
     const u32 sV = sK + 2 * Tr::SKV_BYTES;
+    // TMA: mbarriers of K stages 0, 1 and V stages 0, 1, 8 bytes each.
+    const u32 s_bar = sV + 2 * Tr::SKV_BYTES;
+    auto bar_k = [&](int stage) { return s_bar + 8u * (u32)stage; };
+    auto bar_v = [&](int stage) { return s_bar + 16u + 8u * (u32)stage; };
 
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const int wg = warp / 4, g = lane / 4, t = lane % 4;
-    if (tid == 0 && dynamic_smem_bytes() < (u32)Tr::SMEM_BYTES) __trap();
+    if (tid == 0 && dynamic_smem_bytes() < (u32)(Tr::SMEM_BYTES + (TMA ? Tr::TMA_BAR_BYTES : 0))) __trap();
 
     const int sq = p.seqlen_q, sk = p.seqlen_k;
     const QueryBlock blk = query_block<BLOCK_M, BLOCK_N, IS_CAUSAL>(blockIdx.x, p.num_m_blocks, p.nheads, p.head_group, sq, sk);
@@ -90,15 +119,48 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p) {
     const u16* gK = static_cast<const u16*>(p.k) + b * p.k_batch_stride + h_kv * p.k_head_stride + qf.si.k_row0 * p.k_row_stride;
     const u16* gV = static_cast<const u16*>(p.v) + b * p.v_batch_stride + h_kv * p.v_head_stride + qf.si.k_row0 * p.v_row_stride;
 
-    load_tile_sw128<HEAD_DIM, BLOCK_M, THREADS, !IS_EVEN>(sQ, gQ, p.q_row_stride, q_valid - m0, tid);
-    if (n_blocks > 0) {
-        const int n_first = tile_of(0) * BLOCK_N;
-        load_tile_sw128<HEAD_DIM, BLOCK_N, THREADS, !IS_EVEN>(sK, gK + (i64)n_first * p.k_row_stride, p.k_row_stride,
-                                                              k_valid - n_first, tid);
+    // TMA: one copy per 64-column panel of a BLOCK_N-row tile starting at key row n, into dst.
+    auto tma_tile = [&](u32 dst, const TmaDesc* map, u32 bar, int n) {
+        if constexpr (TMA) {
+            mbar_arrive_expect_tx(bar, Tr::SKV_BYTES);
+#pragma unroll
+            for (int c = 0; c < HEAD_DIM / 64; ++c) tma_load_4d(dst + c * BLOCK_N * 128, map, bar, c * 64, n, h_kv, b);
+        }
+    };
+    const TmaDesc* map_k = nullptr;
+    const TmaDesc* map_v = nullptr;
+    if constexpr (TMA) {
+        map_k = &p.map_k;
+        map_v = &p.map_v;
+        if (tid == 0) {
+            tma_prefetch_desc(map_k);
+            tma_prefetch_desc(map_v);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) mbar_init(s_bar + 8u * i, 1);
+            fence_mbar_init();
+        }
     }
-    // Stage 1 of V stands for "V_(-1)" in iteration 0, whose product P V adds 0 * V: zero-fill it
-    // (cp.async with no source bytes), so that no stale NaN pattern in shared memory can leak in.
-    load_tile_sw128<HEAD_DIM, BLOCK_N, THREADS, true>(sV + Tr::SKV_BYTES, gV, p.v_row_stride, 0, tid);
+
+    load_tile_sw128<HEAD_DIM, BLOCK_M, THREADS, !IS_EVEN>(sQ, gQ, p.q_row_stride, q_valid - m0, tid);
+    if constexpr (TMA) {
+        // "V_(-1)" (see below), zero-filled with ordinary stores; the fence orders them before the
+        // async proxy's reads (wgmma) and writes (a later TMA copy into this stage).
+        for (int i = tid; i < Tr::SKV_BYTES / 16; i += THREADS)
+            asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};" :: "r"(sV + Tr::SKV_BYTES + 16 * i), "r"(0u)
+                         : "memory");
+        fence_proxy_async();
+        __syncthreads();  // the barriers are initialized before anyone waits on them or a copy lands
+        if (tid == 0 && n_blocks > 0) tma_tile(sK, map_k, bar_k(0), tile_of(0) * BLOCK_N);
+    } else {
+        if (n_blocks > 0) {
+            const int n_first = tile_of(0) * BLOCK_N;
+            load_tile_sw128<HEAD_DIM, BLOCK_N, THREADS, !IS_EVEN>(sK, gK + (i64)n_first * p.k_row_stride,
+                                                                  p.k_row_stride, k_valid - n_first, tid);
+        }
+        // Stage 1 of V stands for "V_(-1)" in iteration 0, whose product P V adds 0 * V: zero-fill it
+        // (cp.async with no source bytes), so that no stale NaN pattern in shared memory can leak in.
+        load_tile_sw128<HEAD_DIM, BLOCK_N, THREADS, true>(sV + Tr::SKV_BYTES, gV, p.v_row_stride, 0, tid);
+    }
     cp_async_commit();
 
     float acc_o[HEAD_DIM / 2];
@@ -117,8 +179,18 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p) {
     for (int j = 0; j < n_blocks; ++j) {
         cp_async_wait<0>();
         fence_proxy_async();
+        if constexpr (TMA) {
+            mbar_wait(bar_k(j % 2), (j >> 1) & 1);                     // K_j
+            if (j > 0) mbar_wait(bar_v((j + 1) % 2), ((j - 1) >> 1) & 1);  // V_(j-1)
+        }
         __syncthreads();  // K_j and V_(j-1) are in; stages (j + 1) % 2 of K and j % 2 of V are free
-        {
+        if constexpr (TMA) {
+            if (tid == 0) {
+                if (j + 1 < n_blocks) tma_tile(sK + ((j + 1) % 2) * Tr::SKV_BYTES, map_k, bar_k((j + 1) % 2),
+                                               tile_of(j + 1) * BLOCK_N);
+                tma_tile(sV + (j % 2) * Tr::SKV_BYTES, map_v, bar_v(j % 2), tile_of(j) * BLOCK_N);
+            }
+        } else {
             const i64 n1 = (i64)tile_of(j + 1) * BLOCK_N;
             if (j + 1 < n_blocks)
                 load_tile_sw128<HEAD_DIM, BLOCK_N, THREADS, !IS_EVEN>(
@@ -197,6 +269,9 @@ flash_fwd_sm90_kernel(const __grid_constant__ FwdParams p) {
 
     cp_async_wait<0>();
     fence_proxy_async();
+    if constexpr (TMA) {
+        if (n_blocks > 0) mbar_wait(bar_v((n_blocks - 1) % 2), ((n_blocks - 1) >> 1) & 1);
+    }
     __syncthreads();  // V_(n-1) is in (and with n_blocks == 0, the Q copy is done)
     if (n_blocks > 0) {
         const u32 sVp = sV + ((n_blocks - 1) % 2) * Tr::SKV_BYTES;

@@ -37,6 +37,18 @@ def padded_pitch(cols: int) -> int:
     return cols if (cols // 8) % 2 == 1 else cols + 8
 
 
+# The experimental TMA variant of the sm_90a forward (docs/hopper_plan.md step 1; not yet run on a GPU):
+# K and V through tensor maps, its four mbarriers after the V stages. Plain calls only, and only
+# with CUFLASH_FWD_TMA=1 (read when a plan is made).
+FWD_TMA_BAR_BYTES = 64
+
+
+def fwd_tma_enabled() -> bool:
+    import os
+
+    return os.environ.get("CUFLASH_FWD_TMA") == "1"
+
+
 def fwd_smem_bytes(head_dim: int, cfg: TileConfig) -> int:
     """Dynamic shared memory of the forward kernel: sQ plus two stages of sK and sV (the wgmma
     kernel: unpadded swizzled tiles, plus 1024 bytes to align them)."""

@@ -45,6 +45,24 @@ FWD_PARAMS = np.dtype(
 _FWD_CHECKS_PARAMS = (_compile.params_layout_checks("cuflash", "FwdParams", FWD_PARAMS) + "\n"
                       + _MASK_CHECKS_PARAMS)
 
+
+def _with_maps(base: np.dtype, names) -> np.dtype:
+    """base's fields at their offsets, then one 128-byte tensor map per name, each 64-byte aligned
+    (a C++ struct deriving from base with TmaDesc members)."""
+    fields = [(n, base.fields[n][0], base.fields[n][1]) for n in base.names]
+    off = -(-base.itemsize // 64) * 64
+    for n in names:
+        fields.append((n, np.dtype((np.uint8, 128)), off))
+        off += 128
+    return np.dtype({"names": [f[0] for f in fields], "formats": [f[1] for f in fields],
+                     "offsets": [f[2] for f in fields], "itemsize": -(-off // 64) * 64})
+
+
+# Mirror of cuflash::FwdTmaParams (cuda_src/flash_fwd_sm90.cu): FwdParams, then the maps of K and V.
+FWD_TMA_PARAMS = _with_maps(FWD_PARAMS, ("map_k", "map_v"))
+_FWD_TMA_CHECKS_PARAMS = (_compile.params_layout_checks("cuflash", "FwdTmaParams", FWD_TMA_PARAMS) + "\n"
+                          + _FWD_CHECKS_PARAMS)
+
 # Mirror of cuflash::BwdParams (cuda_src/params.cuh).
 BWD_PARAMS = np.dtype(
     [(n, np.uint64) for n in ("q", "k", "v", "o", "dout", "lse", "dq", "dk", "dv", "dq_accum", "lse_log2", "delta")]
@@ -164,13 +182,18 @@ def _set_mask(p, m: MaskArgs, softmax_scale: float, nheads: int, seqlen_q: int) 
 
 
 def fwd_specialization(dtype: str, head_dim: int, cfg: _config.TileConfig, causal: bool, even: bool,
-                       feat: bool = False):
+                       feat: bool = False, tma: bool = False):
     """feat: the kernel with the optional features (cuda_src/mask.cuh); causal and even are then
-    run-time properties of the mask and must be False."""
+    run-time properties of the mask and must be False. tma: the wgmma kernel's experimental TMA
+    variant (plain calls; CUFLASH_FWD_TMA=1), whose Params are FwdTmaParams."""
     short, ctype = _DTYPE_TAG[dtype]
-    smem = _config.fwd_smem_bytes(head_dim, cfg)
+    smem = _config.fwd_smem_bytes(head_dim, cfg) + (_config.FWD_TMA_BAR_BYTES if tma else 0)
     flags = f"{'true' if causal else 'false'}, {'true' if even else 'false'}"
     suffix = f"_{'causal' if causal else 'full'}_{'even' if even else 'ragged'}"
+    if tma:
+        assert cfg.wgmma and not feat, (cfg, feat)
+        flags += ", false, true"
+        suffix += "_tma"
     if feat:
         assert not (causal or even), (causal, even, cfg)
         flags += ", true"
@@ -185,8 +208,8 @@ def fwd_specialization(dtype: str, head_dim: int, cfg: _config.TileConfig, causa
         name = f"fwd_{short}_d{head_dim}_m{cfg.block_m}_n{cfg.block_n}_w{cfg.warps}" + suffix
         traits, source = f"cuflash::FwdTraits<{head_dim}, {cfg.block_m}, {cfg.block_n}, {cfg.warps}>", "flash_fwd.cu"
     checks = "\n".join([
-        _FWD_CHECKS_PARAMS,
-        f"static_assert({traits}::SMEM_BYTES == {smem},"
+        _FWD_TMA_CHECKS_PARAMS if tma else _FWD_CHECKS_PARAMS,
+        f"static_assert({traits}::SMEM_BYTES{f' + {traits}::TMA_BAR_BYTES' if tma else ''} == {smem},"
         f' "shared memory size differs from cuflash/_config.py:fwd_smem_bytes");',
     ])
     return _compile.Specialization(source, expr, name, checks), smem
@@ -201,6 +224,19 @@ def all_fwd_specializations(target: str, head_dims=None, dtypes=None, causal=(Fa
                 cfg = _config.fwd_config_for_target(target, d, dtype, c)
                 for e in even:
                     out.append(fwd_specialization(dtype, d, cfg, c, e))
+    return out
+
+
+def all_fwd_tma_specializations(target: str):
+    """The experimental TMA variants of the sm_90a forward (CUFLASH_FWD_TMA=1): every plain wgmma
+    forward with K and V through tensor maps. None on other targets."""
+    out = []
+    for dtype in _config.DTYPES:
+        for d in _config.HEAD_DIMS:
+            for c in (False, True):
+                cfg = _config.fwd_config_for_target(target, d, dtype, c)
+                if cfg.wgmma:
+                    out += [fwd_specialization(dtype, d, cfg, c, e, tma=True) for e in (False, True)]
     return out
 
 
@@ -400,6 +436,32 @@ class Launch:
         _launch_kernel(self.fn, self.grid, 1, 1, self.threads, 1, 1, self.smem, stream, self.argv_ptr, 0)
 
 
+class TmaLaunch(Launch):
+    """A Launch whose Params also hold tensor maps (cuda_src/tma.cuh): `maps` lists (field, pointer
+    (int or Slot), MapCache). Each fire writes the map of the call's pointer (encoded once per pointer,
+    cuflash/_tma.py) into the field's 16 words."""
+
+    __slots__ = ("maps",)
+
+    def __init__(self, name, fn_ptr, grid, threads, smem, params, pointers, device_id, maps):
+        super().__init__(name, fn_ptr, grid, threads, smem, params, pointers, device_id)
+        offsets = _offsets(params.dtype)
+        self.maps = []
+        for field, ptr, cache in maps:
+            word = offsets[field] // 8
+            if isinstance(ptr, Slot):
+                self.maps.append((word, ptr.index, ptr.add, cache))
+            else:  # a fixed pointer (tools and tests): its map now
+                self.words[word:word + 16] = np.frombuffer(cache.get(ptr), dtype=np.uint64)
+        self.maps = tuple(self.maps)
+
+    def fire(self, stream: int, ptrs) -> None:
+        words = self.words
+        for word, slot, add, cache in self.maps:
+            words[word:word + 16] = np.frombuffer(cache.get(ptrs[slot] + add), dtype=np.uint64)
+        super().fire(stream, ptrs)
+
+
 def share_params(launches: list) -> list:
     """Lets the launches that follow a launch with the same Params layout and pointers reuse its
     buffer: they differ only in int32 fields (the backward's num_blocks), which each sets before
@@ -479,7 +541,8 @@ def fwd_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTen
     else:
         cfg = cfg or _config.fwd_config_for_target(target, head_dim, dtype, causal)
         even = seqlen_q % cfg.block_m == 0 and seqlen_k % cfg.block_n == 0
-        spec, smem = fwd_specialization(dtype, head_dim, cfg, causal, even)
+        tma = cfg.wgmma and _config.fwd_tma_enabled() and _tma_ok(k) and _tma_ok(v)
+        spec, smem = fwd_specialization(dtype, head_dim, cfg, causal, even, tma=tma)
     num_m_blocks = -(-seqlen_q // cfg.block_m)
     grid = batch * nheads * num_m_blocks
     if grid > MAX_GRID_X:
@@ -489,7 +552,8 @@ def fwd_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTen
         return []
     fn = _compile.get_function(spec, target, device_id, smem)
 
-    p = np.zeros((), dtype=FWD_PARAMS)
+    tma = spec.name.endswith("_tma")
+    p = np.zeros((), dtype=FWD_TMA_PARAMS if tma else FWD_PARAMS)
     ptrs = _tensor_ptrs((("q", q), ("k", k), ("v", v), ("o", o)))
     ptrs["lse"] = lse_ptr
     _set_strides(p, (("q", q), ("k", k), ("v", v), ("o", o)))
@@ -499,7 +563,21 @@ def fwd_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTen
     p["scale_log2"] = softmax_scale * LOG2E
     if mask is not None:
         ptrs.update(_set_mask(p, mask, softmax_scale, nheads, seqlen_q))
+    if tma:
+        from . import _tma
+
+        maps = [(name, t.ptr, _tma.MapCache(t.shape, t.strides, cfg.block_n, dtype)) for name, t in
+                (("map_k", k), ("map_v", v))]
+        return [TmaLaunch(spec.name, fn.ptr, grid, cfg.warps * 32, smem, p, ptrs, device_id, maps)]
     return [Launch(spec.name, fn.ptr, grid, cfg.warps * 32, smem, p, ptrs, device_id)]
+
+
+def _tma_ok(t: DeviceTensor) -> bool:
+    """Whether a K/V tensor can be described by a tensor map (cuflash/_tma.py kv_map): head_dim a
+    multiple of 64, a unit-stride last dimension, other strides positive multiples of 8 elements."""
+    strides = tuple(t.strides)
+    return (t.shape[3] % 64 == 0 and strides[3] == 1 and all(s > 0 and s % 8 == 0 for s in strides[:3])
+            and all(n <= 2**32 for n in t.shape))
 
 
 def tail_launches(t: DeviceTensor, cu_seqlens, batch: int, max_seqlen: int, elem: str, fill_bits: int,

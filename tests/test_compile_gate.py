@@ -55,7 +55,11 @@ def _all_specs(kind, target):
 
         specs = _tma.all_probe_specializations(target)
         assert len(specs) == (len(_tma.PROBE_SHAPES) if target == "sm_90a" else 0)
-        return specs
+        # ... and the forward's experimental TMA variant (CUFLASH_FWD_TMA=1): every plain wgmma forward.
+        tma_fwd = _launch.all_fwd_tma_specializations(target)
+        n_wgmma = sum(spec.name.startswith("fwd90_") for spec, _ in _launch.all_fwd_specializations(target))
+        assert len(tma_fwd) == n_wgmma and all(spec.name.endswith("_tma") for spec, _ in tma_fwd)
+        return specs + tma_fwd
     if kind == "fwd":
         specs = _launch.all_fwd_specializations(target)
         # One specialization per (dtype, head_dim, causal, even): nothing may be left out.

@@ -106,7 +106,8 @@ def dev(monkeypatch):
 
     def launch_kernel(fn, gx, gy, gz, bx, by, bz, smem, stream, argv_ptr, extra):
         name = names[fn]
-        dtype = next(d for prefix, d in SIZES.items() if name.startswith(prefix))
+        dtype = (_launch.FWD_TMA_PARAMS if name.endswith("_tma") else
+                 next(d for prefix, d in SIZES.items() if name.startswith(prefix)))
         params_ptr = ctypes.c_uint64.from_address(argv_ptr).value
         raw = ctypes.string_at(params_ptr, dtype.itemsize)
         launched.append(dict(name=name, grid=gx, threads=bx, smem=smem, stream=stream,
@@ -274,6 +275,56 @@ def test_varlen_tail_fill_and_packed_views(dev):
     assert int(tail_o["p"]["ptr"]) == addr(out) and int(tail_o["p"]["row_elems"]) == d
     assert int(tail_lse["p"]["ptr"]) == addr(lse) and int(tail_lse["p"]["fill"]) == 0xFF800000
     assert out.shape == (total, h, d) and lse.shape == (h, total)
+
+
+def test_fwd_tma_variant_wiring(dev, monkeypatch):
+    """CUFLASH_FWD_TMA=1 (experimental, docs/hopper_plan.md step 1): a plain forward on sm_90 runs the
+    wgmma kernel's TMA variant, whose Params are FwdParams unchanged, then the tensor maps of the
+    call's k and v (cuflash/_tma.py kv_map), encoded once per pointer; calls with options keep the
+    cp.async kernel, and so does every call without the setting."""
+    from cuflash import _config, _tma
+
+    calls = []
+
+    def encode(out, dtype, rank, ptr, dims, strides, box, elem_strides, interleave, swizzle, l2, oob):
+        calls.append((ptr.value, list(dims[:rank]), list(strides[:rank - 1]), list(box[:rank]), swizzle))
+        buf = (ctypes.c_uint64 * 16).from_address(out)
+        for i in range(16):
+            buf[i] = ptr.value + i
+        return 0
+
+    monkeypatch.setattr(_tma, "_driver_encode", lambda: encode)
+    monkeypatch.setenv("CUFLASH_FWD_TMA", "1")
+    ad, launched = dev
+    rng = np.random.default_rng()
+    q = arr(rng, (2, 200, 4, 128))
+    k, v = arr(rng, (2, 300, 2, 128)), arr(rng, (2, 300, 2, 128))
+    bn = _config.fwd_config_for_target("sm_90a", 128, "float16", True).block_n
+
+    def maps_of(L):
+        return [int(np.frombuffer(L["p"][f].tobytes(), np.uint64)[0]) for f in ("map_k", "map_v")]
+
+    cuflash.attention(q, k, v, causal=True)
+    L = launched[-1]
+    assert L["name"].endswith("_tma") and "_d128_" in L["name"], L["name"]
+    check_tensor(L["p"], "q", q)
+    check_tensor(L["p"], "k", k)
+    assert maps_of(L) == [addr(k), addr(v)]
+    assert np.frombuffer(L["p"]["map_v"].tobytes(), np.uint64)[15] == addr(v) + 15
+    assert calls[0] == (addr(k), [128, 300, 2, 2], [2 * 256, 2 * 128, 2 * 300 * 256], [64, bn, 1, 1],
+                        _tma.SWIZZLE_128B)
+    n = len(calls)
+    cuflash.attention(q, k, v, causal=True)  # the same pointers: the plan's maps, no new encode
+    assert len(calls) == n and maps_of(launched[-1]) == [addr(k), addr(v)]
+    k2, v2 = arr(rng, k.shape), arr(rng, v.shape)
+    cuflash.attention(q, k2, v2, causal=True)
+    assert len(calls) == n + 2 and maps_of(launched[-1]) == [addr(k2), addr(v2)]
+    cuflash.attention(q, k, v, window=(8, 0))  # options: the feature kernel, with cp.async
+    assert not launched[-1]["name"].endswith("_tma")
+    monkeypatch.delenv("CUFLASH_FWD_TMA")
+    _plan.CACHE.clear()
+    cuflash.attention(q, k, v, causal=True)
+    assert not launched[-1]["name"].endswith("_tma"), "the TMA variant without CUFLASH_FWD_TMA=1"
 
 
 def test_explicit_plan_rejects_other_signature(dev):

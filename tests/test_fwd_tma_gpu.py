@@ -1,0 +1,64 @@
+"""The sm_90a forward's experimental TMA variant (CUFLASH_FWD_TMA=1; docs/hopper_plan.md step 1):
+K and V through tensor maps and mbarriers instead of cp.async (cuda_src/flash_fwd_sm90.cu, TMA).
+Checked as the default kernels are (tests/test_gpu_forward.py's run_and_check: float64 reference,
+2x the naive error, NaN-poisoned allocators): both dtypes, head_dim 64 / 128 / 256, causal or not,
+lengths that are and are not multiples of the tiles (rows past seqlen_k come as the map's zeros),
+GQA, and the strided layouts the maps must describe (bhsd views, padded rows, packed qkv). The
+launched kernel's name is checked, so a fallback to cp.async cannot pass for it. Marked gpu;
+skipped below sm_90."""
+
+import pytest
+
+from test_gpu_forward import fresh_seed, make_qkv, run_and_check
+
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def tma_on(monkeypatch):
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device")
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the TMA variant is sm_90a's")
+    from cuflash import _launch, _plan
+
+    monkeypatch.setenv("CUFLASH_FWD_TMA", "1")
+    _plan.CACHE.clear()
+    names = []
+    real = _launch.TmaLaunch.fire
+
+    def fire(self, stream, ptrs):
+        names.append(self.name)
+        return real(self, stream, ptrs)
+
+    monkeypatch.setattr(_launch.TmaLaunch, "fire", fire)
+    yield names
+    _plan.CACHE.clear()
+
+
+CASES = [  # dtype, head_dim, causal, seqlen_q, seqlen_k, nheads, nheads_kv, layout
+    ("bfloat16", 128, False, 1024, 1024, 4, 4, "bshd"),
+    ("float16", 128, True, 1000, 1000, 4, 2, "bshd"),
+    ("bfloat16", 64, True, 513, 777, 8, 2, "bhsd"),
+    ("float16", 64, False, 200, 130, 4, 1, "padded"),
+    ("bfloat16", 256, True, 300, 300, 2, 2, "packed"),
+    ("float16", 256, False, 64, 1000, 2, 1, "mixed"),
+    ("bfloat16", 128, True, 1, 4097, 8, 8, "bshd"),
+]
+
+
+@pytest.mark.parametrize("dtype,head_dim,causal,seqlen_q,seqlen_k,nheads,nheads_kv,layout", CASES)
+def test_tma_forward(tma_on, dtype, head_dim, causal, seqlen_q, seqlen_k, nheads, nheads_kv, layout):
+    import cuflash
+
+    seed = fresh_seed()
+    torch.manual_seed(seed)
+    q, k, v = make_qkv(2, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, getattr(torch, dtype), layout)
+    label = f"tma {dtype} d{head_dim} causal={causal} {seqlen_q}x{seqlen_k} h{nheads}/{nheads_kv} {layout}"
+    run_and_check(cuflash, q, k, v, causal=causal, seed=seed, label=label)
+    assert tma_on and all(n.endswith("_tma") for n in tma_on), f"not the TMA kernel: {tma_on}; {label}"
+    # A second call on new tensors of the same shapes: new pointers, new maps, the same plan.
+    q2, k2, v2 = make_qkv(2, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, getattr(torch, dtype), layout)
+    run_and_check(cuflash, q2, k2, v2, causal=causal, seed=seed, label=label + " (second call)")
