@@ -188,3 +188,9 @@ def test_split_heuristic():
                     assert s >= decode_num_splits(blocks, keys, sms, 2), (sms, keys, blocks, s)
     assert decode_num_splits(8, 512, 132, 2, host_bound_rule=False) == 8  # measured best on an H100
     assert decode_num_splits(8, 512, 132, 2) == 1
+    # The fastest forced counts measured on an H100 (132 SMs; bench/results/decode_splits_h100.json):
+    # (blocks, keys) -> splits. A split walks whole tiles: 64 splits of 128 tiles, not 61.
+    for (blocks, keys), want in {(4, 8192): 64, (4, 131072): 64, (64, 8192): 4, (16, 32768): 16,
+                                 (32, 8192): 8, (256, 8192): 1, (256, 512): 1}.items():
+        assert decode_num_splits(blocks, keys, 132, 2) == want, (blocks, keys)
+    assert decode_num_splits(64, 512, 132, 2, host_bound_rule=False) == 4
