@@ -29,8 +29,9 @@ jax.block_until_ready on the last result: ms per call = round wall time / N, the
 median over rounds (min beside it). cuflash-torch is timed the same way (rounds end with
 torch.cuda.synchronize), so cuflash-jit / cuflash-torch compares like with like; one extra round
 with CUDA events between its calls gives its GPU time per call (ms_events, median), as bench.py
-measures it. The rounds of one point are timed round-robin over its providers and passes, so drift
-of the machine falls on all of them alike. Before timing, every cuflash kernel the run needs is
+measures it. The rounds of one point are timed round-robin over its providers and passes, in a new
+seeded random order each round, so drift of the machine and the clock left by the previous call
+fall on all of them alike. Before timing, every cuflash kernel the run needs is
 compiled (in parallel, NVRTC) and loaded, as bench.py does (--no-prepare: not).
 FLOPs (bench.py's convention): forward = 4 * batch * heads * seqlen^2 * head_dim, halved when
 causal; fwd+bwd = 3.5 x forward.
@@ -83,6 +84,7 @@ import json
 import math
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -455,7 +457,12 @@ class Runner:
             for r in range(args.rounds):
                 if r > 0 and time.perf_counter() > deadline:
                     break   # fewer rounds, figures still stand
-                for e in list(live):
+                # A fresh order each round (seeded): what runs just before a provider (a long
+                # compute-bound call heats the GPU and lowers its clock) is then random, not always
+                # the same neighbour.
+                order = list(live)
+                random.Random(7919 * r + pt["seqlen"]).shuffle(order)
+                for e in order:
                     try:
                         e.rounds_ms.append(one_round(e.call, e.sync, e.n))
                     except Exception as ex:

@@ -37,16 +37,19 @@ def padded_pitch(cols: int) -> int:
     return cols if (cols // 8) % 2 == 1 else cols + 8
 
 
-# The experimental TMA variant of the sm_90a forward (docs/hopper_plan.md step 1; not yet run on a GPU):
-# K and V through tensor maps, its four mbarriers after the V stages. Plain calls only, and only
-# with CUFLASH_FWD_TMA=1 (read when a plan is made).
+# The TMA variant of the sm_90a forward (docs/hopper_plan.md step 1): K and V through tensor maps,
+# its four mbarriers after the V stages; plain calls only. CUFLASH_FWD_TMA (read when a plan is made):
+# "0" never, "1" wherever the layout fits a map, unset: where it fits and the driver's maps of that
+# layout can be patched per pointer (cuflash/_tma.py learn_patch), so a new pointer costs no encode.
 FWD_TMA_BAR_BYTES = 64
 
 
-def fwd_tma_enabled() -> bool:
+def fwd_tma_mode() -> str:
+    """'off', 'force' or 'auto' (see above)."""
     import os
 
-    return os.environ.get("CUFLASH_FWD_TMA") == "1"
+    v = os.environ.get("CUFLASH_FWD_TMA", "")
+    return "off" if v == "0" else "force" if v == "1" else "auto"
 
 
 def fwd_smem_bytes(head_dim: int, cfg: TileConfig) -> int:

@@ -184,8 +184,8 @@ def _set_mask(p, m: MaskArgs, softmax_scale: float, nheads: int, seqlen_q: int) 
 def fwd_specialization(dtype: str, head_dim: int, cfg: _config.TileConfig, causal: bool, even: bool,
                        feat: bool = False, tma: bool = False):
     """feat: the kernel with the optional features (cuda_src/mask.cuh); causal and even are then
-    run-time properties of the mask and must be False. tma: the wgmma kernel's experimental TMA
-    variant (plain calls; CUFLASH_FWD_TMA=1), whose Params are FwdTmaParams."""
+    run-time properties of the mask and must be False. tma: the wgmma kernel's TMA variant (plain
+    calls; cuflash/_config.py fwd_tma_mode), whose Params are FwdTmaParams."""
     short, ctype = _DTYPE_TAG[dtype]
     smem = _config.fwd_smem_bytes(head_dim, cfg) + (_config.FWD_TMA_BAR_BYTES if tma else 0)
     flags = f"{'true' if causal else 'false'}, {'true' if even else 'false'}"
@@ -227,15 +227,16 @@ def all_fwd_specializations(target: str, head_dims=None, dtypes=None, causal=(Fa
     return out
 
 
-def all_fwd_tma_specializations(target: str):
-    """The experimental TMA variants of the sm_90a forward (CUFLASH_FWD_TMA=1): every plain wgmma
-    forward with K and V through tensor maps. None on other targets."""
+def all_fwd_tma_specializations(target: str, head_dims=None, dtypes=None, causal=(False, True)):
+    """The TMA variants of the sm_90a forward (plain calls; cuflash/_config.py fwd_tma_mode): every
+    plain wgmma forward whose head_dim a tensor map can carry (a multiple of 64). None on other
+    targets."""
     out = []
-    for dtype in _config.DTYPES:
-        for d in _config.HEAD_DIMS:
-            for c in (False, True):
+    for dtype in dtypes or _config.DTYPES:
+        for d in head_dims or _config.HEAD_DIMS:
+            for c in causal:
                 cfg = _config.fwd_config_for_target(target, d, dtype, c)
-                if cfg.wgmma:
+                if cfg.wgmma and d % 64 == 0:
                     out += [fwd_specialization(dtype, d, cfg, c, e, tma=True) for e in (False, True)]
     return out
 
@@ -438,25 +439,32 @@ class Launch:
 
 class TmaLaunch(Launch):
     """A Launch whose Params also hold tensor maps (cuda_src/tma.cuh): `maps` lists (field, pointer
-    (int or Slot), MapCache). Each fire writes the map of the call's pointer (encoded once per pointer,
-    cuflash/_tma.py) into the field's 16 words."""
+    (int or Slot), MapCache). Each fire writes the map of the call's pointer into the field's 16
+    words: where the layout's MapPatch is known (cuflash/_tma.py), the template is written once and a
+    fire sets the one word that holds the address; otherwise the cache encodes once per pointer."""
 
-    __slots__ = ("maps",)
+    __slots__ = ("maps", "patched")
 
     def __init__(self, name, fn_ptr, grid, threads, smem, params, pointers, device_id, maps):
         super().__init__(name, fn_ptr, grid, threads, smem, params, pointers, device_id)
         offsets = _offsets(params.dtype)
-        self.maps = []
+        self.maps, self.patched = [], []
         for field, ptr, cache in maps:
             word = offsets[field] // 8
-            if isinstance(ptr, Slot):
-                self.maps.append((word, ptr.index, ptr.add, cache))
-            else:  # a fixed pointer (tools and tests): its map now
+            if not isinstance(ptr, Slot):  # a fixed pointer (tools and tests): its map now
                 self.words[word:word + 16] = np.frombuffer(cache.get(ptr), dtype=np.uint64)
-        self.maps = tuple(self.maps)
+            elif cache.patch is not None:
+                patch = cache.patch
+                self.words[word:word + 16] = np.frombuffer(patch.template, dtype=np.uint64)
+                self.patched.append((word + patch.word, ptr.index, ptr.add, patch.const, patch.shift))
+            else:
+                self.maps.append((word, ptr.index, ptr.add, cache))
+        self.maps, self.patched = tuple(self.maps), tuple(self.patched)
 
     def fire(self, stream: int, ptrs) -> None:
         words = self.words
+        for word, slot, add, const, shift in self.patched:
+            words[word] = (const + ((ptrs[slot] + add) >> shift)) & 0xFFFFFFFFFFFFFFFF
         for word, slot, add, cache in self.maps:
             words[word:word + 16] = np.frombuffer(cache.get(ptrs[slot] + add), dtype=np.uint64)
         super().fire(stream, ptrs)
@@ -541,7 +549,7 @@ def fwd_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTen
     else:
         cfg = cfg or _config.fwd_config_for_target(target, head_dim, dtype, causal)
         even = seqlen_q % cfg.block_m == 0 and seqlen_k % cfg.block_n == 0
-        tma = cfg.wgmma and _config.fwd_tma_enabled() and _tma_ok(k) and _tma_ok(v)
+        tma = cfg.wgmma and _use_tma(k, v, cfg.block_n, dtype)
         spec, smem = fwd_specialization(dtype, head_dim, cfg, causal, even, tma=tma)
     num_m_blocks = -(-seqlen_q // cfg.block_m)
     grid = batch * nheads * num_m_blocks
@@ -574,10 +582,24 @@ def fwd_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTen
 
 def _tma_ok(t: DeviceTensor) -> bool:
     """Whether a K/V tensor can be described by a tensor map (cuflash/_tma.py kv_map): head_dim a
-    multiple of 64, a unit-stride last dimension, other strides positive multiples of 8 elements."""
+    multiple of 64, a unit-stride last dimension, other strides positive multiples of 8 elements,
+    every size in [1, 2^32]."""
     strides = tuple(t.strides)
     return (t.shape[3] % 64 == 0 and strides[3] == 1 and all(s > 0 and s % 8 == 0 for s in strides[:3])
-            and all(n <= 2**32 for n in t.shape))
+            and all(1 <= n <= 2**32 for n in t.shape))
+
+
+def _use_tma(k: DeviceTensor, v: DeviceTensor, block_n: int, dtype: str) -> bool:
+    """Whether a plain wgmma forward takes the TMA variant (cuflash/_config.py fwd_tma_mode): never
+    where the driver cannot be loaded (a machine without a GPU: the fake device of the CPU tests)."""
+    from . import _tma
+
+    mode = _config.fwd_tma_mode()
+    if mode == "off" or not (_tma_ok(k) and _tma_ok(v)) or not _tma.available():
+        return False
+    if mode == "force":
+        return True
+    return all(_tma.layout_patch(t.shape, t.strides, block_n, dtype) is not None for t in (k, v))
 
 
 def tail_launches(t: DeviceTensor, cu_seqlens, batch: int, max_seqlen: int, elem: str, fill_bits: int,

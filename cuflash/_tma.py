@@ -58,6 +58,15 @@ def _driver_encode():
     return _encode_fn
 
 
+def available() -> bool:
+    """Whether the driver's encode function can be loaded (False on a machine without libcuda)."""
+    try:
+        _driver_encode()
+    except (OSError, AttributeError):
+        return False
+    return True
+
+
 def encode_tiled(ptr: int, dtype: str, dims, strides_bytes, box, swizzle: int = SWIZZLE_128B,
                  l2: int = L2_PROMOTION_128B, oob: int = OOB_FILL_ZEROS) -> bytes:
     """The 128 bytes of a tiled tensor map. dims: innermost first; strides_bytes: of dims[1:], in
@@ -115,17 +124,89 @@ def kv_map(ptr: int, shape, strides, rows: int, dtype: str) -> bytes:
     return encode_tiled(ptr, dtype, dims, strides_bytes, box)
 
 
+# ---- one word per call: the pointer patched into a map learned once per layout ----
+#
+# A map's 128 bytes are opaque, but for a fixed layout they depend on the address alone, and an
+# encode costs ~15 µs through ctypes (H100 host, bench/dev/tma_probe.py): too much for every eager
+# call with new tensors. So each layout's dependence on the address is *learned* from the driver, and
+# taken only if it is the simplest one: every byte that changes with the address lies in one 8-byte
+# word, and that word equals (constant + (address >> shift)) for shift 0 or 4, modulo 2^64. The rule
+# is then checked against the driver at pointers that set low, middle and high address bits; any
+# miss (a driver that stores the address another way, or refuses the probe pointers) leaves the
+# layout on the encode-per-new-pointer path. So a wrong guess costs speed, never a wrong map.
+
+_PROBE_PTRS = (0x7F1234560000, 0x300000001230, 0x10, 0x7FFFFFFFFFF0, 0x7F1234560010, 0x1000000000)
+_MASK64 = 2**64 - 1
+_patches: dict = {}
+_patches_lock = threading.Lock()
+
+
+class MapPatch:
+    """How one layout's map depends on the address: `template` (a map's 16 words) with word `word`
+    replaced by (const + (address >> shift)) mod 2^64."""
+
+    __slots__ = ("template", "word", "const", "shift")
+
+    def __init__(self, template, word: int, const: int, shift: int):
+        self.template, self.word, self.const, self.shift = template, word, const, shift
+
+    def word_value(self, ptr: int) -> int:
+        return (self.const + (ptr >> self.shift)) & _MASK64
+
+    def map(self, ptr: int) -> bytes:
+        words = np.frombuffer(self.template, dtype=np.uint64).copy()
+        words[self.word] = self.word_value(ptr)
+        return words.tobytes()
+
+
+def learn_patch(encode) -> MapPatch | None:
+    """The MapPatch of the layout that `encode(ptr) -> 128 bytes` describes, or None if its maps do
+    not follow the one-word rule (see above) at every probe pointer."""
+    try:
+        maps = [np.frombuffer(encode(ptr), dtype=np.uint64) for ptr in _PROBE_PTRS]
+    except (TmaError, ValueError):
+        return None
+    a, pa = maps[0], _PROBE_PTRS[0]
+    differ = sorted({int(i) for m in maps[1:] for i in np.nonzero(m != a)[0]})
+    if len(differ) != 1:
+        return None
+    w = differ[0]
+    for shift in (0, 4):
+        const = (int(a[w]) - (pa >> shift)) & _MASK64
+        patch = MapPatch(a.tobytes(), w, const, shift)
+        if all(patch.map(ptr) == m.tobytes() for ptr, m in zip(_PROBE_PTRS, maps)):
+            return patch
+    return None
+
+
+def layout_patch(shape, strides, rows: int, dtype: str) -> MapPatch | None:
+    """learn_patch for kv_map's layout, learned once per process and layout."""
+    key = (tuple(shape), tuple(strides), rows, dtype)
+    with _patches_lock:
+        if key in _patches:
+            return _patches[key]
+    dims, strides_bytes, box = kv_map_args(16, shape, strides, rows, dtype)
+    patch = learn_patch(lambda ptr: encode_tiled(ptr, dtype, dims, strides_bytes, box))
+    with _patches_lock:
+        _patches[key] = patch
+    return patch
+
+
 class MapCache:
     """Tensor maps of one plan, by pointer: equal shapes and strides are the plan's, so the pointer is
-    the key. Bounded: a plan called with ever new pointers (a training loop's activations) keeps the
-    most recent `size` maps."""
+    the key. Where the layout's MapPatch is known (`patch`), a map is the template with one word set;
+    otherwise each new pointer costs an encode, and the cache keeps the most recent `size` maps (a
+    training loop's activations come with ever new pointers)."""
 
     def __init__(self, shape, strides, rows: int, dtype: str, size: int = 8):
         self.shape, self.strides, self.rows, self.dtype, self.size = tuple(shape), tuple(strides), rows, dtype, size
         kv_map_args(16, shape, strides, rows, dtype)  # the layout's errors now, not at the first call
+        self.patch = layout_patch(shape, strides, rows, dtype)
         self._maps: dict[int, bytes] = {}
 
     def get(self, ptr: int) -> bytes:
+        if self.patch is not None:
+            return self.patch.map(ptr)
         m = self._maps.get(ptr)
         if m is None:
             m = kv_map(ptr, self.shape, self.strides, self.rows, self.dtype)

@@ -62,3 +62,26 @@ def test_tma_forward(tma_on, dtype, head_dim, causal, seqlen_q, seqlen_k, nheads
     # A second call on new tensors of the same shapes: new pointers, new maps, the same plan.
     q2, k2, v2 = make_qkv(2, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, getattr(torch, dtype), layout)
     run_and_check(cuflash, q2, k2, v2, causal=causal, seed=seed, label=label + " (second call)")
+
+
+def test_default_mode_uses_tma_where_maps_patch(tma_on, monkeypatch):
+    """Without CUFLASH_FWD_TMA, a plain sm_90a forward takes the TMA variant exactly when the driver's
+    maps of the layout follow the one-word rule (cuflash/_tma.py learn_patch), and then the patched
+    maps equal the driver's own at the call's real pointers. Results checked as above."""
+    import cuflash
+    from cuflash import _config, _plan, _tma
+
+    monkeypatch.delenv("CUFLASH_FWD_TMA")
+    _plan.CACHE.clear()
+    seed = fresh_seed()
+    torch.manual_seed(seed)
+    q, k, v = make_qkv(2, 700, 900, 8, 2, 128, torch.bfloat16, "bshd")
+    bn = _config.fwd_config_for_target("sm_90a", 128, "bfloat16", False).block_n
+    patch = _tma.layout_patch(tuple(k.shape), tuple(k.stride()), bn, "bfloat16")
+    run_and_check(cuflash, q, k, v, causal=False, seed=seed, label="tma default mode")
+    assert bool(tma_on) == (patch is not None), (tma_on, patch)
+    if patch is not None:
+        for t in (k, v):
+            for off in (0, 16, 4096 * 16):
+                ptr = t.data_ptr() + off
+                assert patch.map(ptr) == _tma.kv_map(ptr, tuple(t.shape), tuple(t.stride()), bn, "bfloat16")

@@ -277,24 +277,38 @@ def test_varlen_tail_fill_and_packed_views(dev):
     assert out.shape == (total, h, d) and lse.shape == (h, total)
 
 
-def test_fwd_tma_variant_wiring(dev, monkeypatch):
-    """CUFLASH_FWD_TMA=1 (experimental, docs/hopper_plan.md step 1): a plain forward on sm_90 runs the
-    wgmma kernel's TMA variant, whose Params are FwdParams unchanged, then the tensor maps of the
-    call's k and v (cuflash/_tma.py kv_map), encoded once per pointer; calls with options keep the
-    cp.async kernel, and so does every call without the setting."""
-    from cuflash import _config, _tma
+def fake_tma_driver(monkeypatch, word, record):
+    """Replaces cuTensorMapEncodeTiled (cuflash/_tma.py) with a stand-in whose map word i is
+    word(ptr, i, dims, box, strides), clears the learned patches and forces CUFLASH_FWD_TMA=1.
+    Returns the list of record(ptr, dims, rank, strides, box, swizzle) of every encode."""
+    from cuflash import _tma
 
     calls = []
 
     def encode(out, dtype, rank, ptr, dims, strides, box, elem_strides, interleave, swizzle, l2, oob):
-        calls.append((ptr.value, list(dims[:rank]), list(strides[:rank - 1]), list(box[:rank]), swizzle))
+        calls.append(record(ptr.value, dims, rank, strides, box, swizzle))
         buf = (ctypes.c_uint64 * 16).from_address(out)
         for i in range(16):
-            buf[i] = ptr.value + i
+            buf[i] = word(ptr.value, i, dims, box, strides) & (2**64 - 1)
         return 0
 
     monkeypatch.setattr(_tma, "_driver_encode", lambda: encode)
+    monkeypatch.setattr(_tma, "_patches", {})
     monkeypatch.setenv("CUFLASH_FWD_TMA", "1")
+    return calls
+
+
+def test_fwd_tma_variant_wiring(dev, monkeypatch):
+    """CUFLASH_FWD_TMA=1 (docs/hopper_plan.md step 1): a plain forward on sm_90 runs the wgmma kernel's
+    TMA variant, whose Params are FwdParams unchanged, then the tensor maps of the call's k and v
+    (cuflash/_tma.py kv_map), encoded once per pointer where the maps cannot be patched (this
+    stand-in writes the address into every word); calls with options keep the cp.async kernel, and
+    so does a call without the setting when the maps cannot be patched."""
+    from cuflash import _config, _tma
+
+    calls = fake_tma_driver(monkeypatch, lambda ptr, i, dims, box, strides: ptr + i,
+                            lambda ptr, dims, rank, strides, box, swizzle: (
+                                ptr, list(dims[:rank]), list(strides[:rank - 1]), list(box[:rank]), swizzle))
     ad, launched = dev
     rng = np.random.default_rng()
     q = arr(rng, (2, 200, 4, 128))
@@ -311,8 +325,8 @@ def test_fwd_tma_variant_wiring(dev, monkeypatch):
     check_tensor(L["p"], "k", k)
     assert maps_of(L) == [addr(k), addr(v)]
     assert np.frombuffer(L["p"]["map_v"].tobytes(), np.uint64)[15] == addr(v) + 15
-    assert calls[0] == (addr(k), [128, 300, 2, 2], [2 * 256, 2 * 128, 2 * 300 * 256], [64, bn, 1, 1],
-                        _tma.SWIZZLE_128B)
+    assert [c for c in calls if c[0] == addr(k)][0] == (
+        addr(k), [128, 300, 2, 2], [2 * 256, 2 * 128, 2 * 300 * 256], [64, bn, 1, 1], _tma.SWIZZLE_128B)
     n = len(calls)
     cuflash.attention(q, k, v, causal=True)  # the same pointers: the plan's maps, no new encode
     assert len(calls) == n and maps_of(launched[-1]) == [addr(k), addr(v)]
@@ -324,7 +338,34 @@ def test_fwd_tma_variant_wiring(dev, monkeypatch):
     monkeypatch.delenv("CUFLASH_FWD_TMA")
     _plan.CACHE.clear()
     cuflash.attention(q, k, v, causal=True)
-    assert not launched[-1]["name"].endswith("_tma"), "the TMA variant without CUFLASH_FWD_TMA=1"
+    assert not launched[-1]["name"].endswith("_tma"), "the TMA variant by default, with unpatchable maps"
+
+
+def test_fwd_tma_patched_maps_wiring(dev, monkeypatch):
+    """Where the driver's maps follow the one-word rule (cuflash/_tma.py learn_patch), a call's maps
+    are the learned template with the address word set: equal to the driver's own maps of the call's
+    k and v, with no encode per call, new pointers included."""
+    from cuflash import _tma
+
+    calls = fake_tma_driver(monkeypatch, lambda ptr, i, dims, box, strides: (
+        (ptr >> 4) | (7 << 60) if i == 1 else 1000 * i + dims[1] + box[1] + strides[0]),
+        lambda ptr, *rest: ptr)
+    ad, launched = dev
+    rng = np.random.default_rng()
+    q = arr(rng, (2, 200, 4, 64))
+    bn = None
+    for _ in range(3):
+        k, v = arr(rng, (2, 300, 2, 64)), arr(rng, (2, 300, 2, 64))
+        cuflash.attention(q, k, v)
+        L = launched[-1]
+        assert L["name"].endswith("_tma"), L["name"]
+        n = len(calls)
+        bn = bn or int(L["name"].split("_n")[1].split("_")[0])
+        for field, t in (("map_k", k), ("map_v", v)):
+            want = _tma.kv_map(addr(t), (2, 300, 2, 64), (300 * 128, 128, 64, 1), bn, "float16")
+            assert L["p"][field].tobytes() == want, field
+        del calls[n:]
+    assert len(calls) == 6, f"expected only the 6 encodes that learn the layout, got {len(calls)}"
 
 
 def test_explicit_plan_rejects_other_signature(dev):

@@ -27,7 +27,84 @@ def driver(monkeypatch):
         return 0
 
     monkeypatch.setattr(_tma, "_driver_encode", lambda: encode)
+    monkeypatch.setattr(_tma, "_patches", {})
     return calls
+
+
+def linear_driver(monkeypatch, store):
+    """A stand-in driver whose map is fixed words that depend on the layout, and word 3 replaced by
+    store(address, old word 3); returns the list of encoded pointers."""
+    ptrs = []
+
+    def encode(out, dtype, rank, ptr, dims, strides, box, elem_strides, interleave, swizzle, l2, oob):
+        ptrs.append(ptr.value)
+        buf = (ctypes.c_uint64 * 16).from_address(out)
+        for i in range(16):
+            buf[i] = (0x9E3779B97F4A7C15 * (i + 1) + dims[1] * 1000 + box[1]) & (2**64 - 1)
+        buf[3] = store(ptr.value, buf[3]) & (2**64 - 1)
+        return 0
+
+    monkeypatch.setattr(_tma, "_driver_encode", lambda: encode)
+    monkeypatch.setattr(_tma, "_patches", {})
+    return ptrs
+
+
+LAYOUT = ((2, 300, 3, 128), (300 * 384, 384, 128, 1), 128, "bfloat16")
+
+
+@pytest.mark.parametrize("store", [
+    lambda a, w: a,                                # the address itself
+    lambda a, w: (a >> 4) | (0x5A << 56),          # in 16-byte units, flags in the top byte
+    lambda a, w: (w & ~(2**60 - 1)) + (a >> 4),    # added onto the layout's own bits
+])
+def test_patch_is_learned_and_equals_the_driver_everywhere(monkeypatch, store):
+    """The one-word rule: learned from the driver, then a map per pointer is the template with one
+    word set, equal to the driver's map at pointers it was not learned from; no encode per call."""
+    ptrs = linear_driver(monkeypatch, store)
+    cache = _tma.MapCache(*LAYOUT)
+    assert cache.patch is not None and cache.patch.word == 3
+    learned = len(ptrs)
+    rng = np.random.default_rng()
+    tests = [int(x) * 16 for x in rng.integers(1, 2**43, size=20)]
+    got = [cache.get(p) for p in tests]
+    assert len(ptrs) == learned, "a patched cache called the driver"
+    want = [_tma.kv_map(p, *LAYOUT) for p in tests]
+    assert got == want
+    assert _tma.MapCache(*LAYOUT).patch is cache.patch and len(ptrs) == learned + len(tests), "relearned"
+
+
+@pytest.mark.parametrize("store", [
+    lambda a, w: a ^ (a >> 7),                     # not (const + address >> shift)
+    lambda a, w: (a * 3) >> 4,
+    "two words",
+    "refused",
+])
+def test_patch_refused_when_the_rule_fails(monkeypatch, store):
+    """A driver that stores the address any other way, or refuses a probe pointer, leaves the layout
+    on encode-per-pointer, with the driver's own maps."""
+    if store == "two words":
+        ptrs = linear_driver(monkeypatch, lambda a, w: a)
+        inner = _tma._driver_encode()
+
+        def encode(out, *args):
+            inner(out, *args)
+            buf = (ctypes.c_uint64 * 16).from_address(out)
+            buf[5] = args[2].value >> 32
+            return 0
+
+        monkeypatch.setattr(_tma, "_driver_encode", lambda: encode)
+    elif store == "refused":
+        ptrs = linear_driver(monkeypatch, lambda a, w: a)
+        inner = _tma._driver_encode()
+        monkeypatch.setattr(_tma, "_driver_encode",
+                            lambda: (lambda out, *a: 1 if a[2].value == 0x10 else inner(out, *a)))
+    else:
+        ptrs = linear_driver(monkeypatch, store)
+    cache = _tma.MapCache(*LAYOUT)
+    assert cache.patch is None
+    n = len(ptrs)
+    m = cache.get(0x7F0000001230)
+    assert len(ptrs) == n + 1 and m == _tma.kv_map(0x7F0000001230, *LAYOUT)
 
 
 def test_kv_map_describes_the_tensor_as_4d(driver):
@@ -75,7 +152,10 @@ def test_driver_refusal_is_an_error_naming_the_map(monkeypatch):
 
 
 def test_map_cache_encodes_once_per_pointer_and_stays_bounded(driver):
+    # (this driver writes the address into every word: no patch, so one encode per new pointer)
     cache = _tma.MapCache((1, 256, 2, 64), (256 * 128, 128, 64, 1), 64, "float16", size=3)
+    assert cache.patch is None
+    del driver[:]
     a = cache.get(0x1000)
     assert cache.get(0x1000) is a and len(driver) == 1
     for p in (0x2000, 0x3000, 0x4000):

@@ -41,6 +41,23 @@ def main():
         times.append(time.perf_counter_ns() - t0)
     enc = statistics.median(times) / 1e3
 
+    # The one-word patch (cuflash/_tma.py learn_patch): learned? equal to the driver's maps at real
+    # pointers? Which words change between two pointers (for a driver where it is not learned)?
+    patch = _tma.layout_patch(shape, strides, 128, "bfloat16")
+    m0 = np.frombuffer(_tma.kv_map(base, shape, strides, 128, "bfloat16"), np.uint64)
+    m1 = np.frombuffer(_tma.kv_map(base + 0x123450, shape, strides, 128, "bfloat16"), np.uint64)
+    changed = [(int(i), hex(int(m0[i])), hex(int(m1[i]))) for i in np.nonzero(m0 != m1)[0]]
+    patch_ok, patch_us = None, None
+    if patch is not None:
+        ptrs = [base + 16 * i for i in range(0, 1 << 20, 997)]
+        patch_ok = all(patch.map(p_) == _tma.kv_map(p_, shape, strides, 128, "bfloat16") for p_ in ptrs)
+        t = []
+        for i in range(args.encodes):
+            t0 = time.perf_counter_ns()
+            patch.word_value(base + 16 * i)
+            t.append(time.perf_counter_ns() - t0)
+        patch_us = statistics.median(t) / 1e3
+
     cache = _tma.MapCache(shape, strides, 128, "bfloat16")
     cache.get(base)
     hits = []
@@ -75,8 +92,15 @@ def main():
     print(f"kv_map encode (cuTensorMapEncodeTiled via ctypes): {enc:.2f} us median over {args.encodes}")
     print(f"MapCache hit: {hit:.3f} us; probe launch (host side): {statistics.median(fire) / 1e3:.2f} us")
     print(f"probe compile or cache load: {compile_s:.2f} s")
+    print(f"words that differ between the maps of two pointers: {changed}")
+    if patch is None:
+        print("one-word patch: NOT learned (each new pointer costs an encode)")
+    else:
+        print(f"one-word patch: learned (word {patch.word}, shift {patch.shift}, const {patch.const:#x}); "
+              f"equal to the driver at {len(ptrs)} real pointers: {'yes' if patch_ok else 'NO'}; "
+              f"{patch_us:.3f} us per word")
     print(f"probe tile equals the SW128 reference: {'yes' if ok else 'NO'}")
-    if not ok:
+    if not ok or patch_ok is False:
         raise SystemExit(1)
 
 
