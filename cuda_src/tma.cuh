@@ -38,6 +38,11 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
 }
 
+// This thread's plain arrival (a consumer releasing a stage to the producer).
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
+}
+
 __device__ __forceinline__ bool mbar_try_wait(u32 bar, u32 parity) {
     u32 done;
     asm volatile(
@@ -66,6 +71,27 @@ __device__ __forceinline__ void tma_load_4d(u32 dst, const TmaDesc* map, u32 bar
         "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], [%2];"
         :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
         : "memory");
+}
+
+// Warp specialization (sm_90a): a warpgroup gives registers back (the producer) or takes them (the
+// consumers). Every thread of the warpgroup must execute the same instruction.
+template <int N> __device__ __forceinline__ void setmaxnreg_dec() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(N));
+}
+template <int N> __device__ __forceinline__ void setmaxnreg_inc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(N));
+}
+
+// A barrier among `threads` threads (a multiple of 32) on named barrier `id` (1..15; 0 is
+// __syncthreads').
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(threads) : "memory");
+}
+
+// threadIdx.x / 128 as a value the compiler knows is the same across the warp (a shuffle from lane
+// 0), so that a branch on it is visibly warp-uniform.
+__device__ __forceinline__ int warpgroup_index() {
+    return __shfl_sync(0xffffffffu, (int)(threadIdx.x / 128), 0);
 }
 
 }  // namespace cuflash

@@ -52,6 +52,64 @@ def fwd_tma_mode() -> str:
     return "off" if v == "0" else "force" if v == "1" else "auto"
 
 
+def fwd_tma_config_for_target(target: str, head_dim: int, dtype: str, causal: bool = False) -> TileConfig:
+    """The tiles of the TMA variant: those of fwd_config_for_target, except at head_dim 256, where
+    128 x 64 fits without the cp.async kernel's spill (235 registers, NVRTC 13) and is faster.
+    Measured on an H100 (bench/dev/tma_tiles.py, bf16, 16k tokens, hidden 2048, TFLOP/s non-causal /
+    causal at seqlen 4k): head_dim 256 128x64 565 / 472, 128x32 451 / 369; head_dim 128 128x128
+    510 / 440, 128x192 486 / 436, 128x64 462 / 397; head_dim 64 128x64 406 / 367, 128x128 367 /
+    323, 192x128 368 / 315, 128x96 338 / 300."""
+    cfg = fwd_config_for_target(target, head_dim, dtype, causal)
+    if cfg.wgmma and head_dim == 256:
+        return TileConfig(128, 64, 8, wgmma=True)
+    return cfg
+
+
+# The warp-specialized sm_90a forward (cuda_src/flash_fwd_sm90_ws.cu; docs/hopper_plan.md step 2):
+# a TMA producer warpgroup and two wgmma consumer warpgroups of 64 query rows each; plain calls whose
+# q, k and v fit tensor maps (the TMA variant's conditions, cuflash/_launch.py _use_tma).
+FWD_WS_BLOCK_M = 128
+FWD_WS_THREADS = 384
+FWD_WS_STAGES = 2
+
+# (head_dim, causal) -> (BLOCK_N, STAGES) of the K / V rings, where the warp-specialized kernel is
+# the default. Measured on an H100 (bench/dev/tma_tiles.py --ws, bf16, 16k tokens, hidden 2048,
+# TFLOP/s at seqlen 4k / 16k; the TMA variant of flash_fwd_sm90.cu in brackets):
+#   d64  full:   n128 s3 424 / 440; n128 s2 408 / 423; n64 s2 364 / 389   (TMA 128x64: 406 / 425)
+#   d64  causal: n64 s2 341 / 391; n64 s4 339 / 392; n128 s2 332 / 376    (TMA 128x64: 367 / 398): TMA kept
+#   d128 full:   n128 s2 611 / 655; n128 s3 602 / 618                     (TMA 128x128: 510 / 536)
+#   d128 causal: n128 s3 506 / 620; n128 s2 509 / 557                     (TMA 128x128: 440 / 523)
+#   d256 full:   n64 s2 661 / 706                                         (TMA 128x64: 565 / 602)
+#   d256 causal: n64 s2 507 / 621                                         (TMA 128x64: 472 / 581)
+FWD_WS_TABLE = {(64, False): (128, 3), (128, False): (128, 2), (128, True): (128, 3), (256, False): (64, 2),
+                (256, True): (64, 2)}
+
+
+def fwd_ws_config(head_dim: int, causal: bool):
+    """(BLOCK_N, STAGES) of the warp-specialized forward for a plain call, or None where the table
+    keeps the TMA variant. CUFLASH_FWD_WS: "0" never; "1" at every head_dim it serves (64, 128, 256);
+    unset: the table. CUFLASH_FWD_WS_BLOCK_N and CUFLASH_FWD_WS_STAGES override the tiles (tuning runs,
+    bench/dev/tma_tiles.py)."""
+    import os
+
+    mode = os.environ.get("CUFLASH_FWD_WS", "")
+    if mode == "0" or head_dim not in WGMMA_FWD_HEAD_DIMS:
+        return None
+    cfg = FWD_WS_TABLE.get((head_dim, causal))
+    if cfg is None:
+        if mode != "1":
+            return None
+        cfg = (64 if head_dim > 128 else 128, FWD_WS_STAGES)
+    bn, stages = os.environ.get("CUFLASH_FWD_WS_BLOCK_N"), os.environ.get("CUFLASH_FWD_WS_STAGES")
+    return (int(bn) if bn else cfg[0], int(stages) if stages else cfg[1])
+
+
+def fwd_ws_smem_bytes(head_dim: int, block_n: int, stages: int = FWD_WS_STAGES) -> int:
+    """sQ (128 rows), the K and V rings, the mbarriers, and 1024 bytes of alignment slack. Must equal
+    FwdWsTraits::SMEM_BYTES."""
+    return FWD_WS_BLOCK_M * head_dim * 2 + 2 * stages * block_n * head_dim * 2 + 8 * (1 + 4 * stages) + 1024
+
+
 def fwd_smem_bytes(head_dim: int, cfg: TileConfig) -> int:
     """Dynamic shared memory of the forward kernel: sQ plus two stages of sK and sV (the wgmma
     kernel: unpadded swizzled tiles, plus 1024 bytes to align them)."""

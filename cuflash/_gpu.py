@@ -56,6 +56,7 @@ def precompile(head_dims=None, dtypes=None, causal=(False, True), backward=True,
                 raise ValueError(f"dtypes: {dt!r} is not supported; expected 'float16' or 'bfloat16'")
     specs = _launch.all_fwd_specializations(target, head_dims, dtypes, tuple(causal))
     specs += _launch.all_fwd_tma_specializations(target, head_dims, dtypes, tuple(causal))
+    specs += _launch.all_fwd_ws_specializations(target, head_dims, dtypes, tuple(causal))
     if backward:
         # both dQ paths where the dispatcher can select both (atomic=None)
         specs += _launch.all_bwd_specializations(target, head_dims, dtypes, tuple(causal))

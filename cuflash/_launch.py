@@ -63,6 +63,11 @@ FWD_TMA_PARAMS = _with_maps(FWD_PARAMS, ("map_k", "map_v"))
 _FWD_TMA_CHECKS_PARAMS = (_compile.params_layout_checks("cuflash", "FwdTmaParams", FWD_TMA_PARAMS) + "\n"
                           + _FWD_CHECKS_PARAMS)
 
+# Mirror of cuflash::FwdWsParams (cuda_src/flash_fwd_sm90_ws.cu): FwdParams, then the maps of Q, K, V.
+FWD_WS_PARAMS = _with_maps(FWD_PARAMS, ("map_q", "map_k", "map_v"))
+_FWD_WS_CHECKS_PARAMS = (_compile.params_layout_checks("cuflash", "FwdWsParams", FWD_WS_PARAMS) + "\n"
+                         + _FWD_CHECKS_PARAMS)
+
 # Mirror of cuflash::BwdParams (cuda_src/params.cuh).
 BWD_PARAMS = np.dtype(
     [(n, np.uint64) for n in ("q", "k", "v", "o", "dout", "lse", "dq", "dk", "dv", "dq_accum", "lse_log2", "delta")]
@@ -215,6 +220,38 @@ def fwd_specialization(dtype: str, head_dim: int, cfg: _config.TileConfig, causa
     return _compile.Specialization(source, expr, name, checks), smem
 
 
+def fwd_ws_specialization(dtype: str, head_dim: int, causal: bool, even: bool, block_n: int, stages: int):
+    """(spec, smem) of the warp-specialized sm_90a forward (cuda_src/flash_fwd_sm90_ws.cu)."""
+    short, ctype = _DTYPE_TAG[dtype]
+    bn = block_n
+    smem = _config.fwd_ws_smem_bytes(head_dim, bn, stages)
+    flags = f"{'true' if causal else 'false'}, {'true' if even else 'false'}"
+    expr = f"cuflash::flash_fwd_sm90_ws_kernel<{ctype}, {head_dim}, {bn}, {stages}, {flags}>"
+    name = (f"fwd90ws_{short}_d{head_dim}_m{_config.FWD_WS_BLOCK_M}_n{bn}_s{stages}"
+            f"_{'causal' if causal else 'full'}_{'even' if even else 'ragged'}")
+    checks = "\n".join([
+        _FWD_WS_CHECKS_PARAMS,
+        f"static_assert(cuflash::FwdWsTraits<{head_dim}, {bn}, {stages}>::SMEM_BYTES == {smem},"
+        f' "shared memory size differs from cuflash/_config.py:fwd_ws_smem_bytes");',
+    ])
+    return _compile.Specialization("flash_fwd_sm90_ws.cu", expr, name, checks), smem
+
+
+def all_fwd_ws_specializations(target: str, head_dims=None, dtypes=None, causal=(False, True)):
+    """The warp-specialized forward wherever cuflash/_config.py fwd_ws_config selects it; none on
+    targets other than sm_90a."""
+    if target != "sm_90a":
+        return []
+    out = []
+    for dtype in dtypes or _config.DTYPES:
+        for d in head_dims or _config.HEAD_DIMS:
+            for c in causal:
+                cfg = _config.fwd_ws_config(d, c)
+                if cfg is not None:
+                    out += [fwd_ws_specialization(dtype, d, c, e, *cfg) for e in (False, True)]
+    return out
+
+
 def all_fwd_specializations(target: str, head_dims=None, dtypes=None, causal=(False, True), even=(False, True)):
     """Every forward specialization the dispatcher can select for a compile target."""
     out = []
@@ -235,7 +272,7 @@ def all_fwd_tma_specializations(target: str, head_dims=None, dtypes=None, causal
     for dtype in dtypes or _config.DTYPES:
         for d in head_dims or _config.HEAD_DIMS:
             for c in causal:
-                cfg = _config.fwd_config_for_target(target, d, dtype, c)
+                cfg = _config.fwd_tma_config_for_target(target, d, dtype, c)
                 if cfg.wgmma and d % 64 == 0:
                     out += [fwd_specialization(dtype, d, cfg, c, e, tma=True) for e in (False, True)]
     return out
@@ -547,10 +584,20 @@ def fwd_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTen
         cfg = cfg or _config.feat_fwd_config(target, head_dim, dtype, narrow)
         spec, smem = fwd_specialization(dtype, head_dim, cfg, False, False, feat=True)
     else:
+        chosen = cfg is not None
         cfg = cfg or _config.fwd_config_for_target(target, head_dim, dtype, causal)
-        even = seqlen_q % cfg.block_m == 0 and seqlen_k % cfg.block_n == 0
         tma = cfg.wgmma and _use_tma(k, v, cfg.block_n, dtype)
-        spec, smem = fwd_specialization(dtype, head_dim, cfg, causal, even, tma=tma)
+        ws = None if chosen or not tma else _config.fwd_ws_config(head_dim, causal)
+        if ws and _use_tma(q, q, _config.FWD_WS_BLOCK_M, dtype) and _use_tma(k, v, ws[0], dtype):
+            cfg = _config.TileConfig(_config.FWD_WS_BLOCK_M, ws[0], _config.FWD_WS_THREADS // 32, wgmma=True)
+            even = seqlen_q % cfg.block_m == 0 and seqlen_k % cfg.block_n == 0
+            spec, smem = fwd_ws_specialization(dtype, head_dim, causal, even, *ws)
+        else:
+            if tma and not chosen:
+                cfg = _config.fwd_tma_config_for_target(target, head_dim, dtype, causal)
+                tma = _use_tma(k, v, cfg.block_n, dtype)  # the maps' box is the tile's rows
+            even = seqlen_q % cfg.block_m == 0 and seqlen_k % cfg.block_n == 0
+            spec, smem = fwd_specialization(dtype, head_dim, cfg, causal, even, tma=tma)
     num_m_blocks = -(-seqlen_q // cfg.block_m)
     grid = batch * nheads * num_m_blocks
     if grid > MAX_GRID_X:
@@ -560,8 +607,9 @@ def fwd_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTen
         return []
     fn = _compile.get_function(spec, target, device_id, smem)
 
+    ws = spec.name.startswith("fwd90ws_")
     tma = spec.name.endswith("_tma")
-    p = np.zeros((), dtype=FWD_TMA_PARAMS if tma else FWD_PARAMS)
+    p = np.zeros((), dtype=FWD_WS_PARAMS if ws else FWD_TMA_PARAMS if tma else FWD_PARAMS)
     ptrs = _tensor_ptrs((("q", q), ("k", k), ("v", v), ("o", o)))
     ptrs["lse"] = lse_ptr
     _set_strides(p, (("q", q), ("k", k), ("v", v), ("o", o)))
@@ -571,11 +619,11 @@ def fwd_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTen
     p["scale_log2"] = softmax_scale * LOG2E
     if mask is not None:
         ptrs.update(_set_mask(p, mask, softmax_scale, nheads, seqlen_q))
-    if tma:
+    if tma or ws:
         from . import _tma
 
-        maps = [(name, t.ptr, _tma.MapCache(t.shape, t.strides, cfg.block_n, dtype)) for name, t in
-                (("map_k", k), ("map_v", v))]
+        maps = [(name, t.ptr, _tma.MapCache(t.shape, t.strides, rows, dtype)) for name, t, rows in
+                (("map_k", k, cfg.block_n), ("map_v", v, cfg.block_n)) + ((("map_q", q, cfg.block_m),) if ws else ())]
         return [TmaLaunch(spec.name, fn.ptr, grid, cfg.warps * 32, smem, p, ptrs, device_id, maps)]
     return [Launch(spec.name, fn.ptr, grid, cfg.warps * 32, smem, p, ptrs, device_id)]
 

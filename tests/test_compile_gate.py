@@ -55,11 +55,14 @@ def _all_specs(kind, target):
 
         specs = _tma.all_probe_specializations(target)
         assert len(specs) == (len(_tma.PROBE_SHAPES) if target == "sm_90a" else 0)
-        # ... and the forward's experimental TMA variant (CUFLASH_FWD_TMA=1): every plain wgmma forward.
+        # ... and the forward's TMA variant (plain calls on sm_90a): every plain wgmma forward, with its tiles.
         tma_fwd = _launch.all_fwd_tma_specializations(target)
         n_wgmma = sum(spec.name.startswith("fwd90_") for spec, _ in _launch.all_fwd_specializations(target))
         assert len(tma_fwd) == n_wgmma and all(spec.name.endswith("_tma") for spec, _ in tma_fwd)
-        return specs + tma_fwd
+        # ... and the warp-specialized forward: every (head_dim, causal) of its table, even and ragged.
+        ws_fwd = _launch.all_fwd_ws_specializations(target)
+        assert len(ws_fwd) == (len(_config.DTYPES) * len(_config.FWD_WS_TABLE) * 2 if target == "sm_90a" else 0)
+        return specs + tma_fwd + ws_fwd
     if kind == "fwd":
         specs = _launch.all_fwd_specializations(target)
         # One specialization per (dtype, head_dim, causal, even): nothing may be left out.

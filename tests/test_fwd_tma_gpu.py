@@ -1,4 +1,4 @@
-"""The sm_90a forward's experimental TMA variant (CUFLASH_FWD_TMA=1; docs/hopper_plan.md step 1):
+"""The sm_90a forward's TMA variant (flash_fwd_sm90.cu with TMA; docs/hopper_plan.md step 1):
 K and V through tensor maps and mbarriers instead of cp.async (cuda_src/flash_fwd_sm90.cu, TMA).
 Checked as the default kernels are (tests/test_gpu_forward.py's run_and_check: float64 reference,
 2x the naive error, NaN-poisoned allocators): both dtypes, head_dim 64 / 128 / 256, causal or not,
@@ -16,15 +16,20 @@ torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture
-def tma_on(monkeypatch):
+def record_tma_launches(monkeypatch, **env):
+    """Skips below sm_90; sets (value) or removes (None) the environment variables; clears the plan
+    cache; returns the list that collects the name of every TmaLaunch fired from now on."""
     if not torch.cuda.is_available():
         pytest.skip("torch has no CUDA device")
     if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the TMA variant is sm_90a's")
+        pytest.skip("the TMA kernels are sm_90a's")
     from cuflash import _launch, _plan
 
-    monkeypatch.setenv("CUFLASH_FWD_TMA", "1")
+    for name, value in env.items():
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
     _plan.CACHE.clear()
     names = []
     real = _launch.TmaLaunch.fire
@@ -34,7 +39,15 @@ def tma_on(monkeypatch):
         return real(self, stream, ptrs)
 
     monkeypatch.setattr(_launch.TmaLaunch, "fire", fire)
-    yield names
+    return names
+
+
+@pytest.fixture
+def tma_on(monkeypatch):
+    # this file checks flash_fwd_sm90.cu's TMA variant itself, not the warp-specialized kernel
+    yield record_tma_launches(monkeypatch, CUFLASH_FWD_TMA="1", CUFLASH_FWD_WS="0")
+    from cuflash import _plan
+
     _plan.CACHE.clear()
 
 
@@ -65,13 +78,15 @@ def test_tma_forward(tma_on, dtype, head_dim, causal, seqlen_q, seqlen_k, nheads
 
 
 def test_default_mode_uses_tma_where_maps_patch(tma_on, monkeypatch):
-    """Without CUFLASH_FWD_TMA, a plain sm_90a forward takes the TMA variant exactly when the driver's
-    maps of the layout follow the one-word rule (cuflash/_tma.py learn_patch), and then the patched
-    maps equal the driver's own at the call's real pointers. Results checked as above."""
+    """Without CUFLASH_FWD_TMA, a plain sm_90a forward takes a TMA kernel (the TMA variant, or the
+    warp-specialized kernel where its table has the shape) exactly when the driver's maps of the
+    layout follow the one-word rule (cuflash/_tma.py learn_patch), and then the patched maps equal
+    the driver's own at the call's real pointers. Results checked as above."""
     import cuflash
     from cuflash import _config, _plan, _tma
 
     monkeypatch.delenv("CUFLASH_FWD_TMA")
+    monkeypatch.delenv("CUFLASH_FWD_WS")
     _plan.CACHE.clear()
     seed = fresh_seed()
     torch.manual_seed(seed)

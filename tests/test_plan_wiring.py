@@ -106,8 +106,8 @@ def dev(monkeypatch):
 
     def launch_kernel(fn, gx, gy, gz, bx, by, bz, smem, stream, argv_ptr, extra):
         name = names[fn]
-        dtype = (_launch.FWD_TMA_PARAMS if name.endswith("_tma") else
-                 next(d for prefix, d in SIZES.items() if name.startswith(prefix)))
+        dtype = (_launch.FWD_TMA_PARAMS if name.endswith("_tma") else _launch.FWD_WS_PARAMS if name.startswith("fwd90ws_")
+                 else next(d for prefix, d in SIZES.items() if name.startswith(prefix)))
         params_ptr = ctypes.c_uint64.from_address(argv_ptr).value
         raw = ctypes.string_at(params_ptr, dtype.itemsize)
         launched.append(dict(name=name, grid=gx, threads=bx, smem=smem, stream=stream,
@@ -279,7 +279,8 @@ def test_varlen_tail_fill_and_packed_views(dev):
 
 def fake_tma_driver(monkeypatch, word, record):
     """Replaces cuTensorMapEncodeTiled (cuflash/_tma.py) with a stand-in whose map word i is
-    word(ptr, i, dims, box, strides), clears the learned patches and forces CUFLASH_FWD_TMA=1.
+    word(ptr, i, dims, box, strides), clears the learned patches, forces CUFLASH_FWD_TMA=1 and turns
+    the warp-specialized kernel off (CUFLASH_FWD_WS=0).
     Returns the list of record(ptr, dims, rank, strides, box, swizzle) of every encode."""
     from cuflash import _tma
 
@@ -295,6 +296,7 @@ def fake_tma_driver(monkeypatch, word, record):
     monkeypatch.setattr(_tma, "_driver_encode", lambda: encode)
     monkeypatch.setattr(_tma, "_patches", {})
     monkeypatch.setenv("CUFLASH_FWD_TMA", "1")
+    monkeypatch.setenv("CUFLASH_FWD_WS", "0")  # flash_fwd_sm90.cu's TMA variant, not the warp-specialized kernel
     return calls
 
 
@@ -366,6 +368,62 @@ def test_fwd_tma_patched_maps_wiring(dev, monkeypatch):
             assert L["p"][field].tobytes() == want, field
         del calls[n:]
     assert len(calls) == 6, f"expected only the 6 encodes that learn the layout, got {len(calls)}"
+    # head_dim 256: the TMA variant's own tiles (128 x 64; the cp.async kernel's are 128 x 32), and
+    # its maps' box has the tile's 64 rows.
+    q, k, v = arr(rng, (1, 100, 2, 256)), arr(rng, (1, 300, 2, 256)), arr(rng, (1, 300, 2, 256))
+    cuflash.attention(q, k, v, causal=True)
+    assert "_d256_m128_n64_" in launched[-1]["name"] and launched[-1]["name"].endswith("_tma"), launched[-1]["name"]
+    assert launched[-1]["p"]["map_k"].tobytes() == _tma.kv_map(addr(k), k.shape, (300 * 512, 512, 256, 1), 64,
+                                                                "float16")
+    monkeypatch.setenv("CUFLASH_FWD_TMA", "0")
+    _plan.CACHE.clear()
+    cuflash.attention(q, k, v, causal=True)
+    assert "_d256_m128_n32_" in launched[-1]["name"] and not launched[-1]["name"].endswith("_tma")
+
+
+def test_fwd_ws_wiring(dev, monkeypatch):
+    """CUFLASH_FWD_WS=1: a plain sm_90a forward whose q, k and v fit tensor maps runs the
+    warp-specialized kernel (cuda_src/flash_fwd_sm90_ws.cu): 384 threads, one block per (batch, head,
+    128 rows), FwdWsParams (FwdParams, then the maps of q with 128-row boxes and of k and v with
+    BLOCK_N-row boxes, each the driver's map of the call's pointer) and its shared memory; calls with
+    options keep the feature kernel."""
+    from cuflash import _config, _tma
+
+    fake_tma_driver(monkeypatch, lambda ptr, i, dims, box, strides: (
+        ptr if i == 0 else 77 * i + dims[1] + box[1] + strides[0]), lambda ptr, *rest: ptr)
+    monkeypatch.delenv("CUFLASH_FWD_TMA")
+    monkeypatch.setenv("CUFLASH_FWD_WS", "1")
+    ad, launched = dev
+    rng = np.random.default_rng()
+    for d, bn, stages in ((64, 128, 2), (128, 128, 3), (256, 64, 2)):  # the table's (or, at d64 causal, the default)
+        q = arr(rng, (2, 300, 4, d))
+        k, v = arr(rng, (2, 500, 2, d)), arr(rng, (2, 500, 2, d))
+        cuflash.attention(q, k, v, causal=True)
+        L = launched[-1]
+        assert L["name"] == f"fwd90ws_f16_d{d}_m128_n{bn}_s{stages}_causal_ragged", L["name"]
+        assert L["threads"] == 384 and L["grid"] == 2 * 4 * 3
+        assert L["smem"] == _config.fwd_ws_smem_bytes(d, bn, stages)
+        check_tensor(L["p"], "q", q)
+        check_tensor(L["p"], "k", k)
+        for field, t, rows in (("map_q", q, 128), ("map_k", k, bn), ("map_v", v, bn)):
+            strides = tuple(x // t.itemsize for x in t.strides)
+            assert L["p"][field].tobytes() == _tma.kv_map(addr(t), t.shape, strides, rows, "float16"), field
+    cuflash.attention(q, k, v, window=(8, 0))
+    assert not launched[-1]["name"].startswith("fwd90ws_")
+    # Without the setting: the table (cuflash/_config.py FWD_WS_TABLE): head_dim 64 causal keeps the
+    # TMA variant, head_dim 128 non-causal takes the warp-specialized kernel with 2 stages.
+    monkeypatch.delenv("CUFLASH_FWD_WS")
+    _plan.CACHE.clear()
+    q, k, v = arr(rng, (2, 256, 4, 64)), arr(rng, (2, 256, 2, 64)), arr(rng, (2, 256, 2, 64))
+    cuflash.attention(q, k, v, causal=True)
+    assert launched[-1]["name"] == "fwd90_f16_d64_m128_n64_causal_even_tma", launched[-1]["name"]
+    q, k, v = arr(rng, (2, 256, 4, 128)), arr(rng, (2, 256, 2, 128)), arr(rng, (2, 256, 2, 128))
+    cuflash.attention(q, k, v)
+    assert launched[-1]["name"] == "fwd90ws_f16_d128_m128_n128_s2_full_even", launched[-1]["name"]
+    monkeypatch.setenv("CUFLASH_FWD_WS", "0")
+    _plan.CACHE.clear()
+    cuflash.attention(q, k, v)
+    assert launched[-1]["name"] == "fwd90_f16_d128_m128_n128_full_even_tma", launched[-1]["name"]
 
 
 def test_explicit_plan_rejects_other_signature(dev):

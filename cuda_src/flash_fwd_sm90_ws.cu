@@ -1,0 +1,230 @@
+// flash_fwd_sm90_ws.cu: exact attention forward for Hopper (sm_90a), warp-specialized: one producer
+// warpgroup loads with TMA, two consumer warpgroups compute on wgmma (docs/hopper_plan.md step 2).
+//
+// Algorithm: the online-softmax tiling of flash_fwd_sm90.cu, with the same products and the same
+// overlap inside each consumer warpgroup (S_j = Q K_j^T is issued with O += P_(j-1) V_(j-1); the
+// softmax of tile j runs while the P V product still runs). Nothing of size seqlen_q x seqlen_k ever
+// reaches device memory. Plain calls only (no FEAT options).
+//
+// Grid: one block per (batch, head, 128 query rows), the 1-D mapping of blocks.cuh (longest causal
+// blocks first). 384 threads, three warpgroups:
+//   producer  (warpgroup 0): gives registers back (setmaxnreg.dec 24); one thread issues every TMA
+//             copy: Q once, then K_j and V_j for j = 0 .. n_blocks - 1, into STAGES-deep rings;
+//   consumers (warpgroups 1, 2): take registers (setmaxnreg.inc 240); consumer c owns query rows
+//             [64 c, 64 c + 64) of the block and runs the loop of flash_fwd_sm90.cu on them, with no
+//             block-wide barrier: each waits for its tiles on mbarriers and releases them on others.
+//
+// Barrier protocol (mbarriers in shared memory after the V ring; "wait(b, n)" = wait until phase n of
+// b has completed, i.e. parity n % 2):
+//   q_full          count 1: the producer's expect_tx arrival; Q's bytes complete it (phase 0 only).
+//   k_full[s]       count 1: the producer arms it with a K tile's bytes before the copies.
+//   v_full[s]       count 1: likewise for V.
+//   k_empty[s]      count 8: lane 0 of each of the 8 consumer warps arrives once its wgmma that read
+//                   the K tile of stage s has retired (after wgmma_wait<1> in iteration j).
+//   v_empty[s]      count 8: likewise after the P V product that read stage s (wgmma_wait<0>).
+// K_j and V_j go to stage s = j % STAGES. Iteration j of a consumer reads K_j and V_(j-1), whose
+// stage is (j - 1) mod STAGES; "V_(-1)", read by iteration 0 with P = 0 (a product issued rather than
+// branched around, as in flash_fwd_sm90.cu), is stage STAGES - 1 zero-filled by all threads before
+// the warpgroups split. So stage STAGES - 1 of V has one use before V_(STAGES-1) lands, and the
+// producer, before its u-th load into a stage (u counting from 0, V_(-1) included), waits for phase
+// u - 1 of that stage's empty barrier. The producer runs at most STAGES tiles ahead; a consumer's
+// wait on a full barrier for tile j is phase j / STAGES.
+//
+// Shared memory: sQ (128 x HEAD_DIM), sK[STAGES], sV[STAGES] (BLOCK_N x HEAD_DIM), all SW128 panels
+// (wgmma_util.cuh) filled by TMA (tma.cuh; box {64 columns, rows}: one copy per panel, rows past the
+// tensor's end as zeros), then the barriers. Each consumer writes its O rows out through its own rows
+// of sQ. Causal alignment, the empty-row convention, FwdParams and the grid mapping are those of
+// flash_fwd.cu.
+#include "blocks.cuh"
+#include "common.cuh"
+#include "fwd_sm90_steps.cuh"
+#include "params.cuh"
+#include "softmax.cuh"
+#include "tma.cuh"
+#include "wgmma.cuh"
+#include "wgmma_util.cuh"
+
+namespace cuflash {
+
+// FwdParams, then the tensor maps of Q (box rows 128), K and V (box rows BLOCK_N). Must match
+// cuflash/_launch.py FWD_WS_PARAMS.
+struct FwdWsParams : FwdParams {
+    TmaDesc map_q;
+    TmaDesc map_k;
+    TmaDesc map_v;
+};
+
+template <int HEAD_DIM, int BLOCK_N, int STAGES>
+struct FwdWsTraits {
+    static constexpr int BLOCK_M = 128;
+    static constexpr int THREADS = 384;
+    static constexpr int N_TILES = BLOCK_N / 8;
+    static constexpr int D_TILES = HEAD_DIM / 8;
+    static constexpr int SQ_BYTES = BLOCK_M * HEAD_DIM * 2;
+    static constexpr int SKV_BYTES = BLOCK_N * HEAD_DIM * 2;
+    static constexpr int BAR_BYTES = 8 * (1 + 4 * STAGES);
+    // sQ, sK[STAGES], sV[STAGES], the barriers, plus 1024 bytes to align the start to 1024. Must
+    // equal cuflash/_config.py:fwd_ws_smem_bytes.
+    static constexpr int SMEM_BYTES = SQ_BYTES + 2 * STAGES * SKV_BYTES + BAR_BYTES + 1024;
+    static constexpr int PRODUCER_REGS = 24;
+    static constexpr int CONSUMER_REGS = 240;
+
+    static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM <= 256, "head_dim: a multiple of 64 up to 256");
+    static_assert(BLOCK_N % 16 == 0 && BLOCK_N <= 256 && STAGES >= 2, "tile shape");
+};
+
+template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES, bool IS_CAUSAL, bool IS_EVEN>
+__global__ void __launch_bounds__(384, 1)
+flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
+    using Tr = FwdWsTraits<HEAD_DIM, BLOCK_N, STAGES>;
+    using Ops = ElemOps<T>;
+    constexpr int BLOCK_M = Tr::BLOCK_M, N_TILES = Tr::N_TILES;
+    constexpr int PV_STEPS = BLOCK_N / 16;
+
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    unsigned char* sQ_ptr;
+    const u32 sQ = smem_aligned_1024(smem_raw, sQ_ptr);
+    const u32 sK = sQ + Tr::SQ_BYTES;
+    const u32 sV = sK + STAGES * Tr::SKV_BYTES;
+    const u32 s_bar = sV + STAGES * Tr::SKV_BYTES;
+    const u32 bar_q = s_bar;
+    auto k_full = [&](int s) { return s_bar + 8u * (u32)(1 + s); };
+    auto v_full = [&](int s) { return s_bar + 8u * (u32)(1 + STAGES + s); };
+    auto k_empty = [&](int s) { return s_bar + 8u * (u32)(1 + 2 * STAGES + s); };
+    auto v_empty = [&](int s) { return s_bar + 8u * (u32)(1 + 3 * STAGES + s); };
+
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const int g = lane / 4, t = lane % 4;
+    if (tid == 0 && dynamic_smem_bytes() < (u32)Tr::SMEM_BYTES) __trap();
+
+    const int sq = p.seqlen_q, sk = p.seqlen_k;
+    const QueryBlock blk = query_block<BLOCK_M, BLOCK_N, IS_CAUSAL>(blockIdx.x, p.num_m_blocks, p.nheads, p.head_group, sq, sk);
+    const int h = blk.h, b = blk.b, h_kv = blk.h_kv, m0 = blk.m0;
+    const int n_blocks = blk.n_blocks;
+
+    if (tid == 0) {
+        mbar_init(bar_q, 1);
+#pragma unroll
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(k_full(s), 1);
+            mbar_init(v_full(s), 1);
+            mbar_init(k_empty(s), 8);
+            mbar_init(v_empty(s), 8);
+        }
+        fence_mbar_init();
+    }
+    // "V_(-1)": stage STAGES - 1 of V, zero-filled with ordinary stores; the fence orders them before
+    // the async proxy's reads (wgmma) and writes (the producer's later copy into this stage).
+    for (int i = tid; i < Tr::SKV_BYTES / 16; i += Tr::THREADS)
+        asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};" :: "r"(sV + (STAGES - 1) * Tr::SKV_BYTES + 16 * i),
+                     "r"(0u) : "memory");
+    fence_proxy_async();
+    __syncthreads();  // barriers initialized, V_(-1) zeroed: the warpgroups go their ways
+
+    const int wg = warpgroup_index();
+    if (wg == 0) {
+        // ---------------- producer ----------------
+        setmaxnreg_dec<Tr::PRODUCER_REGS>();
+        if (tid == 0) {
+            tma_prefetch_desc(&p.map_q);
+            tma_prefetch_desc(&p.map_k);
+            tma_prefetch_desc(&p.map_v);
+            mbar_arrive_expect_tx(bar_q, Tr::SQ_BYTES);
+#pragma unroll
+            for (int c = 0; c < HEAD_DIM / 64; ++c) tma_load_4d(sQ + c * BLOCK_M * 128, &p.map_q, bar_q, c * 64, m0, h, b);
+            for (int j = 0; j < n_blocks; ++j) {
+                const int s = j % STAGES, u = j / STAGES, n = j * BLOCK_N;
+                if (u > 0) mbar_wait(k_empty(s), (u - 1) & 1);
+                mbar_arrive_expect_tx(k_full(s), Tr::SKV_BYTES);
+#pragma unroll
+                for (int c = 0; c < HEAD_DIM / 64; ++c)
+                    tma_load_4d(sK + s * Tr::SKV_BYTES + c * BLOCK_N * 128, &p.map_k, k_full(s), c * 64, n, h_kv, b);
+                const int uv = u + (s == STAGES - 1 ? 1 : 0);  // earlier uses of V stage s, V_(-1) included
+                if (uv > 0) mbar_wait(v_empty(s), (uv - 1) & 1);
+                mbar_arrive_expect_tx(v_full(s), Tr::SKV_BYTES);
+#pragma unroll
+                for (int c = 0; c < HEAD_DIM / 64; ++c)
+                    tma_load_4d(sV + s * Tr::SKV_BYTES + c * BLOCK_N * 128, &p.map_v, v_full(s), c * 64, n, h_kv, b);
+            }
+        }
+        return;
+    }
+
+    // ---------------- consumers ----------------
+    setmaxnreg_inc<Tr::CONSUMER_REGS>();
+    const int cw = wg - 1;                                  // consumer 0 or 1: rows [64 cw, 64 cw + 64)
+    const int warp_row0 = cw * 64 + (warp % 4) * 16;        // this warp's first row in the block
+    const u32 sQ_wg = sQ + cw * 64 * 128;
+
+    float acc_o[HEAD_DIM / 2];
+#pragma unroll
+    for (int i = 0; i < HEAD_DIM / 2; ++i) acc_o[i] = 0.f;
+    OnlineSoftmax<1, N_TILES> softmax;
+    softmax.init();
+    u32 pa[PV_STEPS][4];  // P of the previous tile, as wgmma A fragments (one per k16 step of keys)
+#pragma unroll
+    for (int kk = 0; kk < PV_STEPS; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
+
+    mbar_wait(bar_q, 0);
+    for (int j = 0; j < n_blocks; ++j) {
+        const int s = j % STAGES;
+        const int sp = (j + STAGES - 1) % STAGES;  // V_(j-1)'s stage (V_(-1): STAGES - 1)
+        mbar_wait(k_full(s), (j / STAGES) & 1);
+        if (j > 0) mbar_wait(v_full(sp), ((j - 1) / STAGES) & 1);
+
+        float sc_[BLOCK_N / 2];
+        wgmma_fence();
+        wgmma_ss_kmajor<T, BLOCK_N, HEAD_DIM, BLOCK_M, BLOCK_N>(sc_, sQ_wg, sK + s * Tr::SKV_BYTES);
+        wgmma_commit();
+        // At j == 0 P is all zeros (pa was zeroed) and the stage holds zeros: the product adds 0.
+        wgmma_rs_mnmajor<T, HEAD_DIM, PV_STEPS, BLOCK_N>(acc_o, pa, sV + sp * Tr::SKV_BYTES);
+        wgmma_commit();
+        wgmma_wait<1>();
+        fence_regs(sc_);
+        if (lane == 0) mbar_arrive(k_empty(s));  // this warp is done with K_j
+
+        // ---- mask, only on tiles that need it ----
+        mask_plain_tile<BLOCK_N, IS_CAUSAL, IS_EVEN>(sc_, j * BLOCK_N, m0 + warp_row0, g, t, sq, sk);
+
+        float alpha[1][2];
+        softmax.update(*reinterpret_cast<float(*)[1][N_TILES][4]>(&sc_), p.scale_log2, alpha);
+
+        wgmma_wait<0>();
+        fence_regs(acc_o);
+        fence_regs(pa);
+        if (lane == 0) mbar_arrive(v_empty(sp));  // this warp is done with V_(j-1)
+        rescale_and_pack<Ops, HEAD_DIM, BLOCK_N>(acc_o, alpha, pa, sc_);
+    }
+
+    if (n_blocks > 0) {
+        const int sp = (n_blocks - 1) % STAGES;
+        mbar_wait(v_full(sp), ((n_blocks - 1) / STAGES) & 1);
+        wgmma_fence();
+        wgmma_rs_mnmajor<T, HEAD_DIM, PV_STEPS, BLOCK_N>(acc_o, pa, sV + sp * Tr::SKV_BYTES);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(acc_o);
+    }
+    // This consumer's four warps are done reading its rows of sQ: O goes out through them.
+    named_barrier_sync(1 + cw, 128);
+
+    // ---- epilogue: O /= l, lse, O through this warp's 16 rows of sQ ----
+    float inv_l[1][2], lse[1][2];
+    softmax.finalize(inv_l, lse);
+    o_rows_to_smem<Ops, HEAD_DIM, BLOCK_M>(sQ_ptr, acc_o, inv_l, warp_row0, g, t);
+    // lse == nullptr: the caller wants only O (an eager forward with no gradient and no lse).
+    if (t == 0 && p.lse != nullptr) {
+        float* g_lse = p.lse + ((i64)b * p.nheads + h) * sq;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = m0 + warp_row0 + g + r * 8;
+            if (IS_EVEN || row < sq) g_lse[row] = lse[0][r];
+        }
+    }
+    __syncwarp();
+
+    T* gO = static_cast<T*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride + m0 * p.o_row_stride;
+    o_rows_to_global<T, HEAD_DIM, BLOCK_M, IS_EVEN>(gO, p.o_row_stride, sQ_ptr, warp_row0, lane, m0, sq);
+}
+
+}  // namespace cuflash

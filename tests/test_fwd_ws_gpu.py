@@ -1,0 +1,47 @@
+"""The warp-specialized sm_90a forward (cuda_src/flash_fwd_sm90_ws.cu, CUFLASH_FWD_WS=1;
+docs/hopper_plan.md step 2): a TMA producer warpgroup and two wgmma consumers synchronized by
+mbarriers. Checked as the default kernels are (tests/test_gpu_forward.py's run_and_check: float64
+reference, 2x the naive error, NaN-poisoned allocators) on tests/test_fwd_tma_gpu.py's cases (both
+dtypes, head_dim 64 / 128 / 256, causal or not, ragged lengths, GQA, strided layouts) and on shapes
+that wrap the rings many times or leave rows with no key. The launched kernel's name is checked, so a
+fallback cannot pass for it. Marked gpu; skipped below sm_90."""
+
+import pytest
+
+from test_fwd_tma_gpu import CASES, record_tma_launches
+from test_gpu_forward import fresh_seed, make_qkv, run_and_check
+
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.gpu
+
+MORE = [  # dtype, head_dim, causal, seqlen_q, seqlen_k, nheads, nheads_kv, layout
+    ("float16", 64, False, 2048, 4096, 4, 4, "bshd"),     # 32 key tiles: the rings wrap 16 times
+    ("bfloat16", 128, True, 2048, 512, 4, 1, "bshd"),     # bottom-right causal: early rows see no key
+    ("bfloat16", 256, True, 1500, 1500, 2, 1, "bhsd"),
+    ("float16", 128, False, 129, 1, 2, 2, "bshd"),        # one key
+]
+
+
+@pytest.fixture
+def ws_on(monkeypatch):
+    yield record_tma_launches(monkeypatch, CUFLASH_FWD_WS="1", CUFLASH_FWD_TMA=None)
+    from cuflash import _plan
+
+    _plan.CACHE.clear()
+
+
+@pytest.mark.parametrize("dtype,head_dim,causal,seqlen_q,seqlen_k,nheads,nheads_kv,layout", CASES + MORE)
+def test_ws_forward(ws_on, dtype, head_dim, causal, seqlen_q, seqlen_k, nheads, nheads_kv, layout):
+    import cuflash
+    from cuflash import _tma
+
+    seed = fresh_seed()
+    torch.manual_seed(seed)
+    q, k, v = make_qkv(2, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, getattr(torch, dtype), layout)
+    label = f"ws {dtype} d{head_dim} causal={causal} {seqlen_q}x{seqlen_k} h{nheads}/{nheads_kv} {layout}"
+    run_and_check(cuflash, q, k, v, causal=causal, seed=seed, label=label)
+    patched = all(_tma.layout_patch(tuple(t.shape), tuple(t.stride()), rows, dtype) is not None
+                  for t, rows in ((q, 128), (k, 64 if head_dim > 128 else 128), (v, 64 if head_dim > 128 else 128)))
+    if patched:
+        assert ws_on and all(n.startswith("fwd90ws_") for n in ws_on), (label, ws_on)
