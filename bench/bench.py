@@ -300,14 +300,25 @@ def cuflash_specs(configs, passes, target):
     for cfg in configs:
         d, dt, c, s = cfg["head_dim"], cfg["dtype"], cfg["causal"], cfg["seqlen"]
         fc = _config.fwd_config_for_target(target, d, dt, c)
-        spec, smem = _launch.fwd_specialization(dt, d, fc, c, s % fc.block_m == 0 and s % fc.block_n == 0)
+        # On sm_90a the plain forward loads by TMA (the tensors here are contiguous: their maps patch),
+        # warp-specialized where the table says so.
+        tma = fc.wgmma and d % 64 == 0 and _config.fwd_tma_mode() != "off"
+        ws = _config.fwd_ws_config(d, c) if tma else None
+        if ws:
+            spec, smem = _launch.fwd_ws_specialization(dt, d, c, s % _config.FWD_WS_BLOCK_M == 0 and s % ws[0] == 0,
+                                                       *ws)
+        else:
+            if tma:
+                fc = _config.fwd_tma_config_for_target(target, d, dt, c)
+            spec, smem = _launch.fwd_specialization(dt, d, fc, c, s % fc.block_m == 0 and s % fc.block_n == 0, tma=tma)
         seen.setdefault(spec.expression, (spec, smem))
         if needs_backward(passes):
             bc, qc = _config.bwd_config_for_target(target, d, dt), _config.bwd_dq_config(family, d, dt)
             even_kv = s % bc.block_m == 0 and s % bc.block_n == 0
             even_q = s % qc.block_m == 0 and s % qc.block_n == 0
             atomic = _launch.bwd_uses_atomics(False, target, d)
-            for spec, smem, _ in _launch.bwd_specializations(dt, d, target, c, even_kv, even_q, atomic):
+            btma = bc.wgmma and _config.bwd_tma_enabled() and _config.fwd_tma_mode() != "off"
+            for spec, smem, _ in _launch.bwd_specializations(dt, d, target, c, even_kv, even_q, atomic, tma=btma):
                 seen.setdefault(spec.expression, (spec, smem))
     return list(seen.values())
 
@@ -321,7 +332,7 @@ def pick_compile_subset(specs, n):
         return int(m.group(1)) if m else 0
     ordered = sorted(specs, key=lambda x: -hd(x[0]))
     chosen = []
-    for prefix in ("fwd_", "bwd_dkdv_", "bwd_dq_", "bwd_"):
+    for prefix in ("fwd", "bwd90_dkdv_", "bwd_dkdv_", "bwd_dq_", "bwd_"):
         for item in ordered:
             if item[0].name.startswith(prefix) and item not in chosen:
                 chosen.append(item)
