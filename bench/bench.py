@@ -317,8 +317,7 @@ def cuflash_specs(configs, passes, target):
             even_kv = s % bc.block_m == 0 and s % bc.block_n == 0
             even_q = s % qc.block_m == 0 and s % qc.block_n == 0
             atomic = _launch.bwd_uses_atomics(False, target, d)
-            btma = bc.wgmma and _config.bwd_tma_enabled() and _config.fwd_tma_mode() != "off"
-            for spec, smem, _ in _launch.bwd_specializations(dt, d, target, c, even_kv, even_q, atomic, tma=btma):
+            for spec, smem, _ in _launch.bwd_specializations(dt, d, target, c, even_kv, even_q, atomic):
                 seen.setdefault(spec.expression, (spec, smem))
     return list(seen.values())
 

@@ -74,7 +74,8 @@ FWD_WS_STAGES = 2
 
 # (head_dim, causal) -> (BLOCK_N, STAGES) of the K / V rings, where the warp-specialized kernel is
 # the default. Measured on an H100 (bench/dev/tma_tiles.py --ws, bf16, 16k tokens, hidden 2048,
-# TFLOP/s at seqlen 4k / 16k; the TMA variant of flash_fwd_sm90.cu in brackets):
+# TFLOP/s at seqlen 4k / 16k; the TMA variant of flash_fwd_sm90.cu in brackets, from the same
+# script's run one device call earlier):
 #   d64  full:   n128 s3 424 / 440; n128 s2 408 / 423; n64 s2 364 / 389   (TMA 128x64: 406 / 425)
 #   d64  causal: n64 s2 341 / 391; n64 s4 339 / 392; n128 s2 332 / 376    (TMA 128x64: 367 / 398): TMA kept
 #   d128 full:   n128 s2 611 / 655; n128 s3 602 / 618                     (TMA 128x128: 510 / 536)
