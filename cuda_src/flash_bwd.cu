@@ -319,7 +319,9 @@ flash_bwd_dkdv_kernel(const __grid_constant__ BwdParams p) {
                     const int kl = kg * 16 + g + (e / 2) * 8;              // key within the block
                     const int ql = cg * Tr::A_COLS + nt * 8 + 2 * t + (e % 2);  // query within the block
                     // lse_log2 is +inf for queries that see nothing or lie past seqlen_q: P = 0.
-                    float pv = fast_exp2(fmaf(s[nt][e], p.scale_log2, -sLse[st * BLOCK_M + ql]));
+                    // P <= 1 (clamped: the forward's rounded max and lse make the exact exponent
+                    // slightly positive for logits far beyond 2^24; unclamped it overflows).
+                    float pv = fast_exp2(fminf(fmaf(s[nt][e], p.scale_log2, -sLse[st * BLOCK_M + ql]), 0.f));
                     if (tail || diag) {
                         const int key = n0 + kl, query = m0 + ql;
                         bool masked = key >= sk;
@@ -559,7 +561,7 @@ flash_bwd_dq_kernel(const __grid_constant__ BwdParams p) {
         for (int nt = 0; nt < N_TILES; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                float pv = fast_exp2(fmaf(s[nt][e], p.scale_log2, -lse2[e / 2]));
+                float pv = fast_exp2(fminf(fmaf(s[nt][e], p.scale_log2, -lse2[e / 2]), 0.f));  // P <= 1
                 if (tail || diag) {
                     const int row = m0 + warp * 16 + g + (e / 2) * 8;
                     const int col = n0 + nt * 8 + 2 * t + (e % 2);

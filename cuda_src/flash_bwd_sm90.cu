@@ -225,7 +225,7 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ BwdParams p) {
             const int q0 = m0 + 2 * t;
             if (!slow) {
                 each_score<BLOCK_M>(lse_s, dlt_s, q0, [&](int i, int, float l2, float dl) {
-                    s[i] = fast_exp2(fmaf(s[i], p.scale_log2, -l2));
+                    s[i] = fast_exp2(fminf(fmaf(s[i], p.scale_log2, -l2), 0.f));  // P <= 1 (flash_bwd.cu)
                     dp[i] = s[i] * (dp[i] - dl);
                 });
             } else if (!score_mod) {
@@ -267,7 +267,7 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ BwdParams p) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int i = 4 * j + e;
-                float pv = fast_exp2(fmaf(s[i], p.scale_log2, -(e % 2 ? l2.y : l2.x)));
+                float pv = fast_exp2(fminf(fmaf(s[i], p.scale_log2, -(e % 2 ? l2.y : l2.x)), 0.f));  // P <= 1
                 if (tail || diag) {
                     bool masked = !key_ok[e / 2];
                     if (IS_CAUSAL) masked = masked || (e / 2) * 8 - 8 * j - (e % 2) > diag_lim;

@@ -12,6 +12,11 @@
 //   l     = l * alpha + rowsum(p)
 // At the end O /= l and lse = (m + log2 l) * ln 2. softmax_scale > 0 is required by the host, so
 // rowmax(s) * scale_log2 == rowmax(s * scale_log2).
+// The product s * scale_log2 is rounded (__fmul_rn, never contracted into an fma) before m is
+// subtracted, the same rounding as m's own: the row's largest score then gives exactly exp2(0) = 1
+// and every other at most 1. With an fma, the exact product minus the rounded m is the rounding
+// error of m, up to half an ulp of |m|: 128 for logits near 2^31 (huge q and k values), and exp2 of
+// it overflows to inf, then NaN.
 #pragma once
 #include "common.cuh"
 
@@ -54,7 +59,7 @@ struct OnlineSoftmax {
 #pragma unroll
                 for (int nt = 0; nt < N_TILES; ++nt)
                     mx = fmaxf(mx, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
-                const float m_new = fmaxf(row_m[mt][r], quad_max(mx) * scale_log2);
+                const float m_new = fmaxf(row_m[mt][r], __fmul_rn(quad_max(mx), scale_log2));
                 const float base = exp_base(m_new);
                 alpha[mt][r] = fast_exp2(row_m[mt][r] - base);
                 row_m[mt][r] = m_new;
@@ -63,7 +68,7 @@ struct OnlineSoftmax {
                 for (int nt = 0; nt < N_TILES; ++nt) {
 #pragma unroll
                     for (int e = 2 * r; e < 2 * r + 2; ++e) {
-                        s[mt][nt][e] = fast_exp2(fmaf(s[mt][nt][e], scale_log2, -base));
+                        s[mt][nt][e] = fast_exp2(__fmul_rn(s[mt][nt][e], scale_log2) - base);
                         sum += s[mt][nt][e];
                     }
                 }

@@ -879,6 +879,27 @@ REGRESSIONS = [
                  seq_q=[10, 5, 3, 2, 8, 4, 10, 8, 8, 10, 1, 3], seq_k=[2, 12, 8, 10, 10, 5, 12, 9, 6, 0, 9, 9],
                  tail_q=2, tail_k=2, max_extra=(2, 2)),
          (("max_seqlen_k", "set", "too_small"), ("window", "set", (4, -1))), ("unchecked", "valid")),
+    # Huge q and k (every element +-59904): logits near 2^31 in log2 units. The forward's P =
+    # exp2(fma(s, scale, -m)) took the rounding error of m (up to 128 there) as its exponent: inf, then
+    # NaN, from finite input (found by the GPU fuzzer, 2026-11-23, head_dim 8). Now s * scale is
+    # rounded before m is subtracted (cuda_src/softmax.cuh), and the backward's P is capped at 1. The
+    # same at head_dim 128 (the warp-specialized forward, the sm_90a backward) and through the backward.
+    Call("attention",
+         Problem(seed=0, dtype="bfloat16", batch=16, seqlen_q=1, seqlen_k=1, nheads_kv=1, group=1, head_dim=8,
+                 causal=False, scale=None, layouts=("contiguous",) * 4),
+         (("q", "value", "huge"), ("k", "value", "huge")), ("valid", "valid")),
+    Call("attention",
+         Problem(seed=5, dtype="float16", batch=2, seqlen_q=200, seqlen_k=300, nheads_kv=2, group=2, head_dim=128,
+                 causal=True, scale=None, layouts=("contiguous",) * 4),
+         (("q", "value", "huge"), ("k", "value", "huge")), ("valid", "valid")),
+    Call("attention_backward",
+         Problem(seed=6, dtype="bfloat16", batch=2, seqlen_q=130, seqlen_k=257, nheads_kv=1, group=2, head_dim=128,
+                 causal=False, scale=None, layouts=("contiguous",) * 4),
+         (("q", "value", "huge"), ("k", "value", "huge")), ("valid", "valid")),
+    Call("attention_backward",
+         Problem(seed=7, dtype="float16", batch=3, seqlen_q=33, seqlen_k=70, nheads_kv=2, group=1, head_dim=64,
+                 causal=True, scale=None, layouts=("contiguous",) * 4),
+         (("q", "value", "huge"), ("k", "value", "huge")), ("valid", "valid")),
 ]
 
 
