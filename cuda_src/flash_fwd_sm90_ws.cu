@@ -30,6 +30,14 @@
 // u - 1 of that stage's empty barrier. The producer runs at most STAGES tiles ahead; a consumer's
 // wait on a full barrier for tile j is phase j / STAGES.
 //
+// Pingpong (template flag PINGPONG; docs/hopper_plan.md step 3): the two consumers take turns at the
+// tensor cores, so that one's softmax runs while the other's products do. Named barrier 3 + c is
+// consumer c's turn (256 threads: its own 128 wait with bar.sync, the other's 128 arrive with
+// bar.arrive). Before issuing its products of a tile (S_j with P V, or the final P V) a consumer
+// waits for its turn; right after issuing them it opens the other's. Consumer 1 opens consumer 0's
+// first turn before the loop, and does not open a turn after its own final product, so each barrier
+// sees as many arrivals as waits (n_blocks + 1 each); a block with no key tile uses none.
+//
 // Shared memory: sQ (128 x HEAD_DIM), sK[STAGES], sV[STAGES] (BLOCK_N x HEAD_DIM), all SW128 panels
 // (wgmma_util.cuh) filled by TMA (tma.cuh; box {64 columns, rows}: one copy per panel, rows past the
 // tensor's end as zeros), then the barriers. Each consumer writes its O rows out through its own rows
@@ -72,7 +80,7 @@ struct FwdWsTraits {
     static_assert(BLOCK_N % 16 == 0 && BLOCK_N <= 256 && STAGES >= 2, "tile shape");
 };
 
-template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES, bool IS_CAUSAL, bool IS_EVEN>
+template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES, bool IS_CAUSAL, bool IS_EVEN, bool PINGPONG = false>
 __global__ void __launch_bounds__(384, 1)
 flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
     using Tr = FwdWsTraits<HEAD_DIM, BLOCK_N, STAGES>;
@@ -153,6 +161,7 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
     // ---------------- consumers ----------------
     setmaxnreg_inc<Tr::CONSUMER_REGS>();
     const int cw = wg - 1;                                  // consumer 0 or 1: rows [64 cw, 64 cw + 64)
+    constexpr int PP_BAR = 3;                               // pingpong: named barriers 3 (consumer 0's turn), 4
     const int warp_row0 = cw * 64 + (warp % 4) * 16;        // this warp's first row in the block
     const u32 sQ_wg = sQ + cw * 64 * 128;
 
@@ -165,6 +174,10 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
 #pragma unroll
     for (int kk = 0; kk < PV_STEPS; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
 
+    // Pingpong: consumer 0 issues first (consumer 1's arrival opens its turn; none without a tile).
+    if constexpr (PINGPONG) {
+        if (cw == 1 && n_blocks > 0) named_barrier_arrive(PP_BAR, 256);
+    }
     mbar_wait(bar_q, 0);
     for (int j = 0; j < n_blocks; ++j) {
         const int s = j % STAGES;
@@ -173,12 +186,14 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
         if (j > 0) mbar_wait(v_full(sp), ((j - 1) / STAGES) & 1);
 
         float sc_[BLOCK_N / 2];
+        if constexpr (PINGPONG) named_barrier_sync(PP_BAR + cw, 256);  // this consumer's turn
         wgmma_fence();
         wgmma_ss_kmajor<T, BLOCK_N, HEAD_DIM, BLOCK_M, BLOCK_N>(sc_, sQ_wg, sK + s * Tr::SKV_BYTES);
         wgmma_commit();
         // At j == 0 P is all zeros (pa was zeroed) and the stage holds zeros: the product adds 0.
         wgmma_rs_mnmajor<T, HEAD_DIM, PV_STEPS, BLOCK_N>(acc_o, pa, sV + sp * Tr::SKV_BYTES);
         wgmma_commit();
+        if constexpr (PINGPONG) named_barrier_arrive(PP_BAR + 1 - cw, 256);  // the other's turn
         wgmma_wait<1>();
         fence_regs(sc_);
         if (lane == 0) mbar_arrive(k_empty(s));  // this warp is done with K_j
@@ -219,9 +234,14 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
     if (n_blocks > 0) {
         const int sp = (n_blocks - 1) % STAGES;
         mbar_wait(v_full(sp), ((n_blocks - 1) / STAGES) & 1);
+        if constexpr (PINGPONG) named_barrier_sync(PP_BAR + cw, 256);
         wgmma_fence();
         wgmma_rs_mnmajor<T, HEAD_DIM, PV_STEPS, BLOCK_N>(acc_o, pa, sV + sp * Tr::SKV_BYTES);
         wgmma_commit();
+        // Consumer 1 goes last: nothing waits for a turn after its final product.
+        if constexpr (PINGPONG) {
+            if (cw == 0) named_barrier_arrive(PP_BAR + 1, 256);
+        }
         wgmma_wait<0>();
         fence_regs(acc_o);
     }

@@ -88,6 +88,11 @@ __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(threads) : "memory");
 }
 
+// This warp's arrival at named barrier `id` among `threads` threads, without waiting for it.
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;" :: "r"(id), "r"(threads) : "memory");
+}
+
 // threadIdx.x / 128 as a value the compiler knows is the same across the warp (a shuffle from lane
 // 0), so that a branch on it is visibly warp-uniform.
 __device__ __forceinline__ int warpgroup_index() {

@@ -87,10 +87,11 @@ FWD_WS_TABLE = {(64, False): (128, 3), (128, False): (128, 2), (128, True): (128
 
 
 def fwd_ws_config(head_dim: int, causal: bool):
-    """(BLOCK_N, STAGES) of the warp-specialized forward for a plain call, or None where the table
-    keeps the TMA variant. CUFLASH_FWD_WS: "0" never; "1" at every head_dim it serves (64, 128, 256);
-    unset: the table. CUFLASH_FWD_WS_BLOCK_N and CUFLASH_FWD_WS_STAGES override the tiles (tuning runs,
-    bench/dev/tma_tiles.py)."""
+    """(BLOCK_N, STAGES, PINGPONG) of the warp-specialized forward for a plain call, or None where the
+    table keeps the TMA variant. CUFLASH_FWD_WS: "0" never; "1" at every head_dim it serves (64, 128,
+    256); unset: the table. CUFLASH_FWD_WS_BLOCK_N and CUFLASH_FWD_WS_STAGES override the tiles
+    (tuning runs, bench/dev/tma_tiles.py). CUFLASH_FWD_WS_PINGPONG=1 selects the pingpong schedule
+    between the two consumers (flash_fwd_sm90_ws.cu; compile-gated, not yet run on a GPU)."""
     import os
 
     mode = os.environ.get("CUFLASH_FWD_WS", "")
@@ -102,7 +103,8 @@ def fwd_ws_config(head_dim: int, causal: bool):
             return None
         cfg = (64 if head_dim > 128 else 128, FWD_WS_STAGES)
     bn, stages = os.environ.get("CUFLASH_FWD_WS_BLOCK_N"), os.environ.get("CUFLASH_FWD_WS_STAGES")
-    return (int(bn) if bn else cfg[0], int(stages) if stages else cfg[1])
+    return (int(bn) if bn else cfg[0], int(stages) if stages else cfg[1],
+            os.environ.get("CUFLASH_FWD_WS_PINGPONG") == "1")
 
 
 def fwd_ws_smem_bytes(head_dim: int, block_n: int, stages: int = FWD_WS_STAGES) -> int:

@@ -220,15 +220,17 @@ def fwd_specialization(dtype: str, head_dim: int, cfg: _config.TileConfig, causa
     return _compile.Specialization(source, expr, name, checks), smem
 
 
-def fwd_ws_specialization(dtype: str, head_dim: int, causal: bool, even: bool, block_n: int, stages: int):
-    """(spec, smem) of the warp-specialized sm_90a forward (cuda_src/flash_fwd_sm90_ws.cu)."""
+def fwd_ws_specialization(dtype: str, head_dim: int, causal: bool, even: bool, block_n: int, stages: int,
+                          pingpong: bool = False):
+    """(spec, smem) of the warp-specialized sm_90a forward (cuda_src/flash_fwd_sm90_ws.cu); pingpong:
+    its schedule that alternates the two consumers at the tensor cores."""
     short, ctype = _DTYPE_TAG[dtype]
     bn = block_n
     smem = _config.fwd_ws_smem_bytes(head_dim, bn, stages)
-    flags = f"{'true' if causal else 'false'}, {'true' if even else 'false'}"
+    flags = f"{'true' if causal else 'false'}, {'true' if even else 'false'}, {'true' if pingpong else 'false'}"
     expr = f"cuflash::flash_fwd_sm90_ws_kernel<{ctype}, {head_dim}, {bn}, {stages}, {flags}>"
     name = (f"fwd90ws_{short}_d{head_dim}_m{_config.FWD_WS_BLOCK_M}_n{bn}_s{stages}"
-            f"_{'causal' if causal else 'full'}_{'even' if even else 'ragged'}")
+            f"_{'causal' if causal else 'full'}_{'even' if even else 'ragged'}{'_pp' if pingpong else ''}")
     checks = "\n".join([
         _FWD_WS_CHECKS_PARAMS,
         f"static_assert(cuflash::FwdWsTraits<{head_dim}, {bn}, {stages}>::SMEM_BYTES == {smem},"
@@ -237,9 +239,11 @@ def fwd_ws_specialization(dtype: str, head_dim: int, causal: bool, even: bool, b
     return _compile.Specialization("flash_fwd_sm90_ws.cu", expr, name, checks), smem
 
 
-def all_fwd_ws_specializations(target: str, head_dims=None, dtypes=None, causal=(False, True)):
-    """The warp-specialized forward wherever cuflash/_config.py fwd_ws_config selects it; none on
-    targets other than sm_90a."""
+def all_fwd_ws_specializations(target: str, head_dims=None, dtypes=None, causal=(False, True),
+                               pingpong=(False,)):
+    """The warp-specialized forward wherever cuflash/_config.py fwd_ws_config selects it (with the
+    schedules in `pingpong`: the compile gate adds the pingpong one); none on targets other than
+    sm_90a."""
     if target != "sm_90a":
         return []
     out = []
@@ -248,7 +252,8 @@ def all_fwd_ws_specializations(target: str, head_dims=None, dtypes=None, causal=
             for c in causal:
                 cfg = _config.fwd_ws_config(d, c)
                 if cfg is not None:
-                    out += [fwd_ws_specialization(dtype, d, c, e, *cfg) for e in (False, True)]
+                    out += [fwd_ws_specialization(dtype, d, c, e, cfg[0], cfg[1], pp) for pp in pingpong
+                            for e in (False, True)]
     return out
 
 

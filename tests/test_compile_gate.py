@@ -59,9 +59,10 @@ def _all_specs(kind, target):
         tma_fwd = _launch.all_fwd_tma_specializations(target)
         n_wgmma = sum(spec.name.startswith("fwd90_") for spec, _ in _launch.all_fwd_specializations(target))
         assert len(tma_fwd) == n_wgmma and all(spec.name.endswith("_tma") for spec, _ in tma_fwd)
-        # ... and the warp-specialized forward: every (head_dim, causal) of its table, even and ragged.
-        ws_fwd = _launch.all_fwd_ws_specializations(target)
-        assert len(ws_fwd) == (len(_config.DTYPES) * len(_config.FWD_WS_TABLE) * 2 if target == "sm_90a" else 0)
+        # ... and the warp-specialized forward: every (head_dim, causal) of its table, even and ragged,
+        # in both schedules (pingpong: CUFLASH_FWD_WS_PINGPONG=1).
+        ws_fwd = _launch.all_fwd_ws_specializations(target, pingpong=(False, True))
+        assert len(ws_fwd) == (len(_config.DTYPES) * len(_config.FWD_WS_TABLE) * 4 if target == "sm_90a" else 0)
         return specs + tma_fwd + ws_fwd
     if kind == "fwd":
         specs = _launch.all_fwd_specializations(target)

@@ -1,10 +1,11 @@
 """The warp-specialized sm_90a forward (cuda_src/flash_fwd_sm90_ws.cu, CUFLASH_FWD_WS=1;
-docs/hopper_plan.md step 2): a TMA producer warpgroup and two wgmma consumers synchronized by
-mbarriers. Checked as the default kernels are (tests/test_gpu_forward.py's run_and_check: float64
-reference, 2x the naive error, NaN-poisoned allocators) on tests/test_fwd_tma_gpu.py's cases (both
-dtypes, head_dim 64 / 128 / 256, causal or not, ragged lengths, GQA, strided layouts) and on shapes
-that wrap the rings many times or leave rows with no key. The launched kernel's name is checked, so a
-fallback cannot pass for it. Marked gpu; skipped below sm_90."""
+docs/hopper_plan.md steps 2 and 3) in both schedules, the consumers in their own time and pingpong: a
+TMA producer warpgroup and two wgmma consumers synchronized by mbarriers. Checked as the default
+kernels are (tests/test_gpu_forward.py's run_and_check: float64 reference, 2x the naive error,
+NaN-poisoned allocators) on tests/test_fwd_tma_gpu.py's cases (both dtypes, head_dim 64 / 128 / 256,
+causal or not, ragged lengths, GQA, strided layouts) and on shapes that wrap the rings many times or
+leave rows with no key. The launched kernel's name is checked, so a fallback cannot pass for it.
+Marked gpu; skipped below sm_90."""
 
 import pytest
 
@@ -23,9 +24,14 @@ MORE = [  # dtype, head_dim, causal, seqlen_q, seqlen_k, nheads, nheads_kv, layo
 ]
 
 
-@pytest.fixture
-def ws_on(monkeypatch):
-    yield record_tma_launches(monkeypatch, CUFLASH_FWD_WS="1", CUFLASH_FWD_TMA=None)
+@pytest.fixture(params=["plain", "pingpong"])
+def ws_on(request, monkeypatch):
+    """The warp-specialized kernel in each schedule (pingpong: CUFLASH_FWD_WS_PINGPONG=1, not yet run
+    on a GPU when written); yields (names of the TMA launches fired, pingpong)."""
+    pp = request.param == "pingpong"
+    names = record_tma_launches(monkeypatch, CUFLASH_FWD_WS="1", CUFLASH_FWD_TMA=None,
+                                CUFLASH_FWD_WS_PINGPONG="1" if pp else None)
+    yield names, pp
     from cuflash import _plan
 
     _plan.CACHE.clear()
@@ -40,8 +46,10 @@ def test_ws_forward(ws_on, dtype, head_dim, causal, seqlen_q, seqlen_k, nheads, 
     torch.manual_seed(seed)
     q, k, v = make_qkv(2, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, getattr(torch, dtype), layout)
     label = f"ws {dtype} d{head_dim} causal={causal} {seqlen_q}x{seqlen_k} h{nheads}/{nheads_kv} {layout}"
+    names, pp = ws_on
+    label += " pingpong" if pp else ""
     run_and_check(cuflash, q, k, v, causal=causal, seed=seed, label=label)
     patched = all(_tma.layout_patch(tuple(t.shape), tuple(t.stride()), rows, dtype) is not None
                   for t, rows in ((q, 128), (k, 64 if head_dim > 128 else 128), (v, 64 if head_dim > 128 else 128)))
     if patched:
-        assert ws_on and all(n.startswith("fwd90ws_") for n in ws_on), (label, ws_on)
+        assert names and all(n.startswith("fwd90ws_") and n.endswith("_pp") == pp for n in names), (label, names)

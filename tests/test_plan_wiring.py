@@ -420,6 +420,10 @@ def test_fwd_ws_wiring(dev, monkeypatch):
     q, k, v = arr(rng, (2, 256, 4, 128)), arr(rng, (2, 256, 2, 128)), arr(rng, (2, 256, 2, 128))
     cuflash.attention(q, k, v)
     assert launched[-1]["name"] == "fwd90ws_f16_d128_m128_n128_s2_full_even", launched[-1]["name"]
+    monkeypatch.setenv("CUFLASH_FWD_WS_PINGPONG", "1")  # the pingpong schedule: same Params, its own kernel
+    _plan.CACHE.clear()
+    cuflash.attention(q, k, v)
+    assert launched[-1]["name"] == "fwd90ws_f16_d128_m128_n128_s2_full_even_pp", launched[-1]["name"]
     monkeypatch.setenv("CUFLASH_FWD_WS", "0")
     _plan.CACHE.clear()
     cuflash.attention(q, k, v)

@@ -11,12 +11,13 @@ seqlen = 16k tokens, hidden 2048, causal off and on. Prints TFLOP/s per candidat
     PYTHONPATH=. python bench/dev/tma_tiles.py [--seqlens 4096 16384] [--reps 15] [--ws] [--no-tma]
 
 --ws adds the warp-specialized kernel (cuda_src/flash_fwd_sm90_ws.cu) for each (BLOCK_N, STAGES) of
-WS_CANDIDATES, checked and timed the same way.
+WS_CANDIDATES, checked and timed the same way; --pingpong adds each in the pingpong schedule.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -106,6 +107,7 @@ def main():
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--ws", action="store_true", help="also the warp-specialized kernel's candidates")
     ap.add_argument("--no-tma", action="store_true", help="skip the TMA variant's candidates")
+    ap.add_argument("--pingpong", action="store_true", help="with --ws: each candidate in the pingpong schedule too")
     args = ap.parse_args()
     rows = []
     print(f"device: {torch.cuda.get_device_name()}")
@@ -139,11 +141,13 @@ def main():
         os.environ["CUFLASH_FWD_WS"] = "1"
         for d in args.head_dims:
             for causal in (False, True):
-                for bn, stages in WS_CANDIDATES[d]:
+                for (bn, stages), pp in itertools.product(WS_CANDIDATES[d], (False, True) if args.pingpong else (False,)):
                     os.environ["CUFLASH_FWD_WS_BLOCK_N"], os.environ["CUFLASH_FWD_WS_STAGES"] = str(bn), str(stages)
-                    measure({"kernel": "ws", "head_dim": d, "causal": causal, "block_n": bn, "stages": stages},
-                            f"ws d{d} {'causal' if causal else 'full  '} n{bn} s{stages}", None, d, causal,
-                            want="fwd90ws_")
+                    os.environ["CUFLASH_FWD_WS_PINGPONG"] = "1" if pp else "0"
+                    measure({"kernel": "ws", "head_dim": d, "causal": causal, "block_n": bn, "stages": stages,
+                             "pingpong": pp},
+                            f"ws d{d} {'causal' if causal else 'full  '} n{bn} s{stages}{' pp' if pp else ''}", None, d,
+                            causal, want="fwd90ws_")
     out = os.environ.get("OUT", ".")
     with open(os.path.join(out, "tma_tiles.json"), "w") as f:
         json.dump(rows, f, indent=1)
