@@ -27,13 +27,35 @@
 // floats). The epilogue writes dV and dK out through sV and sK.
 //
 // Grid: 1-D, blockIdx.x = (b * nheads_kv + h_kv) * num_blocks + key block.
+//
+// TMA (template flag TMA, plain calls; CUFLASH_BWD_TMA=1, docs/hopper_plan.md; compile-gated, not
+// yet run on a GPU when written): K, V, and each query block's Q and dO tiles come through TMA
+// copies (tma.cuh) instead of cp.async from every thread; lse and delta rows stay on cp.async. The
+// Params are then BwdTmaParams (the maps of Q and dO with BLOCK_M-row boxes, K and V with BLOCK_N
+// rows; rows past the tensors arrive as zeros, as cp.async's zero-fill gave them). Three mbarriers
+// follow sDelta: one for K and V, one per Q / dO stage. Thread 0 arms a stage's barrier with both
+// tiles' bytes and issues one copy per 64-column panel right after the loop-top barrier that frees
+// the stage; every thread waits on the stage's phase (iteration it: parity (it / 2) % 2) before that
+// barrier, and on K and V's before the loop.
 #include "blocks.cuh"
 #include "common.cuh"
 #include "params.cuh"
+#include "tma.cuh"
 #include "wgmma.cuh"
 #include "wgmma_util.cuh"
 
 namespace cuflash {
+
+// The TMA variant's Params: BwdParams, then the tensor maps of Q, dO, K and V (64-byte aligned).
+// Must match cuflash/_launch.py BWD_TMA_PARAMS.
+struct BwdTmaParams : BwdParams {
+    TmaDesc map_q;
+    TmaDesc map_do;
+    TmaDesc map_k;
+    TmaDesc map_v;
+};
+template <bool TMA> struct BwdSm90ParamsOf { using type = BwdParams; };
+template <> struct BwdSm90ParamsOf<true> { using type = BwdTmaParams; };
 
 template <int HEAD_DIM, int BLOCK_M, int BLOCK_N>
 struct BwdSm90Traits {
@@ -46,6 +68,7 @@ struct BwdSm90Traits {
     // sK, sV, sQ[2], sdO[2], sdS, sLse[2], sDelta[2], plus 1024 bytes of alignment slack.
     // Must equal cuflash/_config.py:bwd_smem_bytes for a wgmma config.
     static constexpr int SMEM_BYTES = 2 * SKV_BYTES + 4 * SQ_BYTES + SDS_BYTES + 4 * BLOCK_M * 4 + 1024;
+    static constexpr int TMA_BAR_BYTES = 64;  // the TMA variant's three mbarriers, after sDelta
 
     static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM <= 128, "head_dim: 64 or 128");
     // BLOCK_M = 64: one m64 tile of queries for dQ, split over the warpgroups by columns.
@@ -83,10 +106,11 @@ __device__ __forceinline__ void red_add_v2(float* addr, float a, float b) {
 }
 
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, bool IS_CAUSAL, bool IS_EVEN, bool ATOMIC_DQ,
-          bool FEAT = false>
+          bool FEAT = false, bool TMA = false>
 __global__ void __launch_bounds__(BLOCK_N / 64 * 128, 1)
-flash_bwd_dkdv_sm90_kernel(const __grid_constant__ BwdParams p) {
+flash_bwd_dkdv_sm90_kernel(const __grid_constant__ typename BwdSm90ParamsOf<TMA>::type p) {
     using Tr = BwdSm90Traits<HEAD_DIM, BLOCK_M, BLOCK_N>;
+    static_assert(!(TMA && FEAT), "the TMA variant serves plain calls (its maps know no sequence lengths)");
     using Ops = ElemOps<T>;
     constexpr int THREADS = Tr::THREADS, D_TILES = HEAD_DIM / 8;
     constexpr int Q_STEPS = BLOCK_M / 16, N_STEPS = BLOCK_N / 16;
@@ -99,10 +123,13 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ BwdParams p) {
     const u32 sdO = sQ + 2 * Tr::SQ_BYTES;
     const u32 sdS = sdO + 2 * Tr::SQ_BYTES;
     const u32 sRows = sdS + Tr::SDS_BYTES;  // sLse[2][BLOCK_M], then sDelta[2][BLOCK_M] (floats)
+    // TMA: the mbarriers of K and V, and of Q / dO stages 0 and 1.
+    const u32 bar_kv = sRows + 4 * BLOCK_M * 4;
+    auto bar_q = [&](int stage) { return bar_kv + 8u + 8u * (u32)stage; };
 
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const int wg = warp / 4, g = lane / 4, t = lane % 4;
-    if (tid == 0 && dynamic_smem_bytes() < (u32)Tr::SMEM_BYTES) __trap();
+    if (tid == 0 && dynamic_smem_bytes() < (u32)(Tr::SMEM_BYTES + (TMA ? Tr::TMA_BAR_BYTES : 0))) __trap();
 
     const int sq = p.seqlen_q, sk = p.seqlen_k;
     const KeyBlock blk = key_block<BLOCK_M, BLOCK_N, IS_CAUSAL>(blockIdx.x, p.num_blocks, p.nheads_kv, sq, sk);
@@ -138,8 +165,20 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ BwdParams p) {
         const int st = it % 2;
         const u16* gQ = static_cast<const u16*>(p.q) + b * p.q_batch_stride + hq * p.q_head_stride + row_offset<FEAT>(si.q_row0, m0) * p.q_row_stride;
         const u16* gdO = static_cast<const u16*>(p.dout) + b * p.do_batch_stride + hq * p.do_head_stride + row_offset<FEAT>(si.q_row0, m0) * p.do_row_stride;
-        load_tile_sw128<HEAD_DIM, BLOCK_M, THREADS, !IS_EVEN>(sQ + st * Tr::SQ_BYTES, gQ, p.q_row_stride, pick<FEAT>(q_valid, sq) - m0, tid);
-        load_tile_sw128<HEAD_DIM, BLOCK_M, THREADS, !IS_EVEN>(sdO + st * Tr::SQ_BYTES, gdO, p.do_row_stride, pick<FEAT>(q_valid, sq) - m0, tid);
+        if constexpr (TMA) {
+            // Q and dO by one thread's copies (both on the stage's barrier); the rows below as before.
+            if (tid == 0) {
+                mbar_arrive_expect_tx(bar_q(st), 2 * Tr::SQ_BYTES);
+#pragma unroll
+                for (int c = 0; c < HEAD_DIM / 64; ++c) {
+                    tma_load_4d(sQ + st * Tr::SQ_BYTES + c * BLOCK_M * 128, &p.map_q, bar_q(st), c * 64, m0, hq, b);
+                    tma_load_4d(sdO + st * Tr::SQ_BYTES + c * BLOCK_M * 128, &p.map_do, bar_q(st), c * 64, m0, hq, b);
+                }
+            }
+        } else {
+            load_tile_sw128<HEAD_DIM, BLOCK_M, THREADS, !IS_EVEN>(sQ + st * Tr::SQ_BYTES, gQ, p.q_row_stride, pick<FEAT>(q_valid, sq) - m0, tid);
+            load_tile_sw128<HEAD_DIM, BLOCK_M, THREADS, !IS_EVEN>(sdO + st * Tr::SQ_BYTES, gdO, p.do_row_stride, pick<FEAT>(q_valid, sq) - m0, tid);
+        }
         // lse straight from the forward's (batch, nheads, seqlen_q) array, 4 bytes a row, rows past
         // seqlen_q zero-filled; delta from the padded scratch, 16 bytes at a time. FEAT reads the
         // preprocess's lse * log2(e) scratch instead (+inf on padding rows: P = 0 there).
@@ -159,10 +198,33 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ BwdParams p) {
         }
     };
 
-    load_tile_sw128<HEAD_DIM, BLOCK_N, THREADS, !IS_EVEN>(sK, gK, p.k_row_stride, pick<FEAT>(k_valid, sk) - n0, tid);
-    load_tile_sw128<HEAD_DIM, BLOCK_N, THREADS, !IS_EVEN>(sV, gV, p.v_row_stride, pick<FEAT>(k_valid, sk) - n0, tid);
+    if constexpr (TMA) {
+        if (tid == 0) {
+            tma_prefetch_desc(&p.map_q);
+            tma_prefetch_desc(&p.map_do);
+            mbar_init(bar_kv, 1);
+            mbar_init(bar_q(0), 1);
+            mbar_init(bar_q(1), 1);
+            fence_mbar_init();
+        }
+        __syncthreads();  // the barriers are initialized before anyone waits on them or a copy lands
+        if (tid == 0) {
+            mbar_arrive_expect_tx(bar_kv, 2 * Tr::SKV_BYTES);
+#pragma unroll
+            for (int c = 0; c < HEAD_DIM / 64; ++c) {
+                tma_load_4d(sK + c * BLOCK_N * 128, &p.map_k, bar_kv, c * 64, n0, h_kv, b);
+                tma_load_4d(sV + c * BLOCK_N * 128, &p.map_v, bar_kv, c * 64, n0, h_kv, b);
+            }
+        }
+    } else {
+        load_tile_sw128<HEAD_DIM, BLOCK_N, THREADS, !IS_EVEN>(sK, gK, p.k_row_stride, pick<FEAT>(k_valid, sk) - n0, tid);
+        load_tile_sw128<HEAD_DIM, BLOCK_N, THREADS, !IS_EVEN>(sV, gV, p.v_row_stride, pick<FEAT>(k_valid, sk) - n0, tid);
+    }
     if (iters > 0) load_q_tiles(0);
     cp_async_commit();
+    // TMA: K and V are in before anything reads them, and before the epilogue writes dK / dV through
+    // their tiles (also when no query block sees these keys).
+    if constexpr (TMA) mbar_wait(bar_kv, 0);
 
     float acc_dv[HEAD_DIM / 2], acc_dk[HEAD_DIM / 2];
 #pragma unroll
@@ -177,6 +239,7 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ BwdParams p) {
     for (int it = 0; it < iters; ++it) {
         cp_async_wait<0>();
         fence_proxy_async();
+        if constexpr (TMA) mbar_wait(bar_q(it % 2), (it >> 1) & 1);  // Q and dO of `it`
         __syncthreads();  // tiles of `it` landed; iteration it - 1 is finished everywhere
         if (it + 1 < iters) load_q_tiles(it + 1);
         cp_async_commit();

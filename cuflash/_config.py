@@ -44,6 +44,18 @@ def padded_pitch(cols: int) -> int:
 FWD_TMA_BAR_BYTES = 64
 
 
+# The TMA variant of the sm_90a dK/dV kernel (cuda_src/flash_bwd_sm90.cu, TMA): Q, dO, K and V
+# through tensor maps, its three mbarriers after sDelta; plain calls only, opt-in with
+# CUFLASH_BWD_TMA=1 (read when a plan is made) until a GPU has run and measured it.
+BWD_TMA_BAR_BYTES = 64
+
+
+def bwd_tma_enabled() -> bool:
+    import os
+
+    return os.environ.get("CUFLASH_BWD_TMA") == "1"
+
+
 def fwd_tma_mode() -> str:
     """'off', 'force' or 'auto' (see above)."""
     import os

@@ -81,6 +81,11 @@ BWD_PARAMS = np.dtype(
 
 _BWD_CHECKS_PARAMS = _compile.params_layout_checks("cuflash", "BwdParams", BWD_PARAMS)
 
+# Mirror of cuflash::BwdTmaParams (cuda_src/flash_bwd_sm90.cu): BwdParams, then the maps of Q, dO, K, V.
+BWD_TMA_PARAMS = _with_maps(BWD_PARAMS, ("map_q", "map_do", "map_k", "map_v"))
+_BWD_TMA_CHECKS_PARAMS = (_compile.params_layout_checks("cuflash", "BwdTmaParams", BWD_TMA_PARAMS) + "\n"
+                          + _BWD_CHECKS_PARAMS)
+
 # Mirror of cuflash::TailParams (cuda_src/varlen.cu).
 TAIL_PARAMS = np.dtype(
     [("ptr", np.uint64), ("row_stride", np.int64), ("head_stride", np.int64), ("cu_seqlens", np.uint64)]
@@ -331,14 +336,15 @@ def bwd_uses_atomics(deterministic: bool, target: str | None = None, head_dim: i
 
 
 def bwd_specializations(dtype: str, head_dim: int, target: str, causal: bool, even_kv: bool, even_q: bool,
-                        atomic: bool, cfg: _config.TileConfig | None = None, feat: bool = False):
+                        atomic: bool, cfg: _config.TileConfig | None = None, feat: bool = False, tma: bool = False):
     """The backward kernels one call launches, in order: [(Specialization, smem bytes, TileConfig)].
 
     even_kv / even_q: whether the lengths are multiples of the dK/dV and dQ kernels' tiles.
     atomic: dQ by float atomics in the dK/dV kernel (then a conversion kernel), or by the separate,
     deterministic dQ kernel. cfg overrides the dK/dV tile table (tuning scripts only).
     feat: the kernels with the optional features (causal and even_* must be False; atomic only with
-    the sm_90a wgmma dK/dV kernel)."""
+    the sm_90a wgmma dK/dV kernel). tma: the wgmma dK/dV kernel's TMA variant (plain calls,
+    CUFLASH_BWD_TMA=1), whose Params are BwdTmaParams."""
     short, ctype = _DTYPE_TAG[dtype]
     family = _config.family_of_target(target)
     if feat:
@@ -356,6 +362,11 @@ def bwd_specializations(dtype: str, head_dim: int, target: str, causal: bool, ev
               f"_{'atomic_dq' if atomic else 'no_dq'}")
     if feat:
         suffix = "_feat" + ("_atomic_dq" if atomic else "")
+    if tma:
+        assert cfg.wgmma and not feat, (cfg, feat)
+        flags += ", false, true"
+        suffix += "_tma"
+        smem += _config.BWD_TMA_BAR_BYTES
     if cfg.wgmma:
         assert cfg.warps * 16 == cfg.block_n, cfg
         expr = f"cuflash::flash_bwd_dkdv_sm90_kernel<{ctype}, {head_dim}, {cfg.block_m}, {cfg.block_n}, {flags}>"
@@ -368,8 +379,8 @@ def bwd_specializations(dtype: str, head_dim: int, target: str, causal: bool, ev
         traits, source = f"cuflash::BwdTraits<{head_dim}, {cfg.block_m}, {cfg.block_n}, {cfg.warps}>", "flash_bwd.cu"
     dkdv = _compile.Specialization(
         source, expr, name,
-        _BWD_CHECKS_PARAMS + "\n" +
-        f"static_assert({traits}::SMEM_BYTES == {smem},"
+        (_BWD_TMA_CHECKS_PARAMS if tma else _BWD_CHECKS_PARAMS) + "\n" +
+        f"static_assert({traits}::SMEM_BYTES{f' + {traits}::TMA_BAR_BYTES' if tma else ''} == {smem},"
         f' "shared memory size differs from cuflash/_config.py:bwd_smem_bytes");')
     out = [(pre, 0, None), (dkdv, smem, cfg)]
     if atomic:
@@ -412,6 +423,22 @@ def all_bwd_specializations(target: str, head_dims=None, dtypes=None, causal=(Fa
                         for spec, smem, _ in bwd_specializations(dtype, d, target, c, e, e, a):
                             seen.setdefault(spec.expression, (spec, smem))
     return list(seen.values())
+
+
+def all_bwd_tma_specializations(target: str):
+    """The TMA variants of the sm_90a dK/dV kernel (CUFLASH_BWD_TMA=1) for every plain wgmma
+    backward: each (dtype, head_dim, causal, even, dQ path); none on other targets."""
+    out = []
+    for dtype in _config.DTYPES:
+        for d in _config.HEAD_DIMS:
+            if not _config.bwd_config_for_target(target, d, dtype).wgmma:
+                continue
+            for c in (False, True):
+                for e in (False, True):
+                    for a in bwd_atomic_choices(target, d):
+                        spec, smem, _ = bwd_specializations(dtype, d, target, c, e, e, a, tma=True)[1]
+                        out.append((spec, smem))
+    return out
 
 
 def _field_offsets(dtype: np.dtype, prefix: str = "", base: int = 0) -> dict:
@@ -643,8 +670,9 @@ def _tma_ok(t: DeviceTensor) -> bool:
 
 
 def _use_tma(k: DeviceTensor, v: DeviceTensor, block_n: int, dtype: str) -> bool:
-    """Whether a plain wgmma forward takes the TMA variant (cuflash/_config.py fwd_tma_mode): never
-    where the driver cannot be loaded (a machine without a GPU: the fake device of the CPU tests)."""
+    """Whether two tensors may be read through tensor maps with `block_n`-row boxes
+    (cuflash/_config.py fwd_tma_mode: CUFLASH_FWD_TMA=0 keeps every kernel on cp.async): never where
+    the driver cannot be loaded (a machine without a GPU: the fake device of the CPU tests)."""
     from . import _tma
 
     mode = _config.fwd_tma_mode()
@@ -746,7 +774,9 @@ def bwd_launches(dout: DeviceTensor, q: DeviceTensor, k: DeviceTensor, v: Device
         qcfg = _config.bwd_dq_config(family, head_dim, dtype)
         even_kv = seqlen_q % cfg.block_m == 0 and seqlen_k % cfg.block_n == 0
         even_q = seqlen_q % qcfg.block_m == 0 and seqlen_k % qcfg.block_n == 0
-        kernels = bwd_specializations(dtype, head_dim, target, causal, even_kv, even_q, atomic, cfg)
+        tma = (cfg.wgmma and _config.bwd_tma_enabled() and _use_tma(q, dout, cfg.block_m, dtype)
+               and _use_tma(k, v, cfg.block_n, dtype))
+        kernels = bwd_specializations(dtype, head_dim, target, causal, even_kv, even_q, atomic, cfg, tma=tma)
     pad = _cdiv(seqlen_q, _config.BWD_ROW_PAD) * _config.BWD_ROW_PAD
     rows_pad = batch * nheads * pad
 
@@ -782,7 +812,17 @@ def bwd_launches(dout: DeviceTensor, q: DeviceTensor, k: DeviceTensor, v: Device
             continue
         fn = _compile.get_function(spec, target, device_id, sm)
         p["num_blocks"] = num_blocks
-        launches.append(Launch(spec.name, fn.ptr, grid, threads, sm, p.copy(), ptrs, device_id))
+        if spec.name.endswith("_tma"):  # the dK/dV kernel's TMA variant: the Params gain the maps
+            from . import _tma
+
+            pt = np.zeros((), dtype=BWD_TMA_PARAMS)
+            for name in BWD_PARAMS.names:
+                pt[name] = p[name]
+            maps = [(f"map_{n}", t.ptr, _tma.MapCache(t.shape, t.strides, rows, dtype)) for n, t, rows in
+                    (("q", q, cfg.block_m), ("do", dout, cfg.block_m), ("k", k, cfg.block_n), ("v", v, cfg.block_n))]
+            launches.append(TmaLaunch(spec.name, fn.ptr, grid, threads, sm, pt, ptrs, device_id, maps))
+        else:
+            launches.append(Launch(spec.name, fn.ptr, grid, threads, sm, p.copy(), ptrs, device_id))
     return share_params(launches)
 
 

@@ -63,7 +63,11 @@ def _all_specs(kind, target):
         # in both schedules (pingpong: CUFLASH_FWD_WS_PINGPONG=1).
         ws_fwd = _launch.all_fwd_ws_specializations(target, pingpong=(False, True))
         assert len(ws_fwd) == (len(_config.DTYPES) * len(_config.FWD_WS_TABLE) * 4 if target == "sm_90a" else 0)
-        return specs + tma_fwd + ws_fwd
+        # ... and the dK/dV kernel's TMA variant (CUFLASH_BWD_TMA=1).
+        tma_bwd = _launch.all_bwd_tma_specializations(target)
+        assert all(spec.name.endswith("_tma") for spec, _ in tma_bwd)
+        assert bool(tma_bwd) == (target == "sm_90a")
+        return specs + tma_fwd + ws_fwd + tma_bwd
     if kind == "fwd":
         specs = _launch.all_fwd_specializations(target)
         # One specialization per (dtype, head_dim, causal, even): nothing may be left out.

@@ -106,8 +106,12 @@ def dev(monkeypatch):
 
     def launch_kernel(fn, gx, gy, gz, bx, by, bz, smem, stream, argv_ptr, extra):
         name = names[fn]
-        dtype = (_launch.FWD_TMA_PARAMS if name.endswith("_tma") else _launch.FWD_WS_PARAMS if name.startswith("fwd90ws_")
-                 else next(d for prefix, d in SIZES.items() if name.startswith(prefix)))
+        if name.endswith("_tma"):
+            dtype = _launch.FWD_TMA_PARAMS if name.startswith("fwd") else _launch.BWD_TMA_PARAMS
+        elif name.startswith("fwd90ws_"):
+            dtype = _launch.FWD_WS_PARAMS
+        else:
+            dtype = next(d for prefix, d in SIZES.items() if name.startswith(prefix))
         params_ptr = ctypes.c_uint64.from_address(argv_ptr).value
         raw = ctypes.string_at(params_ptr, dtype.itemsize)
         launched.append(dict(name=name, grid=gx, threads=bx, smem=smem, stream=stream,
@@ -428,6 +432,43 @@ def test_fwd_ws_wiring(dev, monkeypatch):
     _plan.CACHE.clear()
     cuflash.attention(q, k, v)
     assert launched[-1]["name"] == "fwd90_f16_d128_m128_n128_full_even_tma", launched[-1]["name"]
+
+
+def test_bwd_tma_wiring(dev, monkeypatch):
+    """CUFLASH_BWD_TMA=1: a plain backward on sm_90a runs the dK/dV kernel's TMA variant, whose Params
+    are BwdParams unchanged, then the maps of q and dout (BLOCK_M-row boxes) and k and v (BLOCK_N
+    rows), each the driver's map of the call's pointer; the preprocess and dQ launches are the usual
+    ones; without the setting nothing changes."""
+    from cuflash import _config, _tma
+
+    fake_tma_driver(monkeypatch, lambda ptr, i, dims, box, strides: (
+        ptr if i == 0 else 31 * i + dims[1] + box[1] + strides[0]), lambda ptr, *rest: ptr)
+    monkeypatch.setenv("CUFLASH_BWD_TMA", "1")
+    ad, launched = dev
+    rng = np.random.default_rng()
+    cfg = _config.bwd_config_for_target("sm_90a", 128, "float16")
+    for det in (False, True):
+        q, k, v = arr(rng, (2, 70, 4, 128)), arr(rng, (2, 90, 2, 128)), arr(rng, (2, 90, 2, 128))
+        out, lse = cuflash.attention(q, k, v, return_lse=True, deterministic=det, causal=True)
+        dout = arr(rng, q.shape)
+        n0 = len(launched)
+        dq, dk, dv = cuflash.attention_backward(dout, q, k, v, out, lse, deterministic=det, causal=True)
+        names = [L["name"] for L in launched[n0:]]
+        assert names[1].startswith("bwd90_dkdv") and names[1].endswith("_tma"), names
+        assert not names[0].endswith("_tma") and not names[2].endswith("_tma"), names
+        p = launched[n0 + 1]["p"]
+        check_tensor(p, "q", q)
+        check_tensor(p, "dk", dk)
+        check_tensor(p, "do", dout, "dout")
+        for field, t, rows in (("map_q", q, cfg.block_m), ("map_do", dout, cfg.block_m), ("map_k", k, cfg.block_n),
+                               ("map_v", v, cfg.block_n)):
+            strides = tuple(x // t.itemsize for x in t.strides)
+            assert p[field].tobytes() == _tma.kv_map(addr(t), t.shape, strides, rows, "float16"), field
+    monkeypatch.delenv("CUFLASH_BWD_TMA")
+    _plan.CACHE.clear()
+    n0 = len(launched)
+    cuflash.attention_backward(dout, q, k, v, out, lse, causal=True)
+    assert not any(L["name"].endswith("_tma") for L in launched[n0:])
 
 
 def test_explicit_plan_rejects_other_signature(dev):
