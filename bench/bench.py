@@ -317,7 +317,12 @@ def cuflash_specs(configs, passes, target):
             even_kv = s % bc.block_m == 0 and s % bc.block_n == 0
             even_q = s % qc.block_m == 0 and s % qc.block_n == 0
             atomic = _launch.bwd_uses_atomics(False, target, d)
-            for spec, smem, _ in _launch.bwd_specializations(dt, d, target, c, even_kv, even_q, atomic):
+            bws = (atomic and target == "sm_90a" and d in _config.BWD_WS_HEAD_DIMS and bc.wgmma
+                   and _config.bwd_ws_mode() != "off" and _config.fwd_tma_mode() != "off")
+            btma = bc.wgmma and _config.bwd_tma_enabled() and _config.fwd_tma_mode() != "off"
+            kernels = (_launch.bwd_ws_specializations(dt, d, c, even_kv) if bws else
+                       _launch.bwd_specializations(dt, d, target, c, even_kv, even_q, atomic, tma=btma))
+            for spec, smem, _ in kernels:
                 seen.setdefault(spec.expression, (spec, smem))
     return list(seen.values())
 

@@ -38,6 +38,7 @@
 // the stage; every thread waits on the stage's phase (iteration it: parity (it / 2) % 2) before that
 // barrier, and on K and V's before the loop.
 #include "blocks.cuh"
+#include "bwd_tma_params.cuh"
 #include "common.cuh"
 #include "params.cuh"
 #include "tma.cuh"
@@ -46,14 +47,6 @@
 
 namespace cuflash {
 
-// The TMA variant's Params: BwdParams, then the tensor maps of Q, dO, K and V (64-byte aligned).
-// Must match cuflash/_launch.py BWD_TMA_PARAMS.
-struct BwdTmaParams : BwdParams {
-    TmaDesc map_q;
-    TmaDesc map_do;
-    TmaDesc map_k;
-    TmaDesc map_v;
-};
 template <bool TMA> struct BwdSm90ParamsOf { using type = BwdParams; };
 template <> struct BwdSm90ParamsOf<true> { using type = BwdTmaParams; };
 

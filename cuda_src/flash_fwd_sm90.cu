@@ -44,6 +44,7 @@
 // (no early return: any branch around the wgmma code would serialize it).
 #include "blocks.cuh"
 #include "common.cuh"
+#include "fwd_sm90_steps.cuh"
 #include "params.cuh"
 #include "softmax.cuh"
 #include "tma.cuh"
@@ -85,13 +86,12 @@ flash_fwd_sm90_kernel(const __grid_constant__ typename FwdSm90ParamsOf<TMA>::typ
     using Tr = FwdSm90Traits<HEAD_DIM, BLOCK_M, BLOCK_N>;
     static_assert(!(TMA && FEAT), "the TMA variant serves plain calls (its maps know no sequence lengths)");
     using Ops = ElemOps<T>;
-    constexpr int THREADS = Tr::THREADS, N_TILES = Tr::N_TILES, D_TILES = Tr::D_TILES;
+    constexpr int THREADS = Tr::THREADS, N_TILES = Tr::N_TILES;
     constexpr int PV_STEPS = BLOCK_N / 16;
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    const u32 raw_addr = smem_addr(smem_raw);
-    const u32 sQ = (raw_addr + 1023u) & ~1023u;
-    unsigned char* sQ_ptr = smem_raw + (sQ - raw_addr);
+    unsigned char* sQ_ptr;
+    const u32 sQ = smem_aligned_1024(smem_raw, sQ_ptr);
     const u32 sK = sQ + Tr::SQ_BYTES;
     const u32 sV = sK + 2 * Tr::SKV_BYTES;
     // TMA: mbarriers of K stages 0, 1 and V stages 0, 1, 8 bytes each.
@@ -236,18 +236,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ typename FwdSm90ParamsOf<TMA>::typ
                     if (!ks[(i % 4) / 2].has(p.mask, n0 + (i / 4) * 8 + 2 * t + (i % 2))) s[i] = -CUFLASH_INF;
             }
         } else {
-            const bool tail = !IS_EVEN && n0 + BLOCK_N > sk;
-            const bool diag = IS_CAUSAL && n0 + BLOCK_N - 1 > m0 + warp_row0 + sk - sq;
-            if (tail || diag) {
-#pragma unroll
-                for (int i = 0; i < BLOCK_N / 2; ++i) {
-                    const int row = m0 + warp_row0 + g + ((i % 4) / 2) * 8;
-                    const int col = n0 + (i / 4) * 8 + 2 * t + (i % 2);
-                    bool masked = col >= sk;
-                    if (IS_CAUSAL) masked = masked || col > row + sk - sq;
-                    if (masked) s[i] = -CUFLASH_INF;
-                }
-            }
+            mask_plain_tile<BLOCK_N, IS_CAUSAL, IS_EVEN>(s, n0, m0 + warp_row0, g, t, sq, sk);
         }
 
         float alpha[1][2];
@@ -256,15 +245,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ typename FwdSm90ParamsOf<TMA>::typ
         wgmma_wait<0>();
         fence_regs(acc_o);
         fence_regs(pa);
-#pragma unroll
-        for (int i = 0; i < HEAD_DIM / 2; ++i) acc_o[i] *= alpha[0][(i % 4) / 2];
-#pragma unroll
-        for (int kk = 0; kk < PV_STEPS; ++kk) {
-            pa[kk][0] = Ops::pack(s[8 * kk + 0], s[8 * kk + 1]);
-            pa[kk][1] = Ops::pack(s[8 * kk + 2], s[8 * kk + 3]);
-            pa[kk][2] = Ops::pack(s[8 * kk + 4], s[8 * kk + 5]);
-            pa[kk][3] = Ops::pack(s[8 * kk + 6], s[8 * kk + 7]);
-        }
+        rescale_and_pack<Ops, HEAD_DIM, BLOCK_N>(acc_o, alpha, pa, s);
     }
 
     cp_async_wait<0>();
@@ -301,14 +282,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ typename FwdSm90ParamsOf<TMA>::typ
                 lse[0][r] = -CUFLASH_INF;
             }
     }
-#pragma unroll
-    for (int dt = 0; dt < D_TILES; ++dt)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int row = warp_row0 + g + r * 8;
-            const u32 v = Ops::pack(acc_o[4 * dt + 2 * r] * inv_l[0][r], acc_o[4 * dt + 2 * r + 1] * inv_l[0][r]);
-            *reinterpret_cast<u32*>(sQ_ptr + sw128_offset(row, dt, BLOCK_M) + 4 * t) = v;
-        }
+    o_rows_to_smem<Ops, HEAD_DIM, BLOCK_M>(sQ_ptr, acc_o, inv_l, warp_row0, g, t);
     // lse == nullptr: the caller wants only O (an eager forward with no gradient and no lse).
     if (t == 0 && p.lse != nullptr) {
         float* g_lse = FEAT ? p.lse + b * p.mask.lse_batch_stride + h * p.mask.lse_head_stride + qf.si.q_row0
@@ -322,17 +296,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ typename FwdSm90ParamsOf<TMA>::typ
     __syncwarp();
 
     T* gO = static_cast<T*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride + (qf.si.q_row0 + m0) * p.o_row_stride;
-    constexpr int WARP_CHUNKS = 16 * D_TILES;
-#pragma unroll
-    for (int i = 0; i < WARP_CHUNKS / 32; ++i) {
-        const int c = lane + i * 32;
-        const int row = warp_row0 + c / D_TILES;
-        const int chunk = c % D_TILES;
-        if (IS_EVEN || m0 + row < q_rows) {
-            const uint4 v = *reinterpret_cast<const uint4*>(sQ_ptr + sw128_offset(row, chunk, BLOCK_M));
-            *reinterpret_cast<uint4*>(gO + row * p.o_row_stride + chunk * 8) = v;
-        }
-    }
+    o_rows_to_global<T, HEAD_DIM, BLOCK_M, IS_EVEN>(gO, p.o_row_stride, sQ_ptr, warp_row0, lane, m0, q_rows);
 }
 
 }  // namespace cuflash

@@ -45,6 +45,7 @@
 // flash_fwd.cu.
 #include "blocks.cuh"
 #include "common.cuh"
+#include "fwd_sm90_steps.cuh"
 #include "params.cuh"
 #include "softmax.cuh"
 #include "tma.cuh"
@@ -85,13 +86,12 @@ __global__ void __launch_bounds__(384, 1)
 flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
     using Tr = FwdWsTraits<HEAD_DIM, BLOCK_N, STAGES>;
     using Ops = ElemOps<T>;
-    constexpr int BLOCK_M = Tr::BLOCK_M, N_TILES = Tr::N_TILES, D_TILES = Tr::D_TILES;
+    constexpr int BLOCK_M = Tr::BLOCK_M, N_TILES = Tr::N_TILES;
     constexpr int PV_STEPS = BLOCK_N / 16;
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    const u32 raw_addr = smem_addr(smem_raw);
-    const u32 sQ = (raw_addr + 1023u) & ~1023u;
-    unsigned char* sQ_ptr = smem_raw + (sQ - raw_addr);
+    unsigned char* sQ_ptr;
+    const u32 sQ = smem_aligned_1024(smem_raw, sQ_ptr);
     const u32 sK = sQ + Tr::SQ_BYTES;
     const u32 sV = sK + STAGES * Tr::SKV_BYTES;
     const u32 s_bar = sV + STAGES * Tr::SKV_BYTES;
@@ -199,19 +199,7 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
         if (lane == 0) mbar_arrive(k_empty(s));  // this warp is done with K_j
 
         // ---- mask, only on tiles that need it ----
-        const int n0 = j * BLOCK_N;
-        const bool tail = !IS_EVEN && n0 + BLOCK_N > sk;
-        const bool diag = IS_CAUSAL && n0 + BLOCK_N - 1 > m0 + warp_row0 + sk - sq;
-        if (tail || diag) {
-#pragma unroll
-            for (int i = 0; i < BLOCK_N / 2; ++i) {
-                const int row = m0 + warp_row0 + g + ((i % 4) / 2) * 8;
-                const int col = n0 + (i / 4) * 8 + 2 * t + (i % 2);
-                bool masked = col >= sk;
-                if (IS_CAUSAL) masked = masked || col > row + sk - sq;
-                if (masked) sc_[i] = -CUFLASH_INF;
-            }
-        }
+        mask_plain_tile<BLOCK_N, IS_CAUSAL, IS_EVEN>(sc_, j * BLOCK_N, m0 + warp_row0, g, t, sq, sk);
 
         float alpha[1][2];
         softmax.update(*reinterpret_cast<float(*)[1][N_TILES][4]>(&sc_), p.scale_log2, alpha);
@@ -220,15 +208,7 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
         fence_regs(acc_o);
         fence_regs(pa);
         if (lane == 0) mbar_arrive(v_empty(sp));  // this warp is done with V_(j-1)
-#pragma unroll
-        for (int i = 0; i < HEAD_DIM / 2; ++i) acc_o[i] *= alpha[0][(i % 4) / 2];
-#pragma unroll
-        for (int kk = 0; kk < PV_STEPS; ++kk) {
-            pa[kk][0] = Ops::pack(sc_[8 * kk + 0], sc_[8 * kk + 1]);
-            pa[kk][1] = Ops::pack(sc_[8 * kk + 2], sc_[8 * kk + 3]);
-            pa[kk][2] = Ops::pack(sc_[8 * kk + 4], sc_[8 * kk + 5]);
-            pa[kk][3] = Ops::pack(sc_[8 * kk + 6], sc_[8 * kk + 7]);
-        }
+        rescale_and_pack<Ops, HEAD_DIM, BLOCK_N>(acc_o, alpha, pa, sc_);
     }
 
     if (n_blocks > 0) {
@@ -251,14 +231,7 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
     // ---- epilogue: O /= l, lse, O through this warp's 16 rows of sQ ----
     float inv_l[1][2], lse[1][2];
     softmax.finalize(inv_l, lse);
-#pragma unroll
-    for (int dt = 0; dt < D_TILES; ++dt)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int row = warp_row0 + g + r * 8;
-            const u32 v = Ops::pack(acc_o[4 * dt + 2 * r] * inv_l[0][r], acc_o[4 * dt + 2 * r + 1] * inv_l[0][r]);
-            *reinterpret_cast<u32*>(sQ_ptr + sw128_offset(row, dt, BLOCK_M) + 4 * t) = v;
-        }
+    o_rows_to_smem<Ops, HEAD_DIM, BLOCK_M>(sQ_ptr, acc_o, inv_l, warp_row0, g, t);
     // lse == nullptr: the caller wants only O (an eager forward with no gradient and no lse).
     if (t == 0 && p.lse != nullptr) {
         float* g_lse = p.lse + ((i64)b * p.nheads + h) * sq;
@@ -271,17 +244,7 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
     __syncwarp();
 
     T* gO = static_cast<T*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride + m0 * p.o_row_stride;
-    constexpr int WARP_CHUNKS = 16 * D_TILES;
-#pragma unroll
-    for (int i = 0; i < WARP_CHUNKS / 32; ++i) {
-        const int c = lane + i * 32;
-        const int row = warp_row0 + c / D_TILES;
-        const int chunk = c % D_TILES;
-        if (IS_EVEN || m0 + row < sq) {
-            const uint4 v = *reinterpret_cast<const uint4*>(sQ_ptr + sw128_offset(row, chunk, BLOCK_M));
-            *reinterpret_cast<uint4*>(gO + row * p.o_row_stride + chunk * 8) = v;
-        }
-    }
+    o_rows_to_global<T, HEAD_DIM, BLOCK_M, IS_EVEN>(gO, p.o_row_stride, sQ_ptr, warp_row0, lane, m0, sq);
 }
 
 }  // namespace cuflash

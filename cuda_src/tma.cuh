@@ -73,6 +73,23 @@ __device__ __forceinline__ void tma_load_4d(u32 dst, const TmaDesc* map, u32 bar
         : "memory");
 }
 
+// Bulk reduction (no tensor map): adds `bytes` (a multiple of 16, both addresses 16-byte aligned)
+// of float32 from shared memory into global memory, element by element, in L2. Tracked per thread in
+// bulk groups: commit after issuing; wait_group_read<N> returns once at most N of this thread's
+// groups still read their shared source (the buffer may then be rewritten), wait_group<N> once at
+// most N are incomplete (their writes done).
+__device__ __forceinline__ void bulk_reduce_add_f32(float* gdst, u32 ssrc, u32 bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+                 :: "l"(gdst), "r"(ssrc), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void bulk_wait_group_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;" :: "n"(N) : "memory");
+}
+template <int N> __device__ __forceinline__ void bulk_wait_group() {
+    asm volatile("cp.async.bulk.wait_group %0;" :: "n"(N) : "memory");
+}
+
 // Warp specialization (sm_90a): a warpgroup gives registers back (the producer) or takes them (the
 // consumers). Every thread of the warpgroup must execute the same instruction.
 template <int N> __device__ __forceinline__ void setmaxnreg_dec() {

@@ -56,6 +56,30 @@ def bwd_tma_enabled() -> bool:
     return os.environ.get("CUFLASH_BWD_TMA") == "1"
 
 
+# The warp-specialized sm_90a backward (cuda_src/flash_bwd_sm90_ws.cu): a TMA producer warp, two
+# consumer warpgroups, dQ by bulk reductions; 64 x 128 tiles, head_dim 64 and 128, plain calls with
+# the atomic dQ path. CUFLASH_BWD_WS (read when a plan is made): "1" wherever it serves the call,
+# "0" never; unset: where it serves the call and the maps patch per pointer (as CUFLASH_FWD_TMA).
+BWD_WS_STAGES = 2
+BWD_WS_HEAD_DIMS = (64, 128)
+
+
+def bwd_ws_mode() -> str:
+    """'off', 'force' or 'auto'."""
+    import os
+
+    v = os.environ.get("CUFLASH_BWD_WS")
+    return "off" if v == "0" else "force" if v == "1" else "auto"
+
+
+def bwd_ws_smem_bytes(head_dim: int, stages: int = BWD_WS_STAGES) -> int:
+    """Dynamic shared memory of flash_bwd_sm90_ws.cu (BwdWsTraits::SMEM_BYTES): sK, sV (128 rows),
+    sQ / sdO rings (64 rows), sdS[2] (128 x 64), sdQ (64 x head_dim floats), the lse / delta rows,
+    the mbarriers and 1024 bytes of alignment slack."""
+    return (2 * 128 * head_dim * 2 + 2 * stages * 64 * head_dim * 2 + 2 * 128 * 64 * 2 + 64 * head_dim * 4
+            + stages * 2 * 64 * 4 + 8 * (1 + 2 * stages) + 1024)
+
+
 def fwd_tma_mode() -> str:
     """'off', 'force' or 'auto' (see above)."""
     import os

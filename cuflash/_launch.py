@@ -335,6 +335,48 @@ def bwd_uses_atomics(deterministic: bool, target: str | None = None, head_dim: i
     return _config.BWD_ATOMIC_DQ
 
 
+def bwd_ws_specializations(dtype: str, head_dim: int, causal: bool, even: bool,
+                           stages: int = _config.BWD_WS_STAGES):
+    """The warp-specialized sm_90a backward's launches, in order (cuda_src/flash_bwd_sm90_ws.cu):
+    the preprocess (zeroing dq_accum), the kernel (Params BwdTmaParams: Q / dO maps with 64-row
+    boxes, K / V with 128), and the conversion of its permuted dq_accum. even: seqlen_q % 64 == 0
+    and seqlen_k % 128 == 0."""
+    short, ctype = _DTYPE_TAG[dtype]
+    assert head_dim in _config.BWD_WS_HEAD_DIMS, head_dim
+    pre = _compile.Specialization(
+        "flash_bwd.cu", f"cuflash::flash_bwd_preprocess_kernel<{ctype}, {head_dim}, true>",
+        f"bwd_pre_{short}_d{head_dim}_zero_dq", _BWD_CHECKS_PARAMS)
+    smem = _config.bwd_ws_smem_bytes(head_dim, stages)
+    traits = f"cuflash::BwdWsTraits<{head_dim}, {stages}>"
+    ws = _compile.Specialization(
+        "flash_bwd_sm90_ws.cu",
+        f"cuflash::flash_bwd_sm90_ws_kernel<{ctype}, {head_dim}, {_b(causal)}, {_b(even)}, {stages}>",
+        f"bwd90ws_{short}_d{head_dim}_s{stages}_{'causal' if causal else 'full'}_{'even' if even else 'ragged'}_tma",
+        _BWD_TMA_CHECKS_PARAMS + "\n" +
+        f'static_assert({traits}::SMEM_BYTES == {smem}, "shared memory size differs from cuflash/_config.py:bwd_ws_smem_bytes");')
+    conv = _compile.Specialization(
+        "flash_bwd.cu", f"cuflash::flash_bwd_convert_dq_kernel<{ctype}, {head_dim}, false, {head_dim // 2}>",
+        f"bwd_convert_dq_{short}_d{head_dim}_perm", _BWD_CHECKS_PARAMS)
+    return [(pre, 0, None), (ws, smem, _config.TileConfig(64, 128, 8, wgmma=True)), (conv, 0, None)]
+
+
+def all_bwd_ws_specializations(target: str, head_dims=None, dtypes=None, causal=(False, True)):
+    """Every specialization of the warp-specialized backward (sm_90a only), optionally only those of
+    some head dims, dtypes, causal values."""
+    if target != "sm_90a":
+        return []
+    seen = {}
+    for dtype in dtypes or _config.DTYPES:
+        for d in _config.BWD_WS_HEAD_DIMS:
+            if head_dims is not None and d not in head_dims:
+                continue
+            for c in causal:
+                for e in (False, True):
+                    for spec, smem, _ in bwd_ws_specializations(dtype, d, c, e):
+                        seen.setdefault(spec.expression, (spec, smem))
+    return list(seen.values())
+
+
 def bwd_specializations(dtype: str, head_dim: int, target: str, causal: bool, even_kv: bool, even_q: bool,
                         atomic: bool, cfg: _config.TileConfig | None = None, feat: bool = False, tma: bool = False):
     """The backward kernels one call launches, in order: [(Specialization, smem bytes, TileConfig)].
@@ -683,6 +725,19 @@ def _use_tma(k: DeviceTensor, v: DeviceTensor, block_n: int, dtype: str) -> bool
     return all(_tma.layout_patch(t.shape, t.strides, block_n, dtype) is not None for t in (k, v))
 
 
+def _use_bwd_ws(q: DeviceTensor, dout: DeviceTensor, k: DeviceTensor, v: DeviceTensor, dtype: str) -> bool:
+    """Whether the warp-specialized backward may run (cuflash/_config.py bwd_ws_mode): Q and dO
+    through maps of 64-row boxes, K and V of 128."""
+    from . import _tma
+
+    mode = _config.bwd_ws_mode()
+    if mode == "off" or not all(_tma_ok(t) for t in (q, dout, k, v)) or not _tma.available():
+        return False
+    if mode == "force":
+        return True
+    return _use_tma(q, dout, 64, dtype) and _use_tma(k, v, 128, dtype)
+
+
 def tail_launches(t: DeviceTensor, cu_seqlens, batch: int, max_seqlen: int, elem: str, fill_bits: int,
                   device_id: int, cc: tuple[int, int]) -> list[Launch]:
     """Fills the rows of a packed tensor t (rows, heads, row_elems) that no attention kernel visits
@@ -774,9 +829,14 @@ def bwd_launches(dout: DeviceTensor, q: DeviceTensor, k: DeviceTensor, v: Device
         qcfg = _config.bwd_dq_config(family, head_dim, dtype)
         even_kv = seqlen_q % cfg.block_m == 0 and seqlen_k % cfg.block_n == 0
         even_q = seqlen_q % qcfg.block_m == 0 and seqlen_k % qcfg.block_n == 0
-        tma = (cfg.wgmma and _config.bwd_tma_enabled() and _use_tma(q, dout, cfg.block_m, dtype)
-               and _use_tma(k, v, cfg.block_n, dtype))
-        kernels = bwd_specializations(dtype, head_dim, target, causal, even_kv, even_q, atomic, cfg, tma=tma)
+        ws = (atomic and target == "sm_90a" and head_dim in _config.BWD_WS_HEAD_DIMS and cfg.wgmma
+              and (cfg.block_m, cfg.block_n) == (64, 128) and _use_bwd_ws(q, dout, k, v, dtype))
+        if ws:
+            kernels = bwd_ws_specializations(dtype, head_dim, causal, even_kv)
+        else:
+            tma = (cfg.wgmma and _config.bwd_tma_enabled() and _use_tma(q, dout, cfg.block_m, dtype)
+                   and _use_tma(k, v, cfg.block_n, dtype))
+            kernels = bwd_specializations(dtype, head_dim, target, causal, even_kv, even_q, atomic, cfg, tma=tma)
     pad = _cdiv(seqlen_q, _config.BWD_ROW_PAD) * _config.BWD_ROW_PAD
     rows_pad = batch * nheads * pad
 
@@ -797,7 +857,8 @@ def bwd_launches(dout: DeviceTensor, q: DeviceTensor, k: DeviceTensor, v: Device
     (pre, _, _), (dkdv, smem, _), (last, last_smem, _) = kernels
     grids = [(pre, 0, _cdiv(rows_pad, 8), 256, 0)]
     n_blocks = _cdiv(seqlen_k, cfg.block_n)
-    grids.append((dkdv, smem, batch * nheads_kv * n_blocks, cfg.warps * 32, n_blocks))
+    threads = 384 if dkdv.source == "flash_bwd_sm90_ws.cu" else cfg.warps * 32
+    grids.append((dkdv, smem, batch * nheads_kv * n_blocks, threads, n_blocks))
     if not atomic:
         m_blocks = _cdiv(seqlen_q, qcfg.block_m)
         grids.append((last, last_smem, batch * nheads * m_blocks, qcfg.warps * 32, m_blocks))

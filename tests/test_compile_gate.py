@@ -67,7 +67,11 @@ def _all_specs(kind, target):
         tma_bwd = _launch.all_bwd_tma_specializations(target)
         assert all(spec.name.endswith("_tma") for spec, _ in tma_bwd)
         assert bool(tma_bwd) == (target == "sm_90a")
-        return specs + tma_fwd + ws_fwd + tma_bwd
+        # ... and the warp-specialized backward: per (dtype, head_dim) its kernel for causal x even,
+        # the zeroing preprocess and the permuted dQ conversion.
+        ws_bwd = _launch.all_bwd_ws_specializations(target)
+        assert len(ws_bwd) == (len(_config.DTYPES) * len(_config.BWD_WS_HEAD_DIMS) * 6 if target == "sm_90a" else 0)
+        return specs + tma_fwd + ws_fwd + tma_bwd + ws_bwd
     if kind == "fwd":
         specs = _launch.all_fwd_specializations(target)
         # One specialization per (dtype, head_dim, causal, even): nothing may be left out.

@@ -301,6 +301,7 @@ def fake_tma_driver(monkeypatch, word, record):
     monkeypatch.setattr(_tma, "_patches", {})
     monkeypatch.setenv("CUFLASH_FWD_TMA", "1")
     monkeypatch.setenv("CUFLASH_FWD_WS", "0")  # flash_fwd_sm90.cu's TMA variant, not the warp-specialized kernel
+    monkeypatch.setenv("CUFLASH_BWD_WS", "0")  # likewise the backward's
     return calls
 
 
@@ -469,6 +470,49 @@ def test_bwd_tma_wiring(dev, monkeypatch):
     n0 = len(launched)
     cuflash.attention_backward(dout, q, k, v, out, lse, causal=True)
     assert not any(L["name"].endswith("_tma") for L in launched[n0:])
+
+
+def test_bwd_ws_wiring(dev, monkeypatch):
+    """The warp-specialized backward (cuda_src/flash_bwd_sm90_ws.cu): a plain non-deterministic
+    backward at head_dim 64 / 128 on sm_90a runs the zeroing preprocess, the kernel with 384 threads,
+    one block per (128 keys, kv head, batch) and BwdTmaParams holding the maps of q and dout (64-row
+    boxes) and k and v (128 rows) of the call's pointers, then the permuted dQ conversion; the
+    deterministic backward, head_dim 96 and CUFLASH_BWD_WS=0 keep the other kernels."""
+    from cuflash import _tma
+
+    fake_tma_driver(monkeypatch, lambda ptr, i, dims, box, strides: (
+        ptr if i == 0 else 31 * i + dims[1] + box[1] + strides[0]), lambda ptr, *rest: ptr)
+    monkeypatch.setenv("CUFLASH_BWD_WS", "1")
+    ad, launched = dev
+    rng = np.random.default_rng()
+    for d, det, want in ((128, False, True), (64, False, True), (128, True, False), (96, False, False)):
+        q, k, v = arr(rng, (2, 70, 4, d)), arr(rng, (2, 300, 2, d)), arr(rng, (2, 300, 2, d))
+        out, lse = cuflash.attention(q, k, v, return_lse=True, deterministic=det, causal=True)
+        dout = arr(rng, q.shape)
+        n0 = len(launched)
+        dq, dk, dv = cuflash.attention_backward(dout, q, k, v, out, lse, deterministic=det, causal=True)
+        names = [L["name"] for L in launched[n0:]]
+        assert any(n.startswith("bwd90ws_") for n in names) == want, (d, det, names)
+        if not want:
+            continue
+        assert names == [f"bwd_pre_f16_d{d}_zero_dq", f"bwd90ws_f16_d{d}_s2_causal_ragged_tma",
+                         f"bwd_convert_dq_f16_d{d}_perm"], names
+        L = launched[n0 + 1]
+        assert L["threads"] == 384 and L["grid"] == 2 * 2 * 3, L
+        p = L["p"]
+        check_tensor(p, "q", q)
+        check_tensor(p, "dk", dk)
+        check_tensor(p, "do", dout, "dout")
+        for field, t, rows in (("map_q", q, 64), ("map_do", dout, 64), ("map_k", k, 128), ("map_v", v, 128)):
+            strides = tuple(x // t.itemsize for x in t.strides)
+            assert p[field].tobytes() == _tma.kv_map(addr(t), t.shape, strides, rows, "float16"), field
+    monkeypatch.setenv("CUFLASH_BWD_WS", "0")
+    _plan.CACHE.clear()
+    q, k, v = arr(rng, (2, 70, 4, 128)), arr(rng, (2, 300, 2, 128)), arr(rng, (2, 300, 2, 128))
+    out, lse = cuflash.attention(q, k, v, return_lse=True)
+    n0 = len(launched)
+    cuflash.attention_backward(arr(rng, q.shape), q, k, v, out, lse)
+    assert not any(L["name"].startswith("bwd90ws_") for L in launched[n0:])
 
 
 def test_explicit_plan_rejects_other_signature(dev):

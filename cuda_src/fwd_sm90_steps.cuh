@@ -1,0 +1,93 @@
+// fwd_sm90_steps.cuh: the per-tile steps shared by the sm_90a forwards (flash_fwd_sm90.cu and the
+// warp-specialized flash_fwd_sm90_ws.cu), for one warp of a warpgroup that owns 64 query rows.
+//
+// Fragment layout (wgmma m64nNk16 accumulators, as mma.sync's): thread (g = lane / 4, t = lane % 4)
+// of a warp whose first row is row0 holds, for element i of a BLOCK_N-column tile, row
+// row0 + g + ((i % 4) / 2) * 8 and column (i / 4) * 8 + 2 t + (i % 2); O's elements follow the same
+// pattern over HEAD_DIM columns.
+#pragma once
+#include "common.cuh"
+#include "wgmma_util.cuh"
+
+namespace cuflash {
+
+// The dynamic shared memory's first 1024-byte aligned byte (SW128 panels start on such boundaries),
+// as a shared-window address; ptr gets it as a generic pointer.
+__device__ __forceinline__ u32 smem_aligned_1024(unsigned char* raw, unsigned char*& ptr) {
+    const u32 raw_addr = smem_addr(raw);
+    const u32 a = (raw_addr + 1023u) & ~1023u;
+    ptr = raw + (a - raw_addr);
+    return a;
+}
+
+// Masks a plain call's score tile (keys n0 .. n0 + BLOCK_N of rows from row0): keys past seqlen_k
+// (only a tile that reaches past it) and, causal, keys right of the bottom-right-aligned diagonal
+// (only a tile the diagonal crosses for these 16 rows). Masked scores become -inf.
+template <int BLOCK_N, bool IS_CAUSAL, bool IS_EVEN>
+__device__ __forceinline__ void mask_plain_tile(float (&s)[BLOCK_N / 2], int n0, int row0, int g, int t, int sq,
+                                                int sk) {
+    const bool tail = !IS_EVEN && n0 + BLOCK_N > sk;
+    const bool diag = IS_CAUSAL && n0 + BLOCK_N - 1 > row0 + sk - sq;
+    if (tail || diag) {
+#pragma unroll
+        for (int i = 0; i < BLOCK_N / 2; ++i) {
+            const int row = row0 + g + ((i % 4) / 2) * 8;
+            const int col = n0 + (i / 4) * 8 + 2 * t + (i % 2);
+            bool masked = col >= sk;
+            if (IS_CAUSAL) masked = masked || col > row + sk - sq;
+            if (masked) s[i] = -CUFLASH_INF;
+        }
+    }
+}
+
+// After the P V product of the previous tile has retired: O *= alpha (the online softmax's rescale)
+// and this tile's probabilities packed as the next P V product's A fragments (one per k16 step).
+template <typename Ops, int HEAD_DIM, int BLOCK_N>
+__device__ __forceinline__ void rescale_and_pack(float (&acc_o)[HEAD_DIM / 2], const float (&alpha)[1][2],
+                                                 u32 (&pa)[BLOCK_N / 16][4], const float (&s)[BLOCK_N / 2]) {
+#pragma unroll
+    for (int i = 0; i < HEAD_DIM / 2; ++i) acc_o[i] *= alpha[0][(i % 4) / 2];
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+        pa[kk][0] = Ops::pack(s[8 * kk + 0], s[8 * kk + 1]);
+        pa[kk][1] = Ops::pack(s[8 * kk + 2], s[8 * kk + 3]);
+        pa[kk][2] = Ops::pack(s[8 * kk + 4], s[8 * kk + 5]);
+        pa[kk][3] = Ops::pack(s[8 * kk + 6], s[8 * kk + 7]);
+    }
+}
+
+// Epilogue, first half: O / l of this warp's 16 rows (block rows warp_row0 ..) into a SW128 tile of
+// ROWS rows at tile (the consumed Q tile; no wgmma may still read these rows).
+template <typename Ops, int HEAD_DIM, int ROWS>
+__device__ __forceinline__ void o_rows_to_smem(unsigned char* tile, const float (&acc_o)[HEAD_DIM / 2],
+                                               const float (&inv_l)[1][2], int warp_row0, int g, int t) {
+#pragma unroll
+    for (int dt = 0; dt < HEAD_DIM / 8; ++dt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = warp_row0 + g + r * 8;
+            const u32 v = Ops::pack(acc_o[4 * dt + 2 * r] * inv_l[0][r], acc_o[4 * dt + 2 * r + 1] * inv_l[0][r]);
+            *reinterpret_cast<u32*>(tile + sw128_offset(row, dt, ROWS) + 4 * t) = v;
+        }
+}
+
+// Epilogue, second half (after __syncwarp): the warp's 16 rows from the tile to gO (the block's first
+// row, m0 of the sequence) in 16-byte stores; rows at or past q_rows are not written.
+template <typename T, int HEAD_DIM, int ROWS, bool IS_EVEN>
+__device__ __forceinline__ void o_rows_to_global(T* gO, i64 o_row_stride, const unsigned char* tile, int warp_row0,
+                                                 int lane, int m0, int q_rows) {
+    constexpr int D_TILES = HEAD_DIM / 8;
+    constexpr int WARP_CHUNKS = 16 * D_TILES;
+#pragma unroll
+    for (int i = 0; i < WARP_CHUNKS / 32; ++i) {
+        const int c = lane + i * 32;
+        const int row = warp_row0 + c / D_TILES;
+        const int chunk = c % D_TILES;
+        if (IS_EVEN || m0 + row < q_rows) {
+            const uint4 v = *reinterpret_cast<const uint4*>(tile + sw128_offset(row, chunk, ROWS));
+            *reinterpret_cast<uint4*>(gO + row * o_row_stride + chunk * 8) = v;
+        }
+    }
+}
+
+}  // namespace cuflash

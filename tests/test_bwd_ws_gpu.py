@@ -1,0 +1,59 @@
+"""The warp-specialized sm_90a backward (cuda_src/flash_bwd_sm90_ws.cu, CUFLASH_BWD_WS=1): a TMA
+producer warp, two consumer warpgroups, dQ added with bulk reductions in a permuted scratch layout
+that the conversion kernel undoes. Checked as the default backward is (tests/test_gpu_backward.py's
+run_backward_and_check: float64 reference gradients, 2x the naive error, NaN-poisoned allocators,
+inputs untouched) over both dtypes, head_dim 64 and 128, causal or not, lengths that are and are not
+multiples of the 64 x 128 tiles (rows past the tensors come as the maps' zeros), rows that see no
+key, query blocks that see no key block, GQA and MQA, strided layouts. The launched kernel's name is
+checked, so a fallback cannot pass for it; deterministic calls must not take it. Marked gpu;
+skipped below sm_90."""
+
+import pytest
+
+from test_fwd_tma_gpu import record_tma_launches
+from test_gpu_backward import make_dout, run_backward_and_check
+from test_gpu_forward import fresh_seed, make_qkv
+
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.gpu
+
+CASES = [  # dtype, head_dim, causal, seqlen_q, seqlen_k, nheads, nheads_kv, layout
+    ("bfloat16", 128, False, 1024, 1024, 4, 4, "bshd"),
+    ("float16", 128, True, 1000, 1000, 4, 2, "bshd"),
+    ("bfloat16", 64, True, 513, 777, 8, 2, "bhsd"),
+    ("float16", 64, False, 200, 130, 4, 1, "padded"),
+    ("bfloat16", 128, True, 700, 300, 4, 1, "bshd"),    # bottom-right causal: rows with no key
+    ("float16", 128, True, 300, 700, 4, 4, "bshd"),     # key blocks no query sees (dK = dV = 0)
+    ("float16", 64, False, 1, 4097, 2, 2, "bshd"),
+    ("bfloat16", 128, False, 2048, 64, 2, 2, "mixed"),  # many query blocks per key block
+    ("bfloat16", 64, False, 2048, 2048, 2, 2, "bshd"),     # the stage ring wraps 16 times
+]
+
+
+@pytest.mark.parametrize("dtype,head_dim,causal,seqlen_q,seqlen_k,nheads,nheads_kv,layout", CASES)
+@pytest.mark.parametrize("det", [False, True])
+def test_ws_backward(monkeypatch, dtype, head_dim, causal, seqlen_q, seqlen_k, nheads, nheads_kv, layout, det):
+    import cuflash
+    from cuflash import _plan
+
+    names = record_tma_launches(monkeypatch, CUFLASH_BWD_WS="1")
+    try:
+        seed = fresh_seed()
+        torch.manual_seed(seed)
+        tdt = getattr(torch, dtype)
+        q, k, v = make_qkv(2, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, tdt, layout)
+        dout = make_dout(2, seqlen_q, nheads, head_dim, tdt, layout)
+        label = (f"bwd ws {dtype} d{head_dim} causal={causal} {seqlen_q}x{seqlen_k} h{nheads}/{nheads_kv} "
+                 f"{layout} deterministic={det}")
+        n0 = len(names)
+        run_backward_and_check(cuflash, q, k, v, dout, causal=causal, deterministic=det, seed=seed, label=label)
+        ws = [n for n in names[n0:] if n.startswith("bwd90ws_")]
+        assert not (det and ws), (label, names[n0:])
+        # Layouts a tensor map can describe (else the plan's contiguous copies may still qualify).
+        mappable = all(t.stride(-1) == 1 and all(s > 0 and s % 8 == 0 for s in t.stride()[:3])
+                       for t in (q, k, v, dout))
+        if mappable and not det:
+            assert ws, (label, names[n0:])
+    finally:
+        _plan.CACHE.clear()
