@@ -320,7 +320,9 @@ def cuflash_specs(configs, passes, target):
             bws = (atomic and target == "sm_90a" and d in _config.BWD_WS_HEAD_DIMS and bc.wgmma
                    and _config.bwd_ws_mode() != "off" and _config.fwd_tma_mode() != "off")
             btma = bc.wgmma and _config.bwd_tma_enabled() and _config.fwd_tma_mode() != "off"
-            kernels = (_launch.bwd_ws_specializations(dt, d, c, even_kv) if bws else
+            bm = _config.bwd_ws_block_m(d) if bws else bc.block_m
+            kernels = (_launch.bwd_ws_specializations(dt, d, c, s % bm == 0 and s % 128 == 0,
+                                                      _config.bwd_ws_stages(d, bm), bm) if bws else
                        _launch.bwd_specializations(dt, d, target, c, even_kv, even_q, atomic, tma=btma))
             for spec, smem, _ in kernels:
                 seen.setdefault(spec.expression, (spec, smem))

@@ -397,10 +397,11 @@ flash_bwd_dkdv_kernel(const __grid_constant__ BwdParams p) {
 // 3a. dq = scale * dq_accum (atomic path); one warp per (batch, head, query row)
 // ------------------------------------------------------------------------------------------------
 // DQ_PERM = 0: dq_accum is row-major (batch, nheads, seqlen_q_pad, HEAD_DIM). DQ_PERM = n > 0: each
-// 64-row block is in flash_bwd_sm90_ws.cu's order, two parts of n = HEAD_DIM / 2 columns held as its
-// consumer threads hold them (that file's header); the row's 8 columns of chunk c are then the
-// float2 halves (hi = row % 16 / 8) of four consecutive float4s.
-template <typename T, int HEAD_DIM, bool FEAT = false, int DQ_PERM = 0>
+// block of PERM_ROWS rows is in flash_bwd_sm90_ws.cu's order: parts of 64 rows x n columns (part
+// (r / 64) * (HEAD_DIM / n) + column / n for row r of the block), each held as that kernel's consumer
+// threads hold them (its header); the row's 8 columns of chunk c are then the float2 halves (hi =
+// r % 16 / 8) of four consecutive float4s.
+template <typename T, int HEAD_DIM, bool FEAT = false, int DQ_PERM = 0, int PERM_ROWS = 64>
 __global__ void __launch_bounds__(256)
 flash_bwd_convert_dq_kernel(const __grid_constant__ BwdParams p) {
     const int lane = threadIdx.x % 32;
@@ -421,10 +422,11 @@ flash_bwd_convert_dq_kernel(const __grid_constant__ BwdParams p) {
     for (int c = lane; c < HEAD_DIM / 8; c += 32) {
         float4 x, y;
         if constexpr (DQ_PERM > 0) {
-            static_assert(!FEAT && 2 * DQ_PERM == HEAD_DIM, "the permuted layout: plain calls, two parts");
-            const int r = i % 64, part = 8 * c / DQ_PERM, j = (8 * c % DQ_PERM) / 8;
+            static_assert(!FEAT && HEAD_DIM % DQ_PERM == 0 && PERM_ROWS % 64 == 0, "the permuted layout: plain calls");
+            const int rb = i % PERM_ROWS, r = rb % 64;
+            const int part = (rb / 64) * (HEAD_DIM / DQ_PERM) + 8 * c / DQ_PERM, j = (8 * c % DQ_PERM) / 8;
             const int u0 = (r / 16) * 32 + (r % 8) * 4;  // consumer thread of t = 0
-            const float2* blk2 = reinterpret_cast<const float2*>(acc - (i64)r * HEAD_DIM + part * 64 * DQ_PERM) + (r % 16) / 8;
+            const float2* blk2 = reinterpret_cast<const float2*>(acc - (i64)rb * HEAD_DIM + part * 64 * DQ_PERM) + (r % 16) / 8;
             const float2 a0 = blk2[2 * (j * 128 + u0)], a1 = blk2[2 * (j * 128 + u0 + 1)];
             const float2 a2 = blk2[2 * (j * 128 + u0 + 2)], a3 = blk2[2 * (j * 128 + u0 + 3)];
             x = make_float4(a0.x, a0.y, a1.x, a1.y);

@@ -5,18 +5,24 @@
 //
 // Algorithm: that of flash_bwd_sm90.cu (read its header first): one block per (key block of 128
 // keys, kv head, batch); K and V stay in shared memory, dK and dV in registers; the block loops over
-// the query heads of its GQA group and the query blocks of 64 rows that see its keys. Per query
-// block, consumer c (keys [64 c, 64 c + 64) of the block) runs five wgmma products:
-//   S^T = K_c Q^T, dP^T = V_c dO^T            (64 keys x 64 queries; both issued, then P = exp2(...)
-//                                              computed while dP^T still runs)
-//   dV_c += P^T dO, dK_c += dS^T Q            (A from registers)
-//   dQ[:, cols of c] = dS K[:, cols of c]      (A = dS^T of both consumers from shared memory)
+// the query heads of its GQA group and the query blocks of BLOCK_M rows (64, or 128 at head_dim 64)
+// that see its keys. Per query block, consumer c (keys [64 c, 64 c + 64) of the block) runs five
+// wgmma products:
+//   S^T = K_c Q^T, dP^T = V_c dO^T            (64 keys x BLOCK_M queries; both issued, then P =
+//                                              exp2(...) computed while dP^T still runs)
+//   dV_c += P^T dO                             (A from registers; runs across the dS barrier)
+//   dQ part c = dS K                           (A = dS^T of both consumers from shared memory; part c:
+//                                              BLOCK_M = 64: all rows, columns [c DQ_N, (c + 1) DQ_N),
+//                                              DQ_N = HEAD_DIM / 2; BLOCK_M = 128: rows [64 c, 64 c +
+//                                              64), all columns, DQ_N = HEAD_DIM)
+//   dK_c += dS^T Q                             (A from registers; runs while dQ goes to shared memory)
 // Nothing of size seqlen_q x seqlen_k reaches device memory.
 //
 // Warps: 384 threads, three warpgroups.
 //   producer  (warpgroup 0; setmaxnreg.dec 24): warp 0 alone works. Lane 0 issues the TMA copies of K
 //             and V once, then of Q_i and dO_i for each iteration i into a STAGES-deep ring; the 32
 //             lanes copy the rows' lse (zero past seqlen_q) and delta into the stage beside them.
+//             (The producer's other warps exit at once.)
 //   consumers (warpgroups 1, 2; setmaxnreg.inc 240).
 //
 // Barriers ("wait(b, n)": until phase n of mbarrier b has completed, parity n % 2):
@@ -24,7 +30,7 @@
 //   full[s]     count 32: every producer lane arrives after storing its lse / delta rows of stage s
 //               (lane 0 with the expect_tx of Q's and dO's bytes, before issuing their copies).
 //   empty[s]    count 8: lane 0 of each consumer warp, once the products that read stage s (dV, dK)
-//               have retired and its lse / delta are read.
+//               have retired (its lse / delta were read before them).
 // Iteration i uses stage s = i % STAGES; the producer's u-th fill of a stage (u = i / STAGES) waits
 // for phase u - 1 of empty[s]; a consumer waits for phase u of full[s].
 //   named barrier 1 (256 consumer threads), twice per iteration: "dS" after both consumers stored
@@ -38,16 +44,16 @@
 // 2] in its dQ product; it cannot get two iterations ahead because of barrier 1.
 //
 // dq_accum layout (for this kernel; flash_bwd.cu's conversion kernel with DQ_PERM undoes it): per
-// (batch, head, query block of 64 rows) the same 64 * HEAD_DIM floats as the row-major scratch, but
-// ordered as the consumers hold them: consumer c's part (64 rows x DQ_N columns, DQ_N = HEAD_DIM / 2)
-// at c * 64 * DQ_N, inside it float4 j of consumer thread u (0..127) at (j * 128 + u) * 4, holding
+// (batch, head, query block of BLOCK_M rows) the same BLOCK_M * HEAD_DIM floats as the row-major
+// scratch, but ordered as the consumers hold them: consumer c's part (64 rows x DQ_N columns) at
+// c * 64 * DQ_N, inside it float4 j of consumer thread u (0..127) at (j * 128 + u) * 4, holding
 // rows g, g + 8 of warp u / 32's 16 and columns 8 j + 2 t, + 1 (g = lane / 4, t = lane % 4) as
 // {(g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)}. A warp's float4 stores to sdQ are then
 // conflict-free, and each part is one contiguous bulk reduction.
 //
-// Shared memory: sK, sV (128 x HEAD_DIM), sQ[STAGES], sdO[STAGES] (64 x HEAD_DIM), sdS[2] (128 keys
-// x 64 queries), all SW128 panels (wgmma_util.cuh); sdQ (64 x HEAD_DIM floats, two parts); then
-// sLse[STAGES], sDelta[STAGES] (64 floats each), then the mbarriers. The epilogue writes dV and dK
+// Shared memory: sK, sV (128 x HEAD_DIM), sQ[STAGES], sdO[STAGES] (BLOCK_M x HEAD_DIM), sdS[2] (128
+// keys x BLOCK_M queries), all SW128 panels (wgmma_util.cuh); sdQ (BLOCK_M x HEAD_DIM floats, two
+// parts); then sLse[STAGES], sDelta[STAGES] (BLOCK_M floats each), then the mbarriers. The epilogue writes dV and dK
 // out through sV and sK.
 //
 // Grid: 1-D, blockIdx.x = (b * nheads_kv + h_kv) * num_blocks + key block (blocks.cuh key_block).
@@ -61,11 +67,14 @@
 
 namespace cuflash {
 
-template <int HEAD_DIM, int STAGES>
+template <int HEAD_DIM, int BLOCK_M_, int STAGES>
 struct BwdWsTraits {
-    static constexpr int BLOCK_M = 64, BLOCK_N = 128;
+    static constexpr int BLOCK_M = BLOCK_M_, BLOCK_N = 128;
     static constexpr int THREADS = 384;
-    static constexpr int DQ_N = HEAD_DIM / 2;  // dQ columns per consumer
+    // dQ of a query block is split between the consumers by columns (BLOCK_M = 64: each takes the 64
+    // rows x HEAD_DIM / 2 columns) or by rows (BLOCK_M = 128: rows [64 c, 64 c + 64), all columns).
+    static constexpr bool DQ_BY_ROWS = BLOCK_M == 128;
+    static constexpr int DQ_N = DQ_BY_ROWS ? HEAD_DIM : HEAD_DIM / 2;  // dQ columns per consumer
     static constexpr int SKV_BYTES = BLOCK_N * HEAD_DIM * 2;
     static constexpr int SQ_BYTES = BLOCK_M * HEAD_DIM * 2;
     static constexpr int SDS_BYTES = BLOCK_N * BLOCK_M * 2;
@@ -80,16 +89,17 @@ struct BwdWsTraits {
     static constexpr int CONSUMER_REGS = 240;
 
     static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "head_dim: 64 or 128");
+    static_assert(BLOCK_M == 64 || BLOCK_M == 128, "query block: 64 or 128 rows");
     static_assert(STAGES >= 2, "stages");
     static_assert(DQ_N % 16 == 0, "dQ columns per consumer");
 };
 
-template <typename T, int HEAD_DIM, bool IS_CAUSAL, bool IS_EVEN, int STAGES = 2>
+template <typename T, int HEAD_DIM, int BLOCK_M, bool IS_CAUSAL, bool IS_EVEN, int STAGES = 2>
 __global__ void __launch_bounds__(384, 1)
 flash_bwd_sm90_ws_kernel(const __grid_constant__ BwdTmaParams p) {
-    using Tr = BwdWsTraits<HEAD_DIM, STAGES>;
+    using Tr = BwdWsTraits<HEAD_DIM, BLOCK_M, STAGES>;
     using Ops = ElemOps<T>;
-    constexpr int BLOCK_M = Tr::BLOCK_M, BLOCK_N = Tr::BLOCK_N, DQ_N = Tr::DQ_N;
+    constexpr int BLOCK_N = Tr::BLOCK_N, DQ_N = Tr::DQ_N;
     constexpr int D_TILES = HEAD_DIM / 8, Q_STEPS = BLOCK_M / 16, N_STEPS = BLOCK_N / 16;
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -148,15 +158,16 @@ flash_bwd_sm90_ws_kernel(const __grid_constant__ BwdTmaParams p) {
             const int hq = h_kv * p.head_group + it / m_iters;
             const int m0 = (m_begin + it % m_iters) * BLOCK_M;
             // lse from the forward's (batch, nheads, seqlen_q) array, 0 past seqlen_q; delta from the
-            // padded scratch. Lane l: rows 2 l and 2 l + 1.
+            // padded scratch. Lane l: rows R l .. R l + R - 1, R = BLOCK_M / 32.
+            constexpr int R = BLOCK_M / 32;
             const i64 bhq = (i64)b * p.nheads + hq;
 #pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const int row = m0 + 2 * lane + r;
+            for (int r = 0; r < R; ++r) {
+                const int row = m0 + R * lane + r;
                 const float l = row < sq ? p.lse[bhq * sq + row] : 0.f;
                 const float d = p.delta[bhq * p.seqlen_q_pad + row];
-                asm volatile("st.shared.f32 [%0], %1;" :: "r"(lse_row(s) + (2 * lane + r) * 4), "f"(l) : "memory");
-                asm volatile("st.shared.f32 [%0], %1;" :: "r"(dlt_row(s) + (2 * lane + r) * 4), "f"(d) : "memory");
+                asm volatile("st.shared.f32 [%0], %1;" :: "r"(lse_row(s) + (R * lane + r) * 4), "f"(l) : "memory");
+                asm volatile("st.shared.f32 [%0], %1;" :: "r"(dlt_row(s) + (R * lane + r) * 4), "f"(d) : "memory");
             }
             if (lane == 0) {
                 mbar_arrive_expect_tx(full(s), 2 * Tr::SQ_BYTES);
@@ -184,7 +195,6 @@ flash_bwd_sm90_ws_kernel(const __grid_constant__ BwdTmaParams p) {
     for (int i = 0; i < HEAD_DIM / 2; ++i) { acc_dv[i] = 0.f; acc_dk[i] = 0.f; }
 
     const int key_row0 = cw * 64 + (warp % 4) * 16;  // this warp's first key inside the block
-    const bool key_ok[2] = {n0 + key_row0 + g < sk, n0 + key_row0 + g + 8 < sk};
     const int diag_base = 2 * t + sk - sq - n0 - key_row0 - g;
     const u32 sK_wg = sK + cw * 64 * 128;
     const u32 sV_wg = sV + cw * 64 * 128;
@@ -193,7 +203,6 @@ flash_bwd_sm90_ws_kernel(const __grid_constant__ BwdTmaParams p) {
     mbar_wait(kv_full, 0);  // also before the epilogue writes through sK / sV when no query block runs
     for (int it = 0; it < iters; ++it) {
         const int s = it % STAGES;
-        const int hq = h_kv * p.head_group + it / m_iters;
         const int m0 = (m_begin + it % m_iters) * BLOCK_M;
         const u32 sQs = sQ + s * Tr::SQ_BYTES, sdOs = sdO + s * Tr::SQ_BYTES;
         const u32 sdSi = sdS + (it % 2) * Tr::SDS_BYTES;
@@ -210,37 +219,56 @@ flash_bwd_sm90_ws_kernel(const __grid_constant__ BwdTmaParams p) {
         fence_regs(sc);
 
         // ---- P^T (while dP^T runs); mask only tiles that cross the causal diagonal or sk ----
-        const bool tail = !IS_EVEN && n0 + BLOCK_N > sk;
+        // Keys past seqlen_k need no mask: TMA fills their K and V rows with zeros, so their dS
+        // reaches dQ multiplied by K = 0, and their dK, dV rows are never written.
         const bool diag = IS_CAUSAL && n0 + key_row0 + 15 > m0 + sk - sq;
         const u32 lse_s = lse_row(s) + 2 * t * 4;
         const u32 dlt_s = dlt_row(s) + 2 * t * 4;
-        // Element (key n0 + key_row0 + g + 8 (e / 2), query m0 + 8 j + 2 t + e % 2) is masked iff its
-        // key is past sk or 8 (e / 2) - 8 j - e % 2 > diag_lim (above the diagonal).
+        // Element (key n0 + key_row0 + g + 8 (e / 2), query m0 + 8 j + 2 t + e % 2) is above the
+        // diagonal iff 8 (e / 2) - 8 j - e % 2 > diag_lim.
         const int diag_lim = m0 + diag_base;
+        // The rows' lse and delta of n8 tile j (queries 8 j + 2 t, + 1): loaded per tile (BLOCK_M = 64),
+        // or with BLOCK_M = 128, where 16 float2 each would hold 64 registers across the products,
+        // loaded once as two float2 per thread (tiles g and g + 8) and passed around by shuffles from
+        // lane 4 (j % 8) + t (register pressure; the non-causal even variant spilled otherwise).
+        float2 lse_lo, lse_hi, dlt_lo, dlt_hi;
+        if constexpr (BLOCK_M == 128) {
+            lse_lo = ld_shared_f32x2(lse_s + 32 * g);
+            lse_hi = ld_shared_f32x2(lse_s + 32 * (g + 8));
+        }
+        auto row_pair = [&](u32 base, const float2& lo, const float2& hi, int j) {
+            if constexpr (BLOCK_M == 128) {
+                const float2& v = j < 8 ? lo : hi;
+                return make_float2(__shfl_sync(0xffffffffu, v.x, 4 * (j % 8) + t),
+                                   __shfl_sync(0xffffffffu, v.y, 4 * (j % 8) + t));
+            } else {
+                return ld_shared_f32x2(base + 32 * j);
+            }
+        };
 #pragma unroll
         for (int j = 0; j < BLOCK_M / 8; ++j) {
             // lse -> lse * log2(e); see flash_bwd_sm90.cu for rows with lse = -inf or past seqlen_q.
-            float2 l2 = ld_shared_f32x2(lse_s + 32 * j);
+            float2 l2 = row_pair(lse_s, lse_lo, lse_hi, j);
             l2.x *= CUFLASH_LOG2E;
             l2.y *= CUFLASH_LOG2E;
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int i = 4 * j + e;
                 float pv = fast_exp2(fminf(fmaf(sc[i], p.scale_log2, -(e % 2 ? l2.y : l2.x)), 0.f));  // P <= 1
-                if (tail || diag) {
-                    bool masked = !key_ok[e / 2];
-                    if (IS_CAUSAL) masked = masked || (e / 2) * 8 - 8 * j - (e % 2) > diag_lim;
-                    if (masked) pv = 0.f;
-                }
+                if (IS_CAUSAL && diag && (e / 2) * 8 - 8 * j - (e % 2) > diag_lim) pv = 0.f;
                 sc[i] = pv;
             }
         }
         wgmma_wait<0>();
         fence_regs(dp);
         u32 pa[Q_STEPS][4], da[Q_STEPS][4];  // P^T and dS^T as wgmma A fragments, one per k16 step
+        if constexpr (BLOCK_M == 128) {
+            dlt_lo = ld_shared_f32x2(dlt_s + 32 * g);
+            dlt_hi = ld_shared_f32x2(dlt_s + 32 * (g + 8));
+        }
 #pragma unroll
         for (int j = 0; j < BLOCK_M / 8; ++j) {
-            const float2 dl = ld_shared_f32x2(dlt_s + 32 * j);
+            const float2 dl = row_pair(dlt_s, dlt_lo, dlt_hi, j);
 #pragma unroll
             for (int e = 0; e < 4; ++e) dp[4 * j + e] = sc[4 * j + e] * (dp[4 * j + e] - (e % 2 ? dl.y : dl.x));
             // n8 tile j is half of k16 step j / 2: registers 2 (j % 2) and 2 (j % 2) + 1 of it.
@@ -262,33 +290,32 @@ flash_bwd_sm90_ws_kernel(const __grid_constant__ BwdTmaParams p) {
                     st_shared_u32(base + sw128_offset(row0 + (r % 2) * 8, 2 * kk + r / 2, BLOCK_N), da[kk][r]);
         }
 
-        // ---- dV += P^T dO, dK += dS^T Q ----
+        // ---- dV += P^T dO (group A); dQ[:, cols of cw] = dS K (B); dK += dS^T Q (C) ----
         wgmma_fence();
         wgmma_rs_mnmajor<T, HEAD_DIM, Q_STEPS, BLOCK_M>(acc_dv, pa, sdOs);
-        wgmma_rs_mnmajor<T, HEAD_DIM, Q_STEPS, BLOCK_M>(acc_dk, da, sQs);
         wgmma_commit();
 
         fence_proxy_async();                     // dS^T stores before the async proxy (wgmma) reads them
         if (tw == 0) bulk_wait_group_read<0>();  // the previous bulk reduction has read sdQ
-        named_barrier_sync(DS_BAR, 256);         // all of dS^T is in sdS[it % 2]; sdQ is free
-        // dV / dK ran during the barrier; waiting for them here frees the P^T / dS^T registers before
-        // the dQ accumulators go live, and releases the stage.
-        wgmma_wait<0>();
-        fence_regs(acc_dv);
-        fence_regs(acc_dk);
-        if (lane == 0) mbar_arrive(empty(s));   // this warp is done with Q, dO, lse and delta of stage s
+        named_barrier_sync(DS_BAR, 256);         // all of dS^T is in sdS[it % 2]; sdQ is free; dV runs meanwhile
 
-        // ---- dQ[:, cols of cw] = dS K ----
         float dq[DQ_N / 2];
-        // B = K, columns [cw * DQ_N, ...): a whole panel, or half of one (start 64 bytes in).
-        const u32 k_cols = (cw * DQ_N / 64) * BLOCK_N * 128 + (cw * DQ_N % 64) * 2;
+        // A = dS, the queries of this consumer's rows: sdS's one panel (by columns) or panel cw (by
+        // rows). B = K, columns [cw * DQ_N, ...) (a whole panel, or half of one: start 64 bytes in),
+        // or all of them (by rows).
+        const u32 ds_rows = Tr::DQ_BY_ROWS ? cw * BLOCK_N * 128 : 0;
+        const u32 k_cols = Tr::DQ_BY_ROWS ? 0 : (cw * DQ_N / 64) * BLOCK_N * 128 + (cw * DQ_N % 64) * 2;
+        wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < N_STEPS; ++kk)
-            Wgmma<T, DQ_N>::template ss<1, 1>(dq, make_smem_desc(opaque(sdSi) + kk * 2048, BLOCK_N * 128, 1024),
+            Wgmma<T, DQ_N>::template ss<1, 1>(dq, make_smem_desc(opaque(sdSi) + ds_rows + kk * 2048, BLOCK_N * 128, 1024),
                                               make_smem_desc(opaque(sK) + k_cols + kk * 2048, BLOCK_N * 128, 1024),
                                               kk > 0);
         wgmma_commit();
-        wgmma_wait<0>();
+        wgmma_rs_mnmajor<T, HEAD_DIM, Q_STEPS, BLOCK_M>(acc_dk, da, sQs);
+        wgmma_commit();
+        wgmma_wait<1>();  // dV and dQ are done; dK runs while dQ goes to shared memory
+        fence_regs(acc_dv);
         fence_regs(dq);
         // This thread's float4 j at (j * 128 + tw) * 16 bytes of this consumer's part.
 #pragma unroll
@@ -299,10 +326,16 @@ flash_bwd_sm90_ws_kernel(const __grid_constant__ BwdTmaParams p) {
         fence_proxy_async();
         named_barrier_sync(DQ_BAR + cw, 128);  // this consumer's part of dQ is in sdQ
         if (tw == 0) {
-            float* acc = p.dq_accum + (((i64)b * p.nheads + hq) * p.seqlen_q_pad + m0) * HEAD_DIM + cw * BLOCK_M * DQ_N;
+            // The block's coordinates again from an opaque iteration index (not held across the body).
+            const int oit = (int)opaque((u32)it);
+            const int ohq = h_kv * p.head_group + oit / m_iters, om0 = (m_begin + oit % m_iters) * BLOCK_M;
+            float* acc = p.dq_accum + (((i64)b * p.nheads + ohq) * p.seqlen_q_pad + om0) * HEAD_DIM + cw * 64 * DQ_N;
             bulk_reduce_add_f32(acc, sdQ_wg, Tr::SDQ_BYTES / 2);
             bulk_commit_group();
         }
+        wgmma_wait<0>();
+        fence_regs(acc_dk);
+        if (lane == 0) mbar_arrive(empty(s));   // this warp is done with Q, dO, lse and delta of stage s
     }
     if (tw == 0) bulk_wait_group<0>();  // the reductions are done before the block retires
     named_barrier_sync(DS_BAR, 256);   // both consumers' dQ products (which read all of sK) are done

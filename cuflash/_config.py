@@ -62,6 +62,30 @@ def bwd_tma_enabled() -> bool:
 # "0" never; unset: where it serves the call and the maps patch per pointer (as CUFLASH_FWD_TMA).
 BWD_WS_STAGES = 2
 BWD_WS_HEAD_DIMS = (64, 128)
+# Query rows per iteration (BLOCK_M) by head_dim: 128 at head_dim 64 (FlashAttention-3's choice
+# there; the consumers then split dQ by rows), 64 at 128 (128 would not fit in shared memory).
+# Measured on an H100 (bench.py --quick, bf16, head_dim 64, backward TFLOP/s at 2k / 8k, cuDNN in
+# the same run): non-causal 412 / 481 against 342 / 397 with 64 rows (cuDNN 418 / 481); causal 299 /
+# 427 against 277 / 369 (cuDNN 314 / 420).
+BWD_WS_BLOCK_M = {64: 128, 128: 64}
+
+
+def bwd_ws_block_m(head_dim: int) -> int:
+    """BWD_WS_BLOCK_M, or CUFLASH_BWD_WS_BLOCK_M=64 (tuning) at head_dim 64."""
+    import os
+
+    return 64 if os.environ.get("CUFLASH_BWD_WS_BLOCK_M") == "64" else BWD_WS_BLOCK_M[head_dim]
+
+
+def bwd_ws_stages(head_dim: int, block_m: int) -> int:
+    """Stages of the Q / dO ring: CUFLASH_BWD_WS_STAGES (2 or 3; tuning) where they fit in shared
+    memory, else BWD_WS_STAGES."""
+    import os
+
+    v = os.environ.get("CUFLASH_BWD_WS_STAGES")
+    if v in ("2", "3") and bwd_ws_smem_bytes(head_dim, int(v), block_m) <= SMEM_LIMIT["sm90"]:
+        return int(v)
+    return BWD_WS_STAGES
 
 
 def bwd_ws_mode() -> str:
@@ -72,12 +96,13 @@ def bwd_ws_mode() -> str:
     return "off" if v == "0" else "force" if v == "1" else "auto"
 
 
-def bwd_ws_smem_bytes(head_dim: int, stages: int = BWD_WS_STAGES) -> int:
+def bwd_ws_smem_bytes(head_dim: int, stages: int = BWD_WS_STAGES, block_m: int = 64) -> int:
     """Dynamic shared memory of flash_bwd_sm90_ws.cu (BwdWsTraits::SMEM_BYTES): sK, sV (128 rows),
-    sQ / sdO rings (64 rows), sdS[2] (128 x 64), sdQ (64 x head_dim floats), the lse / delta rows,
-    the mbarriers and 1024 bytes of alignment slack."""
-    return (2 * 128 * head_dim * 2 + 2 * stages * 64 * head_dim * 2 + 2 * 128 * 64 * 2 + 64 * head_dim * 4
-            + stages * 2 * 64 * 4 + 8 * (1 + 2 * stages) + 1024)
+    sQ / sdO rings (block_m rows), sdS[2] (128 x block_m), sdQ (block_m x head_dim floats), the lse /
+    delta rows, the mbarriers and 1024 bytes of alignment slack."""
+    m = block_m
+    return (2 * 128 * head_dim * 2 + 2 * stages * m * head_dim * 2 + 2 * 128 * m * 2 + m * head_dim * 4
+            + stages * 2 * m * 4 + 8 * (1 + 2 * stages) + 1024)
 
 
 def fwd_tma_mode() -> str:
@@ -118,16 +143,21 @@ FWD_WS_STAGES = 2
 #   d128 causal: n128 s3 506 / 620; n128 s2 509 / 557                     (TMA 128x128: 440 / 523)
 #   d256 full:   n64 s2 661 / 706                                         (TMA 128x64: 565 / 602)
 #   d256 causal: n64 s2 507 / 621                                         (TMA 128x64: 472 / 581)
-FWD_WS_TABLE = {(64, False): (128, 3), (128, False): (128, 2), (128, True): (128, 3), (256, False): (64, 2),
-                (256, True): (64, 2)}
+# The third entry: the pingpong schedule between the consumers (flash_fwd_sm90_ws.cu PINGPONG).
+# Measured on an H100 (same script, --pingpong, seqlen 2k / 4k / 16k, one run): d128 full n128 s2
+# 546 / 590 / 637, with pingpong 570 / 612 / 612 (an earlier run: 584 -> 589 at 4k, 628 -> 653 at 16k);
+# d128 causal n128 s3 418 / 482 / 584, n128 s2 417 / 488 / 577, n128 s2 with pingpong 435 / 491 / 589;
+# d64 full n128 s2 395 / 417 / 441, with pingpong 390 / 408 / 426 (kept without).
+FWD_WS_TABLE = {(64, False): (128, 3, False), (128, False): (128, 2, True), (128, True): (128, 2, True),
+                (256, False): (64, 2, False), (256, True): (64, 2, False)}
 
 
 def fwd_ws_config(head_dim: int, causal: bool):
     """(BLOCK_N, STAGES, PINGPONG) of the warp-specialized forward for a plain call, or None where the
     table keeps the TMA variant. CUFLASH_FWD_WS: "0" never; "1" at every head_dim it serves (64, 128,
     256); unset: the table. CUFLASH_FWD_WS_BLOCK_N and CUFLASH_FWD_WS_STAGES override the tiles
-    (tuning runs, bench/dev/tma_tiles.py). CUFLASH_FWD_WS_PINGPONG=1 selects the pingpong schedule
-    between the two consumers (flash_fwd_sm90_ws.cu; compile-gated, not yet run on a GPU)."""
+    (tuning runs, bench/dev/tma_tiles.py); CUFLASH_FWD_WS_PINGPONG "1" / "0" turns the pingpong
+    schedule between the two consumers on / off (flash_fwd_sm90_ws.cu)."""
     import os
 
     mode = os.environ.get("CUFLASH_FWD_WS", "")
@@ -137,10 +167,11 @@ def fwd_ws_config(head_dim: int, causal: bool):
     if cfg is None:
         if mode != "1":
             return None
-        cfg = (64 if head_dim > 128 else 128, FWD_WS_STAGES)
+        cfg = (64 if head_dim > 128 else 128, FWD_WS_STAGES, False)
     bn, stages = os.environ.get("CUFLASH_FWD_WS_BLOCK_N"), os.environ.get("CUFLASH_FWD_WS_STAGES")
+    pp = os.environ.get("CUFLASH_FWD_WS_PINGPONG")
     return (int(bn) if bn else cfg[0], int(stages) if stages else cfg[1],
-            os.environ.get("CUFLASH_FWD_WS_PINGPONG") == "1")
+            cfg[2] if pp not in ("0", "1") else pp == "1")
 
 
 def fwd_ws_smem_bytes(head_dim: int, block_n: int, stages: int = FWD_WS_STAGES) -> int:

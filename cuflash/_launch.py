@@ -245,10 +245,10 @@ def fwd_ws_specialization(dtype: str, head_dim: int, causal: bool, even: bool, b
 
 
 def all_fwd_ws_specializations(target: str, head_dims=None, dtypes=None, causal=(False, True),
-                               pingpong=(False,)):
-    """The warp-specialized forward wherever cuflash/_config.py fwd_ws_config selects it (with the
-    schedules in `pingpong`: the compile gate adds the pingpong one); none on targets other than
-    sm_90a."""
+                               pingpong=None):
+    """The warp-specialized forward wherever cuflash/_config.py fwd_ws_config selects it, in its
+    schedule (pingpong None) or in those of `pingpong` (the compile gate takes both); none on
+    targets other than sm_90a."""
     if target != "sm_90a":
         return []
     out = []
@@ -257,8 +257,8 @@ def all_fwd_ws_specializations(target: str, head_dims=None, dtypes=None, causal=
             for c in causal:
                 cfg = _config.fwd_ws_config(d, c)
                 if cfg is not None:
-                    out += [fwd_ws_specialization(dtype, d, c, e, cfg[0], cfg[1], pp) for pp in pingpong
-                            for e in (False, True)]
+                    out += [fwd_ws_specialization(dtype, d, c, e, cfg[0], cfg[1], pp)
+                            for pp in (pingpong if pingpong is not None else (cfg[2],)) for e in (False, True)]
     return out
 
 
@@ -336,33 +336,37 @@ def bwd_uses_atomics(deterministic: bool, target: str | None = None, head_dim: i
 
 
 def bwd_ws_specializations(dtype: str, head_dim: int, causal: bool, even: bool,
-                           stages: int = _config.BWD_WS_STAGES):
+                           stages: int = _config.BWD_WS_STAGES, block_m: int | None = None):
     """The warp-specialized sm_90a backward's launches, in order (cuda_src/flash_bwd_sm90_ws.cu):
-    the preprocess (zeroing dq_accum), the kernel (Params BwdTmaParams: Q / dO maps with 64-row
-    boxes, K / V with 128), and the conversion of its permuted dq_accum. even: seqlen_q % 64 == 0
-    and seqlen_k % 128 == 0."""
+    the preprocess (zeroing dq_accum), the kernel (Params BwdTmaParams: Q / dO maps with block_m-row
+    boxes, K / V with 128), and the conversion of its permuted dq_accum. even: seqlen_q % block_m
+    == 0 and seqlen_k % 128 == 0. block_m: _config.bwd_ws_block_m by default."""
     short, ctype = _DTYPE_TAG[dtype]
     assert head_dim in _config.BWD_WS_HEAD_DIMS, head_dim
+    m = block_m or _config.bwd_ws_block_m(head_dim)
     pre = _compile.Specialization(
         "flash_bwd.cu", f"cuflash::flash_bwd_preprocess_kernel<{ctype}, {head_dim}, true>",
         f"bwd_pre_{short}_d{head_dim}_zero_dq", _BWD_CHECKS_PARAMS)
-    smem = _config.bwd_ws_smem_bytes(head_dim, stages)
-    traits = f"cuflash::BwdWsTraits<{head_dim}, {stages}>"
+    smem = _config.bwd_ws_smem_bytes(head_dim, stages, m)
+    traits = f"cuflash::BwdWsTraits<{head_dim}, {m}, {stages}>"
     ws = _compile.Specialization(
         "flash_bwd_sm90_ws.cu",
-        f"cuflash::flash_bwd_sm90_ws_kernel<{ctype}, {head_dim}, {_b(causal)}, {_b(even)}, {stages}>",
-        f"bwd90ws_{short}_d{head_dim}_s{stages}_{'causal' if causal else 'full'}_{'even' if even else 'ragged'}_tma",
+        f"cuflash::flash_bwd_sm90_ws_kernel<{ctype}, {head_dim}, {m}, {_b(causal)}, {_b(even)}, {stages}>",
+        f"bwd90ws_{short}_d{head_dim}_m{m}_s{stages}_{'causal' if causal else 'full'}_{'even' if even else 'ragged'}_tma",
         _BWD_TMA_CHECKS_PARAMS + "\n" +
         f'static_assert({traits}::SMEM_BYTES == {smem}, "shared memory size differs from cuflash/_config.py:bwd_ws_smem_bytes");')
+    part = head_dim if m == 128 else head_dim // 2  # BwdWsTraits::DQ_N
     conv = _compile.Specialization(
-        "flash_bwd.cu", f"cuflash::flash_bwd_convert_dq_kernel<{ctype}, {head_dim}, false, {head_dim // 2}>",
-        f"bwd_convert_dq_{short}_d{head_dim}_perm", _BWD_CHECKS_PARAMS)
-    return [(pre, 0, None), (ws, smem, _config.TileConfig(64, 128, 8, wgmma=True)), (conv, 0, None)]
+        "flash_bwd.cu", f"cuflash::flash_bwd_convert_dq_kernel<{ctype}, {head_dim}, false, {part}, {m}>",
+        f"bwd_convert_dq_{short}_d{head_dim}_perm{m}", _BWD_CHECKS_PARAMS)
+    return [(pre, 0, None), (ws, smem, _config.TileConfig(m, 128, 8, wgmma=True)), (conv, 0, None)]
 
 
-def all_bwd_ws_specializations(target: str, head_dims=None, dtypes=None, causal=(False, True)):
+def all_bwd_ws_specializations(target: str, head_dims=None, dtypes=None, causal=(False, True),
+                               stages=(_config.BWD_WS_STAGES,), tuning=False):
     """Every specialization of the warp-specialized backward (sm_90a only), optionally only those of
-    some head dims, dtypes, causal values."""
+    some head dims, dtypes, causal values, ring depths (where they fit); tuning: also BLOCK_M 64 at
+    head_dim 64 (CUFLASH_BWD_WS_BLOCK_M=64)."""
     if target != "sm_90a":
         return []
     seen = {}
@@ -372,8 +376,12 @@ def all_bwd_ws_specializations(target: str, head_dims=None, dtypes=None, causal=
                 continue
             for c in causal:
                 for e in (False, True):
-                    for spec, smem, _ in bwd_ws_specializations(dtype, d, c, e):
-                        seen.setdefault(spec.expression, (spec, smem))
+                    for st in stages:
+                        for m in sorted({_config.BWD_WS_BLOCK_M[d], 64 if tuning else _config.BWD_WS_BLOCK_M[d]}):
+                            if _config.bwd_ws_smem_bytes(d, st, m) > _config.SMEM_LIMIT["sm90"]:
+                                continue
+                            for spec, smem, _ in bwd_ws_specializations(dtype, d, c, e, st, m):
+                                seen.setdefault(spec.expression, (spec, smem))
     return list(seen.values())
 
 
@@ -725,9 +733,10 @@ def _use_tma(k: DeviceTensor, v: DeviceTensor, block_n: int, dtype: str) -> bool
     return all(_tma.layout_patch(t.shape, t.strides, block_n, dtype) is not None for t in (k, v))
 
 
-def _use_bwd_ws(q: DeviceTensor, dout: DeviceTensor, k: DeviceTensor, v: DeviceTensor, dtype: str) -> bool:
+def _use_bwd_ws(q: DeviceTensor, dout: DeviceTensor, k: DeviceTensor, v: DeviceTensor, dtype: str,
+                block_m: int) -> bool:
     """Whether the warp-specialized backward may run (cuflash/_config.py bwd_ws_mode): Q and dO
-    through maps of 64-row boxes, K and V of 128."""
+    through maps of block_m-row boxes, K and V of 128."""
     from . import _tma
 
     mode = _config.bwd_ws_mode()
@@ -735,7 +744,7 @@ def _use_bwd_ws(q: DeviceTensor, dout: DeviceTensor, k: DeviceTensor, v: DeviceT
         return False
     if mode == "force":
         return True
-    return _use_tma(q, dout, 64, dtype) and _use_tma(k, v, 128, dtype)
+    return _use_tma(q, dout, block_m, dtype) and _use_tma(k, v, 128, dtype)
 
 
 def tail_launches(t: DeviceTensor, cu_seqlens, batch: int, max_seqlen: int, elem: str, fill_bits: int,
@@ -830,9 +839,12 @@ def bwd_launches(dout: DeviceTensor, q: DeviceTensor, k: DeviceTensor, v: Device
         even_kv = seqlen_q % cfg.block_m == 0 and seqlen_k % cfg.block_n == 0
         even_q = seqlen_q % qcfg.block_m == 0 and seqlen_k % qcfg.block_n == 0
         ws = (atomic and target == "sm_90a" and head_dim in _config.BWD_WS_HEAD_DIMS and cfg.wgmma
-              and (cfg.block_m, cfg.block_n) == (64, 128) and _use_bwd_ws(q, dout, k, v, dtype))
+              and _use_bwd_ws(q, dout, k, v, dtype, _config.bwd_ws_block_m(head_dim)))
         if ws:
-            kernels = bwd_ws_specializations(dtype, head_dim, causal, even_kv)
+            cfg = _config.TileConfig(_config.bwd_ws_block_m(head_dim), 128, 8, wgmma=True)
+            even_kv = seqlen_q % cfg.block_m == 0 and seqlen_k % cfg.block_n == 0
+            kernels = bwd_ws_specializations(dtype, head_dim, causal, even_kv,
+                                             _config.bwd_ws_stages(head_dim, cfg.block_m), cfg.block_m)
         else:
             tma = (cfg.wgmma and _config.bwd_tma_enabled() and _use_tma(q, dout, cfg.block_m, dtype)
                    and _use_tma(k, v, cfg.block_n, dtype))

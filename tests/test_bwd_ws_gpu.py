@@ -4,7 +4,9 @@ that the conversion kernel undoes. Checked as the default backward is (tests/tes
 run_backward_and_check: float64 reference gradients, 2x the naive error, NaN-poisoned allocators,
 inputs untouched) over both dtypes, head_dim 64 and 128, causal or not, lengths that are and are not
 multiples of the 64 x 128 tiles (rows past the tensors come as the maps' zeros), rows that see no
-key, query blocks that see no key block, GQA and MQA, strided layouts. The launched kernel's name is
+key, query blocks that see no key block, GQA and MQA, strided layouts, with the default tiles
+(BLOCK_M 128 at head_dim 64, 64 at 128; 2 stages) and the tuning ones (CUFLASH_BWD_WS_BLOCK_M=64,
+CUFLASH_BWD_WS_STAGES=3). The launched kernel's name is
 checked, so a fallback cannot pass for it; deterministic calls must not take it. Marked gpu;
 skipped below sm_90."""
 
@@ -33,11 +35,16 @@ CASES = [  # dtype, head_dim, causal, seqlen_q, seqlen_k, nheads, nheads_kv, lay
 
 @pytest.mark.parametrize("dtype,head_dim,causal,seqlen_q,seqlen_k,nheads,nheads_kv,layout", CASES)
 @pytest.mark.parametrize("det", [False, True])
-def test_ws_backward(monkeypatch, dtype, head_dim, causal, seqlen_q, seqlen_k, nheads, nheads_kv, layout, det):
+@pytest.mark.parametrize("stages,block_m", [("2", None), ("3", "64"), ("2", "64")])
+def test_ws_backward(monkeypatch, dtype, head_dim, causal, seqlen_q, seqlen_k, nheads, nheads_kv, layout, det, stages,
+                     block_m):
     import cuflash
     from cuflash import _plan
 
-    names = record_tma_launches(monkeypatch, CUFLASH_BWD_WS="1")
+    if head_dim == 128 and block_m == "64" and stages == "2":
+        pytest.skip("the default at head_dim 128")
+    names = record_tma_launches(monkeypatch, CUFLASH_BWD_WS="1", CUFLASH_BWD_WS_STAGES=stages,
+                                CUFLASH_BWD_WS_BLOCK_M=block_m)
     try:
         seed = fresh_seed()
         torch.manual_seed(seed)
@@ -50,6 +57,8 @@ def test_ws_backward(monkeypatch, dtype, head_dim, causal, seqlen_q, seqlen_k, n
         run_backward_and_check(cuflash, q, k, v, dout, causal=causal, deterministic=det, seed=seed, label=label)
         ws = [n for n in names[n0:] if n.startswith("bwd90ws_")]
         assert not (det and ws), (label, names[n0:])
+        m = block_m or ("128" if head_dim == 64 else "64")
+        assert all(f"_m{m}_s{stages}_" in n for n in ws), (label, ws)
         # Layouts a tensor map can describe (else the plan's contiguous copies may still qualify).
         mappable = all(t.stride(-1) == 1 and all(s > 0 and s % 8 == 0 for s in t.stride()[:3])
                        for t in (q, k, v, dout))

@@ -67,10 +67,13 @@ def _all_specs(kind, target):
         tma_bwd = _launch.all_bwd_tma_specializations(target)
         assert all(spec.name.endswith("_tma") for spec, _ in tma_bwd)
         assert bool(tma_bwd) == (target == "sm_90a")
-        # ... and the warp-specialized backward: per (dtype, head_dim) its kernel for causal x even,
-        # the zeroing preprocess and the permuted dQ conversion.
-        ws_bwd = _launch.all_bwd_ws_specializations(target)
-        assert len(ws_bwd) == (len(_config.DTYPES) * len(_config.BWD_WS_HEAD_DIMS) * 6 if target == "sm_90a" else 0)
+        # ... and the warp-specialized backward: per (dtype, head_dim) its kernel for causal x even x
+        # (BLOCK_M, ring depth) where it fits (head_dim 64: 128 x 2, and for tuning 64 x 2, 64 x 3;
+        # head_dim 128: 64 x 2, 64 x 3), the zeroing preprocess and the permuted dQ conversions.
+        ws_bwd = _launch.all_bwd_ws_specializations(target, stages=(2, 3), tuning=True)
+        assert len(ws_bwd) == (len(_config.DTYPES) * ((3 * 4 + 3) + (2 * 4 + 2)) if target == "sm_90a" else 0)
+        assert len({spec.name for spec, _ in ws_bwd}) == len(ws_bwd)
+        assert len({spec.name for spec, _ in ws_bwd}) == len(ws_bwd)
         return specs + tma_fwd + ws_fwd + tma_bwd + ws_bwd
     if kind == "fwd":
         specs = _launch.all_fwd_specializations(target)

@@ -26,11 +26,11 @@ MORE = [  # dtype, head_dim, causal, seqlen_q, seqlen_k, nheads, nheads_kv, layo
 
 @pytest.fixture(params=["plain", "pingpong"])
 def ws_on(request, monkeypatch):
-    """The warp-specialized kernel in each schedule (pingpong: CUFLASH_FWD_WS_PINGPONG=1, not yet run
-    on a GPU when written); yields (names of the TMA launches fired, pingpong)."""
+    """The warp-specialized kernel in each schedule (CUFLASH_FWD_WS_PINGPONG=1 / 0, whatever the table
+    chooses); yields (names of the TMA launches fired, pingpong)."""
     pp = request.param == "pingpong"
     names = record_tma_launches(monkeypatch, CUFLASH_FWD_WS="1", CUFLASH_FWD_TMA=None,
-                                CUFLASH_FWD_WS_PINGPONG="1" if pp else None)
+                                CUFLASH_FWD_WS_PINGPONG="1" if pp else "0")
     yield names, pp
     from cuflash import _plan
 

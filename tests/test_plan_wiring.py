@@ -400,12 +400,13 @@ def test_fwd_ws_wiring(dev, monkeypatch):
     monkeypatch.setenv("CUFLASH_FWD_WS", "1")
     ad, launched = dev
     rng = np.random.default_rng()
-    for d, bn, stages in ((64, 128, 2), (128, 128, 3), (256, 64, 2)):  # the table's (or, at d64 causal, the default)
+    # the table's (or, at d64 causal, the default)
+    for d, bn, stages, pp in ((64, 128, 2, ""), (128, 128, 2, "_pp"), (256, 64, 2, "")):
         q = arr(rng, (2, 300, 4, d))
         k, v = arr(rng, (2, 500, 2, d)), arr(rng, (2, 500, 2, d))
         cuflash.attention(q, k, v, causal=True)
         L = launched[-1]
-        assert L["name"] == f"fwd90ws_f16_d{d}_m128_n{bn}_s{stages}_causal_ragged", L["name"]
+        assert L["name"] == f"fwd90ws_f16_d{d}_m128_n{bn}_s{stages}_causal_ragged{pp}", L["name"]
         assert L["threads"] == 384 and L["grid"] == 2 * 4 * 3
         assert L["smem"] == _config.fwd_ws_smem_bytes(d, bn, stages)
         check_tensor(L["p"], "q", q)
@@ -416,7 +417,8 @@ def test_fwd_ws_wiring(dev, monkeypatch):
     cuflash.attention(q, k, v, window=(8, 0))
     assert not launched[-1]["name"].startswith("fwd90ws_")
     # Without the setting: the table (cuflash/_config.py FWD_WS_TABLE): head_dim 64 causal keeps the
-    # TMA variant, head_dim 128 non-causal takes the warp-specialized kernel with 2 stages.
+    # TMA variant, head_dim 128 non-causal takes the warp-specialized kernel with 2 stages and the
+    # pingpong schedule (CUFLASH_FWD_WS_PINGPONG=0 turns it off).
     monkeypatch.delenv("CUFLASH_FWD_WS")
     _plan.CACHE.clear()
     q, k, v = arr(rng, (2, 256, 4, 64)), arr(rng, (2, 256, 2, 64)), arr(rng, (2, 256, 2, 64))
@@ -424,11 +426,11 @@ def test_fwd_ws_wiring(dev, monkeypatch):
     assert launched[-1]["name"] == "fwd90_f16_d64_m128_n64_causal_even_tma", launched[-1]["name"]
     q, k, v = arr(rng, (2, 256, 4, 128)), arr(rng, (2, 256, 2, 128)), arr(rng, (2, 256, 2, 128))
     cuflash.attention(q, k, v)
-    assert launched[-1]["name"] == "fwd90ws_f16_d128_m128_n128_s2_full_even", launched[-1]["name"]
-    monkeypatch.setenv("CUFLASH_FWD_WS_PINGPONG", "1")  # the pingpong schedule: same Params, its own kernel
+    assert launched[-1]["name"] == "fwd90ws_f16_d128_m128_n128_s2_full_even_pp", launched[-1]["name"]
+    monkeypatch.setenv("CUFLASH_FWD_WS_PINGPONG", "0")  # the plain schedule: same Params, its own kernel
     _plan.CACHE.clear()
     cuflash.attention(q, k, v)
-    assert launched[-1]["name"] == "fwd90ws_f16_d128_m128_n128_s2_full_even_pp", launched[-1]["name"]
+    assert launched[-1]["name"] == "fwd90ws_f16_d128_m128_n128_s2_full_even", launched[-1]["name"]
     monkeypatch.setenv("CUFLASH_FWD_WS", "0")
     _plan.CACHE.clear()
     cuflash.attention(q, k, v)
@@ -475,8 +477,9 @@ def test_bwd_tma_wiring(dev, monkeypatch):
 def test_bwd_ws_wiring(dev, monkeypatch):
     """The warp-specialized backward (cuda_src/flash_bwd_sm90_ws.cu): a plain non-deterministic
     backward at head_dim 64 / 128 on sm_90a runs the zeroing preprocess, the kernel with 384 threads,
-    one block per (128 keys, kv head, batch) and BwdTmaParams holding the maps of q and dout (64-row
-    boxes) and k and v (128 rows) of the call's pointers, then the permuted dQ conversion; the
+    one block per (128 keys, kv head, batch) and BwdTmaParams holding the maps of q and dout (boxes of
+    BLOCK_M rows: 128 at head_dim 64, 64 at 128) and k and v (128 rows) of the call's pointers, then
+    the permuted dQ conversion; the
     deterministic backward, head_dim 96 and CUFLASH_BWD_WS=0 keep the other kernels."""
     from cuflash import _tma
 
@@ -495,15 +498,16 @@ def test_bwd_ws_wiring(dev, monkeypatch):
         assert any(n.startswith("bwd90ws_") for n in names) == want, (d, det, names)
         if not want:
             continue
-        assert names == [f"bwd_pre_f16_d{d}_zero_dq", f"bwd90ws_f16_d{d}_s2_causal_ragged_tma",
-                         f"bwd_convert_dq_f16_d{d}_perm"], names
+        m = 128 if d == 64 else 64  # query rows per iteration (_config.BWD_WS_BLOCK_M)
+        assert names == [f"bwd_pre_f16_d{d}_zero_dq", f"bwd90ws_f16_d{d}_m{m}_s2_causal_ragged_tma",
+                         f"bwd_convert_dq_f16_d{d}_perm{m}"], names
         L = launched[n0 + 1]
         assert L["threads"] == 384 and L["grid"] == 2 * 2 * 3, L
         p = L["p"]
         check_tensor(p, "q", q)
         check_tensor(p, "dk", dk)
         check_tensor(p, "do", dout, "dout")
-        for field, t, rows in (("map_q", q, 64), ("map_do", dout, 64), ("map_k", k, 128), ("map_v", v, 128)):
+        for field, t, rows in (("map_q", q, m), ("map_do", dout, m), ("map_k", k, 128), ("map_v", v, 128)):
             strides = tuple(x // t.itemsize for x in t.strides)
             assert p[field].tobytes() == _tma.kv_map(addr(t), t.shape, strides, rows, "float16"), field
     monkeypatch.setenv("CUFLASH_BWD_WS", "0")
