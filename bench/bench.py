@@ -305,8 +305,7 @@ def cuflash_specs(configs, passes, target):
         tma = fc.wgmma and d % 64 == 0 and _config.fwd_tma_mode() != "off"
         ws = _config.fwd_ws_config(d, c) if tma else None
         if ws:
-            spec, smem = _launch.fwd_ws_specialization(dt, d, c, s % _config.FWD_WS_BLOCK_M == 0 and s % ws[0] == 0,
-                                                       *ws)
+            spec, smem = _launch.fwd_ws_specialization(dt, d, c, s % (64 * ws[3]) == 0 and s % ws[0] == 0, *ws)
         else:
             if tma:
                 fc = _config.fwd_tma_config_for_target(target, d, dt, c)

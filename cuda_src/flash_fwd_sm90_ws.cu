@@ -6,11 +6,13 @@
 // softmax of tile j runs while the P V product still runs). Nothing of size seqlen_q x seqlen_k ever
 // reaches device memory. Plain calls only (no FEAT options).
 //
-// Grid: one block per (batch, head, 128 query rows), the 1-D mapping of blocks.cuh (longest causal
-// blocks first). 384 threads, three warpgroups:
+// Grid: one block per (batch, head, BLOCK_M = 64 CONSUMERS query rows), the 1-D mapping of
+// blocks.cuh (longest causal blocks first). CONSUMERS = 2 (384 threads) or 3 (512 threads, at head_dim
+// 64, as FlashAttention-3 does there: the K / V tiles serve 192 rows), one producer warpgroup:
 //   producer  (warpgroup 0): gives registers back (setmaxnreg.dec 24); one thread issues every TMA
 //             copy: Q once, then K_j and V_j for j = 0 .. n_blocks - 1, into STAGES-deep rings;
-//   consumers (warpgroups 1, 2): take registers (setmaxnreg.inc 240); consumer c owns query rows
+//   consumers (warpgroups 1 .. CONSUMERS): take registers (setmaxnreg.inc 240 with two, 160 with
+//             three); consumer c owns query rows
 //             [64 c, 64 c + 64) of the block and runs the loop of flash_fwd_sm90.cu on them, with no
 //             block-wide barrier: each waits for its tiles on mbarriers and releases them on others.
 //
@@ -19,9 +21,9 @@
 //   q_full          count 1: the producer's expect_tx arrival; Q's bytes complete it (phase 0 only).
 //   k_full[s]       count 1: the producer arms it with a K tile's bytes before the copies.
 //   v_full[s]       count 1: likewise for V.
-//   k_empty[s]      count 8: lane 0 of each of the 8 consumer warps arrives once its wgmma that read
+//   k_empty[s]      count 4 CONSUMERS: lane 0 of each consumer warp arrives once its wgmma that read
 //                   the K tile of stage s has retired (after wgmma_wait<1> in iteration j).
-//   v_empty[s]      count 8: likewise after the P V product that read stage s (wgmma_wait<0>).
+//   v_empty[s]      count 4 CONSUMERS: likewise after the P V product that read stage s (wgmma_wait<0>).
 // K_j and V_j go to stage s = j % STAGES. Iteration j of a consumer reads K_j and V_(j-1), whose
 // stage is (j - 1) mod STAGES; "V_(-1)", read by iteration 0 with P = 0 (a product issued rather than
 // branched around, as in flash_fwd_sm90.cu), is stage STAGES - 1 zero-filled by all threads before
@@ -38,7 +40,7 @@
 // first turn before the loop, and does not open a turn after its own final product, so each barrier
 // sees as many arrivals as waits (n_blocks + 1 each); a block with no key tile uses none.
 //
-// Shared memory: sQ (128 x HEAD_DIM), sK[STAGES], sV[STAGES] (BLOCK_N x HEAD_DIM), all SW128 panels
+// Shared memory: sQ (BLOCK_M x HEAD_DIM), sK[STAGES], sV[STAGES] (BLOCK_N x HEAD_DIM), all SW128 panels
 // (wgmma_util.cuh) filled by TMA (tma.cuh; box {64 columns, rows}: one copy per panel, rows past the
 // tensor's end as zeros), then the barriers. Each consumer writes its O rows out through its own rows
 // of sQ. Causal alignment, the empty-row convention, FwdParams and the grid mapping are those of
@@ -62,10 +64,10 @@ struct FwdWsParams : FwdParams {
     TmaDesc map_v;
 };
 
-template <int HEAD_DIM, int BLOCK_N, int STAGES>
+template <int HEAD_DIM, int BLOCK_N, int STAGES, int CONSUMERS = 2>
 struct FwdWsTraits {
-    static constexpr int BLOCK_M = 128;
-    static constexpr int THREADS = 384;
+    static constexpr int BLOCK_M = 64 * CONSUMERS;
+    static constexpr int THREADS = 128 * (1 + CONSUMERS);
     static constexpr int N_TILES = BLOCK_N / 8;
     static constexpr int D_TILES = HEAD_DIM / 8;
     static constexpr int SQ_BYTES = BLOCK_M * HEAD_DIM * 2;
@@ -74,17 +76,22 @@ struct FwdWsTraits {
     // sQ, sK[STAGES], sV[STAGES], the barriers, plus 1024 bytes to align the start to 1024. Must
     // equal cuflash/_config.py:fwd_ws_smem_bytes.
     static constexpr int SMEM_BYTES = SQ_BYTES + 2 * STAGES * SKV_BYTES + BAR_BYTES + 1024;
+    // The register file (64K) split: 24 a producer thread, the rest among the consumers' (a
+    // multiple of 8): 240 with two consumers, 160 with three.
     static constexpr int PRODUCER_REGS = 24;
-    static constexpr int CONSUMER_REGS = 240;
+    static constexpr int CONSUMER_REGS = CONSUMERS == 2 ? 240 : 160;
 
+    static_assert(CONSUMERS == 2 || CONSUMERS == 3, "two or three consumer warpgroups");
     static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM <= 256, "head_dim: a multiple of 64 up to 256");
     static_assert(BLOCK_N % 16 == 0 && BLOCK_N <= 256 && STAGES >= 2, "tile shape");
 };
 
-template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES, bool IS_CAUSAL, bool IS_EVEN, bool PINGPONG = false>
-__global__ void __launch_bounds__(384, 1)
+template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES, bool IS_CAUSAL, bool IS_EVEN, bool PINGPONG = false,
+          int CONSUMERS = 2>
+__global__ void __launch_bounds__(128 * (1 + CONSUMERS), 1)
 flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
-    using Tr = FwdWsTraits<HEAD_DIM, BLOCK_N, STAGES>;
+    using Tr = FwdWsTraits<HEAD_DIM, BLOCK_N, STAGES, CONSUMERS>;
+    static_assert(!PINGPONG || CONSUMERS == 2, "pingpong alternates two consumers");
     using Ops = ElemOps<T>;
     constexpr int BLOCK_M = Tr::BLOCK_M, N_TILES = Tr::N_TILES;
     constexpr int PV_STEPS = BLOCK_N / 16;
@@ -116,8 +123,8 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(k_full(s), 1);
             mbar_init(v_full(s), 1);
-            mbar_init(k_empty(s), 8);
-            mbar_init(v_empty(s), 8);
+            mbar_init(k_empty(s), 4 * CONSUMERS);
+            mbar_init(v_empty(s), 4 * CONSUMERS);
         }
         fence_mbar_init();
     }
@@ -160,7 +167,7 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
 
     // ---------------- consumers ----------------
     setmaxnreg_inc<Tr::CONSUMER_REGS>();
-    const int cw = wg - 1;                                  // consumer 0 or 1: rows [64 cw, 64 cw + 64)
+    const int cw = wg - 1;                                  // consumer cw: rows [64 cw, 64 cw + 64)
     constexpr int PP_BAR = 3;                               // pingpong: named barriers 3 (consumer 0's turn), 4
     const int warp_row0 = cw * 64 + (warp % 4) * 16;        // this warp's first row in the block
     const u32 sQ_wg = sQ + cw * 64 * 128;

@@ -129,7 +129,7 @@ def fwd_tma_config_for_target(target: str, head_dim: int, dtype: str, causal: bo
 # The warp-specialized sm_90a forward (cuda_src/flash_fwd_sm90_ws.cu; docs/hopper_plan.md step 2):
 # a TMA producer warpgroup and two wgmma consumer warpgroups of 64 query rows each; plain calls whose
 # q, k and v fit tensor maps (the TMA variant's conditions, cuflash/_launch.py _use_tma).
-FWD_WS_BLOCK_M = 128
+FWD_WS_BLOCK_M = 128  # with two consumer warpgroups (64 rows each); three: 192
 FWD_WS_THREADS = 384
 FWD_WS_STAGES = 2
 
@@ -143,21 +143,27 @@ FWD_WS_STAGES = 2
 #   d128 causal: n128 s3 506 / 620; n128 s2 509 / 557                     (TMA 128x128: 440 / 523)
 #   d256 full:   n64 s2 661 / 706                                         (TMA 128x64: 565 / 602)
 #   d256 causal: n64 s2 507 / 621                                         (TMA 128x64: 472 / 581)
-# The third entry: the pingpong schedule between the consumers (flash_fwd_sm90_ws.cu PINGPONG).
+# The third entry: the pingpong schedule between the consumers (flash_fwd_sm90_ws.cu PINGPONG); the
+# fourth: the consumer warpgroups (2: 128 query rows a block; 3: 192).
 # Measured on an H100 (same script, --pingpong, seqlen 2k / 4k / 16k, one run): d128 full n128 s2
 # 546 / 590 / 637, with pingpong 570 / 612 / 612 (an earlier run: 584 -> 589 at 4k, 628 -> 653 at 16k);
 # d128 causal n128 s3 418 / 482 / 584, n128 s2 417 / 488 / 577, n128 s2 with pingpong 435 / 491 / 589;
 # d64 full n128 s2 395 / 417 / 441, with pingpong 390 / 408 / 426 (kept without).
-FWD_WS_TABLE = {(64, False): (128, 3, False), (128, False): (128, 2, True), (128, True): (128, 2, True),
-                (256, False): (64, 2, False), (256, True): (64, 2, False)}
+# Three consumers at head_dim 64 (--consumers 2 3, seqlen 2k / 4k / 16k, one run): full n128 s3 389 /
+# 413 / 471 against 383 / 410 / 437 with two; causal n128 s3 307 / 351 / 436 against the TMA
+# variant's 329 / 360 / 384 (kept: it leads at 2k and 4k).
+FWD_WS_TABLE = {(64, False): (128, 3, False, 3), (128, False): (128, 2, True, 2), (128, True): (128, 2, True, 2),
+                (256, False): (64, 2, False, 2), (256, True): (64, 2, False, 2)}
 
 
 def fwd_ws_config(head_dim: int, causal: bool):
-    """(BLOCK_N, STAGES, PINGPONG) of the warp-specialized forward for a plain call, or None where the
+    """(BLOCK_N, STAGES, PINGPONG, CONSUMERS) of the warp-specialized forward for a plain call, or None where the
     table keeps the TMA variant. CUFLASH_FWD_WS: "0" never; "1" at every head_dim it serves (64, 128,
     256); unset: the table. CUFLASH_FWD_WS_BLOCK_N and CUFLASH_FWD_WS_STAGES override the tiles
     (tuning runs, bench/dev/tma_tiles.py); CUFLASH_FWD_WS_PINGPONG "1" / "0" turns the pingpong
-    schedule between the two consumers on / off (flash_fwd_sm90_ws.cu)."""
+    schedule between the two consumers on / off (flash_fwd_sm90_ws.cu); CUFLASH_FWD_WS_CONSUMERS
+    "2" / "3" the consumer warpgroups (three: head_dim 64 only, where 160 registers a thread suffice;
+    no pingpong)."""
     import os
 
     mode = os.environ.get("CUFLASH_FWD_WS", "")
@@ -167,17 +173,18 @@ def fwd_ws_config(head_dim: int, causal: bool):
     if cfg is None:
         if mode != "1":
             return None
-        cfg = (64 if head_dim > 128 else 128, FWD_WS_STAGES, False)
+        cfg = (64 if head_dim > 128 else 128, FWD_WS_STAGES, False, 2)
     bn, stages = os.environ.get("CUFLASH_FWD_WS_BLOCK_N"), os.environ.get("CUFLASH_FWD_WS_STAGES")
-    pp = os.environ.get("CUFLASH_FWD_WS_PINGPONG")
-    return (int(bn) if bn else cfg[0], int(stages) if stages else cfg[1],
-            cfg[2] if pp not in ("0", "1") else pp == "1")
+    pp, cons = os.environ.get("CUFLASH_FWD_WS_PINGPONG"), os.environ.get("CUFLASH_FWD_WS_CONSUMERS")
+    consumers = int(cons) if cons in ("2", "3") and head_dim == 64 else cfg[3]  # three: head_dim 64 only
+    pingpong = (cfg[2] if pp not in ("0", "1") else pp == "1") and consumers == 2
+    return int(bn) if bn else cfg[0], int(stages) if stages else cfg[1], pingpong, consumers
 
 
-def fwd_ws_smem_bytes(head_dim: int, block_n: int, stages: int = FWD_WS_STAGES) -> int:
-    """sQ (128 rows), the K and V rings, the mbarriers, and 1024 bytes of alignment slack. Must equal
-    FwdWsTraits::SMEM_BYTES."""
-    return FWD_WS_BLOCK_M * head_dim * 2 + 2 * stages * block_n * head_dim * 2 + 8 * (1 + 4 * stages) + 1024
+def fwd_ws_smem_bytes(head_dim: int, block_n: int, stages: int = FWD_WS_STAGES, consumers: int = 2) -> int:
+    """sQ (64 rows a consumer), the K and V rings, the mbarriers, and 1024 bytes of alignment slack.
+    Must equal FwdWsTraits::SMEM_BYTES."""
+    return 64 * consumers * head_dim * 2 + 2 * stages * block_n * head_dim * 2 + 8 * (1 + 4 * stages) + 1024
 
 
 def fwd_smem_bytes(head_dim: int, cfg: TileConfig) -> int:

@@ -226,19 +226,20 @@ def fwd_specialization(dtype: str, head_dim: int, cfg: _config.TileConfig, causa
 
 
 def fwd_ws_specialization(dtype: str, head_dim: int, causal: bool, even: bool, block_n: int, stages: int,
-                          pingpong: bool = False):
+                          pingpong: bool = False, consumers: int = 2):
     """(spec, smem) of the warp-specialized sm_90a forward (cuda_src/flash_fwd_sm90_ws.cu); pingpong:
-    its schedule that alternates the two consumers at the tensor cores."""
+    its schedule that alternates the two consumers at the tensor cores; consumers: 2 or 3 warpgroups
+    of 64 query rows."""
     short, ctype = _DTYPE_TAG[dtype]
     bn = block_n
-    smem = _config.fwd_ws_smem_bytes(head_dim, bn, stages)
+    smem = _config.fwd_ws_smem_bytes(head_dim, bn, stages, consumers)
     flags = f"{'true' if causal else 'false'}, {'true' if even else 'false'}, {'true' if pingpong else 'false'}"
-    expr = f"cuflash::flash_fwd_sm90_ws_kernel<{ctype}, {head_dim}, {bn}, {stages}, {flags}>"
-    name = (f"fwd90ws_{short}_d{head_dim}_m{_config.FWD_WS_BLOCK_M}_n{bn}_s{stages}"
+    expr = f"cuflash::flash_fwd_sm90_ws_kernel<{ctype}, {head_dim}, {bn}, {stages}, {flags}, {consumers}>"
+    name = (f"fwd90ws_{short}_d{head_dim}_m{64 * consumers}_n{bn}_s{stages}"
             f"_{'causal' if causal else 'full'}_{'even' if even else 'ragged'}{'_pp' if pingpong else ''}")
     checks = "\n".join([
         _FWD_WS_CHECKS_PARAMS,
-        f"static_assert(cuflash::FwdWsTraits<{head_dim}, {bn}, {stages}>::SMEM_BYTES == {smem},"
+        f"static_assert(cuflash::FwdWsTraits<{head_dim}, {bn}, {stages}, {consumers}>::SMEM_BYTES == {smem},"
         f' "shared memory size differs from cuflash/_config.py:fwd_ws_smem_bytes");',
     ])
     return _compile.Specialization("flash_fwd_sm90_ws.cu", expr, name, checks), smem
@@ -257,8 +258,9 @@ def all_fwd_ws_specializations(target: str, head_dims=None, dtypes=None, causal=
             for c in causal:
                 cfg = _config.fwd_ws_config(d, c)
                 if cfg is not None:
-                    out += [fwd_ws_specialization(dtype, d, c, e, cfg[0], cfg[1], pp)
-                            for pp in (pingpong if pingpong is not None else (cfg[2],)) for e in (False, True)]
+                    out += [fwd_ws_specialization(dtype, d, c, e, cfg[0], cfg[1], pp, cfg[3])
+                            for pp in (pingpong if pingpong is not None else (cfg[2],)) for e in (False, True)
+                            if not (pp and cfg[3] != 2)]
     return out
 
 
@@ -670,8 +672,8 @@ def fwd_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTen
         cfg = cfg or _config.fwd_config_for_target(target, head_dim, dtype, causal)
         tma = cfg.wgmma and _use_tma(k, v, cfg.block_n, dtype)
         ws = None if chosen or not tma else _config.fwd_ws_config(head_dim, causal)
-        if ws and _use_tma(q, q, _config.FWD_WS_BLOCK_M, dtype) and _use_tma(k, v, ws[0], dtype):
-            cfg = _config.TileConfig(_config.FWD_WS_BLOCK_M, ws[0], _config.FWD_WS_THREADS // 32, wgmma=True)
+        if ws and _use_tma(q, q, 64 * ws[3], dtype) and _use_tma(k, v, ws[0], dtype):
+            cfg = _config.TileConfig(64 * ws[3], ws[0], 4 * (1 + ws[3]), wgmma=True)
             even = seqlen_q % cfg.block_m == 0 and seqlen_k % cfg.block_n == 0
             spec, smem = fwd_ws_specialization(dtype, head_dim, causal, even, *ws)
         else:

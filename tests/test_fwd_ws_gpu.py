@@ -1,6 +1,7 @@
 """The warp-specialized sm_90a forward (cuda_src/flash_fwd_sm90_ws.cu, CUFLASH_FWD_WS=1;
-docs/hopper_plan.md steps 2 and 3) in both schedules, the consumers in their own time and pingpong: a
-TMA producer warpgroup and two wgmma consumers synchronized by mbarriers. Checked as the default
+docs/hopper_plan.md steps 2 and 3) in both schedules, the consumers in their own time and pingpong,
+and with three consumer warpgroups at head_dim 64: a TMA producer warpgroup and wgmma consumers
+synchronized by mbarriers. Checked as the default
 kernels are (tests/test_gpu_forward.py's run_and_check: float64 reference, 2x the naive error,
 NaN-poisoned allocators) on tests/test_fwd_tma_gpu.py's cases (both dtypes, head_dim 64 / 128 / 256,
 causal or not, ragged lengths, GQA, strided layouts) and on shapes that wrap the rings many times or
@@ -24,14 +25,16 @@ MORE = [  # dtype, head_dim, causal, seqlen_q, seqlen_k, nheads, nheads_kv, layo
 ]
 
 
-@pytest.fixture(params=["plain", "pingpong"])
+@pytest.fixture(params=["plain", "pingpong", "three"])
 def ws_on(request, monkeypatch):
     """The warp-specialized kernel in each schedule (CUFLASH_FWD_WS_PINGPONG=1 / 0, whatever the table
-    chooses); yields (names of the TMA launches fired, pingpong)."""
-    pp = request.param == "pingpong"
+    chooses) and with three consumer warpgroups (CUFLASH_FWD_WS_CONSUMERS=3: 192-row blocks at head_dim
+    64, two consumers elsewhere); yields (names of the TMA launches fired, pingpong, three)."""
+    pp, three = request.param == "pingpong", request.param == "three"
     names = record_tma_launches(monkeypatch, CUFLASH_FWD_WS="1", CUFLASH_FWD_TMA=None,
-                                CUFLASH_FWD_WS_PINGPONG="1" if pp else "0")
-    yield names, pp
+                                CUFLASH_FWD_WS_PINGPONG="1" if pp else "0",
+                                CUFLASH_FWD_WS_CONSUMERS="3" if three else "2")
+    yield names, pp, three
     from cuflash import _plan
 
     _plan.CACHE.clear()
@@ -46,10 +49,12 @@ def test_ws_forward(ws_on, dtype, head_dim, causal, seqlen_q, seqlen_k, nheads, 
     torch.manual_seed(seed)
     q, k, v = make_qkv(2, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, getattr(torch, dtype), layout)
     label = f"ws {dtype} d{head_dim} causal={causal} {seqlen_q}x{seqlen_k} h{nheads}/{nheads_kv} {layout}"
-    names, pp = ws_on
-    label += " pingpong" if pp else ""
+    names, pp, three = ws_on
+    label += " pingpong" if pp else " three consumers" if three else ""
     run_and_check(cuflash, q, k, v, causal=causal, seed=seed, label=label)
+    rows_q = 192 if three and head_dim == 64 else 128
     patched = all(_tma.layout_patch(tuple(t.shape), tuple(t.stride()), rows, dtype) is not None
-                  for t, rows in ((q, 128), (k, 64 if head_dim > 128 else 128), (v, 64 if head_dim > 128 else 128)))
+                  for t, rows in ((q, rows_q), (k, 64 if head_dim > 128 else 128), (v, 64 if head_dim > 128 else 128)))
     if patched:
-        assert names and all(n.startswith("fwd90ws_") and n.endswith("_pp") == pp for n in names), (label, names)
+        assert names and all(n.startswith("fwd90ws_") and n.endswith("_pp") == pp and f"_m{rows_q}_" in n
+                             for n in names), (label, names)

@@ -11,7 +11,8 @@ seqlen = 16k tokens, hidden 2048, causal off and on. Prints TFLOP/s per candidat
     PYTHONPATH=. python bench/dev/tma_tiles.py [--seqlens 4096 16384] [--reps 15] [--ws] [--no-tma]
 
 --ws adds the warp-specialized kernel (cuda_src/flash_fwd_sm90_ws.cu) for each (BLOCK_N, STAGES) of
-WS_CANDIDATES, checked and timed the same way; --pingpong adds each in the pingpong schedule.
+WS_CANDIDATES, checked and timed the same way; --pingpong adds each in the pingpong schedule,
+--consumers 2 3 each with three consumer warpgroups (192-row blocks).
 """
 
 from __future__ import annotations
@@ -108,6 +109,8 @@ def main():
     ap.add_argument("--ws", action="store_true", help="also the warp-specialized kernel's candidates")
     ap.add_argument("--no-tma", action="store_true", help="skip the TMA variant's candidates")
     ap.add_argument("--pingpong", action="store_true", help="with --ws: each candidate in the pingpong schedule too")
+    ap.add_argument("--consumers", type=int, nargs="+", default=[2], choices=[2, 3],
+                    help="with --ws: consumer warpgroups (3: 192-row blocks, no pingpong)")
     args = ap.parse_args()
     rows = []
     print(f"device: {torch.cuda.get_device_name()}")
@@ -141,13 +144,17 @@ def main():
         os.environ["CUFLASH_FWD_WS"] = "1"
         for d in args.head_dims:
             for causal in (False, True):
-                for (bn, stages), pp in itertools.product(WS_CANDIDATES[d], (False, True) if args.pingpong else (False,)):
+                for (bn, stages), pp, nc in itertools.product(WS_CANDIDATES[d], (False, True) if args.pingpong else (False,),
+                                                              args.consumers):
+                    if pp and nc != 2:
+                        continue
                     os.environ["CUFLASH_FWD_WS_BLOCK_N"], os.environ["CUFLASH_FWD_WS_STAGES"] = str(bn), str(stages)
                     os.environ["CUFLASH_FWD_WS_PINGPONG"] = "1" if pp else "0"
+                    os.environ["CUFLASH_FWD_WS_CONSUMERS"] = str(nc)
                     measure({"kernel": "ws", "head_dim": d, "causal": causal, "block_n": bn, "stages": stages,
-                             "pingpong": pp},
-                            f"ws d{d} {'causal' if causal else 'full  '} n{bn} s{stages}{' pp' if pp else ''}", None, d,
-                            causal, want="fwd90ws_")
+                             "pingpong": pp, "consumers": nc},
+                            f"ws d{d} {'causal' if causal else 'full  '} n{bn} s{stages}{' pp' if pp else ''}"
+                            f"{' c3' if nc == 3 else ''}", None, d, causal, want="fwd90ws_")
     out = os.environ.get("OUT", ".")
     with open(os.path.join(out, "tma_tiles.json"), "w") as f:
         json.dump(rows, f, indent=1)
