@@ -303,7 +303,7 @@ def cuflash_specs(configs, passes, target):
         # On sm_90a the plain forward loads by TMA (the tensors here are contiguous: their maps patch),
         # warp-specialized where the table says so.
         tma = fc.wgmma and d % 64 == 0 and _config.fwd_tma_mode() != "off"
-        ws = _config.fwd_ws_config(d, c) if tma else None
+        ws = _config.fwd_ws_config(d, c, s) if tma else None
         if ws:
             spec, smem = _launch.fwd_ws_specialization(dt, d, c, s % (64 * ws[3]) == 0 and s % ws[0] == 0, *ws)
         else:

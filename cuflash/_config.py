@@ -152,15 +152,21 @@ FWD_WS_STAGES = 2
 # Three consumers at head_dim 64 (--consumers 2 3, seqlen 2k / 4k / 16k, one run): full n128 s3 389 /
 # 413 / 471 against 383 / 410 / 437 with two; causal n128 s3 307 / 351 / 436 against the TMA
 # variant's 329 / 360 / 384 (kept: it leads at 2k and 4k).
+# Below a seqlen_k the warp-specialized kernel's per-block setup outweighs its speed: head_dim 64
+# non-causal at 512 keys took 1.12 to 1.15x the time of the cp.async wgmma kernel of
+# bench/results/h100.json (two and three consumers, two runs); from 2k it is 7 to 17 % faster.
+# Those calls take the TMA variant of flash_fwd_sm90.cu.
+FWD_WS_MIN_SEQLEN_K = {(64, False): 2048}
 FWD_WS_TABLE = {(64, False): (128, 3, False, 3), (128, False): (128, 2, True, 2), (128, True): (128, 2, True, 2),
                 (256, False): (64, 2, False, 2), (256, True): (64, 2, False, 2)}
 
 
-def fwd_ws_config(head_dim: int, causal: bool):
+def fwd_ws_config(head_dim: int, causal: bool, seqlen_k: int | None = None):
     """(BLOCK_N, STAGES, PINGPONG, CONSUMERS) of the warp-specialized forward for a plain call, or None where the
     table keeps the TMA variant. CUFLASH_FWD_WS: "0" never; "1" at every head_dim it serves (64, 128,
     256); unset: the table. CUFLASH_FWD_WS_BLOCK_N and CUFLASH_FWD_WS_STAGES override the tiles
-    (tuning runs, bench/dev/tma_tiles.py); CUFLASH_FWD_WS_PINGPONG "1" / "0" turns the pingpong
+    (tuning runs, bench/dev/tma_tiles.py); seqlen_k below FWD_WS_MIN_SEQLEN_K keeps the TMA variant
+    (unless CUFLASH_FWD_WS=1); CUFLASH_FWD_WS_PINGPONG "1" / "0" turns the pingpong
     schedule between the two consumers on / off (flash_fwd_sm90_ws.cu); CUFLASH_FWD_WS_CONSUMERS
     "2" / "3" the consumer warpgroups (three: head_dim 64 only, where 160 registers a thread suffice;
     no pingpong)."""
@@ -170,6 +176,9 @@ def fwd_ws_config(head_dim: int, causal: bool):
     if mode == "0" or head_dim not in WGMMA_FWD_HEAD_DIMS:
         return None
     cfg = FWD_WS_TABLE.get((head_dim, causal))
+    if cfg is not None and mode != "1" and seqlen_k is not None and seqlen_k < FWD_WS_MIN_SEQLEN_K.get(
+            (head_dim, causal), 0):
+        return None
     if cfg is None:
         if mode != "1":
             return None

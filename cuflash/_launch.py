@@ -671,7 +671,7 @@ def fwd_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTen
         chosen = cfg is not None
         cfg = cfg or _config.fwd_config_for_target(target, head_dim, dtype, causal)
         tma = cfg.wgmma and _use_tma(k, v, cfg.block_n, dtype)
-        ws = None if chosen or not tma else _config.fwd_ws_config(head_dim, causal)
+        ws = None if chosen or not tma else _config.fwd_ws_config(head_dim, causal, seqlen_k)
         if ws and _use_tma(q, q, 64 * ws[3], dtype) and _use_tma(k, v, ws[0], dtype):
             cfg = _config.TileConfig(64 * ws[3], ws[0], 4 * (1 + ws[3]), wgmma=True)
             even = seqlen_q % cfg.block_m == 0 and seqlen_k % cfg.block_n == 0

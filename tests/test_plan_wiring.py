@@ -431,6 +431,13 @@ def test_fwd_ws_wiring(dev, monkeypatch):
     _plan.CACHE.clear()
     cuflash.attention(q, k, v)
     assert launched[-1]["name"] == "fwd90ws_f16_d128_m128_n128_s2_full_even", launched[-1]["name"]
+    # head_dim 64 non-causal: three consumers (192-row blocks) from seqlen_k 2048, the TMA variant
+    # below (_config.FWD_WS_MIN_SEQLEN_K).
+    for sk, want in ((512, "fwd90_f16_d64_m128_n64_full_even_tma"), (2048, "fwd90ws_f16_d64_m192_n128_s3_full_ragged")):
+        q, k, v = arr(rng, (1, 256, 4, 64)), arr(rng, (1, sk, 2, 64)), arr(rng, (1, sk, 2, 64))
+        cuflash.attention(q, k, v)
+        assert launched[-1]["name"] == want, (sk, launched[-1]["name"])
+    q, k, v = arr(rng, (2, 256, 4, 128)), arr(rng, (2, 256, 2, 128)), arr(rng, (2, 256, 2, 128))
     monkeypatch.setenv("CUFLASH_FWD_WS", "0")
     _plan.CACHE.clear()
     cuflash.attention(q, k, v)
