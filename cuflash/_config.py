@@ -46,7 +46,9 @@ FWD_TMA_BAR_BYTES = 64
 
 # The TMA variant of the sm_90a dK/dV kernel (cuda_src/flash_bwd_sm90.cu, TMA): Q, dO, K and V
 # through tensor maps, its three mbarriers after sDelta; plain calls only, opt-in with
-# CUFLASH_BWD_TMA=1 (read when a plan is made) until a GPU has run and measured it.
+# CUFLASH_BWD_TMA=1 (read when a plan is made; the deterministic backward, or where the
+# warp-specialized one is off). Measured on an H100: 0.69-0.74 of cuDNN against 0.66-0.74 for
+# cp.async, far below flash_bwd_sm90_ws.cu.
 BWD_TMA_BAR_BYTES = 64
 
 
