@@ -16,6 +16,11 @@ Sections (all bf16 by default, 16 heads, head_dim 128, through torch tensors on 
            also computes d sink_logits), kv_lengths = the full length (the lengths path, masking
            nothing). The ratio feature time / plain time is the cost of the feature path.
 
+  flex     (only when named in --sections) each option against torch.compile(flex_attention) with
+           the equivalent block mask and score_mod: bench/bench_flex.py's measurement (window (256,
+           0) and (4096, 0), ALiBi, softcap, a packed batch; batch 2, seqlen 8k and 16k, causal;
+           forward and forward + backward), its table and the >= 1.0x target in the report.
+
 Timing, as bench/bench.py (its time_cuda is used): CUDA events around each call on the current
 stream, after a first call and a warm-up; the median of max(--reps, enough runs for --min-time
 seconds) runs.
@@ -72,6 +77,7 @@ from bench import time_cuda  # noqa: E402
 from bench_forward import nvidia_smi_info, write_json  # noqa: E402
 
 SECTIONS = ("window", "varlen", "cost")
+OPT_IN_SECTIONS = ("flex",)  # run only when named in --sections (torch.compile of each Flex variant takes minutes)
 PASSES = ("fwd", "bwd")
 PASS_FACTOR = {"fwd": 1.0, "bwd": 2.5}
 FLOP_CONVENTION = ("forward FLOPs = 4 * heads * head_dim * visible (query, key) pairs (full: batch * seqlen^2, "
@@ -95,7 +101,9 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true",
                    help="a minute or two: window at batch 1, varlen and cost with causal on only, 10 reps, "
                         "0.05 s per measurement")
-    p.add_argument("--sections", nargs="+", choices=SECTIONS, help="default: all three")
+    p.add_argument("--sections", nargs="+", choices=SECTIONS + OPT_IN_SECTIONS,
+                   help="default: window varlen cost; flex (cuflash's options against torch.compile(flex_attention), "
+                        "bench/bench_flex.py) only when named")
     p.add_argument("--dtype", choices=sorted(SHORT), default="bfloat16")
     p.add_argument("--causal", choices=["both", "off", "on"],
                    help="for varlen and cost (window is always causal); default both, --quick: on")
@@ -111,6 +119,7 @@ def parse_args(argv=None):
     p.add_argument("--summarize", metavar="PATH", help="print the tables of an earlier --json file and exit")
     args = p.parse_args(argv)
     q = args.quick
+    args.flex = "flex" in (args.sections or ())
     args.sections = [s for s in SECTIONS if s in (args.sections or SECTIONS)]
     args.causal = args.causal or ("on" if q else "both")
     args.causals = {"both": [False, True], "off": [False], "on": [True]}[args.causal]
@@ -524,6 +533,12 @@ def print_report(data):
     print(format_summary(data))
     print()
     print(format_tables(data))
+    if "flex" in data:
+        import bench_flex
+
+        print()
+        print("cuflash against FlexAttention (bench/bench_flex.py):")
+        print(bench_flex.report(data["flex"]["results"], data["flex"]["checks"]))
 
 
 # ------------------------------------------------------------------------------------ meta, dry run, main
@@ -568,6 +583,12 @@ def dry_run(args) -> int:
     if "window" in args.sections:
         w = [cfg for sec, var, c, cfg in ms if sec == "window"]
         print(f"window: ideal speedup (pairs ratio) {w[0]['pairs'] / w[1]['pairs']:.1f}x")
+    if args.flex:
+        import bench_flex
+
+        print("flex (bench/bench_flex.py), each with cuflash and torch.compile(flex_attention), passes "
+              + ", ".join(bench_flex.PASSES) + ":")
+        return bench_flex.main(["--dry-run"] + (["--quick"] if args.quick else []))
     return 0
 
 
@@ -632,6 +653,15 @@ def main(argv=None) -> int:
             parts = " | ".join(f"{r['pass']} {_ms(r)} ms {_tf(r)} TFLOP/s" for r in rows)
             print(f"[{i}/{len(ms)} {time.perf_counter() - t_start:5.0f}s] {meas_name(sec, var, c, cfg)}: {parts}"
                   + (f" (first calls: {first})" if first else ""), flush=True)
+            write_json(args.json, data)
+        if args.flex:
+            import bench_flex
+
+            fargs = bench_flex.parse_args(["--quick"] if args.quick else [])
+            fargs.reps, fargs.min_time, fargs.max_reps, fargs.warmup = args.reps, args.min_time, args.max_reps, args.warmup
+            rows, fchecks = bench_flex.run(torch, cuflash, fargs)
+            data["flex"] = {"results": rows, "checks": fchecks}
+            n_nan += sum(c["nan"] for c in fchecks)
             write_json(args.json, data)
     finally:
         data["meta"]["wall_s"] = time.perf_counter() - t_start
