@@ -129,13 +129,11 @@ def fwd_tma_config_for_target(target: str, head_dim: int, dtype: str, causal: bo
 
 
 # The warp-specialized sm_90a forward (cuda_src/flash_fwd_sm90_ws.cu; docs/hopper_plan.md step 2):
-# a TMA producer warpgroup and two wgmma consumer warpgroups of 64 query rows each; plain calls whose
-# q, k and v fit tensor maps (the TMA variant's conditions, cuflash/_launch.py _use_tma).
-FWD_WS_BLOCK_M = 128  # with two consumer warpgroups (64 rows each); three: 192
-FWD_WS_THREADS = 384
+# a TMA producer warpgroup and two or three wgmma consumer warpgroups of 64 query rows each; plain
+# calls whose q, k and v fit tensor maps (the TMA variant's conditions, cuflash/_launch.py _use_tma).
 FWD_WS_STAGES = 2
 
-# (head_dim, causal) -> (BLOCK_N, STAGES) of the K / V rings, where the warp-specialized kernel is
+# (head_dim, causal) -> (BLOCK_N, STAGES, ...) of the K / V rings, where the warp-specialized kernel is
 # the default. Measured on an H100 (bench/dev/tma_tiles.py --ws, bf16, 16k tokens, hidden 2048,
 # TFLOP/s at seqlen 4k / 16k; the TMA variant of flash_fwd_sm90.cu in brackets, from the same
 # script's run one device call earlier):
