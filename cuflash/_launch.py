@@ -81,7 +81,7 @@ BWD_PARAMS = np.dtype(
 
 _BWD_CHECKS_PARAMS = _compile.params_layout_checks("cuflash", "BwdParams", BWD_PARAMS)
 
-# Mirror of cuflash::BwdTmaParams (cuda_src/flash_bwd_sm90.cu): BwdParams, then the maps of Q, dO, K, V.
+# Mirror of cuflash::BwdTmaParams (cuda_src/bwd_tma_params.cuh): BwdParams, then the maps of Q, dO, K, V.
 BWD_TMA_PARAMS = _with_maps(BWD_PARAMS, ("map_q", "map_do", "map_k", "map_v"))
 _BWD_TMA_CHECKS_PARAMS = (_compile.params_layout_checks("cuflash", "BwdTmaParams", BWD_TMA_PARAMS) + "\n"
                           + _BWD_CHECKS_PARAMS)
