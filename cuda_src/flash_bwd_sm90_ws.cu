@@ -41,10 +41,10 @@
 //               have retired (its lse / delta were read before them).
 // Iteration gi uses stage s = gi % STAGES; the producer's u-th fill of a stage (u = gi / STAGES)
 // waits for phase u - 1 of empty[s]; a consumer waits for phase u of full[s].
-//   named barrier 1 (256 consumer threads), twice per iteration: "dS" after both consumers stored
-//               dS^T of iteration i into sdS[i % 2] (and, for thread 0 of each consumer, after its
+//   named barrier 1 (256 consumer threads), once per iteration: "dS" after both consumers stored
+//               dS^T of iteration gi into sdS[gi % 2] (and, for thread 0 of each consumer, after its
 //               previous bulk reduction finished reading sdQ), before the dQ product; and once after
-//               the loop, before the epilogue writes dK and dV through sK and sV (the other
+//               each tile's loop, before the epilogue writes dK and dV through sK and sV (the other
 //               consumer's dQ products read all of sK).
 //   named barrier 2 + c (128 threads of consumer c): its dQ part is in sdQ_c; then its thread 0
 //               issues the bulk reduction of sdQ_c into dq_accum.
@@ -61,8 +61,8 @@
 //
 // Shared memory: sK, sV (128 x HEAD_DIM), sQ[STAGES], sdO[STAGES] (BLOCK_M x HEAD_DIM), sdS[2] (128
 // keys x BLOCK_M queries), all SW128 panels (wgmma_util.cuh); sdQ (BLOCK_M x HEAD_DIM floats, two
-// parts); then sLse[STAGES], sDelta[STAGES] (BLOCK_M floats each), then the mbarriers. The epilogue writes dV and dK
-// out through sV and sK.
+// parts); then sLse[STAGES], sDelta[STAGES] (BLOCK_M floats each), then the mbarriers. The
+// epilogue writes dV and dK out through sV and sK.
 //
 // Grid: 1-D, one block per tile, or (persistent) one per SM.
 #include "blocks.cuh"
