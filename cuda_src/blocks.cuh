@@ -60,4 +60,16 @@ __device__ __forceinline__ KeyBlock key_block(unsigned block, int num_n_blocks, 
     return r;
 }
 
+// The warp-specialized backward's tile order (flash_bwd_sm90_ws.cu): tile t is key block t / BH of
+// (batch, kv head) t % BH, BH = batch * nheads_kv. All (batch, head)s' first key blocks come first:
+// under causal masking they are the longest (every query block sees them), so a persistent grid,
+// which takes tiles t = blockIdx.x, + gridDim.x, ..., starts the longest work first.
+template <int BLOCK_M, int BLOCK_N, bool IS_CAUSAL>
+__device__ __forceinline__ KeyBlock key_block_lpt(unsigned tile, int num_n_blocks, int nheads_kv, int batch, int sq,
+                                                  int sk) {
+    const unsigned bh_count = (unsigned)batch * (unsigned)nheads_kv;
+    const unsigned block = (tile % bh_count) * (unsigned)num_n_blocks + tile / bh_count;
+    return key_block<BLOCK_M, BLOCK_N, IS_CAUSAL>(block, num_n_blocks, nheads_kv, sq, sk);
+}
+
 }  // namespace cuflash

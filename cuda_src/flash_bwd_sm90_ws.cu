@@ -25,22 +25,30 @@
 //             (The producer's other warps exit at once.)
 //   consumers (warpgroups 1, 2; setmaxnreg.inc 240).
 //
+// Tiles: a tile is one key block of one (batch, kv head), in blocks.cuh key_block_lpt's order (the
+// longest causal ones first). Block b takes tiles b, b + gridDim.x, ...: one tile with a grid of one
+// block per tile, several on a persistent grid of one block per SM (CUFLASH_BWD_WS_PERSISTENT=1).
+// The ring's stages and phases run on across a block's tiles (gi = the block's iteration count).
+//
 // Barriers ("wait(b, n)": until phase n of mbarrier b has completed, parity n % 2):
-//   kv_full     count 1: lane 0's expect_tx arrival; K's and V's bytes complete it (phase 0 only).
+//   kv_full     count 1: lane 0's expect_tx arrival; K's and V's bytes complete it; phase u for the
+//               block's u-th tile.
+//   kv_empty    count 8: lane 0 of each consumer warp once its epilogue has read its rows of sK and
+//               sV out; the producer waits for phase u - 1 before loading the u-th tile's K and V.
 //   full[s]     count 32: every producer lane arrives after storing its lse / delta rows of stage s
 //               (lane 0 with the expect_tx of Q's and dO's bytes, before issuing their copies).
 //   empty[s]    count 8: lane 0 of each consumer warp, once the products that read stage s (dV, dK)
 //               have retired (its lse / delta were read before them).
-// Iteration i uses stage s = i % STAGES; the producer's u-th fill of a stage (u = i / STAGES) waits
-// for phase u - 1 of empty[s]; a consumer waits for phase u of full[s].
-//   named barrier 1 (256 consumer threads), twice per iteration: "dS" after both consumers stored
-//               dS^T of iteration i into sdS[i % 2] (and, for thread 0 of each consumer, after its
+// Iteration gi uses stage s = gi % STAGES; the producer's u-th fill of a stage (u = gi / STAGES)
+// waits for phase u - 1 of empty[s]; a consumer waits for phase u of full[s].
+//   named barrier 1 (256 consumer threads), once per iteration: "dS" after both consumers stored
+//               dS^T of iteration gi into sdS[gi % 2] (and, for thread 0 of each consumer, after its
 //               previous bulk reduction finished reading sdQ), before the dQ product; and once after
-//               the loop, before the epilogue writes dK and dV through sK and sV (the other
+//               each tile's loop, before the epilogue writes dK and dV through sK and sV (the other
 //               consumer's dQ products read all of sK).
 //   named barrier 2 + c (128 threads of consumer c): its dQ part is in sdQ_c; then its thread 0
 //               issues the bulk reduction of sdQ_c into dq_accum.
-// sdS is double-buffered: a consumer writes sdS[(i + 1) % 2] while the other may still read sdS[i %
+// sdS is double-buffered: a consumer writes sdS[(gi + 1) % 2] while the other may still read sdS[gi %
 // 2] in its dQ product; it cannot get two iterations ahead because of barrier 1.
 //
 // dq_accum layout (for this kernel; flash_bwd.cu's conversion kernel with DQ_PERM undoes it): per
@@ -53,10 +61,10 @@
 //
 // Shared memory: sK, sV (128 x HEAD_DIM), sQ[STAGES], sdO[STAGES] (BLOCK_M x HEAD_DIM), sdS[2] (128
 // keys x BLOCK_M queries), all SW128 panels (wgmma_util.cuh); sdQ (BLOCK_M x HEAD_DIM floats, two
-// parts); then sLse[STAGES], sDelta[STAGES] (BLOCK_M floats each), then the mbarriers. The epilogue writes dV and dK
-// out through sV and sK.
+// parts); then sLse[STAGES], sDelta[STAGES] (BLOCK_M floats each), then the mbarriers. The
+// epilogue writes dV and dK out through sV and sK.
 //
-// Grid: 1-D, blockIdx.x = (b * nheads_kv + h_kv) * num_blocks + key block (blocks.cuh key_block).
+// Grid: 1-D, one block per tile, or (persistent) one per SM.
 #include "blocks.cuh"
 #include "bwd_tma_params.cuh"
 #include "common.cuh"
@@ -80,7 +88,7 @@ struct BwdWsTraits {
     static constexpr int SDS_BYTES = BLOCK_N * BLOCK_M * 2;
     static constexpr int SDQ_BYTES = BLOCK_M * HEAD_DIM * 4;
     static constexpr int ROWS_BYTES = STAGES * 2 * BLOCK_M * 4;  // sLse[STAGES], sDelta[STAGES]
-    static constexpr int BAR_BYTES = 8 * (1 + 2 * STAGES);
+    static constexpr int BAR_BYTES = 8 * (2 + 2 * STAGES);
     // sK, sV, sQ[STAGES], sdO[STAGES], sdS[2], sdQ, the rows, the barriers, plus 1024 bytes of
     // alignment slack. Must equal cuflash/_config.py:bwd_ws_smem_bytes.
     static constexpr int SMEM_BYTES =
@@ -112,9 +120,9 @@ flash_bwd_sm90_ws_kernel(const __grid_constant__ BwdTmaParams p) {
     const u32 sdQ = sdS + 2 * Tr::SDS_BYTES;
     const u32 sRows = sdQ + Tr::SDQ_BYTES;             // sLse[STAGES][64], then sDelta[STAGES][64]
     const u32 s_bar = sRows + Tr::ROWS_BYTES;
-    const u32 kv_full = s_bar;
-    auto full = [&](int s) { return s_bar + 8u * (u32)(1 + s); };
-    auto empty = [&](int s) { return s_bar + 8u * (u32)(1 + STAGES + s); };
+    const u32 kv_full = s_bar, kv_empty = s_bar + 8u;
+    auto full = [&](int s) { return s_bar + 8u * (u32)(2 + s); };
+    auto empty = [&](int s) { return s_bar + 8u * (u32)(2 + STAGES + s); };
     auto lse_row = [&](int s) { return sRows + (u32)(s * BLOCK_M) * 4u; };
     auto dlt_row = [&](int s) { return sRows + (u32)((STAGES + s) * BLOCK_M) * 4u; };
 
@@ -122,12 +130,11 @@ flash_bwd_sm90_ws_kernel(const __grid_constant__ BwdTmaParams p) {
     if (tid == 0 && dynamic_smem_bytes() < (u32)Tr::SMEM_BYTES) __trap();
 
     const int sq = p.seqlen_q, sk = p.seqlen_k;
-    const KeyBlock blk = key_block<BLOCK_M, BLOCK_N, IS_CAUSAL>(blockIdx.x, p.num_blocks, p.nheads_kv, sq, sk);
-    const int h_kv = blk.h_kv, b = blk.b, n0 = blk.n0, m_begin = blk.m_begin, m_iters = blk.m_iters;
-    const int iters = m_iters * p.head_group;
+    const int num_tiles = p.batch * p.nheads_kv * p.num_blocks;
 
     if (tid == 0) {
         mbar_init(kv_full, 1);
+        mbar_init(kv_empty, 8);
 #pragma unroll
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(full(s), 32);
@@ -145,40 +152,53 @@ flash_bwd_sm90_ws_kernel(const __grid_constant__ BwdTmaParams p) {
         if (lane == 0) {
             tma_prefetch_desc(&p.map_q);
             tma_prefetch_desc(&p.map_do);
-            mbar_arrive_expect_tx(kv_full, 2 * Tr::SKV_BYTES);
-#pragma unroll
-            for (int c = 0; c < HEAD_DIM / 64; ++c) {
-                tma_load_4d(sK + c * BLOCK_N * 128, &p.map_k, kv_full, c * 64, n0, h_kv, b);
-                tma_load_4d(sV + c * BLOCK_N * 128, &p.map_v, kv_full, c * 64, n0, h_kv, b);
-            }
         }
-        for (int it = 0; it < iters; ++it) {
-            const int s = it % STAGES, u = it / STAGES;
-            if (u > 0) mbar_wait(empty(s), (u - 1) & 1);
-            const int hq = h_kv * p.head_group + it / m_iters;
-            const int m0 = (m_begin + it % m_iters) * BLOCK_M;
-            // lse from the forward's (batch, nheads, seqlen_q) array, 0 past seqlen_q; delta from the
-            // padded scratch. Lane l: rows R l .. R l + R - 1, R = BLOCK_M / 32.
-            constexpr int R = BLOCK_M / 32;
-            const i64 bhq = (i64)b * p.nheads + hq;
-#pragma unroll
-            for (int r = 0; r < R; ++r) {
-                const int row = m0 + R * lane + r;
-                const float l = row < sq ? p.lse[bhq * sq + row] : 0.f;
-                const float d = p.delta[bhq * p.seqlen_q_pad + row];
-                asm volatile("st.shared.f32 [%0], %1;" :: "r"(lse_row(s) + (R * lane + r) * 4), "f"(l) : "memory");
-                asm volatile("st.shared.f32 [%0], %1;" :: "r"(dlt_row(s) + (R * lane + r) * 4), "f"(d) : "memory");
-            }
+        int g_base = 0;  // iterations of the earlier tiles: the ring's stages and phases run on across tiles
+        int tcount = 0;
+        for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x, ++tcount) {
+            const KeyBlock blk = key_block_lpt<BLOCK_M, BLOCK_N, IS_CAUSAL>(tile, p.num_blocks, p.nheads_kv, p.batch, sq, sk);
+            const int h_kv = blk.h_kv, b = blk.b, n0 = blk.n0, m_begin = blk.m_begin, m_iters = blk.m_iters;
+            const int iters = m_iters * p.head_group;
+            // K and V of this tile go where the previous tile's epilogue wrote dK and dV out.
+            if (tcount > 0) mbar_wait(kv_empty, (tcount - 1) & 1);
             if (lane == 0) {
-                mbar_arrive_expect_tx(full(s), 2 * Tr::SQ_BYTES);
+                mbar_arrive_expect_tx(kv_full, 2 * Tr::SKV_BYTES);
 #pragma unroll
                 for (int c = 0; c < HEAD_DIM / 64; ++c) {
-                    tma_load_4d(sQ + s * Tr::SQ_BYTES + c * BLOCK_M * 128, &p.map_q, full(s), c * 64, m0, hq, b);
-                    tma_load_4d(sdO + s * Tr::SQ_BYTES + c * BLOCK_M * 128, &p.map_do, full(s), c * 64, m0, hq, b);
+                    tma_load_4d(sK + c * BLOCK_N * 128, &p.map_k, kv_full, c * 64, n0, h_kv, b);
+                    tma_load_4d(sV + c * BLOCK_N * 128, &p.map_v, kv_full, c * 64, n0, h_kv, b);
                 }
-            } else {
-                mbar_arrive(full(s));
             }
+            for (int it = 0; it < iters; ++it) {
+                const int gi = g_base + it;
+                const int s = gi % STAGES, u = gi / STAGES;
+                if (u > 0) mbar_wait(empty(s), (u - 1) & 1);
+                const int hq = h_kv * p.head_group + it / m_iters;
+                const int m0 = (m_begin + it % m_iters) * BLOCK_M;
+                // lse from the forward's (batch, nheads, seqlen_q) array, 0 past seqlen_q; delta from the
+                // padded scratch. Lane l: rows R l .. R l + R - 1, R = BLOCK_M / 32.
+                constexpr int R = BLOCK_M / 32;
+                const i64 bhq = (i64)b * p.nheads + hq;
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    const int row = m0 + R * lane + r;
+                    const float l = row < sq ? p.lse[bhq * sq + row] : 0.f;
+                    const float d = p.delta[bhq * p.seqlen_q_pad + row];
+                    asm volatile("st.shared.f32 [%0], %1;" :: "r"(lse_row(s) + (R * lane + r) * 4), "f"(l) : "memory");
+                    asm volatile("st.shared.f32 [%0], %1;" :: "r"(dlt_row(s) + (R * lane + r) * 4), "f"(d) : "memory");
+                }
+                if (lane == 0) {
+                    mbar_arrive_expect_tx(full(s), 2 * Tr::SQ_BYTES);
+#pragma unroll
+                    for (int c = 0; c < HEAD_DIM / 64; ++c) {
+                        tma_load_4d(sQ + s * Tr::SQ_BYTES + c * BLOCK_M * 128, &p.map_q, full(s), c * 64, m0, hq, b);
+                        tma_load_4d(sdO + s * Tr::SQ_BYTES + c * BLOCK_M * 128, &p.map_do, full(s), c * 64, m0, hq, b);
+                    }
+                } else {
+                    mbar_arrive(full(s));
+                }
+            }
+            g_base += iters;
         }
         return;
     }
@@ -190,188 +210,200 @@ flash_bwd_sm90_ws_kernel(const __grid_constant__ BwdTmaParams p) {
     const int g = lane / 4, t = lane % 4;
     constexpr int DS_BAR = 1, DQ_BAR = 2;
 
-    float acc_dv[HEAD_DIM / 2], acc_dk[HEAD_DIM / 2];
-#pragma unroll
-    for (int i = 0; i < HEAD_DIM / 2; ++i) { acc_dv[i] = 0.f; acc_dk[i] = 0.f; }
-
     const int key_row0 = cw * 64 + (warp % 4) * 16;  // this warp's first key inside the block
-    const int diag_base = 2 * t + sk - sq - n0 - key_row0 - g;
     const u32 sK_wg = sK + cw * 64 * 128;
     const u32 sV_wg = sV + cw * 64 * 128;
     const u32 sdQ_wg = sdQ + cw * (Tr::SDQ_BYTES / 2);
 
-    mbar_wait(kv_full, 0);  // also before the epilogue writes through sK / sV when no query block runs
-    for (int it = 0; it < iters; ++it) {
-        const int s = it % STAGES;
-        const int m0 = (m_begin + it % m_iters) * BLOCK_M;
-        const u32 sQs = sQ + s * Tr::SQ_BYTES, sdOs = sdO + s * Tr::SQ_BYTES;
-        const u32 sdSi = sdS + (it % 2) * Tr::SDS_BYTES;
-        mbar_wait(full(s), (it / STAGES) & 1);
+    int g_base = 0, tcount = 0;
+    for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x, ++tcount) {
+        const KeyBlock blk = key_block_lpt<BLOCK_M, BLOCK_N, IS_CAUSAL>(tile, p.num_blocks, p.nheads_kv, p.batch, sq, sk);
+        const int h_kv = blk.h_kv, b = blk.b, n0 = blk.n0, m_begin = blk.m_begin, m_iters = blk.m_iters;
+        const int iters = m_iters * p.head_group;
+        const int diag_base = 2 * t + sk - sq - n0 - key_row0 - g;
 
-        // ---- S^T = K Q^T, dP^T = V dO^T: (64 keys, 64 queries) ----
-        float sc[BLOCK_M / 2], dp[BLOCK_M / 2];
-        wgmma_fence();
-        wgmma_ss_kmajor<T, BLOCK_M, HEAD_DIM, BLOCK_N, BLOCK_M>(sc, opaque(sK_wg), sQs);
-        wgmma_commit();
-        wgmma_ss_kmajor<T, BLOCK_M, HEAD_DIM, BLOCK_N, BLOCK_M>(dp, opaque(sV_wg), sdOs);
-        wgmma_commit();
-        wgmma_wait<1>();
-        fence_regs(sc);
+        float acc_dv[HEAD_DIM / 2], acc_dk[HEAD_DIM / 2];
+#pragma unroll
+        for (int i = 0; i < HEAD_DIM / 2; ++i) { acc_dv[i] = 0.f; acc_dk[i] = 0.f; }
 
-        // ---- P^T (while dP^T runs); mask only tiles that cross the causal diagonal or sk ----
-        // Keys past seqlen_k need no mask: TMA fills their K and V rows with zeros, so their dS
-        // reaches dQ multiplied by K = 0, and their dK, dV rows are never written.
-        const bool diag = IS_CAUSAL && n0 + key_row0 + 15 > m0 + sk - sq;
-        const u32 lse_s = lse_row(s) + 2 * t * 4;
-        const u32 dlt_s = dlt_row(s) + 2 * t * 4;
-        // Element (key n0 + key_row0 + g + 8 (e / 2), query m0 + 8 j + 2 t + e % 2) is above the
-        // diagonal iff 8 (e / 2) - 8 j - e % 2 > diag_lim.
-        const int diag_lim = m0 + diag_base;
-        // The rows' lse and delta of n8 tile j (queries 8 j + 2 t, + 1): loaded per tile (BLOCK_M = 64),
-        // or with BLOCK_M = 128, where 16 float2 each would hold 64 registers across the products,
-        // loaded once as two float2 per thread (tiles g and g + 8) and passed around by shuffles from
-        // lane 4 (j % 8) + t (register pressure; the non-causal even variant spilled otherwise).
-        float2 lse_lo, lse_hi, dlt_lo, dlt_hi;
-        if constexpr (BLOCK_M == 128) {
-            lse_lo = ld_shared_f32x2(lse_s + 32 * g);
-            lse_hi = ld_shared_f32x2(lse_s + 32 * (g + 8));
-        }
-        auto row_pair = [&](u32 base, const float2& lo, const float2& hi, int j) {
+        // K and V of this tile (also before the epilogue writes through sK / sV when no query block runs).
+        mbar_wait(kv_full, tcount & 1);
+        for (int it = 0; it < iters; ++it) {
+            const int gi = g_base + it;
+            const int s = gi % STAGES;
+            const int m0 = (m_begin + it % m_iters) * BLOCK_M;
+            const u32 sQs = sQ + s * Tr::SQ_BYTES, sdOs = sdO + s * Tr::SQ_BYTES;
+            const u32 sdSi = sdS + (gi % 2) * Tr::SDS_BYTES;
+            mbar_wait(full(s), (gi / STAGES) & 1);
+
+            // ---- S^T = K Q^T, dP^T = V dO^T: (64 keys, 64 queries) ----
+            float sc[BLOCK_M / 2], dp[BLOCK_M / 2];
+            wgmma_fence();
+            wgmma_ss_kmajor<T, BLOCK_M, HEAD_DIM, BLOCK_N, BLOCK_M>(sc, opaque(sK_wg), sQs);
+            wgmma_commit();
+            wgmma_ss_kmajor<T, BLOCK_M, HEAD_DIM, BLOCK_N, BLOCK_M>(dp, opaque(sV_wg), sdOs);
+            wgmma_commit();
+            wgmma_wait<1>();
+            fence_regs(sc);
+
+            // ---- P^T (while dP^T runs); mask only tiles that cross the causal diagonal or sk ----
+            // Keys past seqlen_k need no mask: TMA fills their K and V rows with zeros, so their dS
+            // reaches dQ multiplied by K = 0, and their dK, dV rows are never written.
+            const bool diag = IS_CAUSAL && n0 + key_row0 + 15 > m0 + sk - sq;
+            const u32 lse_s = lse_row(s) + 2 * t * 4;
+            const u32 dlt_s = dlt_row(s) + 2 * t * 4;
+            // Element (key n0 + key_row0 + g + 8 (e / 2), query m0 + 8 j + 2 t + e % 2) is above the
+            // diagonal iff 8 (e / 2) - 8 j - e % 2 > diag_lim.
+            const int diag_lim = m0 + diag_base;
+            // The rows' lse and delta of n8 tile j (queries 8 j + 2 t, + 1): loaded per tile (BLOCK_M = 64),
+            // or with BLOCK_M = 128, where 16 float2 each would hold 64 registers across the products,
+            // loaded once as two float2 per thread (tiles g and g + 8) and passed around by shuffles from
+            // lane 4 (j % 8) + t (register pressure; the non-causal even variant spilled otherwise).
+            float2 lse_lo, lse_hi, dlt_lo, dlt_hi;
             if constexpr (BLOCK_M == 128) {
-                const float2& v = j < 8 ? lo : hi;
-                return make_float2(__shfl_sync(0xffffffffu, v.x, 4 * (j % 8) + t),
-                                   __shfl_sync(0xffffffffu, v.y, 4 * (j % 8) + t));
-            } else {
-                return ld_shared_f32x2(base + 32 * j);
+                lse_lo = ld_shared_f32x2(lse_s + 32 * g);
+                lse_hi = ld_shared_f32x2(lse_s + 32 * (g + 8));
             }
-        };
+            auto row_pair = [&](u32 base, const float2& lo, const float2& hi, int j) {
+                if constexpr (BLOCK_M == 128) {
+                    const float2& v = j < 8 ? lo : hi;
+                    return make_float2(__shfl_sync(0xffffffffu, v.x, 4 * (j % 8) + t),
+                                       __shfl_sync(0xffffffffu, v.y, 4 * (j % 8) + t));
+                } else {
+                    return ld_shared_f32x2(base + 32 * j);
+                }
+            };
 #pragma unroll
-        for (int j = 0; j < BLOCK_M / 8; ++j) {
-            // lse -> lse * log2(e); see flash_bwd_sm90.cu for rows with lse = -inf or past seqlen_q.
-            float2 l2 = row_pair(lse_s, lse_lo, lse_hi, j);
-            l2.x *= CUFLASH_LOG2E;
-            l2.y *= CUFLASH_LOG2E;
+            for (int j = 0; j < BLOCK_M / 8; ++j) {
+                // lse -> lse * log2(e); see flash_bwd_sm90.cu for rows with lse = -inf or past seqlen_q.
+                float2 l2 = row_pair(lse_s, lse_lo, lse_hi, j);
+                l2.x *= CUFLASH_LOG2E;
+                l2.y *= CUFLASH_LOG2E;
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int i = 4 * j + e;
-                float pv = fast_exp2(fminf(fmaf(sc[i], p.scale_log2, -(e % 2 ? l2.y : l2.x)), 0.f));  // P <= 1
-                if (IS_CAUSAL && diag && (e / 2) * 8 - 8 * j - (e % 2) > diag_lim) pv = 0.f;
-                sc[i] = pv;
+                for (int e = 0; e < 4; ++e) {
+                    const int i = 4 * j + e;
+                    float pv = fast_exp2(fminf(fmaf(sc[i], p.scale_log2, -(e % 2 ? l2.y : l2.x)), 0.f));  // P <= 1
+                    if (IS_CAUSAL && diag && (e / 2) * 8 - 8 * j - (e % 2) > diag_lim) pv = 0.f;
+                    sc[i] = pv;
+                }
             }
-        }
-        wgmma_wait<0>();
-        fence_regs(dp);
-        u32 pa[Q_STEPS][4], da[Q_STEPS][4];  // P^T and dS^T as wgmma A fragments, one per k16 step
-        if constexpr (BLOCK_M == 128) {
-            dlt_lo = ld_shared_f32x2(dlt_s + 32 * g);
-            dlt_hi = ld_shared_f32x2(dlt_s + 32 * (g + 8));
-        }
+            wgmma_wait<0>();
+            fence_regs(dp);
+            u32 pa[Q_STEPS][4], da[Q_STEPS][4];  // P^T and dS^T as wgmma A fragments, one per k16 step
+            if constexpr (BLOCK_M == 128) {
+                dlt_lo = ld_shared_f32x2(dlt_s + 32 * g);
+                dlt_hi = ld_shared_f32x2(dlt_s + 32 * (g + 8));
+            }
 #pragma unroll
-        for (int j = 0; j < BLOCK_M / 8; ++j) {
-            const float2 dl = row_pair(dlt_s, dlt_lo, dlt_hi, j);
+            for (int j = 0; j < BLOCK_M / 8; ++j) {
+                const float2 dl = row_pair(dlt_s, dlt_lo, dlt_hi, j);
 #pragma unroll
-            for (int e = 0; e < 4; ++e) dp[4 * j + e] = sc[4 * j + e] * (dp[4 * j + e] - (e % 2 ? dl.y : dl.x));
-            // n8 tile j is half of k16 step j / 2: registers 2 (j % 2) and 2 (j % 2) + 1 of it.
-            const int kk = j / 2, r = 2 * (j % 2);
-            pa[kk][r] = Ops::pack(sc[4 * j], sc[4 * j + 1]);
-            pa[kk][r + 1] = Ops::pack(sc[4 * j + 2], sc[4 * j + 3]);
-            da[kk][r] = Ops::pack(dp[4 * j], dp[4 * j + 1]);
-            da[kk][r + 1] = Ops::pack(dp[4 * j + 2], dp[4 * j + 3]);
-        }
+                for (int e = 0; e < 4; ++e) dp[4 * j + e] = sc[4 * j + e] * (dp[4 * j + e] - (e % 2 ? dl.y : dl.x));
+                // n8 tile j is half of k16 step j / 2: registers 2 (j % 2) and 2 (j % 2) + 1 of it.
+                const int kk = j / 2, r = 2 * (j % 2);
+                pa[kk][r] = Ops::pack(sc[4 * j], sc[4 * j + 1]);
+                pa[kk][r + 1] = Ops::pack(sc[4 * j + 2], sc[4 * j + 3]);
+                da[kk][r] = Ops::pack(dp[4 * j], dp[4 * j + 1]);
+                da[kk][r + 1] = Ops::pack(dp[4 * j + 2], dp[4 * j + 3]);
+            }
 
-        // ---- dS^T into sdS[it % 2] (keys x queries) ----
+            // ---- dS^T into sdS[it % 2] (keys x queries) ----
+            {
+                const int row0 = (int)opaque((u32)(key_row0 + g));
+                const u32 base = sdSi + 4 * t;
+#pragma unroll
+                for (int kk = 0; kk < Q_STEPS; ++kk)
+#pragma unroll
+                    for (int r = 0; r < 4; ++r)
+                        st_shared_u32(base + sw128_offset(row0 + (r % 2) * 8, 2 * kk + r / 2, BLOCK_N), da[kk][r]);
+            }
+
+            // ---- dV += P^T dO (group A); dQ[:, cols of cw] = dS K (B); dK += dS^T Q (C) ----
+            wgmma_fence();
+            wgmma_rs_mnmajor<T, HEAD_DIM, Q_STEPS, BLOCK_M>(acc_dv, pa, sdOs);
+            wgmma_commit();
+
+            fence_proxy_async();                     // dS^T stores before the async proxy (wgmma) reads them
+            if (tw == 0) bulk_wait_group_read<0>();  // the previous bulk reduction has read sdQ
+            named_barrier_sync(DS_BAR, 256);         // all of dS^T is in sdS[it % 2]; sdQ is free; dV runs meanwhile
+
+            float dq[DQ_N / 2];
+            // A = dS, the queries of this consumer's rows: sdS's one panel (by columns) or panel cw (by
+            // rows). B = K, columns [cw * DQ_N, ...) (a whole panel, or half of one: start 64 bytes in),
+            // or all of them (by rows).
+            const u32 ds_rows = Tr::DQ_BY_ROWS ? cw * BLOCK_N * 128 : 0;
+            const u32 k_cols = Tr::DQ_BY_ROWS ? 0 : (cw * DQ_N / 64) * BLOCK_N * 128 + (cw * DQ_N % 64) * 2;
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < N_STEPS; ++kk)
+                Wgmma<T, DQ_N>::template ss<1, 1>(dq, make_smem_desc(opaque(sdSi) + ds_rows + kk * 2048, BLOCK_N * 128, 1024),
+                                                  make_smem_desc(opaque(sK) + k_cols + kk * 2048, BLOCK_N * 128, 1024),
+                                                  kk > 0);
+            wgmma_commit();
+            wgmma_rs_mnmajor<T, HEAD_DIM, Q_STEPS, BLOCK_M>(acc_dk, da, sQs);
+            wgmma_commit();
+            wgmma_wait<1>();  // dV and dQ are done; dK runs while dQ goes to shared memory
+            fence_regs(acc_dv);
+            fence_regs(dq);
+            // This thread's float4 j at (j * 128 + tw) * 16 bytes of this consumer's part.
+#pragma unroll
+            for (int j = 0; j < DQ_N / 8; ++j)
+                asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};"
+                             :: "r"(sdQ_wg + (j * 128 + tw) * 16), "f"(dq[4 * j]), "f"(dq[4 * j + 1]), "f"(dq[4 * j + 2]),
+                                "f"(dq[4 * j + 3]) : "memory");
+            fence_proxy_async();
+            named_barrier_sync(DQ_BAR + cw, 128);  // this consumer's part of dQ is in sdQ
+            if (tw == 0) {
+                // The block's coordinates again from an opaque iteration index (not held across the body).
+                const int oit = (int)opaque((u32)it);
+                const int ohq = h_kv * p.head_group + oit / m_iters, om0 = (m_begin + oit % m_iters) * BLOCK_M;
+                float* acc = p.dq_accum + (((i64)b * p.nheads + ohq) * p.seqlen_q_pad + om0) * HEAD_DIM + cw * 64 * DQ_N;
+                bulk_reduce_add_f32(acc, sdQ_wg, Tr::SDQ_BYTES / 2);
+                bulk_commit_group();
+            }
+            wgmma_wait<0>();
+            fence_regs(acc_dk);
+            if (lane == 0) mbar_arrive(empty(s));   // this warp is done with Q, dO, lse and delta of stage s
+        }
+        g_base += iters;
+        named_barrier_sync(DS_BAR, 256);   // both consumers' dQ products (which read all of sK) are done
+
+        // ---- epilogue: dV, dK = scale * dK, this warp's 16 keys, in the input dtype ----
         {
-            const int row0 = (int)opaque((u32)(key_row0 + g));
-            const u32 base = sdSi + 4 * t;
+            // Coordinates again from opaque copies (nothing derived from them is held across the loop).
+            const int tid = (int)opaque(threadIdx.x), lane = tid % 32, warp = tid / 32;
+            const int g = lane / 4, t = lane % 4;
+            const int key_row0 = (warp / 4 - 1) * 64 + (warp % 4) * 16;
+            const KeyBlock eblk = key_block_lpt<BLOCK_M, BLOCK_N, IS_CAUSAL>(opaque((u32)tile), p.num_blocks, p.nheads_kv,
+                                                                             p.batch, p.seqlen_q, p.seqlen_k);
+            const int n0 = eblk.n0, h_kv = eblk.h_kv, b = eblk.b;
 #pragma unroll
-            for (int kk = 0; kk < Q_STEPS; ++kk)
+            for (int dt = 0; dt < D_TILES; ++dt)
 #pragma unroll
-                for (int r = 0; r < 4; ++r)
-                    st_shared_u32(base + sw128_offset(row0 + (r % 2) * 8, 2 * kk + r / 2, BLOCK_N), da[kk][r]);
+                for (int r = 0; r < 2; ++r) {
+                    const int row = key_row0 + g + r * 8;
+                    const u32 off = sw128_offset(row, dt, BLOCK_N) + 4 * t;
+                    st_shared_u32(sV + off, Ops::pack(acc_dv[4 * dt + 2 * r], acc_dv[4 * dt + 2 * r + 1]));
+                    st_shared_u32(sK + off, Ops::pack(acc_dk[4 * dt + 2 * r] * p.scale, acc_dk[4 * dt + 2 * r + 1] * p.scale));
+                }
+            __syncwarp();
+            T* gdK = static_cast<T*>(p.dk) + b * p.dk_batch_stride + h_kv * p.dk_head_stride + (i64)n0 * p.dk_row_stride;
+            T* gdV = static_cast<T*>(p.dv) + b * p.dv_batch_stride + h_kv * p.dv_head_stride + (i64)n0 * p.dv_row_stride;
+#pragma unroll
+            for (int i = 0; i < 16 * D_TILES / 32; ++i) {
+                const int c = lane + i * 32;
+                const int row = key_row0 + c / D_TILES, chunk = c % D_TILES;
+                if (IS_EVEN || n0 + row < p.seqlen_k) {
+                    const u32 off = sw128_offset(row, chunk, BLOCK_N);
+                    *reinterpret_cast<uint4*>(gdK + row * p.dk_row_stride + chunk * 8) = ld_shared_u128(sK + off);
+                    *reinterpret_cast<uint4*>(gdV + row * p.dv_row_stride + chunk * 8) = ld_shared_u128(sV + off);
+                }
+            }
+            __syncwarp();
+            if (lane == 0) mbar_arrive(kv_empty);  // this warp's rows of sK / sV are read: the next K, V may land
         }
-
-        // ---- dV += P^T dO (group A); dQ[:, cols of cw] = dS K (B); dK += dS^T Q (C) ----
-        wgmma_fence();
-        wgmma_rs_mnmajor<T, HEAD_DIM, Q_STEPS, BLOCK_M>(acc_dv, pa, sdOs);
-        wgmma_commit();
-
-        fence_proxy_async();                     // dS^T stores before the async proxy (wgmma) reads them
-        if (tw == 0) bulk_wait_group_read<0>();  // the previous bulk reduction has read sdQ
-        named_barrier_sync(DS_BAR, 256);         // all of dS^T is in sdS[it % 2]; sdQ is free; dV runs meanwhile
-
-        float dq[DQ_N / 2];
-        // A = dS, the queries of this consumer's rows: sdS's one panel (by columns) or panel cw (by
-        // rows). B = K, columns [cw * DQ_N, ...) (a whole panel, or half of one: start 64 bytes in),
-        // or all of them (by rows).
-        const u32 ds_rows = Tr::DQ_BY_ROWS ? cw * BLOCK_N * 128 : 0;
-        const u32 k_cols = Tr::DQ_BY_ROWS ? 0 : (cw * DQ_N / 64) * BLOCK_N * 128 + (cw * DQ_N % 64) * 2;
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < N_STEPS; ++kk)
-            Wgmma<T, DQ_N>::template ss<1, 1>(dq, make_smem_desc(opaque(sdSi) + ds_rows + kk * 2048, BLOCK_N * 128, 1024),
-                                              make_smem_desc(opaque(sK) + k_cols + kk * 2048, BLOCK_N * 128, 1024),
-                                              kk > 0);
-        wgmma_commit();
-        wgmma_rs_mnmajor<T, HEAD_DIM, Q_STEPS, BLOCK_M>(acc_dk, da, sQs);
-        wgmma_commit();
-        wgmma_wait<1>();  // dV and dQ are done; dK runs while dQ goes to shared memory
-        fence_regs(acc_dv);
-        fence_regs(dq);
-        // This thread's float4 j at (j * 128 + tw) * 16 bytes of this consumer's part.
-#pragma unroll
-        for (int j = 0; j < DQ_N / 8; ++j)
-            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};"
-                         :: "r"(sdQ_wg + (j * 128 + tw) * 16), "f"(dq[4 * j]), "f"(dq[4 * j + 1]), "f"(dq[4 * j + 2]),
-                            "f"(dq[4 * j + 3]) : "memory");
-        fence_proxy_async();
-        named_barrier_sync(DQ_BAR + cw, 128);  // this consumer's part of dQ is in sdQ
-        if (tw == 0) {
-            // The block's coordinates again from an opaque iteration index (not held across the body).
-            const int oit = (int)opaque((u32)it);
-            const int ohq = h_kv * p.head_group + oit / m_iters, om0 = (m_begin + oit % m_iters) * BLOCK_M;
-            float* acc = p.dq_accum + (((i64)b * p.nheads + ohq) * p.seqlen_q_pad + om0) * HEAD_DIM + cw * 64 * DQ_N;
-            bulk_reduce_add_f32(acc, sdQ_wg, Tr::SDQ_BYTES / 2);
-            bulk_commit_group();
-        }
-        wgmma_wait<0>();
-        fence_regs(acc_dk);
-        if (lane == 0) mbar_arrive(empty(s));   // this warp is done with Q, dO, lse and delta of stage s
     }
     if (tw == 0) bulk_wait_group<0>();  // the reductions are done before the block retires
-    named_barrier_sync(DS_BAR, 256);   // both consumers' dQ products (which read all of sK) are done
-
-    // ---- epilogue: dV, dK = scale * dK, this warp's 16 keys, in the input dtype ----
-    {
-        // Coordinates again from opaque copies (nothing derived from them is held across the loop).
-        const int tid = (int)opaque(threadIdx.x), lane = tid % 32, warp = tid / 32;
-        const int g = lane / 4, t = lane % 4;
-        const int key_row0 = (warp / 4 - 1) * 64 + (warp % 4) * 16;
-        const KeyBlock eblk = key_block<BLOCK_M, BLOCK_N, IS_CAUSAL>(opaque(blockIdx.x), p.num_blocks, p.nheads_kv,
-                                                                     p.seqlen_q, p.seqlen_k);
-        const int n0 = eblk.n0, h_kv = eblk.h_kv, b = eblk.b;
-#pragma unroll
-        for (int dt = 0; dt < D_TILES; ++dt)
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const int row = key_row0 + g + r * 8;
-                const u32 off = sw128_offset(row, dt, BLOCK_N) + 4 * t;
-                st_shared_u32(sV + off, Ops::pack(acc_dv[4 * dt + 2 * r], acc_dv[4 * dt + 2 * r + 1]));
-                st_shared_u32(sK + off, Ops::pack(acc_dk[4 * dt + 2 * r] * p.scale, acc_dk[4 * dt + 2 * r + 1] * p.scale));
-            }
-        __syncwarp();
-        T* gdK = static_cast<T*>(p.dk) + b * p.dk_batch_stride + h_kv * p.dk_head_stride + (i64)n0 * p.dk_row_stride;
-        T* gdV = static_cast<T*>(p.dv) + b * p.dv_batch_stride + h_kv * p.dv_head_stride + (i64)n0 * p.dv_row_stride;
-#pragma unroll
-        for (int i = 0; i < 16 * D_TILES / 32; ++i) {
-            const int c = lane + i * 32;
-            const int row = key_row0 + c / D_TILES, chunk = c % D_TILES;
-            if (IS_EVEN || n0 + row < p.seqlen_k) {
-                const u32 off = sw128_offset(row, chunk, BLOCK_N);
-                *reinterpret_cast<uint4*>(gdK + row * p.dk_row_stride + chunk * 8) = ld_shared_u128(sK + off);
-                *reinterpret_cast<uint4*>(gdV + row * p.dv_row_stride + chunk * 8) = ld_shared_u128(sV + off);
-            }
-        }
-    }
 }
 
 }  // namespace cuflash

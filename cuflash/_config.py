@@ -90,6 +90,15 @@ def bwd_ws_stages(head_dim: int, block_m: int) -> int:
     return BWD_WS_STAGES
 
 
+def bwd_ws_persistent() -> bool:
+    """CUFLASH_BWD_WS_PERSISTENT=1: the warp-specialized backward on a persistent grid (one block per
+    SM walking the tiles, longest causal ones first; blocks.cuh key_block_lpt) instead of one block
+    per tile. Opt-in until measured."""
+    import os
+
+    return os.environ.get("CUFLASH_BWD_WS_PERSISTENT") == "1"
+
+
 def bwd_ws_mode() -> str:
     """'off', 'force' or 'auto'."""
     import os
@@ -104,7 +113,7 @@ def bwd_ws_smem_bytes(head_dim: int, stages: int = BWD_WS_STAGES, block_m: int =
     delta rows, the mbarriers and 1024 bytes of alignment slack."""
     m = block_m
     return (2 * 128 * head_dim * 2 + 2 * stages * m * head_dim * 2 + 2 * 128 * m * 2 + m * head_dim * 4
-            + stages * 2 * m * 4 + 8 * (1 + 2 * stages) + 1024)
+            + stages * 2 * m * 4 + 8 * (2 + 2 * stages) + 1024)
 
 
 def fwd_tma_mode() -> str:

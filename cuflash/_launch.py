@@ -872,7 +872,14 @@ def bwd_launches(dout: DeviceTensor, q: DeviceTensor, k: DeviceTensor, v: Device
     grids = [(pre, 0, _cdiv(rows_pad, 8), 256, 0)]
     n_blocks = _cdiv(seqlen_k, cfg.block_n)
     threads = 384 if dkdv.source == "flash_bwd_sm90_ws.cu" else cfg.warps * 32
-    grids.append((dkdv, smem, batch * nheads_kv * n_blocks, threads, n_blocks))
+    tiles = batch * nheads_kv * n_blocks
+    if dkdv.source == "flash_bwd_sm90_ws.cu" and _config.bwd_ws_persistent():
+        # One block per SM (its shared memory allows no second), each walking tiles blockIdx.x, +
+        # gridDim.x, ... in key_block_lpt's order.
+        from ._kvcache import _sm_count
+
+        tiles = min(tiles, _sm_count(device_id))
+    grids.append((dkdv, smem, tiles, threads, n_blocks))
     if not atomic:
         m_blocks = _cdiv(seqlen_q, qcfg.block_m)
         grids.append((last, last_smem, batch * nheads * m_blocks, qcfg.warps * 32, m_blocks))

@@ -6,7 +6,8 @@ inputs untouched) over both dtypes, head_dim 64 and 128, causal or not, lengths 
 multiples of the 64 x 128 tiles (rows past the tensors come as the maps' zeros), rows that see no
 key, query blocks that see no key block, GQA and MQA, strided layouts, with the default tiles
 (BLOCK_M 128 at head_dim 64, 64 at 128; 2 stages) and the tuning ones (CUFLASH_BWD_WS_BLOCK_M=64,
-CUFLASH_BWD_WS_STAGES=3). The launched kernel's name is
+CUFLASH_BWD_WS_STAGES=3), and on a persistent grid (CUFLASH_BWD_WS_PERSISTENT=1: blocks walk several
+tiles, so K / V reloads and the ring's phases cross tiles). The launched kernel's name is
 checked, so a fallback cannot pass for it; deterministic calls must not take it. Marked gpu;
 skipped below sm_90."""
 
@@ -31,20 +32,29 @@ CASES = [  # dtype, head_dim, causal, seqlen_q, seqlen_k, nheads, nheads_kv, lay
     ("bfloat16", 128, False, 2048, 64, 2, 2, "mixed"),  # many query blocks per key block
     ("bfloat16", 64, False, 2048, 2048, 2, 2, "bshd"),     # the stage ring wraps 16 times
 ]
+# More tiles (batch x kv heads x key blocks = 256) than an H100 has SMs: a persistent block walks
+# several. Run with the persistent grid only.
+MANY_TILES = [
+    ("float16", 128, True, 1024, 4096, 8, 4, "bshd"),
+    ("bfloat16", 64, False, 300, 8192, 4, 2, "bhsd"),
+]
 
 
-@pytest.mark.parametrize("dtype,head_dim,causal,seqlen_q,seqlen_k,nheads,nheads_kv,layout", CASES)
+@pytest.mark.parametrize("dtype,head_dim,causal,seqlen_q,seqlen_k,nheads,nheads_kv,layout", CASES + MANY_TILES)
 @pytest.mark.parametrize("det", [False, True])
-@pytest.mark.parametrize("stages,block_m", [("2", None), ("3", "64"), ("2", "64")])
+@pytest.mark.parametrize("stages,block_m,persistent", [("2", None, None), ("3", "64", None), ("2", "64", None),
+                                                       ("2", None, "1")])
 def test_ws_backward(monkeypatch, dtype, head_dim, causal, seqlen_q, seqlen_k, nheads, nheads_kv, layout, det, stages,
-                     block_m):
+                     block_m, persistent):
     import cuflash
     from cuflash import _plan
 
     if head_dim == 128 and block_m == "64" and stages == "2":
         pytest.skip("the default at head_dim 128")
+    if (dtype, head_dim, causal, seqlen_q, seqlen_k, nheads, nheads_kv, layout) in MANY_TILES and not persistent:
+        pytest.skip("the many-tile shapes check the persistent grid")
     names = record_tma_launches(monkeypatch, CUFLASH_BWD_WS="1", CUFLASH_BWD_WS_STAGES=stages,
-                                CUFLASH_BWD_WS_BLOCK_M=block_m)
+                                CUFLASH_BWD_WS_BLOCK_M=block_m, CUFLASH_BWD_WS_PERSISTENT=persistent)
     try:
         seed = fresh_seed()
         torch.manual_seed(seed)

@@ -517,6 +517,19 @@ def test_bwd_ws_wiring(dev, monkeypatch):
         for field, t, rows in (("map_q", q, m), ("map_do", dout, m), ("map_k", k, 128), ("map_v", v, 128)):
             strides = tuple(x // t.itemsize for x in t.strides)
             assert p[field].tobytes() == _tma.kv_map(addr(t), t.shape, strides, rows, "float16"), field
+    # A persistent grid (CUFLASH_BWD_WS_PERSISTENT=1): one block per SM (here 5) for 1 x 3 x 6 tiles.
+    from cuflash import _kvcache
+
+    monkeypatch.setattr(_kvcache, "_sm_count", lambda dev: 5)
+    monkeypatch.setenv("CUFLASH_BWD_WS_PERSISTENT", "1")
+    _plan.CACHE.clear()
+    q, k, v = arr(rng, (1, 64, 6, 128)), arr(rng, (1, 700, 3, 128)), arr(rng, (1, 700, 3, 128))
+    out, lse = cuflash.attention(q, k, v, return_lse=True)
+    n0 = len(launched)
+    cuflash.attention_backward(arr(rng, q.shape), q, k, v, out, lse)
+    ws = [L for L in launched[n0:] if L["name"].startswith("bwd90ws_")]
+    assert len(ws) == 1 and ws[0]["grid"] == 5 and int(ws[0]["p"]["num_blocks"]) == 6, ws
+    monkeypatch.delenv("CUFLASH_BWD_WS_PERSISTENT")
     monkeypatch.setenv("CUFLASH_BWD_WS", "0")
     _plan.CACHE.clear()
     q, k, v = arr(rng, (2, 70, 4, 128)), arr(rng, (2, 300, 2, 128)), arr(rng, (2, 300, 2, 128))
