@@ -38,6 +38,7 @@
 // the stage; every thread waits on the stage's phase (iteration it: parity (it / 2) % 2) before that
 // barrier, and on K and V's before the loop.
 #include "blocks.cuh"
+#include "bwd_sm90_steps.cuh"
 #include "bwd_tma_params.cuh"
 #include "common.cuh"
 #include "params.cuh"
@@ -105,7 +106,7 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ typename BwdSm90ParamsOf<TMA>
     using Tr = BwdSm90Traits<HEAD_DIM, BLOCK_M, BLOCK_N>;
     static_assert(!(TMA && FEAT), "the TMA variant serves plain calls (its maps know no sequence lengths)");
     using Ops = ElemOps<T>;
-    constexpr int THREADS = Tr::THREADS, D_TILES = HEAD_DIM / 8;
+    constexpr int THREADS = Tr::THREADS;
     constexpr int Q_STEPS = BLOCK_M / 16, N_STEPS = BLOCK_N / 16;
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -342,17 +343,7 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ typename BwdSm90ParamsOf<TMA>
         }
 
         if (ATOMIC_DQ) {
-            // dS^T into sdS (keys x queries): registers r = 0, 1 are chunk 2 kk, rows g, g + 8;
-            // r = 2, 3 chunk 2 kk + 1.
-            // Addresses from an opaque row index: otherwise all 4 * Q_STEPS of them are hoisted out
-            // of the loop and held in registers (which spilled at head_dim 128).
-            const int row0 = (int)opaque((u32)(key_row0 + g));
-            const u32 base = sdS + 4 * t;
-#pragma unroll
-            for (int kk = 0; kk < Q_STEPS; ++kk)
-#pragma unroll
-                for (int r = 0; r < 4; ++r)
-                    st_shared_u32(base + sw128_offset(row0 + (r % 2) * 8, 2 * kk + r / 2, BLOCK_N), da[kk][r]);
+            ds_to_smem<Q_STEPS, BLOCK_N>(sdS, key_row0 + g, t, da);  // dS^T into sdS (keys x queries)
         }
 
         // ---- dV += P^T dO, dK += dS^T Q ----
@@ -414,28 +405,12 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ typename BwdSm90ParamsOf<TMA>
             k_row0 = esi.k_row0;
             k_rows = esi.k_rows;
         }
-#pragma unroll
-        for (int dt = 0; dt < D_TILES; ++dt)
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const int row = key_row0 + g + r * 8;
-                const u32 off = sw128_offset(row, dt, BLOCK_N) + 4 * t;
-                st_shared_u32(sV + off, Ops::pack(acc_dv[4 * dt + 2 * r], acc_dv[4 * dt + 2 * r + 1]));
-                st_shared_u32(sK + off, Ops::pack(acc_dk[4 * dt + 2 * r] * p.scale, acc_dk[4 * dt + 2 * r + 1] * p.scale));
-            }
+        dkdv_rows_to_smem<Ops, HEAD_DIM, BLOCK_N>(sK, sV, acc_dk, acc_dv, p.scale, key_row0, g, t);
         __syncwarp();
         T* gdK = static_cast<T*>(p.dk) + b * p.dk_batch_stride + h_kv * p.dk_head_stride + row_offset<FEAT>(k_row0, n0) * p.dk_row_stride;
         T* gdV = static_cast<T*>(p.dv) + b * p.dv_batch_stride + h_kv * p.dv_head_stride + row_offset<FEAT>(k_row0, n0) * p.dv_row_stride;
-#pragma unroll
-        for (int i = 0; i < 16 * D_TILES / 32; ++i) {
-            const int c = lane + i * 32;
-            const int row = key_row0 + c / D_TILES, chunk = c % D_TILES;
-            if (IS_EVEN || n0 + row < k_rows) {
-                const u32 off = sw128_offset(row, chunk, BLOCK_N);
-                *reinterpret_cast<uint4*>(gdK + row * p.dk_row_stride + chunk * 8) = ld_shared_u128(sK + off);
-                *reinterpret_cast<uint4*>(gdV + row * p.dv_row_stride + chunk * 8) = ld_shared_u128(sV + off);
-            }
-        }
+        dkdv_rows_to_global<T, HEAD_DIM, BLOCK_N, IS_EVEN>(gdK, gdV, p.dk_row_stride, p.dv_row_stride, sK, sV, key_row0,
+                                                           lane, n0, k_rows);
     }
 }
 

@@ -66,6 +66,7 @@
 //
 // Grid: 1-D, one block per tile, or (persistent) one per SM.
 #include "blocks.cuh"
+#include "bwd_sm90_steps.cuh"
 #include "bwd_tma_params.cuh"
 #include "common.cuh"
 #include "params.cuh"
@@ -108,7 +109,7 @@ flash_bwd_sm90_ws_kernel(const __grid_constant__ BwdTmaParams p) {
     using Tr = BwdWsTraits<HEAD_DIM, BLOCK_M, STAGES>;
     using Ops = ElemOps<T>;
     constexpr int BLOCK_N = Tr::BLOCK_N, DQ_N = Tr::DQ_N;
-    constexpr int D_TILES = HEAD_DIM / 8, Q_STEPS = BLOCK_M / 16, N_STEPS = BLOCK_N / 16;
+    constexpr int Q_STEPS = BLOCK_M / 16, N_STEPS = BLOCK_N / 16;
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const u32 raw_addr = smem_addr(smem_raw);
@@ -307,16 +308,7 @@ flash_bwd_sm90_ws_kernel(const __grid_constant__ BwdTmaParams p) {
                 da[kk][r + 1] = Ops::pack(dp[4 * j + 2], dp[4 * j + 3]);
             }
 
-            // ---- dS^T into sdS[it % 2] (keys x queries) ----
-            {
-                const int row0 = (int)opaque((u32)(key_row0 + g));
-                const u32 base = sdSi + 4 * t;
-#pragma unroll
-                for (int kk = 0; kk < Q_STEPS; ++kk)
-#pragma unroll
-                    for (int r = 0; r < 4; ++r)
-                        st_shared_u32(base + sw128_offset(row0 + (r % 2) * 8, 2 * kk + r / 2, BLOCK_N), da[kk][r]);
-            }
+            ds_to_smem<Q_STEPS, BLOCK_N>(sdSi, key_row0 + g, t, da);  // dS^T into sdS[it % 2] (keys x queries)
 
             // ---- dV += P^T dO (group A); dQ[:, cols of cw] = dS K (B); dK += dS^T Q (C) ----
             wgmma_fence();
@@ -377,28 +369,12 @@ flash_bwd_sm90_ws_kernel(const __grid_constant__ BwdTmaParams p) {
             const KeyBlock eblk = key_block_lpt<BLOCK_M, BLOCK_N, IS_CAUSAL>(opaque((u32)tile), p.num_blocks, p.nheads_kv,
                                                                              p.batch, p.seqlen_q, p.seqlen_k);
             const int n0 = eblk.n0, h_kv = eblk.h_kv, b = eblk.b;
-#pragma unroll
-            for (int dt = 0; dt < D_TILES; ++dt)
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const int row = key_row0 + g + r * 8;
-                    const u32 off = sw128_offset(row, dt, BLOCK_N) + 4 * t;
-                    st_shared_u32(sV + off, Ops::pack(acc_dv[4 * dt + 2 * r], acc_dv[4 * dt + 2 * r + 1]));
-                    st_shared_u32(sK + off, Ops::pack(acc_dk[4 * dt + 2 * r] * p.scale, acc_dk[4 * dt + 2 * r + 1] * p.scale));
-                }
+            dkdv_rows_to_smem<Ops, HEAD_DIM, BLOCK_N>(sK, sV, acc_dk, acc_dv, p.scale, key_row0, g, t);
             __syncwarp();
             T* gdK = static_cast<T*>(p.dk) + b * p.dk_batch_stride + h_kv * p.dk_head_stride + (i64)n0 * p.dk_row_stride;
             T* gdV = static_cast<T*>(p.dv) + b * p.dv_batch_stride + h_kv * p.dv_head_stride + (i64)n0 * p.dv_row_stride;
-#pragma unroll
-            for (int i = 0; i < 16 * D_TILES / 32; ++i) {
-                const int c = lane + i * 32;
-                const int row = key_row0 + c / D_TILES, chunk = c % D_TILES;
-                if (IS_EVEN || n0 + row < p.seqlen_k) {
-                    const u32 off = sw128_offset(row, chunk, BLOCK_N);
-                    *reinterpret_cast<uint4*>(gdK + row * p.dk_row_stride + chunk * 8) = ld_shared_u128(sK + off);
-                    *reinterpret_cast<uint4*>(gdV + row * p.dv_row_stride + chunk * 8) = ld_shared_u128(sV + off);
-                }
-            }
+            dkdv_rows_to_global<T, HEAD_DIM, BLOCK_N, IS_EVEN>(gdK, gdV, p.dk_row_stride, p.dv_row_stride, sK, sV,
+                                                               key_row0, lane, n0, p.seqlen_k);
             __syncwarp();
             if (lane == 0) mbar_arrive(kv_empty);  // this warp's rows of sK / sV are read: the next K, V may land
         }
