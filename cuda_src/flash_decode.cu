@@ -28,7 +28,11 @@
 // numbered 0..n-1 ("virtual" keys) and cut into num_splits contiguous chunks of whole BN-key
 // tiles; block (.., split) walks its chunk. With num_splits = 1 it writes o and lse directly;
 // otherwise o_part / lse_part, and decode_combine_kernel merges the splits with their
-// log-sum-exp (and the sink logit), one block per output row.
+// log-sum-exp (and the sink logit), one block per output row. With split_counters (the fused
+// combine, CUFLASH_DECODE_FUSED_COMBINE=1) there is no second kernel: each split block, after its
+// partials, counts itself on its row tile's counter (__threadfence first); the block that counts
+// last merges the tile's rows with the same combine_row and sets the counter back to 0. The
+// counters are zero before the first call (the host clears them once) and after every call.
 //
 // Inside a block. 4 warps split each BN = 64-key tile: warp w takes keys [16w, 16w + 16), keeps
 // its own online softmax (m, l) and O accumulator for all 16 rows, and never waits for the others
@@ -58,6 +62,8 @@ struct DecodeParams {
     const int* block_table;     // (batch, table_stride) or null: a contiguous cache
     const void* k_new;          // append kernel only
     const void* v_new;
+    int* split_counters;        // null, or (batch * nheads_kv * num_row_tiles) ints, zero between calls:
+                                // the last split block of each row tile combines the splits itself
 
     i64 q_batch_stride, q_row_stride, q_head_stride;
     i64 k_batch_stride, k_row_stride, k_head_stride;
@@ -125,6 +131,75 @@ __device__ __forceinline__ i64 cache_offset(const DecodeParams& p, i64 batch_str
 __device__ __forceinline__ int decode_cache_row(const DecodeParams& p, int b) {
     if (p.page_size != 0) return 0;
     return p.cache_batch_idx != nullptr ? min(max(p.cache_batch_idx[b], 0), p.cache_rows - 1) : b;
+}
+
+template <int HEAD_DIM>
+struct CombineSmem {
+    static constexpr int CP = HEAD_DIM / 2;   // column pairs
+    static constexpr int P = 128 / CP;        // phases over the splits
+    float w[128];
+    float red[4];
+    float2 acc[P][CP];
+};
+
+// One output row's combine by the 128 threads of a block (sm: the block's shared scratch).
+template <typename T, int HEAD_DIM>
+__device__ __forceinline__ void combine_row(const DecodeParams& p, i64 row, CombineSmem<HEAD_DIM>& sm) {
+    constexpr int CP = CombineSmem<HEAD_DIM>::CP, P = CombineSmem<HEAD_DIM>::P;
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const i64 total = (i64)p.batch * p.nheads * p.seqlen_q;
+    const int qi = (int)(row % p.seqlen_q);
+    const int head = (int)((row / p.seqlen_q) % p.nheads);
+    const int b = (int)(row / ((i64)p.seqlen_q * p.nheads));
+    const int S = p.num_splits;
+    const float sk2 = p.mask.sink_logits != nullptr ? p.mask.sink_logits[head] * CUFLASH_LOG2E : -CUFLASH_INF;
+
+    const float l2 = tid < S ? p.lse_part[tid * total + row] : -CUFLASH_INF;
+    float mx = l2;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    if (lane == 0) sm.red[warp] = mx;
+    __syncthreads();
+    mx = fmaxf(fmaxf(fmaxf(sm.red[0], sm.red[1]), fmaxf(sm.red[2], sm.red[3])), sk2);
+    const float base = exp_base(mx);
+    const float w = fast_exp2(l2 - base);  // 0 for splits that saw no key (and past num_splits)
+    float sum = w;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    __syncthreads();  // every thread has read red's maxima
+    if (lane == 0) sm.red[warp] = sum;
+    __syncthreads();
+    const float lt = ((sm.red[0] + sm.red[1]) + (sm.red[2] + sm.red[3])) + fast_exp2(sk2 - base);
+    const bool empty = lt == 0.f;
+    const float inv = empty ? 0.f : 1.f / lt;
+    sm.w[tid] = w * inv;
+    __syncthreads();
+
+    const int c = tid % CP, ph = tid / CP;
+    if (ph < P) {
+        float2 acc = make_float2(0.f, 0.f);
+        const float* src = p.o_part + row * HEAD_DIM + 2 * c;
+#pragma unroll 4
+        for (int s = ph; s < S; s += P) {
+            const float2 v = *reinterpret_cast<const float2*>(src + (i64)s * total * HEAD_DIM);
+            acc.x += sm.w[s] * v.x;
+            acc.y += sm.w[s] * v.y;
+        }
+        sm.acc[ph][c] = acc;
+    }
+    __syncthreads();
+    if (tid < CP) {
+        float2 acc = sm.acc[0][tid];
+#pragma unroll
+        for (int q = 1; q < P; ++q) {
+            acc.x += sm.acc[q][tid].x;
+            acc.y += sm.acc[q][tid].y;
+        }
+        T* gO = static_cast<T*>(p.o) + b * p.o_batch_stride + qi * p.o_row_stride + head * p.o_head_stride;
+        *reinterpret_cast<u32*>(gO + 2 * tid) = ElemOps<T>::pack(acc.x, acc.y);
+    }
+    if (tid == 0 && p.lse != nullptr) p.lse[row] = empty ? -CUFLASH_INF : (base + fast_log2(lt)) * 0.6931471805599453f;
+    __syncthreads();  // sm is free for the next row
 }
 
 template <typename T, int HEAD_DIM, int STAGES>
@@ -414,6 +489,25 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
             if (col == 0) p.lse_part[part] = empty ? -CUFLASH_INF : mx + fast_log2(l);
         }
     }
+
+    // ---- the fused combine (split_counters given): the last of this row tile's splits merges them ----
+    // (Not at head_dim 8, where ptxas spilled the inlined combine on sm_90a; the host never asks.)
+    if (HEAD_DIM >= 16 && p.num_splits > 1 && p.split_counters != nullptr) {
+        __shared__ int s_last;
+        __threadfence();  // this block's o_part / lse_part are visible device-wide before it is counted
+        __syncthreads();
+        if (tid == 0) s_last = atomicAdd(p.split_counters + rest, 1) == p.num_splits - 1;
+        __syncthreads();
+        if (!s_last) return;
+        __threadfence();  // the other splits' partials, counted before this block's, are visible
+        // The pipeline's shared memory is free: the combine's scratch goes where the K tiles were.
+        CombineSmem<HEAD_DIM>& sm = *reinterpret_cast<CombineSmem<HEAD_DIM>*>(sK);
+        for (int r = r0; r < r_end; ++r) {
+            const int qi = r / G, head = h_kv * G + r % G;
+            combine_row<T, HEAD_DIM>(p, ((i64)b * p.nheads + head) * p.seqlen_q + qi, sm);
+        }
+        if (tid == 0) p.split_counters[rest] = 0;  // zero again for the next call
+    }
 }
 
 // The splits of each output row merged: lse = log(sum_s exp(lse_s) + exp(sink)), out = sum_s
@@ -425,65 +519,8 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
 template <typename T, int HEAD_DIM>
 __global__ void __launch_bounds__(128)
 decode_combine_kernel(const __grid_constant__ DecodeParams p) {
-    constexpr int CP = HEAD_DIM / 2;   // column pairs
-    constexpr int P = 128 / CP;        // phases over the splits
-    __shared__ float s_w[128];
-    __shared__ float s_red[4];
-    __shared__ float2 s_acc[P][CP];
-    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-    const i64 total = (i64)p.batch * p.nheads * p.seqlen_q;
-    const i64 row = blockIdx.x;
-    const int qi = (int)(row % p.seqlen_q);
-    const int head = (int)((row / p.seqlen_q) % p.nheads);
-    const int b = (int)(row / ((i64)p.seqlen_q * p.nheads));
-    const int S = p.num_splits;
-    const float sk2 = p.mask.sink_logits != nullptr ? p.mask.sink_logits[head] * CUFLASH_LOG2E : -CUFLASH_INF;
-
-    const float l2 = tid < S ? p.lse_part[tid * total + row] : -CUFLASH_INF;
-    float mx = l2;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-    if (lane == 0) s_red[warp] = mx;
-    __syncthreads();
-    mx = fmaxf(fmaxf(fmaxf(s_red[0], s_red[1]), fmaxf(s_red[2], s_red[3])), sk2);
-    const float base = exp_base(mx);
-    const float w = fast_exp2(l2 - base);  // 0 for splits that saw no key (and past num_splits)
-    float sum = w;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    __syncthreads();  // every thread has read s_red's maxima
-    if (lane == 0) s_red[warp] = sum;
-    __syncthreads();
-    const float lt = ((s_red[0] + s_red[1]) + (s_red[2] + s_red[3])) + fast_exp2(sk2 - base);
-    const bool empty = lt == 0.f;
-    const float inv = empty ? 0.f : 1.f / lt;
-    s_w[tid] = w * inv;
-    __syncthreads();
-
-    const int c = tid % CP, ph = tid / CP;
-    if (ph < P) {
-        float2 acc = make_float2(0.f, 0.f);
-        const float* src = p.o_part + row * HEAD_DIM + 2 * c;
-#pragma unroll 4
-        for (int s = ph; s < S; s += P) {
-            const float2 v = *reinterpret_cast<const float2*>(src + (i64)s * total * HEAD_DIM);
-            acc.x += s_w[s] * v.x;
-            acc.y += s_w[s] * v.y;
-        }
-        s_acc[ph][c] = acc;
-    }
-    __syncthreads();
-    if (tid < CP) {
-        float2 acc = s_acc[0][tid];
-#pragma unroll
-        for (int q = 1; q < P; ++q) {
-            acc.x += s_acc[q][tid].x;
-            acc.y += s_acc[q][tid].y;
-        }
-        T* gO = static_cast<T*>(p.o) + b * p.o_batch_stride + qi * p.o_row_stride + head * p.o_head_stride;
-        *reinterpret_cast<u32*>(gO + 2 * tid) = ElemOps<T>::pack(acc.x, acc.y);
-    }
-    if (tid == 0 && p.lse != nullptr) p.lse[row] = empty ? -CUFLASH_INF : (base + fast_log2(lt)) * 0.6931471805599453f;
+    __shared__ CombineSmem<HEAD_DIM> sm;
+    combine_row<T, HEAD_DIM>(p, (i64)blockIdx.x, sm);
 }
 
 // The new tokens written into the caches: k_new[b, i] at entry b's position cache_seqlens[b] + i

@@ -494,6 +494,16 @@ def decode_stages(target: str, head_dim: int) -> int | None:
     return None
 
 
+def decode_fused_combine() -> bool:
+    """CUFLASH_DECODE_FUSED_COMBINE=1: split decodes merge their splits inside the decode kernel (the
+    last split block of each row tile; cuda_src/flash_decode.cu) instead of a second kernel, and, a
+    split then costing no extra launch, eager calls choose their split count by GPU time too
+    (decode_num_splits host_bound_rule=False). Opt-in until a GPU has run and measured it."""
+    import os
+
+    return os.environ.get("CUFLASH_DECODE_FUSED_COMBINE") == "1"
+
+
 def decode_num_splits(blocks: int, keys: int, sm_count: int, blocks_per_sm: int, max_splits: int = 64,
                       host_bound_rule: bool = True) -> int:
     """How many chunks the keys of each (entry, kv head, row tile) are split into (flash-decoding).

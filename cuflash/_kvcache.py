@@ -489,6 +489,7 @@ def _sm_count(device_id: int) -> int:
 
 # Pointer slots of a decode plan's launches.
 _D_Q, _D_KC, _D_VC, _D_OUT, _D_LSE, _D_SCRATCH, _D_SEQLENS, _D_BIDX, _D_TABLE, _D_K, _D_V, _D_ALIBI, _D_SINK = range(13)
+_D_COUNTERS = 13  # the fused combine's counters: the plan's own buffer, not an array of the call
 _D_ARRAYS = ("q", "k_cache", "v_cache", "out", "lse", "scratch", "cache_seqlens", "cache_batch_idx", "block_table",
              "k", "v", "alibi_slopes", "sink_logits")
 
@@ -541,12 +542,16 @@ class DecodePlan:
         f = c.feats
         keys = c.capacity if f.window_left < 0 else min(c.capacity, f.window_left + sq + max(f.window_right, 0)
                                                          + f.num_sink_tokens)
+        self.fused = _config.decode_fused_combine() and d >= 16  # (flash_decode.cu: not at head_dim 8)
+        self.counter_count = blocks
+        self.counters = {}  # stream -> the fused combine's counters (cupy memory, zeroed once)
         if num_splits == 0:
             # Two blocks per SM: one alone keeps too few bytes in flight to draw the SM's share of
             # the memory bandwidth (measured: 48 % of the copy bandwidth at 1 block per SM). An eager
             # call and one captured in a CUDA graph may get different counts (decode_num_splits'
-            # host_bound_rule): run() picks by the stream's capture state.
-            num_splits = _config.decode_num_splits(blocks, keys, _sm_count(dev), 2)
+            # host_bound_rule): run() picks by the stream's capture state. With the fused combine a
+            # split costs an eager call no extra launch, and GPU time decides there too.
+            num_splits = _config.decode_num_splits(blocks, keys, _sm_count(dev), 2, host_bound_rule=not self.fused)
             graph_splits = _config.decode_num_splits(blocks, keys, _sm_count(dev), 2, host_bound_rule=False)
         else:
             graph_splits = num_splits
@@ -577,21 +582,26 @@ class DecodePlan:
                                     ("alibi_slopes", alibi is not None),
                                     ("sink_logits", infos.get("sink_logits") is not None)) if on)
         self.used = frozenset(used)
-        self.zero_ptrs = [0] * len(_D_ARRAYS)
+        self.zero_ptrs = [0] * (len(_D_ARRAYS) + 1)  # + the counters' slot
         self.input_slots = tuple((i, n) for i, n in enumerate(_D_ARRAYS)
                                  if n in used and n not in ("out", "lse", "scratch"))
 
         def variant(splits):
-            """(num_splits, scratch floats, launches) of one split count."""
+            """(num_splits, scratch floats, launches, launches with the fused combine or None) of one
+            split count."""
             out_t = DeviceTensor(Slot(_D_OUT), self.out_shape, contiguous_strides(self.out_shape))
-            return (splits, _launch.decode_scratch_floats(b, h, sq, d, splits),
-                    _launch.decode_launches(tensor("q", _D_Q), tensor("k_cache", _D_KC), tensor("v_cache", _D_VC),
-                                            out_t, dataclasses.replace(args0, num_splits=splits), c.dtype, c.scale,
-                                            mask, dev, cc))
+
+            def launches(counters):
+                return _launch.decode_launches(tensor("q", _D_Q), tensor("k_cache", _D_KC), tensor("v_cache", _D_VC),
+                                               out_t, dataclasses.replace(args0, num_splits=splits,
+                                                                          split_counters=counters),
+                                               c.dtype, c.scale, mask, dev, cc)
+            fused = launches(Slot(_D_COUNTERS)) if self.fused and splits > 1 else None
+            return splits, _launch.decode_scratch_floats(b, h, sq, d, splits), launches(0), fused
 
         self.eager = variant(num_splits)
         self.graph = self.eager if graph_splits == num_splits else variant(graph_splits)
-        self.num_splits, self.scratch_floats, self.launches = self.eager  # the eager variant's
+        self.num_splits, self.scratch_floats, self.launches = self.eager[:3]  # the eager variant's
 
     def run_call(self, names: dict):
         """One call: the checks that depend on the arrays' values or identity (a torch cache that
@@ -634,9 +644,14 @@ class DecodePlan:
             lse = ad.empty(self.lse_shape, "float32", dev)
             ptrs[_D_LSE] = ad.ptr(lse, keep)
         stream = ad.stream(dev)
-        splits, scratch_floats, launches = self.eager
+        splits, scratch_floats, launches, fused = self.eager
         if self.graph is not self.eager and stream_capturing(stream):
-            splits, scratch_floats, launches = self.graph
+            splits, scratch_floats, launches, fused = self.graph
+        if fused is not None:
+            counters = self._counters(stream)
+            if counters:  # (none yet while a capture is running: the combine kernel then)
+                launches = fused
+                ptrs[_D_COUNTERS] = counters
         if scratch_floats:
             scratch = ad.empty((scratch_floats,), "float32", dev)
             ptrs[_D_SCRATCH] = ad.ptr(scratch, keep)
@@ -644,6 +659,25 @@ class DecodePlan:
             ptrs[i] = ad.ptr(arrays[n], keep)
         run_launches(self, stream, ptrs, launches, lambda: self._what(splits))
         return ad.export(out), (None if lse is None else ad.export(lse))
+
+
+    def _counters(self, stream: int) -> int:
+        """The fused combine's counters for this stream (one int per row tile, zero between calls:
+        the last block of a tile sets its counter back), made and cleared on the stream at its first
+        use; 0 while the stream is capturing a graph and has none yet (no allocation then). Per
+        stream, so that calls on two streams at once never share one."""
+        mem = self.counters.get(stream)
+        if mem is None:
+            if stream_capturing(stream):
+                return 0
+            import cupy
+
+            nbytes = 4 * self.counter_count
+            with cupy.cuda.Device(self.device_id):
+                mem = cupy.cuda.memory.alloc(nbytes)
+                cupy.cuda.runtime.memsetAsync(mem.ptr, 0, nbytes, stream)
+            self.counters[stream] = mem
+        return mem.ptr
 
 
 _DECODE_PLANS: dict = {}

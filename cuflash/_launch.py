@@ -98,7 +98,7 @@ _TAIL_CHECKS_PARAMS = _compile.params_layout_checks("cuflash", "TailParams", TAI
 # Mirror of cuflash::DecodeParams (cuda_src/flash_decode.cu).
 DECODE_PARAMS = np.dtype(
     [(n, np.uint64) for n in ("q", "k", "v", "o", "lse", "o_part", "lse_part", "cache_seqlens", "cache_batch_idx",
-                              "block_table", "k_new", "v_new")]
+                              "block_table", "k_new", "v_new", "split_counters")]
     + [(f"{t}_{s}_stride", np.int64) for t in ("q", "k", "v", "o", "kn", "vn") for s in ("batch", "row", "head")]
     + [("table_stride", np.int64)]
     + [(n, np.int32) for n in ("batch", "nheads", "nheads_kv", "head_group", "seqlen_q", "cache_rows", "capacity",
@@ -977,6 +977,7 @@ class DecodeArgs:
     page_size: int                 # 0: contiguous
     fixed_seqlen: int
     num_splits: int
+    split_counters: "int | Slot" = 0  # the fused combine's counters (cuda_src/flash_decode.cu); 0: a combine kernel
 
 
 def decode_scratch_floats(batch: int, nheads: int, seqlen_q: int, head_dim: int, num_splits: int) -> int:
@@ -1015,6 +1016,7 @@ def decode_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: Device
     ptrs["lse"] = a.lse
     ptrs["cache_seqlens"], ptrs["cache_batch_idx"], ptrs["block_table"] = (a.cache_seqlens, a.cache_batch_idx,
                                                                            a.block_table)
+    ptrs["split_counters"] = a.split_counters if a.num_splits > 1 else 0
     if a.num_splits > 1:
         ptrs["o_part"] = a.scratch
         ptrs["lse_part"] = a.scratch + 4 * a.num_splits * batch * nheads * seqlen_q * head_dim
@@ -1039,7 +1041,7 @@ def decode_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: Device
     spec, smem = decode_specialization(dtype, head_dim, stages)
     fn = _compile.get_function(spec, target, device_id, smem)
     launches.append(Launch(spec.name, fn.ptr, grid, 128, smem, p, ptrs, device_id))
-    if a.num_splits > 1:
+    if a.num_splits > 1 and not a.split_counters:  # (fused: the decode kernel's last split block combines)
         spec = decode_combine_specialization(dtype, head_dim)
         fn = _compile.get_function(spec, target, device_id, 0)
         launches.append(Launch(spec.name, fn.ptr, batch * nheads * seqlen_q, 128, 0, p, ptrs, device_id))

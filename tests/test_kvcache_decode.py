@@ -194,3 +194,33 @@ def test_split_heuristic():
                                  (32, 8192): 8, (256, 8192): 1, (256, 512): 1}.items():
         assert decode_num_splits(blocks, keys, 132, 2) == want, (blocks, keys)
     assert decode_num_splits(64, 512, 132, 2, host_bound_rule=False) == 4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout,splits,sq,gqa,opts", [("paged64", 2, 2, 4, {}), ("contig", 7, 1, 8, {}),
+                                                      ("contig_idx", 40, 3, 2, {}), ("paged16", 128, 1, 1, {}),
+                                                      ("contig", 5, 1, 4, {"sinklogit": True}),
+                                                      ("contig", 0, 1, 8, {})])
+def test_fused_combine(monkeypatch, layout, splits, sq, gqa, opts):
+    """CUFLASH_DECODE_FUSED_COMBINE=1 (cuda_src/flash_decode.cu's fused combine): the last split block of
+    each row tile merges the splits, through per-stream counters that go back to zero, so that
+    calls in a row (the same plan, the same counters) keep matching the reference: forced split
+    counts (also more splits than key tiles, and rows with no key), several row tiles, GQA, a sink
+    logit, the heuristic's count (splits 0). torch CUDA."""
+    from cuflash import _kvcache
+
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device")
+    monkeypatch.setenv("CUFLASH_DECODE_FUSED_COMBINE", "1")
+    monkeypatch.setattr(_kvcache, "_DECODE_PLANS", {})
+    monkeypatch.setattr(_kvcache, "_FAST_PLANS", {})
+    seed = _new_seed()
+    for call in range(3):
+        rng = np.random.default_rng([seed, call])
+        case = make_case(rng, dtype=FP16, batch=3, seqlen_q=sq, nheads=4 * gqa, nheads_kv=4, head_dim=128,
+                         layout=layout, capacity=700, seqlen_new=1)
+        kw = _features(rng, "sinklogit", 3, 4 * gqa)[0] if opts.get("sinklogit") else {}
+        _check(case, "cuda", True, kw, _ctx(seed, call=call, layout=layout, splits=splits), num_splits=splits)
+    plans = list(_kvcache._DECODE_PLANS.values())
+    assert plans and all(pl.fused for pl in plans), [pl.fused for pl in plans]
+    assert splits == 1 or any(pl.counters for pl in plans), "the fused path made its counters"

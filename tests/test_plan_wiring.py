@@ -976,6 +976,33 @@ def test_kvcache_decode_wiring(dev, monkeypatch, layout, splits):
     assert launched[1]["grid"] == b * hkv * 1 * splits and launched[1]["threads"] == 128
 
 
+@pytest.mark.parametrize("counters", [0xABC000, 0])
+def test_kvcache_fused_combine_wiring(dev, monkeypatch, counters):
+    """CUFLASH_DECODE_FUSED_COMBINE=1: a split decode launches no combine kernel; the decode kernel's
+    Params carry the plan's counters for the stream (DecodePlan._counters). Without counters (a graph
+    capture that met none yet: 0) the call keeps the combine kernel and passes no counters."""
+    from cuflash import _kvcache
+
+    monkeypatch.setattr(_kvcache, "_sm_count", lambda device_id: 132)
+    monkeypatch.setattr(_kvcache.DecodePlan, "_counters", lambda self, stream: counters)
+    monkeypatch.setattr(_kvcache, "_DECODE_PLANS", {})  # plans made here read the setting below
+    monkeypatch.setattr(_kvcache, "_FAST_PLANS", {})
+    monkeypatch.setenv("CUFLASH_DECODE_FUSED_COMBINE", "1")
+    ad, launched = dev
+    rng = np.random.default_rng()
+    b, h, hkv, d = 3, 8, 2, 64
+    q = arr(rng, (b, 1, h, d))
+    k_cache, v_cache = arr(rng, (b, 100, hkv, d)), arr(rng, (b, 100, hkv, d))
+    seqlens = np.array([3, 0, 50], np.int32).view(Dev)
+    for splits in (5, 1):
+        n0 = len(launched)
+        cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, num_splits=splits)
+        names = [L["name"] for L in launched[n0:]]
+        fused = splits > 1 and counters != 0
+        assert names == ["decode_f16_d64_s4"] + (["decode_combine_f16_d64"] if splits > 1 and not fused else []), names
+        assert int(launched[n0]["p"]["split_counters"]) == (counters if fused else 0)
+
+
 def test_kvcache_repeat_call_takes_the_fast_path(dev, monkeypatch):
     """A repeated signature skips describe_kvcache (its plan is found by the signature) and patches the new
     call's own pointers; a bad value of a scalar (a new signature) still gets its error."""
