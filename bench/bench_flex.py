@@ -89,6 +89,17 @@ def run(torch, cuflash, args, log=print, device="cuda", shape=(BATCH, NHEADS, HE
     batch, nheads, head_dim = shape
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     flex = torch.compile(flex_attention, dynamic=False) if compile_flex else flex_attention
+    if compile_flex:
+        # Each variant and shape is a recompile of the one compiled flex_attention; past Dynamo's
+        # limit (8) it would fall back to the unfused eager path (which materializes the scores) and
+        # be timed as Flex. Raise the limit, and make hitting it an error rather than a fallback.
+        cfg = torch._dynamo.config
+        for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
+                     "accumulated_cache_size_limit"):
+            if hasattr(cfg, name):
+                setattr(cfg, name, max(getattr(cfg, name), 256))
+        if hasattr(cfg, "fail_on_recompile_limit_hit"):
+            cfg.fail_on_recompile_limit_hit = True
     rows, checks = [], []
     dt = torch.bfloat16
     grad = "fwdbwd" in passes  # inputs require grad, as in training (the forward pass too)

@@ -60,15 +60,22 @@ __device__ __forceinline__ KeyBlock key_block(unsigned block, int num_n_blocks, 
     return r;
 }
 
-// The warp-specialized backward's tile order (flash_bwd_sm90_ws.cu): tile t is key block t / BH of
-// (batch, kv head) t % BH, BH = batch * nheads_kv. All (batch, head)s' first key blocks come first:
-// under causal masking they are the longest (every query block sees them), so a persistent grid,
-// which takes tiles t = blockIdx.x, + gridDim.x, ..., starts the longest work first.
+// The warp-specialized backward's tile order (flash_bwd_sm90_ws.cu). The BH = batch * nheads_kv
+// (batch, kv head)s are taken in groups of `group` (the last group may be smaller); inside a group,
+// tile t is key block t / heads of (batch, kv head) first + t % heads. So the blocks running at one
+// time share the Q and dO of a few heads (the host picks group * num_n_blocks near the SM count: their
+// Q and dO stay in L2, read from memory once), and within a group every head's first key block comes
+// first: under causal masking the longest (every query block sees it), so a persistent grid, which
+// takes tiles t = blockIdx.x, + gridDim.x, ..., starts the longest work of each group first.
 template <int BLOCK_M, int BLOCK_N, bool IS_CAUSAL>
-__device__ __forceinline__ KeyBlock key_block_lpt(unsigned tile, int num_n_blocks, int nheads_kv, int batch, int sq,
-                                                  int sk) {
+__device__ __forceinline__ KeyBlock key_block_grouped(unsigned tile, int num_n_blocks, int nheads_kv, int batch,
+                                                      int group, int sq, int sk) {
     const unsigned bh_count = (unsigned)batch * (unsigned)nheads_kv;
-    const unsigned block = (tile % bh_count) * (unsigned)num_n_blocks + tile / bh_count;
+    const unsigned per_group = (unsigned)group * (unsigned)num_n_blocks;
+    const unsigned gi = tile / per_group, first = gi * (unsigned)group;
+    const unsigned heads = min((unsigned)group, bh_count - first);
+    const unsigned within = tile - gi * per_group;
+    const unsigned block = (first + within % heads) * (unsigned)num_n_blocks + within / heads;
     return key_block<BLOCK_M, BLOCK_N, IS_CAUSAL>(block, num_n_blocks, nheads_kv, sq, sk);
 }
 

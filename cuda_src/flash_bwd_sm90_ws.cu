@@ -25,9 +25,10 @@
 //             (The producer's other warps exit at once.)
 //   consumers (warpgroups 1, 2; setmaxnreg.inc 240).
 //
-// Tiles: a tile is one key block of one (batch, kv head), in blocks.cuh key_block_lpt's order (the
-// longest causal ones first). Block b takes tiles b, b + gridDim.x, ...: one tile with a grid of one
-// block per tile, several on a persistent grid of one block per SM (CUFLASH_BWD_WS_PERSISTENT=1).
+// Tiles: a tile is one key block of one (batch, kv head), in blocks.cuh key_block_grouped's order
+// (p.tile_heads heads at a time, their longest causal key blocks first). Block b takes tiles b,
+// b + gridDim.x, ...: one tile with a grid of one block per tile, several on a persistent grid of one
+// block per SM (CUFLASH_BWD_WS_PERSISTENT=1).
 // The ring's stages and phases run on across a block's tiles (gi = the block's iteration count).
 //
 // Barriers ("wait(b, n)": until phase n of mbarrier b has completed, parity n % 2):
@@ -157,7 +158,8 @@ flash_bwd_sm90_ws_kernel(const __grid_constant__ BwdTmaParams p) {
         int g_base = 0;  // iterations of the earlier tiles: the ring's stages and phases run on across tiles
         int tcount = 0;
         for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x, ++tcount) {
-            const KeyBlock blk = key_block_lpt<BLOCK_M, BLOCK_N, IS_CAUSAL>(tile, p.num_blocks, p.nheads_kv, p.batch, sq, sk);
+            const KeyBlock blk = key_block_grouped<BLOCK_M, BLOCK_N, IS_CAUSAL>(tile, p.num_blocks, p.nheads_kv, p.batch,
+                                                                                p.tile_heads, sq, sk);
             const int h_kv = blk.h_kv, b = blk.b, n0 = blk.n0, m_begin = blk.m_begin, m_iters = blk.m_iters;
             const int iters = m_iters * p.head_group;
             // K and V of this tile go where the previous tile's epilogue wrote dK and dV out.
@@ -218,7 +220,8 @@ flash_bwd_sm90_ws_kernel(const __grid_constant__ BwdTmaParams p) {
 
     int g_base = 0, tcount = 0;
     for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x, ++tcount) {
-        const KeyBlock blk = key_block_lpt<BLOCK_M, BLOCK_N, IS_CAUSAL>(tile, p.num_blocks, p.nheads_kv, p.batch, sq, sk);
+        const KeyBlock blk = key_block_grouped<BLOCK_M, BLOCK_N, IS_CAUSAL>(tile, p.num_blocks, p.nheads_kv, p.batch,
+                                                                            p.tile_heads, sq, sk);
         const int h_kv = blk.h_kv, b = blk.b, n0 = blk.n0, m_begin = blk.m_begin, m_iters = blk.m_iters;
         const int iters = m_iters * p.head_group;
         const int diag_base = 2 * t + sk - sq - n0 - key_row0 - g;
@@ -366,8 +369,9 @@ flash_bwd_sm90_ws_kernel(const __grid_constant__ BwdTmaParams p) {
             const int tid = (int)opaque(threadIdx.x), lane = tid % 32, warp = tid / 32;
             const int g = lane / 4, t = lane % 4;
             const int key_row0 = (warp / 4 - 1) * 64 + (warp % 4) * 16;
-            const KeyBlock eblk = key_block_lpt<BLOCK_M, BLOCK_N, IS_CAUSAL>(opaque((u32)tile), p.num_blocks, p.nheads_kv,
-                                                                             p.batch, p.seqlen_q, p.seqlen_k);
+            const KeyBlock eblk = key_block_grouped<BLOCK_M, BLOCK_N, IS_CAUSAL>(opaque((u32)tile), p.num_blocks, p.nheads_kv,
+                                                                                 p.batch, p.tile_heads, p.seqlen_q,
+                                                                                 p.seqlen_k);
             const int n0 = eblk.n0, h_kv = eblk.h_kv, b = eblk.b;
             dkdv_rows_to_smem<Ops, HEAD_DIM, BLOCK_N>(sK, sV, acc_dk, acc_dv, p.scale, key_row0, g, t);
             __syncwarp();

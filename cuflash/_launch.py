@@ -46,11 +46,15 @@ _FWD_CHECKS_PARAMS = (_compile.params_layout_checks("cuflash", "FwdParams", FWD_
                       + _MASK_CHECKS_PARAMS)
 
 
-def _with_maps(base: np.dtype, names) -> np.dtype:
-    """base's fields at their offsets, then one 128-byte tensor map per name, each 64-byte aligned
-    (a C++ struct deriving from base with TmaDesc members)."""
+def _with_maps(base: np.dtype, names, ints=()) -> np.dtype:
+    """base's fields at their offsets, then int32 fields `ints`, then one 128-byte tensor map per name,
+    each 64-byte aligned (a C++ struct deriving from base with those int and TmaDesc members)."""
     fields = [(n, base.fields[n][0], base.fields[n][1]) for n in base.names]
-    off = -(-base.itemsize // 64) * 64
+    off = base.itemsize
+    for n in ints:
+        fields.append((n, np.dtype(np.int32), off))
+        off += 4
+    off = -(-off // 64) * 64
     for n in names:
         fields.append((n, np.dtype((np.uint8, 128)), off))
         off += 128
@@ -81,8 +85,9 @@ BWD_PARAMS = np.dtype(
 
 _BWD_CHECKS_PARAMS = _compile.params_layout_checks("cuflash", "BwdParams", BWD_PARAMS)
 
-# Mirror of cuflash::BwdTmaParams (cuda_src/bwd_tma_params.cuh): BwdParams, then the maps of Q, dO, K, V.
-BWD_TMA_PARAMS = _with_maps(BWD_PARAMS, ("map_q", "map_do", "map_k", "map_v"))
+# Mirror of cuflash::BwdTmaParams (cuda_src/bwd_tma_params.cuh): BwdParams, tile_heads, then the maps of
+# Q, dO, K, V.
+BWD_TMA_PARAMS = _with_maps(BWD_PARAMS, ("map_q", "map_do", "map_k", "map_v"), ints=("tile_heads",))
 _BWD_TMA_CHECKS_PARAMS = (_compile.params_layout_checks("cuflash", "BwdTmaParams", BWD_TMA_PARAMS) + "\n"
                           + _BWD_CHECKS_PARAMS)
 
@@ -873,12 +878,18 @@ def bwd_launches(dout: DeviceTensor, q: DeviceTensor, k: DeviceTensor, v: Device
     n_blocks = _cdiv(seqlen_k, cfg.block_n)
     threads = 384 if dkdv.source == "flash_bwd_sm90_ws.cu" else cfg.warps * 32
     tiles = batch * nheads_kv * n_blocks
-    if dkdv.source == "flash_bwd_sm90_ws.cu" and _config.bwd_ws_persistent():
-        # One block per SM (its shared memory allows no second), each walking tiles blockIdx.x, +
-        # gridDim.x, ... in key_block_lpt's order.
+    tile_heads = 1
+    if dkdv.source == "flash_bwd_sm90_ws.cu":
         from ._kvcache import _sm_count
 
-        tiles = min(tiles, _sm_count(device_id))
+        sms = _sm_count(device_id)
+        # key_block_grouped's order: about one SM count of tiles per group of heads, whose Q and dO
+        # the blocks running together then share in L2.
+        tile_heads = max(1, min(batch * nheads_kv, _cdiv(sms, n_blocks)))
+        if _config.bwd_ws_persistent():
+            # One block per SM (its shared memory allows no second), each walking tiles blockIdx.x, +
+            # gridDim.x, ...
+            tiles = min(tiles, sms)
     grids.append((dkdv, smem, tiles, threads, n_blocks))
     if not atomic:
         m_blocks = _cdiv(seqlen_q, qcfg.block_m)
@@ -900,6 +911,7 @@ def bwd_launches(dout: DeviceTensor, q: DeviceTensor, k: DeviceTensor, v: Device
             pt = np.zeros((), dtype=BWD_TMA_PARAMS)
             for name in BWD_PARAMS.names:
                 pt[name] = p[name]
+            pt["tile_heads"] = tile_heads
             maps = [(f"map_{n}", t.ptr, _tma.MapCache(t.shape, t.strides, rows, dtype)) for n, t, rows in
                     (("q", q, cfg.block_m), ("do", dout, cfg.block_m), ("k", k, cfg.block_n), ("v", v, cfg.block_n))]
             launches.append(TmaLaunch(spec.name, fn.ptr, grid, threads, sm, pt, ptrs, device_id, maps))

@@ -31,6 +31,8 @@ CASES = [  # dtype, head_dim, causal, seqlen_q, seqlen_k, nheads, nheads_kv, lay
     ("float16", 64, False, 1, 4097, 2, 2, "bshd"),
     ("bfloat16", 128, False, 2048, 64, 2, 2, "mixed"),  # many query blocks per key block
     ("bfloat16", 64, False, 2048, 2048, 2, 2, "bshd"),     # the stage ring wraps 16 times
+    # 96 (batch, kv head)s of 2 key blocks: tile groups of ceil(SMs / 2) heads, the last one smaller.
+    ("bfloat16", 64, True, 100, 200, 48, 48, "bshd"),
 ]
 # More tiles (batch x kv heads x key blocks = 256) than an H100 has SMs: a persistent block walks
 # several. Run with the persistent grid only.

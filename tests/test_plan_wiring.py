@@ -186,7 +186,10 @@ def test_forward_strided_and_misaligned_inputs(dev):
     check_tensor(p, "o", out)
 
 
-def test_backward_scratch_and_grads(dev):
+def test_backward_scratch_and_grads(dev, monkeypatch):
+    # The wgmma dK/dV kernel with its dQ kernel (where a driver offers TMA, the default is the
+    # warp-specialized one: test_bwd_ws_wiring).
+    monkeypatch.setenv("CUFLASH_BWD_WS", "0")
     ad, launched = dev
     rng = np.random.default_rng()
     for det in (False, True):
@@ -492,7 +495,10 @@ def test_bwd_ws_wiring(dev, monkeypatch):
 
     fake_tma_driver(monkeypatch, lambda ptr, i, dims, box, strides: (
         ptr if i == 0 else 31 * i + dims[1] + box[1] + strides[0]), lambda ptr, *rest: ptr)
+    from cuflash import _kvcache
+
     monkeypatch.setenv("CUFLASH_BWD_WS", "1")
+    monkeypatch.setattr(_kvcache, "_sm_count", lambda dev: 5)
     ad, launched = dev
     rng = np.random.default_rng()
     for d, det, want in ((128, False, True), (64, False, True), (128, True, False), (96, False, False)):
@@ -511,6 +517,8 @@ def test_bwd_ws_wiring(dev, monkeypatch):
         L = launched[n0 + 1]
         assert L["threads"] == 384 and L["grid"] == 2 * 2 * 3, L
         p = L["p"]
+        # Tile groups of ceil(5 SMs / 3 key blocks) = 2 of the 4 (batch, kv head)s.
+        assert int(p["tile_heads"]) == 2 and int(p["num_blocks"]) == 3, p
         check_tensor(p, "q", q)
         check_tensor(p, "dk", dk)
         check_tensor(p, "do", dout, "dout")
@@ -518,9 +526,6 @@ def test_bwd_ws_wiring(dev, monkeypatch):
             strides = tuple(x // t.itemsize for x in t.strides)
             assert p[field].tobytes() == _tma.kv_map(addr(t), t.shape, strides, rows, "float16"), field
     # A persistent grid (CUFLASH_BWD_WS_PERSISTENT=1): one block per SM (here 5) for 1 x 3 x 6 tiles.
-    from cuflash import _kvcache
-
-    monkeypatch.setattr(_kvcache, "_sm_count", lambda dev: 5)
     monkeypatch.setenv("CUFLASH_BWD_WS_PERSISTENT", "1")
     _plan.CACHE.clear()
     q, k, v = arr(rng, (1, 64, 6, 128)), arr(rng, (1, 700, 3, 128)), arr(rng, (1, 700, 3, 128))
@@ -529,6 +534,7 @@ def test_bwd_ws_wiring(dev, monkeypatch):
     cuflash.attention_backward(arr(rng, q.shape), q, k, v, out, lse)
     ws = [L for L in launched[n0:] if L["name"].startswith("bwd90ws_")]
     assert len(ws) == 1 and ws[0]["grid"] == 5 and int(ws[0]["p"]["num_blocks"]) == 6, ws
+    assert int(ws[0]["p"]["tile_heads"]) == 1, ws
     monkeypatch.delenv("CUFLASH_BWD_WS_PERSISTENT")
     monkeypatch.setenv("CUFLASH_BWD_WS", "0")
     _plan.CACHE.clear()
@@ -782,7 +788,7 @@ def _flat(p, prefix="") -> dict:
         if x.dtype.names:
             out.update(_flat(x, prefix + name + "."))
         else:
-            out[prefix + name] = x.item()
+            out[prefix + name] = x.tobytes() if x.shape else x.item()  # a tensor map: its bytes
     return out
 
 
