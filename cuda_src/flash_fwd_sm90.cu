@@ -218,23 +218,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ typename FwdSm90ParamsOf<TMA>::typ
         float sc = p.scale_log2;
         if constexpr (FEAT) {
             // As flash_fwd.cu: logits in log2 units (softcap, ALiBi) and the mask, where needed.
-            if (qf.score_mod) {
-#pragma unroll
-                for (int i = 0; i < BLOCK_N / 2; ++i) {
-                    const int row = m0 + warp_row0 + g + ((i % 4) / 2) * 8;
-                    const int col = n0 + (i / 4) * 8 + 2 * t + (i % 2);
-                    float tanh_s;
-                    s[i] = qf.mi.logit_log2(p.mask, p.scale_log2, s[i], row, col, tanh_s);
-                }
-                sc = 1.f;
-            }
-            if (qf.mi.needs_mask(p.mask, m0 + warp_row0, 16, n0, BLOCK_N)) {
-                const KeySpan ks[2] = {qf.mi.key_span(p.mask, m0 + warp_row0 + g),
-                                       qf.mi.key_span(p.mask, m0 + warp_row0 + g + 8)};
-#pragma unroll
-                for (int i = 0; i < BLOCK_N / 2; ++i)
-                    if (!ks[(i % 4) / 2].has(p.mask, n0 + (i / 4) * 8 + 2 * t + (i % 2))) s[i] = -CUFLASH_INF;
-            }
+            sc = feat_logits_and_mask<BLOCK_N>(s, p.mask, qf, p.scale_log2, n0, m0 + warp_row0, g, t);
         } else {
             mask_plain_tile<BLOCK_N, IS_CAUSAL, IS_EVEN>(s, n0, m0 + warp_row0, g, t, sq, sk);
         }

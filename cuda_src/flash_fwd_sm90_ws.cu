@@ -4,7 +4,16 @@
 // Algorithm: the online-softmax tiling of flash_fwd_sm90.cu, with the same products and the same
 // overlap inside each consumer warpgroup (S_j = Q K_j^T is issued with O += P_(j-1) V_(j-1); the
 // softmax of tile j runs while the P V product still runs). Nothing of size seqlen_q x seqlen_k ever
-// reaches device memory. Plain calls only (no FEAT options).
+// reaches device memory.
+//
+// FEAT (the optional features of mask.cuh; padded batches, not packed ones): as in flash_fwd_sm90.cu,
+// the key tiles of key_tiles, masks on the tiles a bound crosses, log2-unit logits for softcap /
+// ALiBi, a sink logit joining the softmax after the last tile; causal is the window's right bound.
+// TMA reads whole tensors, so rows past a sequence's valid lengths arrive as they are in memory
+// (where the cp.async kernels zero-fill them): their scores are masked, the V rows past kv_lengths
+// in the last tile (the only one that can reach past it) are zeroed in shared memory before their
+// product (0 * NaN would be NaN), and the outputs of query rows past q_lengths are set to 0, not
+// scaled by 0.
 //
 // Grid: one block per (batch, head, BLOCK_M = 64 CONSUMERS query rows), the 1-D mapping of
 // blocks.cuh (longest causal blocks first). CONSUMERS = 2 (384 threads) or 3 (512 threads, at head_dim
@@ -87,7 +96,7 @@ struct FwdWsTraits {
 };
 
 template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES, bool IS_CAUSAL, bool IS_EVEN, bool PINGPONG = false,
-          int CONSUMERS = 2>
+          int CONSUMERS = 2, bool FEAT = false>
 __global__ void __launch_bounds__(128 * (1 + CONSUMERS), 1)
 flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
     using Tr = FwdWsTraits<HEAD_DIM, BLOCK_N, STAGES, CONSUMERS>;
@@ -112,10 +121,16 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
     const int g = lane / 4, t = lane % 4;
     if (tid == 0 && dynamic_smem_bytes() < (u32)Tr::SMEM_BYTES) __trap();
 
+    static_assert(!FEAT || (!IS_CAUSAL && !IS_EVEN), "FEAT: causal and the tails are the mask's");
     const int sq = p.seqlen_q, sk = p.seqlen_k;
     const QueryBlock blk = query_block<BLOCK_M, BLOCK_N, IS_CAUSAL>(blockIdx.x, p.num_m_blocks, p.nheads, p.head_group, sq, sk);
     const int h = blk.h, b = blk.b, h_kv = blk.h_kv, m0 = blk.m0;
-    const int n_blocks = blk.n_blocks;
+    int n_blocks = blk.n_blocks;
+    // With FEAT: the sequence's valid lengths, its mask and the key tiles to visit (padded batches:
+    // the rows of the sequence start at row 0 of entry b).
+    int q_valid = sq, k_valid = sk;
+    const QueryFeat qf = query_setup<FEAT, BLOCK_M, BLOCK_N>(p.mask, b, h, m0, sq, sk, n_blocks, q_valid, k_valid);
+    auto tile_of = [&](int it) { if constexpr (FEAT) return qf.kt.tile(it); else return it; };
 
     if (tid == 0) {
         mbar_init(bar_q, 1);
@@ -148,7 +163,7 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
 #pragma unroll
             for (int c = 0; c < HEAD_DIM / 64; ++c) tma_load_4d(sQ + c * BLOCK_M * 128, &p.map_q, bar_q, c * 64, m0, h, b);
             for (int j = 0; j < n_blocks; ++j) {
-                const int s = j % STAGES, u = j / STAGES, n = j * BLOCK_N;
+                const int s = j % STAGES, u = j / STAGES, n = tile_of(j) * BLOCK_N;
                 if (u > 0) mbar_wait(k_empty(s), (u - 1) & 1);
                 mbar_arrive_expect_tx(k_full(s), Tr::SKV_BYTES);
 #pragma unroll
@@ -206,10 +221,16 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
         if (lane == 0) mbar_arrive(k_empty(s));  // this warp is done with K_j
 
         // ---- mask, only on tiles that need it ----
-        mask_plain_tile<BLOCK_N, IS_CAUSAL, IS_EVEN>(sc_, j * BLOCK_N, m0 + warp_row0, g, t, sq, sk);
+        float scale = p.scale_log2;
+        if constexpr (FEAT) {
+            scale = feat_logits_and_mask<BLOCK_N>(sc_, p.mask, qf, p.scale_log2, tile_of(j) * BLOCK_N, m0 + warp_row0,
+                                                  g, t);
+        } else {
+            mask_plain_tile<BLOCK_N, IS_CAUSAL, IS_EVEN>(sc_, j * BLOCK_N, m0 + warp_row0, g, t, sq, sk);
+        }
 
         float alpha[1][2];
-        softmax.update(*reinterpret_cast<float(*)[1][N_TILES][4]>(&sc_), p.scale_log2, alpha);
+        softmax.update(*reinterpret_cast<float(*)[1][N_TILES][4]>(&sc_), scale, alpha);
 
         wgmma_wait<0>();
         fence_regs(acc_o);
@@ -221,6 +242,16 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
     if (n_blocks > 0) {
         const int sp = (n_blocks - 1) % STAGES;
         mbar_wait(v_full(sp), ((n_blocks - 1) / STAGES) & 1);
+        if constexpr (FEAT) {
+            // V rows past kv_lengths (memory the call does not vouch for) as zeros: both consumers write
+            // the same zeros, each before its own product.
+            const int n_last = tile_of(n_blocks - 1) * BLOCK_N;
+            if (n_last + BLOCK_N > k_valid && k_valid < sk) {
+                zero_rows_sw128<HEAD_DIM, BLOCK_N>(sV + sp * Tr::SKV_BYTES, max(k_valid - n_last, 0), tid % 128, 128);
+                fence_proxy_async();
+                named_barrier_sync(1 + cw, 128);
+            }
+        }
         if constexpr (PINGPONG) named_barrier_sync(PP_BAR + cw, 256);
         wgmma_fence();
         wgmma_rs_mnmajor<T, HEAD_DIM, PV_STEPS, BLOCK_N>(acc_o, pa, sV + sp * Tr::SKV_BYTES);
@@ -237,11 +268,29 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
 
     // ---- epilogue: O /= l, lse, O through this warp's 16 rows of sQ ----
     float inv_l[1][2], lse[1][2];
-    softmax.finalize(inv_l, lse);
+    if constexpr (FEAT) {
+        // A sink logit joins here, after the last key tile (softmax.cuh); -inf: none.
+        const float* sink = p.mask.sink_logits;
+        softmax.finalize(inv_l, lse, sink != nullptr ? sink[h] * CUFLASH_LOG2E : -CUFLASH_INF);
+        // Rows past the sequence's valid length: out = 0 (set, since their Q rows may hold anything),
+        // lse = -inf.
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+            if (m0 + warp_row0 + g + r * 8 >= q_valid) {
+                inv_l[0][r] = 0.f;
+                lse[0][r] = -CUFLASH_INF;
+#pragma unroll
+                for (int i = 0; i < HEAD_DIM / 2; ++i)
+                    if ((i % 4) / 2 == r) acc_o[i] = 0.f;
+            }
+    } else {
+        softmax.finalize(inv_l, lse);
+    }
     o_rows_to_smem<Ops, HEAD_DIM, BLOCK_M>(sQ_ptr, acc_o, inv_l, warp_row0, g, t);
     // lse == nullptr: the caller wants only O (an eager forward with no gradient and no lse).
     if (t == 0 && p.lse != nullptr) {
-        float* g_lse = p.lse + ((i64)b * p.nheads + h) * sq;
+        float* g_lse = FEAT ? p.lse + b * p.mask.lse_batch_stride + h * p.mask.lse_head_stride
+                            : p.lse + ((i64)b * p.nheads + h) * sq;
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const int row = m0 + warp_row0 + g + r * 8;

@@ -7,6 +7,7 @@
 // pattern over HEAD_DIM columns.
 #pragma once
 #include "common.cuh"
+#include "mask.cuh"
 #include "wgmma_util.cuh"
 
 namespace cuflash {
@@ -38,6 +39,43 @@ __device__ __forceinline__ void mask_plain_tile(float (&s)[BLOCK_N / 2], int n0,
             if (masked) s[i] = -CUFLASH_INF;
         }
     }
+}
+
+// A FEAT call's score tile (keys n0 .. n0 + BLOCK_N of the 16 rows from row0, mask.cuh): logits in
+// log2 units where a score modification applies (softcap, ALiBi), then the mask where a bound
+// crosses the tile. Returns the scale the online softmax still has to apply: scale_log2, or 1 when
+// the logits are already in log2 units.
+template <int BLOCK_N>
+__device__ __forceinline__ float feat_logits_and_mask(float (&s)[BLOCK_N / 2], const MaskParams& m, const QueryFeat& qf,
+                                                      float scale_log2, int n0, int row0, int g, int t) {
+    float sc = scale_log2;
+    if (qf.score_mod) {
+#pragma unroll
+        for (int i = 0; i < BLOCK_N / 2; ++i) {
+            const int row = row0 + g + ((i % 4) / 2) * 8;
+            const int col = n0 + (i / 4) * 8 + 2 * t + (i % 2);
+            float tanh_s;
+            s[i] = qf.mi.logit_log2(m, scale_log2, s[i], row, col, tanh_s);
+        }
+        sc = 1.f;
+    }
+    if (qf.mi.needs_mask(m, row0, 16, n0, BLOCK_N)) {
+        const KeySpan ks[2] = {qf.mi.key_span(m, row0 + g), qf.mi.key_span(m, row0 + g + 8)};
+#pragma unroll
+        for (int i = 0; i < BLOCK_N / 2; ++i)
+            if (!ks[(i % 4) / 2].has(m, n0 + (i / 4) * 8 + 2 * t + (i % 2))) s[i] = -CUFLASH_INF;
+    }
+    return sc;
+}
+
+// Rows [row_from, ROWS) of a SW128 tile (all HEAD_DIM / 64 panels) set to zero by nthreads threads
+// (this one is number i); the caller fences them for the async proxy.
+template <int HEAD_DIM, int ROWS>
+__device__ __forceinline__ void zero_rows_sw128(u32 tile, int row_from, int i, int nthreads) {
+    constexpr int CHUNKS = HEAD_DIM / 8;
+    for (int c = i; c < (ROWS - row_from) * CHUNKS; c += nthreads)
+        asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};"
+                     :: "r"(tile + sw128_offset(row_from + c / CHUNKS, c % CHUNKS, ROWS)), "r"(0u) : "memory");
 }
 
 // After the P V product of the previous tile has retired: O *= alpha (the online softmax's rescale)

@@ -199,6 +199,26 @@ def fwd_ws_config(head_dim: int, causal: bool, seqlen_k: int | None = None):
     return int(bn) if bn else cfg[0], int(stages) if stages else cfg[1], pingpong, consumers
 
 
+# The warp-specialized forward with the optional features (FEAT: padded batches, windows, sinks, ALiBi,
+# softcap; not packed batches, whose 4-D views have batch stride 0): (BLOCK_N, STAGES, PINGPONG,
+# CONSUMERS) per head_dim, the causal tiles (windows are masked as causal is). Two consumers at
+# head_dim 64 too: the mask's state does not fit three consumers' 160 registers.
+FWD_WS_FEAT_TABLE = {64: (128, 2, False, 2), 128: (128, 2, True, 2), 256: (64, 2, False, 2)}
+
+
+def fwd_ws_feat_config(head_dim: int, narrow_window: bool):
+    """The warp-specialized forward's tiles for a call with options, or None where the feature
+    kernels of flash_fwd_sm90.cu / flash_fwd.cu run: CUFLASH_FWD_WS=0, a head_dim outside
+    FWD_WS_FEAT_TABLE, or a narrow window (NARROW_WINDOW; 64-row tiles waste less there) unless
+    CUFLASH_FWD_WS=1."""
+    import os
+
+    mode = os.environ.get("CUFLASH_FWD_WS", "")
+    if mode == "0" or (narrow_window and mode != "1"):
+        return None
+    return FWD_WS_FEAT_TABLE.get(head_dim)
+
+
 def fwd_ws_smem_bytes(head_dim: int, block_n: int, stages: int = FWD_WS_STAGES, consumers: int = 2) -> int:
     """sQ (64 rows a consumer), the K and V rings, the mbarriers, and 1024 bytes of alignment slack.
     Must equal FwdWsTraits::SMEM_BYTES."""

@@ -231,17 +231,19 @@ def fwd_specialization(dtype: str, head_dim: int, cfg: _config.TileConfig, causa
 
 
 def fwd_ws_specialization(dtype: str, head_dim: int, causal: bool, even: bool, block_n: int, stages: int,
-                          pingpong: bool = False, consumers: int = 2):
+                          pingpong: bool = False, consumers: int = 2, feat: bool = False):
     """(spec, smem) of the warp-specialized sm_90a forward (cuda_src/flash_fwd_sm90_ws.cu); pingpong:
     its schedule that alternates the two consumers at the tensor cores; consumers: 2 or 3 warpgroups
-    of 64 query rows."""
+    of 64 query rows; feat: the optional features (causal and even must then be False)."""
     short, ctype = _DTYPE_TAG[dtype]
     bn = block_n
     smem = _config.fwd_ws_smem_bytes(head_dim, bn, stages, consumers)
     flags = f"{'true' if causal else 'false'}, {'true' if even else 'false'}, {'true' if pingpong else 'false'}"
-    expr = f"cuflash::flash_fwd_sm90_ws_kernel<{ctype}, {head_dim}, {bn}, {stages}, {flags}, {consumers}>"
-    name = (f"fwd90ws_{short}_d{head_dim}_m{64 * consumers}_n{bn}_s{stages}"
-            f"_{'causal' if causal else 'full'}_{'even' if even else 'ragged'}{'_pp' if pingpong else ''}")
+    expr = f"cuflash::flash_fwd_sm90_ws_kernel<{ctype}, {head_dim}, {bn}, {stages}, {flags}, {consumers}"
+    expr += ", true>" if feat else ">"
+    kind = "feat" if feat else f"{'causal' if causal else 'full'}_{'even' if even else 'ragged'}"
+    assert not (feat and (causal or even)), (causal, even)
+    name = f"fwd90ws_{short}_d{head_dim}_m{64 * consumers}_n{bn}_s{stages}_{kind}{'_pp' if pingpong else ''}"
     checks = "\n".join([
         _FWD_WS_CHECKS_PARAMS,
         f"static_assert(cuflash::FwdWsTraits<{head_dim}, {bn}, {stages}, {consumers}>::SMEM_BYTES == {smem},"
@@ -266,6 +268,9 @@ def all_fwd_ws_specializations(target: str, head_dims=None, dtypes=None, causal=
                     out += [fwd_ws_specialization(dtype, d, c, e, cfg[0], cfg[1], pp, cfg[3])
                             for pp in (pingpong if pingpong is not None else (cfg[2],)) for e in (False, True)
                             if not (pp and cfg[3] != 2)]
+            fcfg = _config.fwd_ws_feat_config(d, False)
+            if fcfg is not None:
+                out.append(fwd_ws_specialization(dtype, d, False, False, *fcfg, feat=True))
     return out
 
 
@@ -670,8 +675,14 @@ def fwd_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTen
     if mask is not None:
         assert not causal
         narrow = 0 <= mask.window_left and mask.window_left + max(mask.window_right, 0) < _config.NARROW_WINDOW
-        cfg = cfg or _config.feat_fwd_config(target, head_dim, dtype, narrow)
-        spec, smem = fwd_specialization(dtype, head_dim, cfg, False, False, feat=True)
+        ws = (None if cfg is not None or target != "sm_90a" or mask.packed
+              else _config.fwd_ws_feat_config(head_dim, narrow))
+        if ws and _use_tma(q, q, 64 * ws[3], dtype) and _use_tma(k, v, ws[0], dtype):
+            cfg = _config.TileConfig(64 * ws[3], ws[0], 4 * (1 + ws[3]), wgmma=True)
+            spec, smem = fwd_ws_specialization(dtype, head_dim, False, False, *ws, feat=True)
+        else:
+            cfg = cfg or _config.feat_fwd_config(target, head_dim, dtype, narrow)
+            spec, smem = fwd_specialization(dtype, head_dim, cfg, False, False, feat=True)
     else:
         chosen = cfg is not None
         cfg = cfg or _config.fwd_config_for_target(target, head_dim, dtype, causal)

@@ -64,7 +64,9 @@ def _all_specs(kind, target):
         # (Three consumer warpgroups have no pingpong schedule.)
         ws_fwd = _launch.all_fwd_ws_specializations(target, pingpong=(False, True))
         n_three = sum(cfg[3] == 3 for cfg in _config.FWD_WS_TABLE.values())
-        assert len(ws_fwd) == (len(_config.DTYPES) * (len(_config.FWD_WS_TABLE) * 4 - 2 * n_three)
+        # ... with one FEAT kernel per head_dim of FWD_WS_FEAT_TABLE.
+        assert len(ws_fwd) == (len(_config.DTYPES) * (len(_config.FWD_WS_TABLE) * 4 - 2 * n_three
+                                                      + len(_config.FWD_WS_FEAT_TABLE))
                                if target == "sm_90a" else 0)
         # ... and the dK/dV kernel's TMA variant (CUFLASH_BWD_TMA=1).
         tma_bwd = _launch.all_bwd_tma_specializations(target)

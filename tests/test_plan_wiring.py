@@ -417,8 +417,12 @@ def test_fwd_ws_wiring(dev, monkeypatch):
         for field, t, rows in (("map_q", q, 128), ("map_k", k, bn), ("map_v", v, bn)):
             strides = tuple(x // t.itemsize for x in t.strides)
             assert L["p"][field].tobytes() == _tma.kv_map(addr(t), t.shape, strides, rows, "float16"), field
+    # A call with options (FEAT): forced, even a narrow window takes the kernel's FEAT variant, whose
+    # Params carry the mask.
     cuflash.attention(q, k, v, window=(8, 0))
-    assert not launched[-1]["name"].startswith("fwd90ws_")
+    L = launched[-1]
+    assert L["name"] == "fwd90ws_f16_d256_m128_n64_s2_feat", L["name"]
+    assert int(L["p"]["mask"]["window_left"]) == 8 and int(L["p"]["mask"]["window_right"]) == 0, L["p"]["mask"]
     # Without the setting: the table (cuflash/_config.py FWD_WS_TABLE): head_dim 64 causal keeps the
     # TMA variant, head_dim 128 non-causal takes the warp-specialized kernel with 2 stages and the
     # pingpong schedule (CUFLASH_FWD_WS_PINGPONG=0 turns it off).
@@ -440,11 +444,22 @@ def test_fwd_ws_wiring(dev, monkeypatch):
         q, k, v = arr(rng, (1, 256, 4, 64)), arr(rng, (1, sk, 2, 64)), arr(rng, (1, sk, 2, 64))
         cuflash.attention(q, k, v)
         assert launched[-1]["name"] == want, (sk, launched[-1]["name"])
+    # Options: the FEAT variant (_config.FWD_WS_FEAT_TABLE), except narrow windows (NARROW_WINDOW).
+    monkeypatch.delenv("CUFLASH_FWD_WS_PINGPONG")
+    _plan.CACHE.clear()
+    q, k, v = arr(rng, (1, 1300, 2, 128)), arr(rng, (1, 1300, 1, 128)), arr(rng, (1, 1300, 1, 128))
+    for kw, want in (({"window": (1100, 0)}, "fwd90ws_f16_d128_m128_n128_s2_feat_pp"),
+                     ({"softcap": 5.0, "causal": True}, "fwd90ws_f16_d128_m128_n128_s2_feat_pp"),
+                     ({"window": (64, 0)}, "fwd90_f16_d128_m64_n64_feat")):
+        cuflash.attention(q, k, v, **kw)
+        assert launched[-1]["name"] == want, (kw, launched[-1]["name"])
     q, k, v = arr(rng, (2, 256, 4, 128)), arr(rng, (2, 256, 2, 128)), arr(rng, (2, 256, 2, 128))
     monkeypatch.setenv("CUFLASH_FWD_WS", "0")
     _plan.CACHE.clear()
     cuflash.attention(q, k, v)
     assert launched[-1]["name"] == "fwd90_f16_d128_m128_n128_full_even_tma", launched[-1]["name"]
+    cuflash.attention(q, k, v, softcap=5.0)
+    assert not launched[-1]["name"].startswith("fwd90ws_"), launched[-1]["name"]
 
 
 def test_bwd_tma_wiring(dev, monkeypatch):
