@@ -31,15 +31,18 @@
 // log-sum-exp (and the sink logit), one block per output row. With split_counters (the fused
 // combine, CUFLASH_DECODE_FUSED_COMBINE=1) there is no second kernel: each split block, after its
 // partials, counts itself on its row tile's counter (__threadfence first); the block that counts
-// last merges the tile's rows with the same combine_row and sets the counter back to 0. The
+// last merges all the tile's rows at once (merge_tile) and sets the counter back to 0. The
 // counters are zero before the first call (the host clears them once) and after every call.
 //
 // Inside a block. 4 warps split each BN = 64-key tile: warp w takes keys [16w, 16w + 16), keeps
 // its own online softmax (m, l) and O accumulator for all 16 rows, and never waits for the others
 // inside the loop. K/V tiles come through a STAGES-deep cp.async pipeline (tile it + STAGES - 1 is
 // issued while tile it computes). At the end the warps' (m, l, O) are merged through shared memory
-// in a fixed order (deterministic). Q stays in shared memory; S = Q K^T and O += P V are mma.sync
-// m16n8k16 (warp_gemm.cuh for S; P re-packed from the S accumulators as the A operand).
+// in a fixed order (deterministic). Q goes from shared memory into registers once (head_dim a
+// multiple of 16 from 64; otherwise it is read at every tile); S = Q K^T and O += P V are mma.sync m16n8k16
+// (P re-packed from the S accumulators as the A operand). Per tile, a warp pays for the element-wise
+// mask only where a bound crosses its 16 keys or a score modification applies, and for the rescale
+// of O only where a row's maximum moved (warp votes keep both branches uniform).
 //
 // Grid. 1-D: block = ((b * nheads_kv + h_kv) * num_row_tiles + row_tile) * num_splits + split.
 #include "common.cuh"
@@ -135,17 +138,17 @@ __device__ __forceinline__ int decode_cache_row(const DecodeParams& p, int b) {
 
 template <int HEAD_DIM>
 struct CombineSmem {
-    static constexpr int CP = HEAD_DIM / 2;   // column pairs
-    static constexpr int P = 128 / CP;        // phases over the splits
+    static constexpr int CQ = HEAD_DIM / 4;   // float4 columns
+    static constexpr int P = 128 / CQ;        // phases over the splits
     float w[128];
     float red[4];
-    float2 acc[P][CP];
+    float4 acc[P][CQ];
 };
 
 // One output row's combine by the 128 threads of a block (sm: the block's shared scratch).
 template <typename T, int HEAD_DIM>
 __device__ __forceinline__ void combine_row(const DecodeParams& p, i64 row, CombineSmem<HEAD_DIM>& sm) {
-    constexpr int CP = CombineSmem<HEAD_DIM>::CP, P = CombineSmem<HEAD_DIM>::P;
+    constexpr int CQ = CombineSmem<HEAD_DIM>::CQ, P = CombineSmem<HEAD_DIM>::P;
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const i64 total = (i64)p.batch * p.nheads * p.seqlen_q;
     const int qi = (int)(row % p.seqlen_q);
@@ -175,31 +178,101 @@ __device__ __forceinline__ void combine_row(const DecodeParams& p, i64 row, Comb
     sm.w[tid] = w * inv;
     __syncthreads();
 
-    const int c = tid % CP, ph = tid / CP;
+    const int c = tid % CQ, ph = tid / CQ;
     if (ph < P) {
-        float2 acc = make_float2(0.f, 0.f);
-        const float* src = p.o_part + row * HEAD_DIM + 2 * c;
-#pragma unroll 4
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+        const float* src = p.o_part + row * HEAD_DIM + 4 * c;
+        // (Four in flight at head_dim 256, where the fused combine inlined into the decode kernel
+        // spilled with eight.)
+#pragma unroll(HEAD_DIM > 128 ? 4 : 8)
         for (int s = ph; s < S; s += P) {
-            const float2 v = *reinterpret_cast<const float2*>(src + (i64)s * total * HEAD_DIM);
-            acc.x += sm.w[s] * v.x;
-            acc.y += sm.w[s] * v.y;
+            const float4 v = *reinterpret_cast<const float4*>(src + (i64)s * total * HEAD_DIM);
+            const float ws = sm.w[s];
+            acc.x += ws * v.x;
+            acc.y += ws * v.y;
+            acc.z += ws * v.z;
+            acc.w += ws * v.w;
         }
         sm.acc[ph][c] = acc;
     }
     __syncthreads();
-    if (tid < CP) {
-        float2 acc = sm.acc[0][tid];
+    if (tid < CQ) {
+        float4 acc = sm.acc[0][tid];
 #pragma unroll
         for (int q = 1; q < P; ++q) {
             acc.x += sm.acc[q][tid].x;
             acc.y += sm.acc[q][tid].y;
+            acc.z += sm.acc[q][tid].z;
+            acc.w += sm.acc[q][tid].w;
         }
         T* gO = static_cast<T*>(p.o) + b * p.o_batch_stride + qi * p.o_row_stride + head * p.o_head_stride;
-        *reinterpret_cast<u32*>(gO + 2 * tid) = ElemOps<T>::pack(acc.x, acc.y);
+        u32* dst = reinterpret_cast<u32*>(gO + 4 * tid);
+        dst[0] = ElemOps<T>::pack(acc.x, acc.y);
+        dst[1] = ElemOps<T>::pack(acc.z, acc.w);
     }
     if (tid == 0 && p.lse != nullptr) p.lse[row] = empty ? -CUFLASH_INF : (base + fast_log2(lt)) * 0.6931471805599453f;
     __syncthreads();  // sm is free for the next row
+}
+
+// The fused combine's merge of one row tile (rows r0 .. r_end of (b, h_kv), packed as in the decode
+// kernel) by its last split block, all rows at once: (1) one thread per (row, split) reads lse_s;
+// (2) one thread per row turns them into weights and writes the row's lse; (3) one thread per (row,
+// 4 columns) sums the splits' outputs, 16-byte loads, four in flight. Three
+// memory round trips for the tile, where combine_row takes about three per row. w: rows x num_splits
+// floats of shared memory, at most 16 x 128 (the host caps num_splits at 128).
+constexpr int TILE_MERGE_MAX = 16 * 128;
+
+// The (batch, nheads, seqlen_q) index of packed row r of (b, h_kv).
+__device__ __forceinline__ i64 merge_row_index(const DecodeParams& p, int b, int h_kv, int r) {
+    return ((i64)b * p.nheads + h_kv * p.head_group + r % p.head_group) * p.seqlen_q + r / p.head_group;
+}
+
+template <typename T, int HEAD_DIM>
+__device__ __forceinline__ void merge_tile(const DecodeParams& p, int b, int h_kv, int r0, int r_end, float* w) {
+    constexpr int CQ = HEAD_DIM / 4;
+    const int tid = threadIdx.x, G = p.head_group, S = p.num_splits, R = r_end - r0;
+    const i64 total = (i64)p.batch * p.nheads * p.seqlen_q;
+    for (int i = tid; i < R * S; i += 128) w[i] = p.lse_part[(i64)(i % S) * total + merge_row_index(p, b, h_kv, r0 + i / S)];
+    __syncthreads();
+    if (tid < R) {
+        const int head = h_kv * G + (r0 + tid) % G;
+        const float sk2 = p.mask.sink_logits != nullptr ? p.mask.sink_logits[head] * CUFLASH_LOG2E : -CUFLASH_INF;
+        float* wr = w + tid * S;
+        float mx = sk2;
+        for (int s = 0; s < S; ++s) mx = fmaxf(mx, wr[s]);
+        const float base = exp_base(mx);
+        float lt = 0.f;
+        for (int s = 0; s < S; ++s) {
+            wr[s] = fast_exp2(wr[s] - base);  // 0 for splits that saw no key
+            lt += wr[s];
+        }
+        lt += fast_exp2(sk2 - base);
+        const bool empty = lt == 0.f;
+        const float inv = empty ? 0.f : 1.f / lt;
+        for (int s = 0; s < S; ++s) wr[s] *= inv;
+        if (p.lse != nullptr) p.lse[merge_row_index(p, b, h_kv, r0 + tid)] = empty ? -CUFLASH_INF : (base + fast_log2(lt)) * 0.6931471805599453f;
+    }
+    __syncthreads();
+    for (int i = tid; i < R * CQ; i += 128) {
+        const int rr = i / CQ, c = i % CQ;
+        const i64 row = merge_row_index(p, b, h_kv, r0 + rr);
+        const float* src = p.o_part + row * HEAD_DIM + 4 * c;
+        const float* wr = w + rr * S;
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+        for (int s = 0; s < S; ++s) {
+            const float4 v = *reinterpret_cast<const float4*>(src + (i64)s * total * HEAD_DIM);
+            acc.x += wr[s] * v.x;
+            acc.y += wr[s] * v.y;
+            acc.z += wr[s] * v.z;
+            acc.w += wr[s] * v.w;
+        }
+        const int r = r0 + rr, qi = r / G, head = h_kv * G + r % G;
+        T* gO = static_cast<T*>(p.o) + b * p.o_batch_stride + qi * p.o_row_stride + head * p.o_head_stride;
+        u32* dst = reinterpret_cast<u32*>(gO + 4 * c);
+        dst[0] = ElemOps<T>::pack(acc.x, acc.y);
+        dst[1] = ElemOps<T>::pack(acc.z, acc.w);
+    }
 }
 
 template <typename T, int HEAD_DIM, int STAGES>
@@ -330,6 +403,16 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
     }
     const bool score_mod = p.mask.softcap > 0.f || p.mask.alibi_slopes != nullptr;
 
+    // A warp's scores need the element-wise mask and score modification only where some valid row
+    // may not see a key of its 16, or softcap / ALiBi apply; elsewhere (most tiles of a plain
+    // decode) they are only scaled. Padding rows (zero Q, never written) do not count.
+    const bool pad_lo = r0 + g >= r_end, pad_hi = r0 + g + 8 >= r_end;
+
+    // Q as mma A fragments, loaded from shared memory once (at the first tile) where head_dim is a
+    // multiple of 16 from 64 (at 32, ptxas spilled); otherwise warp_mma reads sQ at every tile.
+    constexpr bool Q_REGS = HEAD_DIM % 16 == 0 && HEAD_DIM >= 64;
+    u32 qa[Q_REGS ? HEAD_DIM / 16 : 1][4];
+
     OnlineSoftmax<1, N_TILES> softmax;
     softmax.init();
     float acc_o[D_TILES][4];
@@ -355,10 +438,37 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
         for (int nt = 0; nt < N_TILES; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) s[0][nt][e] = 0.f;
-        warp_mma<T, HEAD_DIM, N_TILES, false, false>(s[0], sQ, PITCH, sKw, PITCH, N_TILES, lane);
+        if constexpr (Q_REGS) {
+            static_assert(N_TILES == 2, "one k16 B pair per step");
+            if (it == 0) {
+#pragma unroll
+                for (int kc = 0; kc < HEAD_DIM / 16; ++kc) load_a_k16<false>(qa[kc], sQ, PITCH, kc * 16, lane);
+            }
+#pragma unroll
+            for (int kc = 0; kc < HEAD_DIM / 16; ++kc) {
+                u32 bk[4];
+                load_b_pair_k16<false>(bk, sKw, PITCH, kc * 16, 0, lane);
+                Ops::mma16816(s[0][0], qa[kc], bk[0], bk[1]);
+                Ops::mma16816(s[0][1], qa[kc], bk[2], bk[3]);
+            }
+        } else {
+            warp_mma<T, HEAD_DIM, N_TILES, false, false>(s[0], sQ, PITCH, sKw, PITCH, N_TILES, lane);
+        }
 
         // ---- logits in log2 units, masked; then the online softmax ----
         const int vw0 = v_begin + it * BN + warp * WN;
+        bool plain = !score_mod && vw0 >= n_sink && vw0 + WN <= v_end;
+        if (plain) {
+            const int k0 = vw0 + key_off;
+            plain = (pad_lo || (k0 >= span[0].lo && k0 + WN <= span[0].hi))
+                    && (pad_hi || (k0 >= span[1].lo && k0 + WN <= span[1].hi));
+        }
+        if (__all_sync(0xffffffffu, plain)) {
+#pragma unroll
+            for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[0][nt][e] *= p.scale_log2;
+        } else {
 #pragma unroll
         for (int nt = 0; nt < N_TILES; ++nt)
 #pragma unroll
@@ -381,14 +491,18 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
                 }
                 s[0][nt][e] = (vv < v_end && span[r].has(p.mask, key)) ? x : -CUFLASH_INF;
             }
+        }
         float alpha[1][2];
         softmax.update(s, 1.f, alpha);
+        // Once the rows' maxima settle, alpha is exactly 1 (exp2(0)) and the rescale can go.
+        if (__any_sync(0xffffffffu, alpha[0][0] != 1.f || alpha[0][1] != 1.f)) {
 #pragma unroll
-        for (int dt = 0; dt < D_TILES; ++dt) {
-            acc_o[dt][0] *= alpha[0][0];
-            acc_o[dt][1] *= alpha[0][0];
-            acc_o[dt][2] *= alpha[0][1];
-            acc_o[dt][3] *= alpha[0][1];
+            for (int dt = 0; dt < D_TILES; ++dt) {
+                acc_o[dt][0] *= alpha[0][0];
+                acc_o[dt][1] *= alpha[0][0];
+                acc_o[dt][2] *= alpha[0][1];
+                acc_o[dt][3] *= alpha[0][1];
+            }
         }
 
         // ---- O += P V: P (16 rows, 16 keys) from registers, V (16 keys, HEAD_DIM) ----
@@ -501,11 +615,8 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
         if (!s_last) return;
         __threadfence();  // the other splits' partials, counted before this block's, are visible
         // The pipeline's shared memory is free: the combine's scratch goes where the K tiles were.
-        CombineSmem<HEAD_DIM>& sm = *reinterpret_cast<CombineSmem<HEAD_DIM>*>(sK);
-        for (int r = r0; r < r_end; ++r) {
-            const int qi = r / G, head = h_kv * G + r % G;
-            combine_row<T, HEAD_DIM>(p, ((i64)b * p.nheads + head) * p.seqlen_q + qi, sm);
-        }
+        static_assert(Tr::KV_BYTES >= TILE_MERGE_MAX * 4, "the merge's weights fit in the K/V stages");
+        merge_tile<T, HEAD_DIM>(p, b, h_kv, r0, r_end, reinterpret_cast<float*>(sK));
         if (tid == 0) p.split_counters[rest] = 0;  // zero again for the next call
     }
 }
@@ -513,9 +624,9 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
 // The splits of each output row merged: lse = log(sum_s exp(lse_s) + exp(sink)), out = sum_s
 // exp(lse_s - lse) o_s. One block of 128 threads per row (b, head, i), rows in (batch, nheads,
 // seqlen_q) order: thread s < num_splits (<= 128) reads lse_s, the weights go to shared memory; then
-// thread t sums columns 2c, 2c + 1 (c = t % (HEAD_DIM / 2)) over the splits s = ph, ph + P, ...
-// (ph = t / (HEAD_DIM / 2), P phases), with independent loads in flight, and the phases are added in
-// a fixed order (deterministic). The block's memory round trips: ~num_splits / (4 P), not num_splits.
+// thread t sums columns 4c .. 4c + 3 (c = t % (HEAD_DIM / 4)) over the splits s = ph, ph + P, ...
+// (ph = t / (HEAD_DIM / 4), P phases), 16-byte loads, eight in flight (four at head_dim 256), and the phases are added in a
+// fixed order (deterministic). The block's memory round trips: ~num_splits / (8 P), not num_splits.
 template <typename T, int HEAD_DIM>
 __global__ void __launch_bounds__(128)
 decode_combine_kernel(const __grid_constant__ DecodeParams p) {

@@ -514,14 +514,24 @@ def decode_stages(target: str, head_dim: int) -> int | None:
     return None
 
 
+# The fused combine serves a split decode only where (valid rows of a row tile) x splits is at most
+# this: its last block reads all of the tile's partial outputs alone (rows x splits x head_dim x 4
+# bytes), where the combine kernel spreads them over a block per row. H200, session 7: with no limit,
+# batch 1, 8192 keys, GQA 8 (8 rows, 64 splits) took 24.8 us per step against 14.5 with the limit.
+DECODE_FUSED_MAX_PARTS = 64
+
+
 def decode_fused_combine() -> bool:
-    """CUFLASH_DECODE_FUSED_COMBINE=1: split decodes merge their splits inside the decode kernel (the
-    last split block of each row tile; cuda_src/flash_decode.cu) instead of a second kernel, and, a
-    split then costing no extra launch, eager calls choose their split count by GPU time too
-    (decode_num_splits host_bound_rule=False). Opt-in until a GPU has run and measured it."""
+    """Whether split decodes may merge their splits inside the decode kernel (the last split block of
+    each row tile; cuda_src/flash_decode.cu merge_tile) instead of a second kernel, where rows x
+    splits <= DECODE_FUSED_MAX_PARTS; a split then costing no extra launch, eager calls choose their
+    split count by GPU time there (decode_num_splits host_bound_rule=False). The default;
+    CUFLASH_DECODE_FUSED_COMBINE=0 keeps the combine kernel. H200, session 7 (bench_decode, 24
+    contiguous points, cuflash / the faster of SDPA-flash and cuDNN, GPU time): geomean 1.30 without,
+    1.20 with; 512-key caches at batch 1-4 from 1.85-1.90 to 1.18-1.26."""
     import os
 
-    return os.environ.get("CUFLASH_DECODE_FUSED_COMBINE") == "1"
+    return os.environ.get("CUFLASH_DECODE_FUSED_COMBINE") != "0"
 
 
 def decode_num_splits(blocks: int, keys: int, sm_count: int, blocks_per_sm: int, max_splits: int = 64,

@@ -543,6 +543,7 @@ class DecodePlan:
         keys = c.capacity if f.window_left < 0 else min(c.capacity, f.window_left + sq + max(f.window_right, 0)
                                                          + f.num_sink_tokens)
         self.fused = _config.decode_fused_combine() and d >= 16  # (flash_decode.cu: not at head_dim 8)
+        self.tile_rows = min(rows, _config.DECODE_ROWS)
         self.counter_count = blocks
         self.counters = {}  # stream -> the fused combine's counters (cupy memory, zeroed once)
         if num_splits == 0:
@@ -551,8 +552,9 @@ class DecodePlan:
             # call and one captured in a CUDA graph may get different counts (decode_num_splits'
             # host_bound_rule): run() picks by the stream's capture state. With the fused combine a
             # split costs an eager call no extra launch, and GPU time decides there too.
-            num_splits = _config.decode_num_splits(blocks, keys, _sm_count(dev), 2, host_bound_rule=not self.fused)
             graph_splits = _config.decode_num_splits(blocks, keys, _sm_count(dev), 2, host_bound_rule=False)
+            num_splits = (graph_splits if self._fusable(graph_splits)
+                          else _config.decode_num_splits(blocks, keys, _sm_count(dev), 2, host_bound_rule=True))
         else:
             graph_splits = num_splits
         table = infos.get("block_table")
@@ -596,12 +598,19 @@ class DecodePlan:
                                                out_t, dataclasses.replace(args0, num_splits=splits,
                                                                           split_counters=counters),
                                                c.dtype, c.scale, mask, dev, cc)
-            fused = launches(Slot(_D_COUNTERS)) if self.fused and splits > 1 else None
+            fused = launches(Slot(_D_COUNTERS)) if self._fusable(splits) else None
             return splits, _launch.decode_scratch_floats(b, h, sq, d, splits), launches(0), fused
 
         self.eager = variant(num_splits)
         self.graph = self.eager if graph_splits == num_splits else variant(graph_splits)
         self.num_splits, self.scratch_floats, self.launches = self.eager[:3]  # the eager variant's
+
+    def _fusable(self, splits: int) -> bool:
+        """Whether the fused combine serves `splits` (_config.DECODE_FUSED_MAX_PARTS): one block merges
+        a row tile's splits alone, so only where they are few."""
+        from . import _config
+
+        return self.fused and splits > 1 and self.tile_rows * splits <= _config.DECODE_FUSED_MAX_PARTS
 
     def run_call(self, names: dict):
         """One call: the checks that depend on the arrays' values or identity (a torch cache that

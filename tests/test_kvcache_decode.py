@@ -200,18 +200,24 @@ def test_split_heuristic():
 @pytest.mark.parametrize("layout,splits,sq,gqa,opts", [("paged64", 2, 2, 4, {}), ("contig", 7, 1, 8, {}),
                                                       ("contig_idx", 40, 3, 2, {}), ("paged16", 128, 1, 1, {}),
                                                       ("contig", 5, 1, 4, {"sinklogit": True}),
-                                                      ("contig", 0, 1, 8, {})])
+                                                      ("contig", 0, 1, 8, {}),
+                                                      ("contig", 40, 1, 8, {"default_limit": True})])
 def test_fused_combine(monkeypatch, layout, splits, sq, gqa, opts):
     """CUFLASH_DECODE_FUSED_COMBINE=1 (cuda_src/flash_decode.cu's fused combine): the last split block of
     each row tile merges the splits, through per-stream counters that go back to zero, so that
     calls in a row (the same plan, the same counters) keep matching the reference: forced split
     counts (also more splits than key tiles, and rows with no key), several row tiles, GQA, a sink
-    logit, the heuristic's count (splits 0). torch CUDA."""
-    from cuflash import _kvcache
+    logit, the heuristic's count (splits 0). The limit on rows x splits (_config.DECODE_FUSED_MAX_PARTS)
+    is lifted so that every count fuses, except in the last case, which must then take the combine
+    kernel. torch CUDA."""
+    from cuflash import _config, _kvcache
 
     if not torch.cuda.is_available():
         pytest.skip("torch has no CUDA device")
     monkeypatch.setenv("CUFLASH_DECODE_FUSED_COMBINE", "1")
+    default_limit = opts.get("default_limit", False)
+    if not default_limit:
+        monkeypatch.setattr(_config, "DECODE_FUSED_MAX_PARTS", 1 << 30)
     monkeypatch.setattr(_kvcache, "_DECODE_PLANS", {})
     monkeypatch.setattr(_kvcache, "_FAST_PLANS", {})
     seed = _new_seed()
@@ -223,4 +229,7 @@ def test_fused_combine(monkeypatch, layout, splits, sq, gqa, opts):
         _check(case, "cuda", True, kw, _ctx(seed, call=call, layout=layout, splits=splits), num_splits=splits)
     plans = list(_kvcache._DECODE_PLANS.values())
     assert plans and all(pl.fused for pl in plans), [pl.fused for pl in plans]
-    assert splits == 1 or any(pl.counters for pl in plans), "the fused path made its counters"
+    if default_limit:  # 8 rows x 40 splits > DECODE_FUSED_MAX_PARTS: no fused launches, no counters
+        assert all(pl.eager[3] is None and not pl.counters for pl in plans), [pl.counters for pl in plans]
+    else:
+        assert splits == 1 or any(pl.counters for pl in plans), "the fused path made its counters"

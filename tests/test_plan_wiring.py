@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import _adapters, _compile, _gpu, _launch, _plan
+from cuflash import _adapters, _compile, _gpu, _kvcache, _launch, _plan
 from cuflash._adapters._numpy import NumpyAdapter
 from cuflash._call import ArrayInfo
 
@@ -122,6 +122,8 @@ def dev(monkeypatch):
     monkeypatch.setattr(_launch, "_launch_kernel", launch_kernel)
     monkeypatch.setattr(_plan, "_current_device", lambda: 0)
     monkeypatch.setitem(_adapters._BY_TYPE, Dev, ad)
+    # The fused decode combine's counters (cupy memory on a GPU): a fake pointer here.
+    monkeypatch.setattr(_kvcache.DecodePlan, "_counters", lambda self, stream: 0xC0C000)
     _plan.CACHE.clear()
     yield ad, launched
     _plan.CACHE.clear()
@@ -951,6 +953,7 @@ def test_kvcache_decode_wiring(dev, monkeypatch, layout, splits):
     from cuflash import _kvcache
 
     monkeypatch.setattr(_kvcache, "_sm_count", lambda device_id: 132)
+    monkeypatch.setenv("CUFLASH_DECODE_FUSED_COMBINE", "0")  # the combine kernel's path
     ad, launched = dev
     rng = np.random.default_rng()
     b, h, hkv, d, n, sq = 3, 8, 2, 64, 2, 2
@@ -1001,7 +1004,8 @@ def test_kvcache_decode_wiring(dev, monkeypatch, layout, splits):
 def test_kvcache_fused_combine_wiring(dev, monkeypatch, counters):
     """CUFLASH_DECODE_FUSED_COMBINE=1: a split decode launches no combine kernel; the decode kernel's
     Params carry the plan's counters for the stream (DecodePlan._counters). Without counters (a graph
-    capture that met none yet: 0) the call keeps the combine kernel and passes no counters."""
+    capture that met none yet: 0), or with more rows x splits than DECODE_FUSED_MAX_PARTS, the call
+    keeps the combine kernel and passes no counters."""
     from cuflash import _kvcache
 
     monkeypatch.setattr(_kvcache, "_sm_count", lambda device_id: 132)
@@ -1015,11 +1019,12 @@ def test_kvcache_fused_combine_wiring(dev, monkeypatch, counters):
     q = arr(rng, (b, 1, h, d))
     k_cache, v_cache = arr(rng, (b, 100, hkv, d)), arr(rng, (b, 100, hkv, d))
     seqlens = np.array([3, 0, 50], np.int32).view(Dev)
-    for splits in (5, 1):
+    for splits in (5, 1, 40):
         n0 = len(launched)
         cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, num_splits=splits)
         names = [L["name"] for L in launched[n0:]]
-        fused = splits > 1 and counters != 0
+        # 4 rows a tile x 40 splits is past _config.DECODE_FUSED_MAX_PARTS: the combine kernel.
+        fused = splits > 1 and counters != 0 and 4 * splits <= 64
         assert names == ["decode_f16_d64_s4"] + (["decode_combine_f16_d64"] if splits > 1 and not fused else []), names
         assert int(launched[n0]["p"]["split_counters"]) == (counters if fused else 0)
 
@@ -1030,6 +1035,7 @@ def test_kvcache_repeat_call_takes_the_fast_path(dev, monkeypatch):
     from cuflash import _kvcache
 
     monkeypatch.setattr(_kvcache, "_sm_count", lambda device_id: 132)
+    monkeypatch.setenv("CUFLASH_DECODE_FUSED_COMBINE", "0")  # the combine kernel's path
     ad, launched = dev
     rng = np.random.default_rng()
     calls = []
@@ -1052,14 +1058,20 @@ def test_kvcache_repeat_call_takes_the_fast_path(dev, monkeypatch):
         cuflash.attention_with_kvcache(q, kc, kc, kn, vn, seqlens, causal=True, num_splits=2)
 
 
-def test_kvcache_graph_capture_takes_its_own_split_count(dev, monkeypatch):
-    """With num_splits=0 a short cache is not split in eager calls (host-bound: a split adds a launch
-    and an allocation) but is split while the stream is captured into a CUDA graph, where GPU time
-    alone counts (cuflash/_config.py decode_num_splits, host_bound_rule); the plan holds both and
-    asks the stream. A forced count is the same in both."""
+@pytest.mark.parametrize("fused", [False, True])
+def test_kvcache_graph_capture_takes_its_own_split_count(dev, monkeypatch, fused):
+    """With num_splits=0 and the combine kernel (CUFLASH_DECODE_FUSED_COMBINE=0) a short cache is not
+    split in eager calls (host-bound: a split adds a launch) but is split while the stream is captured
+    into a CUDA graph, where GPU time alone counts (cuflash/_config.py decode_num_splits,
+    host_bound_rule); the plan holds both and asks the stream. With the fused combine (the default;
+    8 rows x 8 splits is within DECODE_FUSED_MAX_PARTS) a split adds no launch, and eager calls split
+    too. A forced count is the same in both."""
     from cuflash import _kvcache
 
     monkeypatch.setattr(_kvcache, "_sm_count", lambda device_id: 132)
+    monkeypatch.setenv("CUFLASH_DECODE_FUSED_COMBINE", "1" if fused else "0")
+    monkeypatch.setattr(_kvcache, "_DECODE_PLANS", {})
+    monkeypatch.setattr(_kvcache, "_FAST_PLANS", {})
     ad, launched = dev
     rng = np.random.default_rng()
     q = arr(rng, (1, 1, 8, 64))
@@ -1067,12 +1079,14 @@ def test_kvcache_graph_capture_takes_its_own_split_count(dev, monkeypatch):
     seqlens = np.array([500], np.int32).view(Dev)
     capturing = []
     monkeypatch.setattr(_kvcache, "stream_capturing", lambda stream: bool(capturing))
-    for capture, forced, want in ((False, 0, 1), (True, 0, 8), (False, 0, 1), (True, 3, 3), (False, 3, 3)):
+    eager = 8 if fused else 1
+    for capture, forced, want in ((False, 0, eager), (True, 0, 8), (False, 0, eager), (True, 3, 3), (False, 3, 3)):
         capturing[:] = [1] if capture else []
         del launched[:]
         cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens, causal=True, num_splits=forced)
         names = [L["name"] for L in launched]
-        assert names == ["decode_f16_d64_s4"] + (["decode_combine_f16_d64"] if want > 1 else []), (capture, names)
+        combine = want > 1 and not fused  # (the fixture's plans always have counters for the stream)
+        assert names == ["decode_f16_d64_s4"] + (["decode_combine_f16_d64"] if combine else []), (capture, names)
         assert int(launched[0]["p"]["num_splits"]) == want and launched[0]["grid"] == want, (capture, forced)
         if want > 1:
             assert int(launched[0]["p"]["o_part"]) != 0
@@ -1143,6 +1157,7 @@ def test_kvcache_launch_failure_names_kernel_and_call(dev, monkeypatch):
     from cuflash import _kvcache
 
     monkeypatch.setattr(_kvcache, "_sm_count", lambda device_id: 132)
+    monkeypatch.setenv("CUFLASH_DECODE_FUSED_COMBINE", "0")  # the combine kernel's path
     ad, launched = dev
     rng = np.random.default_rng()
     q, kc, vc = arr(rng, (2, 1, 8, 64)), arr(rng, (2, 64, 2, 64)), arr(rng, (2, 64, 2, 64))
