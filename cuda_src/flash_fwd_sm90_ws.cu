@@ -6,14 +6,15 @@
 // softmax of tile j runs while the P V product still runs). Nothing of size seqlen_q x seqlen_k ever
 // reaches device memory.
 //
-// FEAT (the optional features of mask.cuh; padded batches, not packed ones): as in flash_fwd_sm90.cu,
+// FEAT (the optional features of mask.cuh; padded and packed batches): as in flash_fwd_sm90.cu,
 // the key tiles of key_tiles, masks on the tiles a bound crosses, log2-unit logits for softcap /
 // ALiBi, a sink logit joining the softmax after the last tile; causal is the window's right bound.
 // TMA reads whole tensors, so rows past a sequence's valid lengths arrive as they are in memory
-// (where the cp.async kernels zero-fill them): their scores are masked, the V rows past kv_lengths
-// in the last tile (the only one that can reach past it) are zeroed in shared memory before their
-// product (0 * NaN would be NaN), and the outputs of query rows past q_lengths are set to 0, not
-// scaled by 0.
+// (where the cp.async kernels zero-fill them): their scores are masked, the V rows past the
+// sequence's keys in the last tile (the only one that can reach past them) are zeroed in shared
+// memory before their product (0 * NaN would be NaN), and the outputs of query rows past q_lengths
+// are set to 0, not scaled by 0. A packed batch's maps describe its arrays as one sequence of all
+// rows (batch 1); a block loads from its sequence's first row on and writes only its rows.
 //
 // Grid: one block per (batch, head, BLOCK_M = 64 CONSUMERS query rows), the 1-D mapping of
 // blocks.cuh (longest causal blocks first). CONSUMERS = 2 (384 threads) or 3 (512 threads, at head_dim
@@ -131,6 +132,12 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
     int q_valid = sq, k_valid = sk;
     const QueryFeat qf = query_setup<FEAT, BLOCK_M, BLOCK_N>(p.mask, b, h, m0, sq, sk, n_blocks, q_valid, k_valid);
     auto tile_of = [&](int it) { if constexpr (FEAT) return qf.kt.tile(it); else return it; };
+    // A packed batch's maps see its arrays as one sequence (batch 1) of all rows: a sequence's tiles
+    // start at its first row there. Rows past q_rows are not written.
+    const bool packed = FEAT && p.mask.cu_seqlens_q != nullptr;
+    const int tb = packed ? 0 : b;
+    const int q_row0 = (int)qf.si.q_row0, k_row0 = (int)qf.si.k_row0;
+    const int q_rows = FEAT ? qf.si.q_rows : sq;
 
     if (tid == 0) {
         mbar_init(bar_q, 1);
@@ -161,20 +168,20 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
             tma_prefetch_desc(&p.map_v);
             mbar_arrive_expect_tx(bar_q, Tr::SQ_BYTES);
 #pragma unroll
-            for (int c = 0; c < HEAD_DIM / 64; ++c) tma_load_4d(sQ + c * BLOCK_M * 128, &p.map_q, bar_q, c * 64, m0, h, b);
+            for (int c = 0; c < HEAD_DIM / 64; ++c) tma_load_4d(sQ + c * BLOCK_M * 128, &p.map_q, bar_q, c * 64, q_row0 + m0, h, tb);
             for (int j = 0; j < n_blocks; ++j) {
                 const int s = j % STAGES, u = j / STAGES, n = tile_of(j) * BLOCK_N;
                 if (u > 0) mbar_wait(k_empty(s), (u - 1) & 1);
                 mbar_arrive_expect_tx(k_full(s), Tr::SKV_BYTES);
 #pragma unroll
                 for (int c = 0; c < HEAD_DIM / 64; ++c)
-                    tma_load_4d(sK + s * Tr::SKV_BYTES + c * BLOCK_N * 128, &p.map_k, k_full(s), c * 64, n, h_kv, b);
+                    tma_load_4d(sK + s * Tr::SKV_BYTES + c * BLOCK_N * 128, &p.map_k, k_full(s), c * 64, k_row0 + n, h_kv, tb);
                 const int uv = u + (s == STAGES - 1 ? 1 : 0);  // earlier uses of V stage s, V_(-1) included
                 if (uv > 0) mbar_wait(v_empty(s), (uv - 1) & 1);
                 mbar_arrive_expect_tx(v_full(s), Tr::SKV_BYTES);
 #pragma unroll
                 for (int c = 0; c < HEAD_DIM / 64; ++c)
-                    tma_load_4d(sV + s * Tr::SKV_BYTES + c * BLOCK_N * 128, &p.map_v, v_full(s), c * 64, n, h_kv, b);
+                    tma_load_4d(sV + s * Tr::SKV_BYTES + c * BLOCK_N * 128, &p.map_v, v_full(s), c * 64, k_row0 + n, h_kv, tb);
             }
         }
         return;
@@ -243,10 +250,11 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
         const int sp = (n_blocks - 1) % STAGES;
         mbar_wait(v_full(sp), ((n_blocks - 1) / STAGES) & 1);
         if constexpr (FEAT) {
-            // V rows past kv_lengths (memory the call does not vouch for) as zeros: both consumers write
+            // V rows past the sequence's keys (kv_lengths, or the next sequence of a packed batch, or
+            // memory past its last: rows the call does not vouch for) as zeros: both consumers write
             // the same zeros, each before its own product.
             const int n_last = tile_of(n_blocks - 1) * BLOCK_N;
-            if (n_last + BLOCK_N > k_valid && k_valid < sk) {
+            if (n_last + BLOCK_N > k_valid) {
                 zero_rows_sw128<HEAD_DIM, BLOCK_N>(sV + sp * Tr::SKV_BYTES, max(k_valid - n_last, 0), tid % 128, 128);
                 fence_proxy_async();
                 named_barrier_sync(1 + cw, 128);
@@ -289,18 +297,18 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
     o_rows_to_smem<Ops, HEAD_DIM, BLOCK_M>(sQ_ptr, acc_o, inv_l, warp_row0, g, t);
     // lse == nullptr: the caller wants only O (an eager forward with no gradient and no lse).
     if (t == 0 && p.lse != nullptr) {
-        float* g_lse = FEAT ? p.lse + b * p.mask.lse_batch_stride + h * p.mask.lse_head_stride
+        float* g_lse = FEAT ? p.lse + b * p.mask.lse_batch_stride + h * p.mask.lse_head_stride + q_row0
                             : p.lse + ((i64)b * p.nheads + h) * sq;
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const int row = m0 + warp_row0 + g + r * 8;
-            if (IS_EVEN || row < sq) g_lse[row] = lse[0][r];
+            if (IS_EVEN || row < q_rows) g_lse[row] = lse[0][r];
         }
     }
     __syncwarp();
 
-    T* gO = static_cast<T*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride + m0 * p.o_row_stride;
-    o_rows_to_global<T, HEAD_DIM, BLOCK_M, IS_EVEN>(gO, p.o_row_stride, sQ_ptr, warp_row0, lane, m0, sq);
+    T* gO = static_cast<T*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride + ((i64)q_row0 + m0) * p.o_row_stride;
+    o_rows_to_global<T, HEAD_DIM, BLOCK_M, IS_EVEN>(gO, p.o_row_stride, sQ_ptr, warp_row0, lane, m0, q_rows);
 }
 
 }  // namespace cuflash

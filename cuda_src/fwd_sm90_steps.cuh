@@ -50,12 +50,26 @@ __device__ __forceinline__ float feat_logits_and_mask(float (&s)[BLOCK_N / 2], c
                                                       float scale_log2, int n0, int row0, int g, int t) {
     float sc = scale_log2;
     if (qf.score_mod) {
+        if (m.softcap > 0.f) {
 #pragma unroll
-        for (int i = 0; i < BLOCK_N / 2; ++i) {
-            const int row = row0 + g + ((i % 4) / 2) * 8;
-            const int col = n0 + (i / 4) * 8 + 2 * t + (i % 2);
-            float tanh_s;
-            s[i] = qf.mi.logit_log2(m, scale_log2, s[i], row, col, tanh_s);
+            for (int i = 0; i < BLOCK_N / 2; ++i) {
+                const int row = row0 + g + ((i % 4) / 2) * 8;
+                const int col = n0 + (i / 4) * 8 + 2 * t + (i % 2);
+                float tanh_s;
+                s[i] = qf.mi.logit_log2(m, scale_log2, s[i], row, col, tanh_s);
+            }
+        } else {
+            // ALiBi alone: logit_log2's s * scale - slope * |i + shift - j|, with the distance formed
+            // in float from one conversion per row (exact below 2^24) rather than one per element:
+            // integer-to-float conversions share the pipe of exp2.
+            const float a = qf.mi.alibi_log2;
+            const int d_row = row0 + g + qf.mi.shift - n0 - 2 * t;
+            const float d0[2] = {(float)d_row, (float)(d_row + 8)};
+#pragma unroll
+            for (int i = 0; i < BLOCK_N / 2; ++i) {
+                const float d = d0[(i % 4) / 2] - (float)((i / 4) * 8 + (i % 2));
+                s[i] = fmaf(-a, fabsf(d), s[i] * scale_log2);
+            }
         }
         sc = 1.f;
     }

@@ -672,12 +672,14 @@ def fwd_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTen
     batch, seqlen_q, nheads, head_dim = q.shape
     _, seqlen_k, nheads_kv, _ = k.shape
     target = _config.compile_arch(*cc)
+    mq, mk, mv = q, k, v  # what the warp-specialized kernel's tensor maps describe
     if mask is not None:
         assert not causal
         narrow = 0 <= mask.window_left and mask.window_left + max(mask.window_right, 0) < _config.NARROW_WINDOW
-        ws = (None if cfg is not None or target != "sm_90a" or mask.packed
-              else _config.fwd_ws_feat_config(head_dim, narrow))
-        if ws and _use_tma(q, q, 64 * ws[3], dtype) and _use_tma(k, v, ws[0], dtype):
+        ws = None if cfg is not None or target != "sm_90a" else _config.fwd_ws_feat_config(head_dim, narrow)
+        if mask.packed:  # the arrays as one sequence of all their rows (flash_fwd_sm90_ws.cu)
+            mq, mk, mv = (_one_sequence(t, n) for t, n in ((q, mask.total_q), (k, mask.total_k), (v, mask.total_k)))
+        if ws and _use_tma(mq, mq, 64 * ws[3], dtype) and _use_tma(mk, mv, ws[0], dtype):
             cfg = _config.TileConfig(64 * ws[3], ws[0], 4 * (1 + ws[3]), wgmma=True)
             spec, smem = fwd_ws_specialization(dtype, head_dim, False, False, *ws, feat=True)
         else:
@@ -723,9 +725,17 @@ def fwd_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTen
         from . import _tma
 
         maps = [(name, t.ptr, _tma.MapCache(t.shape, t.strides, rows, dtype)) for name, t, rows in
-                (("map_k", k, cfg.block_n), ("map_v", v, cfg.block_n)) + ((("map_q", q, cfg.block_m),) if ws else ())]
+                (("map_k", mk, cfg.block_n), ("map_v", mv, cfg.block_n)) + ((("map_q", mq, cfg.block_m),) if ws else ())]
         return [TmaLaunch(spec.name, fn.ptr, grid, cfg.warps * 32, smem, p, ptrs, device_id, maps)]
     return [Launch(spec.name, fn.ptr, grid, cfg.warps * 32, smem, p, ptrs, device_id)]
+
+
+def _one_sequence(t: DeviceTensor, rows: int) -> DeviceTensor:
+    """A packed batch's 4-D view (batch, max_seqlen, heads, head_dim; batch stride 0) as the array it
+    views: one sequence of all `rows` rows (a batch of 1, its stride that of the whole array)."""
+    _, _, heads, head_dim = t.shape
+    rs, hs, es = t.strides[1:]
+    return DeviceTensor(t.ptr, (1, max(rows, 1), heads, head_dim), (max(rows, 1) * rs, rs, hs, es))
 
 
 def _tma_ok(t: DeviceTensor) -> bool:

@@ -110,3 +110,51 @@ def test_nan_padding(cf, ws_feat, head_dim, dtype, causal, feature):
     check_out(out, ref, naive, msg)
     check_lse(lse, ref_lse, msg, (batch, h, sq))
     check_padding_forward(out, lse, visible_padded(batch, sq, sk, causal, feat), feat, msg)
+
+
+@pytest.mark.parametrize("feature,dtype,causal,head_dim,cross", [("plain", "bfloat16", True, 64, False),
+                                                                 ("win5_7", "float16", False, 128, True),
+                                                                 ("alibi_bh", "bfloat16", False, 128, False),
+                                                                 ("sinklogits", "float16", True, 256, True),
+                                                                 ("win3_0_sinktok2", "bfloat16", True, 128, True)])
+def test_ws_feat_varlen(cf, ws_feat, feature, dtype, causal, head_dim, cross):
+    """Packed batches (the maps see the arrays as one sequence of all rows): tests/test_gpu_features.py's
+    test_varlen (lengths 0, 1 and odd ones, rows past cu_seqlens[-1], forward and backward, against
+    the reference and against each sequence alone), through the warp-specialized kernel."""
+    from test_gpu_features import test_varlen
+
+    n0 = len(ws_feat)
+    test_varlen(cf, feature, dtype, causal, head_dim, 4, 2, cross, False)
+    assert any(n.startswith("fwd90ws_") and "_feat" in n for n in ws_feat[n0:]), ws_feat[n0:]
+
+
+@pytest.mark.parametrize("head_dim,causal", [(64, True), (128, False), (256, True)])
+def test_ws_feat_varlen_nan_tails(cf, ws_feat, head_dim, causal):
+    """Rows of the packed arrays past cu_seqlens[-1] hold NaN: every sequence's output and lse equal,
+    bit for bit, those of the same call with zeros there (the last sequence's last key tile reaches
+    into those rows)."""
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    msg = seed_msg(seed, f"ws varlen nan tails d={head_dim} causal={causal}")
+    lq, lk = [37, 130, 5], [200, 7, 99]
+    cq = np.concatenate([[0], np.cumsum(lq)]).astype(np.int32)
+    ck = np.concatenate([[0], np.cumsum(lk)]).astype(np.int32)
+    tq, tk = int(cq[-1]) + 40, int(ck[-1]) + 40
+    q = rng.standard_normal((tq, 4, head_dim)).astype(np.float16)
+    k, v = (rng.standard_normal((tk, 2, head_dim)).astype(np.float16) for _ in range(2))
+    res = []
+    for fill in (0.0, np.nan):
+        qf, kf, vf = q.copy(), k.copy(), v.copy()
+        qf[cq[-1]:] = fill
+        kf[ck[-1]:] = fill
+        vf[ck[-1]:] = fill
+        n0 = len(ws_feat)
+        poison(0)
+        out, lse = cf.attention_varlen(_dev(qf), _dev(kf), _dev(vf), _dev(cq), _dev(ck), max(lq), max(lk),
+                                       causal=causal, return_lse=True)
+        assert any(n.startswith("fwd90ws_") and "_feat" in n for n in ws_feat[n0:]), (msg, ws_feat[n0:])
+        res.append((_host(out)[:cq[-1]], _host(lse)[:, :cq[-1]]))
+    (o0, l0), (o1, l1) = res
+    assert not np.isnan(o1.astype(np.float32)).any(), f"{msg}: NaN in the outputs of valid rows"
+    assert np.array_equal(o0.view(np.uint16), o1.view(np.uint16)), f"{msg}: outputs differ with NaN tails"
+    assert np.array_equal(l0, l1), f"{msg}: lse differs with NaN tails"

@@ -107,12 +107,18 @@ def test_long_cache(device, layout):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout", ["contig", "paged16"])
-def test_cuda_graph_replay(layout):
+@pytest.mark.parametrize("layout,fused", [("contig", True), ("paged16", True), ("contig", False)])
+def test_cuda_graph_replay(monkeypatch, layout, fused):
     """A decode step (append one token, attend) captured once in a CUDA graph, replayed after the
-    lengths on the device change: each replay matches the reference of its own lengths."""
+    lengths on the device change: each replay matches the reference of its own lengths. With the
+    fused combine (the default) and without (CUFLASH_DECODE_FUSED_COMBINE=0)."""
+    from cuflash import _kvcache
+
     if not torch.cuda.is_available():
         pytest.skip("torch has no CUDA device")
+    monkeypatch.setenv("CUFLASH_DECODE_FUSED_COMBINE", "1" if fused else "0")
+    monkeypatch.setattr(_kvcache, "_DECODE_PLANS", {})
+    monkeypatch.setattr(_kvcache, "_FAST_PLANS", {})
     seed = _new_seed()
     rng = np.random.default_rng(seed)
     case = make_case(rng, dtype=FP16, batch=3, seqlen_q=1, nheads=8, nheads_kv=2, head_dim=64, layout=layout,
@@ -126,13 +132,13 @@ def test_cuda_graph_replay(layout):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = attention_with_kvcache(**args, causal=True)
-    # This short cache is split only under capture (decode_num_splits' host_bound_rule): the replays
-    # below check the graph's own split count.
-    from cuflash._kvcache import _DECODE_PLANS
-
-    plans = [pl for pl in _DECODE_PLANS.values() if pl.out_shape == tuple(case.q.shape) and pl.call.capacity == 256]
-    assert plans and all(pl.eager[0] == 1 and pl.graph[0] > 1 for pl in plans), [(pl.eager[0], pl.graph[0])
-                                                                                 for pl in plans]
+    # This short cache is split under capture (GPU time decides there); eager calls split it too with
+    # the fused combine (a split then adds no launch), not without (decode_num_splits'
+    # host_bound_rule). The replays below check the graph's own split count.
+    plans = [pl for pl in _kvcache._DECODE_PLANS.values()
+             if pl.out_shape == tuple(case.q.shape) and pl.call.capacity == 256]
+    assert plans and all((pl.eager[0] > 1) == fused and pl.graph[0] > 1 for pl in plans), [
+        (pl.eager[0], pl.graph[0]) for pl in plans]
     for step, lengths in enumerate(([5, 100, 200], [6, 101, 201], [7, 102, 3])):
         # the caches as the reference sees them: what the device holds now (earlier replays appended)
         kc, vc = _back(args["k_cache"]).copy(), _back(args["v_cache"]).copy()
