@@ -552,7 +552,19 @@ flash_bwd_dq_kernel(const __grid_constant__ BwdParams p) {
                 ks[0] = qf.mi.key_span(p.mask, m0 + warp * 16 + g);
                 ks[1] = qf.mi.key_span(p.mask, m0 + warp * 16 + g + 8);
             }
-            if (qf.score_mod) {
+            if (qf.score_mod && p.mask.softcap == 0.f) {  // ALiBi alone: distances from one conversion a row
+                const int d_row = m0 + warp * 16 + g + qf.mi.shift - n0 - 2 * t;
+                const float d0[2] = {(float)d_row, (float)(d_row + 8)};
+#pragma unroll
+                for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int col = n0 + nt * 8 + 2 * t + (e % 2);
+                        const float x = qf.mi.alibi_logit_log2(p.scale_log2, s[nt][e], d0[e / 2] - (float)(nt * 8 + e % 2));
+                        const float pv = (edge && !ks[e / 2].has(p.mask, col)) ? 0.f : fast_exp2(fminf(x - lse2[e / 2], 0.f));
+                        dp[nt][e] = pv * (dp[nt][e] - dlt[e / 2]);  // dS
+                    }
+            } else if (qf.score_mod) {
 #pragma unroll
                 for (int nt = 0; nt < N_TILES; ++nt)
 #pragma unroll

@@ -290,6 +290,15 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ typename BwdSm90ParamsOf<TMA>
                     s[i] = qs[(i % 4) / 2].has(query) ? fast_exp2(fminf(fmaf(s[i], p.scale_log2, -l2), 0.f)) : 0.f;
                     dp[i] = s[i] * (dp[i] - dl);
                 });
+            } else if (p.mask.softcap == 0.f) {
+                // ALiBi alone: distances from one conversion per key (mask.cuh alibi_logit_log2).
+                const int d_key = q0 + mi.shift - (n0 + key_row0 + g);
+                const float d0[2] = {(float)d_key, (float)(d_key - 8)};
+                each_score<BLOCK_M>(lse_s, dlt_s, q0, [&](int i, int query, float l2, float dl) {
+                    const float x = mi.alibi_logit_log2(p.scale_log2, s[i], d0[(i % 4) / 2] + (float)(8 * (i / 4) + i % 2));
+                    s[i] = (edge && !qs[(i % 4) / 2].has(query)) ? 0.f : fast_exp2(fminf(x - l2, 0.f));
+                    dp[i] = s[i] * (dp[i] - dl);
+                });
             } else {
                 each_score<BLOCK_M>(lse_s, dlt_s, q0, [&](int i, int query, float l2, float dl) {
                     const int key = n0 + key_row0 + g + ((i % 4) / 2) * 8;

@@ -59,17 +59,12 @@ __device__ __forceinline__ float feat_logits_and_mask(float (&s)[BLOCK_N / 2], c
                 s[i] = qf.mi.logit_log2(m, scale_log2, s[i], row, col, tanh_s);
             }
         } else {
-            // ALiBi alone: logit_log2's s * scale - slope * |i + shift - j|, with the distance formed
-            // in float from one conversion per row (exact below 2^24) rather than one per element:
-            // integer-to-float conversions share the pipe of exp2.
-            const float a = qf.mi.alibi_log2;
+            // ALiBi alone: the distance i + shift - j from one conversion per row (mask.cuh).
             const int d_row = row0 + g + qf.mi.shift - n0 - 2 * t;
             const float d0[2] = {(float)d_row, (float)(d_row + 8)};
 #pragma unroll
-            for (int i = 0; i < BLOCK_N / 2; ++i) {
-                const float d = d0[(i % 4) / 2] - (float)((i / 4) * 8 + (i % 2));
-                s[i] = fmaf(-a, fabsf(d), s[i] * scale_log2);
-            }
+            for (int i = 0; i < BLOCK_N / 2; ++i)
+                s[i] = qf.mi.alibi_logit_log2(scale_log2, s[i], d0[(i % 4) / 2] - (float)((i / 4) * 8 + (i % 2)));
         }
         sc = 1.f;
     }

@@ -148,6 +148,13 @@ struct MaskInfo {
                || (m.window_left >= 0 && n0 < m0 + bm - 1 + shift - m.window_left);
     }
 
+    // logit_log2 with ALiBi alone (no softcap), given the distance i + shift - j as a float: callers
+    // form it from one integer conversion per row or key and a constant per element, since
+    // integer-to-float conversions share the pipe of exp2 (exact below 2^24).
+    __device__ __forceinline__ float alibi_logit_log2(float scale_log2, float s, float dist) const {
+        return fmaf(-alibi_log2, fabsf(dist), s * scale_log2);
+    }
+
     // The logit in log2 units of raw score s = q.k at (i, j); t gets tanh's value (softcap's
     // derivative is 1 - t^2; t = 0 without softcap).
     __device__ __forceinline__ float logit_log2(const MaskParams& m, float scale_log2, float s, int i, int j,
