@@ -165,9 +165,13 @@ FWD_WS_STAGES = 2
 # non-causal at 512 keys took 1.12 to 1.15x the time of the cp.async wgmma kernel of
 # bench/results/h100.json (two and three consumers, two runs); from 2k it is 7 to 17 % faster.
 # Those calls take the TMA variant of flash_fwd_sm90.cu.
-FWD_WS_MIN_SEQLEN_K = {(64, False): 2048}
-FWD_WS_TABLE = {(64, False): (128, 3, False, 3), (128, False): (128, 2, True, 2), (128, True): (128, 2, True, 2),
-                (256, False): (64, 2, False, 2), (256, True): (64, 2, False, 2)}
+# Head_dim 64 causal (H200, session 7, bench.py fwd, 16k tokens, both dtypes, TFLOP/s at 2k / 4k / 8k
+# / 16k, bench/results/fwd64_causal_*_h200.json): TMA variant 336 / 368 / 379 / 398 (bf16), 330 /
+# 354 / 374 / 388 (fp16); three consumers n128 s2 302 / 352 / 402 / 430, 294 / 342 / 397 / 428; two
+# consumers 282 / 321 / 346 / 370. Three consumers from 8192 keys.
+FWD_WS_MIN_SEQLEN_K = {(64, False): 2048, (64, True): 8192}
+FWD_WS_TABLE = {(64, False): (128, 3, False, 3), (64, True): (128, 2, False, 3), (128, False): (128, 2, True, 2),
+                (128, True): (128, 2, True, 2), (256, False): (64, 2, False, 2), (256, True): (64, 2, False, 2)}
 
 
 def fwd_ws_config(head_dim: int, causal: bool, seqlen_k: int | None = None):

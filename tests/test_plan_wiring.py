@@ -405,18 +405,18 @@ def test_fwd_ws_wiring(dev, monkeypatch):
     monkeypatch.setenv("CUFLASH_FWD_WS", "1")
     ad, launched = dev
     rng = np.random.default_rng()
-    # the table's (or, at d64 causal, the default)
-    for d, bn, stages, pp in ((64, 128, 2, ""), (128, 128, 2, "_pp"), (256, 64, 2, "")):
+    # the table's (head_dim 64 causal: three consumers, 192-row blocks)
+    for d, bn, stages, pp, c in ((64, 128, 2, "", 3), (128, 128, 2, "_pp", 2), (256, 64, 2, "", 2)):
         q = arr(rng, (2, 300, 4, d))
         k, v = arr(rng, (2, 500, 2, d)), arr(rng, (2, 500, 2, d))
         cuflash.attention(q, k, v, causal=True)
         L = launched[-1]
-        assert L["name"] == f"fwd90ws_f16_d{d}_m128_n{bn}_s{stages}_causal_ragged{pp}", L["name"]
-        assert L["threads"] == 384 and L["grid"] == 2 * 4 * 3
-        assert L["smem"] == _config.fwd_ws_smem_bytes(d, bn, stages)
+        assert L["name"] == f"fwd90ws_f16_d{d}_m{64 * c}_n{bn}_s{stages}_causal_ragged{pp}", L["name"]
+        assert L["threads"] == 128 * (c + 1) and L["grid"] == 2 * 4 * -(-300 // (64 * c))
+        assert L["smem"] == _config.fwd_ws_smem_bytes(d, bn, stages, c)
         check_tensor(L["p"], "q", q)
         check_tensor(L["p"], "k", k)
-        for field, t, rows in (("map_q", q, 128), ("map_k", k, bn), ("map_v", v, bn)):
+        for field, t, rows in (("map_q", q, 64 * c), ("map_k", k, bn), ("map_v", v, bn)):
             strides = tuple(x // t.itemsize for x in t.strides)
             assert L["p"][field].tobytes() == _tma.kv_map(addr(t), t.shape, strides, rows, "float16"), field
     # A call with options (FEAT): forced, even a narrow window takes the kernel's FEAT variant, whose
@@ -425,9 +425,9 @@ def test_fwd_ws_wiring(dev, monkeypatch):
     L = launched[-1]
     assert L["name"] == "fwd90ws_f16_d256_m128_n64_s2_feat", L["name"]
     assert int(L["p"]["mask"]["window_left"]) == 8 and int(L["p"]["mask"]["window_right"]) == 0, L["p"]["mask"]
-    # Without the setting: the table (cuflash/_config.py FWD_WS_TABLE): head_dim 64 causal keeps the
-    # TMA variant, head_dim 128 non-causal takes the warp-specialized kernel with 2 stages and the
-    # pingpong schedule (CUFLASH_FWD_WS_PINGPONG=0 turns it off).
+    # Without the setting: the table (cuflash/_config.py FWD_WS_TABLE): head_dim 64 causal below 8192
+    # keys keeps the TMA variant, head_dim 128 non-causal takes the warp-specialized kernel with 2
+    # stages and the pingpong schedule (CUFLASH_FWD_WS_PINGPONG=0 turns it off).
     monkeypatch.delenv("CUFLASH_FWD_WS")
     _plan.CACHE.clear()
     q, k, v = arr(rng, (2, 256, 4, 64)), arr(rng, (2, 256, 2, 64)), arr(rng, (2, 256, 2, 64))
