@@ -96,8 +96,17 @@ def test_jit_forward_and_grad_equal_eager(jaxgpu, monkeypatch, cmd_buffer, dtype
         gj = jit_grad(q, k, v, sink, arrays, g)
         for name, a, c in zip(("dq", "dk", "dv", "dsink"), ge, gj):
             assert np.isfinite(np.asarray(c.astype(jnp.float32))).all(), f"{name} not finite; {ctx}"
-            if name == "dsink":  # summed by jnp under jit, by the adapter eagerly: same terms, other order
-                np.testing.assert_allclose(np.asarray(c), np.asarray(a), rtol=1e-5, atol=1e-6, err_msg=ctx)
+            if name == "dsink":
+                # Summed by jnp under jit, by the adapter eagerly: the same float32 terms
+                # -exp(sink - lse) * sum_d(dout * out), in another order. Two orders differ by rounding
+                # relative to the sum of the terms' magnitudes, not to the sum, which can cancel (seed
+                # 1565925606, float16: 0.0168096 against 0.0168077 from terms of order 1).
+                o64 = np.asarray(out_e.astype(jnp.float32), np.float64)
+                rows = np.einsum("bshd,bshd->bhs", np.asarray(g, np.float64), o64)
+                mag = np.abs(np.exp(np.asarray(sink, np.float64)[None, :, None] - np.asarray(lse_e, np.float64))
+                             * rows).sum(axis=(0, 2))
+                err = np.abs(np.asarray(c, np.float64) - np.asarray(a, np.float64))
+                assert (err <= 1e-5 * mag + 1e-6).all(), f"dsink {np.asarray(c)} vs {np.asarray(a)}; {ctx}"
             else:
                 assert _same(a, c), f"{name}; rep {rep}; {ctx}"
 
