@@ -9,8 +9,9 @@ whose equivalence tests/test_bench_flex_cpu.py checks in float64). Variants, all
 tokens (documents of 64 to 4096 tokens, a fixed list). Shape (the issue's): batch 2, 16 heads,
 head_dim 128, bf16; seqlen 8192 and 16384.
 
-Timing as bench/bench.py (its time_cuda): CUDA events around back-to-back calls, after warm-up, the
-median of max(--reps, enough runs for --min-time seconds). Passes: fwd (inputs require grad, as in
+Timing as bench/bench.py: GPU time (its time_cuda: CUDA events around back-to-back calls, after
+warm-up, the median of max(--reps, enough runs for --min-time seconds)), then single eager calls (its
+time_eager: each starts on an idle GPU, host time included; the median of --eager-reps). Passes: fwd (inputs require grad, as in
 training) and fwdbwd (forward, then torch.autograd.grad of q, k, v). Flex's first call (its
 torch.compile, and its block mask) and cuflash's first call (kernel compile or cache load) are timed on
 their own and reported apart, never in the timings. The forward outputs of the two providers are
@@ -56,6 +57,8 @@ def parse_args(argv=None):
     p.add_argument("--min-time", type=float, help="seconds of timed work per measurement (default 0.2, quick 0.05)")
     p.add_argument("--max-reps", type=int, default=300)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--eager-reps", type=int, default=10,
+                   help="single eager calls timed after the GPU-time runs (host time included; default 10)")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--dry-run", action="store_true")
     args = p.parse_args(argv)
@@ -77,7 +80,7 @@ def configs(args, batch=BATCH):
 
 
 def run(torch, cuflash, args, log=print, device="cuda", shape=(BATCH, NHEADS, HEAD_DIM), compile_flex=True,
-        timer=None, passes=PASSES):
+        timer=None, passes=PASSES, eager_timer=None):
     """Measures every configuration; returns the rows (one per variant, seqlen, provider, pass) and
     the cross-checks. device / shape (batch, heads, head_dim) / compile_flex / timer (default
     bench.py's time_cuda) and passes exist for tests/test_bench_flex_cpu.py's CPU run of this code
@@ -86,6 +89,8 @@ def run(torch, cuflash, args, log=print, device="cuda", shape=(BATCH, NHEADS, HE
 
     if timer is None:
         from bench import time_cuda as timer
+    if eager_timer is None:
+        from bench import time_eager as eager_timer
     batch, nheads, head_dim = shape
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     flex = torch.compile(flex_attention, dynamic=False) if compile_flex else flex_attention
@@ -137,6 +142,10 @@ def run(torch, cuflash, args, log=print, device="cuda", shape=(BATCH, NHEADS, HE
                     fn = f if ps == "fwd" else (lambda: torch.autograd.grad(f(), (q, k, v), dout))
                     med, mn, reps = timer(torch, fn, args)
                     row.update(ms=med, ms_min=mn, reps=reps, tflops=row["flops"] / (med * 1e-3) / 1e12)
+                    # Single eager calls, each on an idle GPU: host time included, as a user sees one call.
+                    emed, emn, ereps = eager_timer(torch, fn, args.eager_reps)
+                    row.update(ms_eager=emed, ms_eager_min=emn, reps_eager=ereps,
+                               tflops_eager=row["flops"] / (emed * 1e-3) / 1e12)
                     rows.append(row)
             except Exception as e:
                 traceback.print_exc()
@@ -156,22 +165,26 @@ def run(torch, cuflash, args, log=print, device="cuda", shape=(BATCH, NHEADS, HE
     return rows, checks
 
 
-def ratios(rows):
-    """[(variant, seqlen, pass, cuflash / flex speed)] where both ran."""
+def ratios(rows, key="tflops"):
+    """[(variant, seqlen, pass, cuflash / flex speed)] where both ran; key "tflops" (GPU time) or
+    "tflops_eager" (single eager calls)."""
     out = []
-    by = {(r["variant"], r["seqlen"], r["pass"], r["provider"]): r for r in rows if "tflops" in r}
+    by = {(r["variant"], r["seqlen"], r["pass"], r["provider"]): r for r in rows if key in r}
     for (var, s, ps, prov), r in sorted(by.items()):
         if prov == "cuflash" and (var, s, ps, "flex") in by:
-            out.append((var, s, ps, r["tflops"] / by[(var, s, ps, "flex")]["tflops"]))
+            out.append((var, s, ps, r[key] / by[(var, s, ps, "flex")][key]))
     return out
 
 
 def report(rows, checks) -> str:
-    lines = ["| variant | seqlen | pass | cuflash TFLOP/s | Flex TFLOP/s | cuflash / Flex |", "| --- | --- | --- | --- | --- | --- |"]
+    lines = ["| variant | seqlen | pass | cuflash TFLOP/s | Flex TFLOP/s | cuflash / Flex | eager cuflash / Flex |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     by = {(r["variant"], r["seqlen"], r["pass"], r["provider"]): r for r in rows}
+    eager = {(v, s, p): x for v, s, p, x in ratios(rows, "tflops_eager")}
     for var, s, ps, x in ratios(rows):
+        e = eager.get((var, s, ps))
         lines.append(f"| {var} | {s} | {ps} | {by[(var, s, ps, 'cuflash')]['tflops']:.0f} | "
-                     f"{by[(var, s, ps, 'flex')]['tflops']:.0f} | {x:.2f} |")
+                     f"{by[(var, s, ps, 'flex')]['tflops']:.0f} | {x:.2f} | {'-' if e is None else f'{e:.2f}'} |")
     rs = [x for *_, x in ratios(rows)]
     if rs:
         bad = [f"{v} s{s} {p} {x:.2f}" for v, s, p, x in ratios(rows) if x < TARGET]

@@ -110,7 +110,8 @@ def test_bench_flex_runs_on_cpu():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         rows, checks = bench_flex.run(torch, cuflash, args, log=lambda *a, **k: None, device="cpu",
-                                      shape=(2, 2, 32), compile_flex=False, timer=timer, passes=("fwd",))
+                                      shape=(2, 2, 32), compile_flex=False, timer=timer, passes=("fwd",),
+                                      eager_timer=lambda torch_, fn, n: timer(torch_, fn, None))
     assert not [r for r in rows if "error" in r], [r["error"] for r in rows if "error" in r]
     assert len(rows) == len(fv.VARIANTS) * 2
     assert len(checks) == len(fv.VARIANTS)
@@ -118,3 +119,4 @@ def test_bench_flex_runs_on_cpu():
         assert not c["nan"] and c["max_abs_diff"] < 0.05, c
     text = bench_flex.report(rows, checks)
     assert "target cuflash / Flex >= 1.0" in text and len(bench_flex.ratios(rows)) == len(fv.VARIANTS)
+    assert len(bench_flex.ratios(rows, "tflops_eager")) == len(fv.VARIANTS)  # and single eager calls
