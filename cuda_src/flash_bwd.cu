@@ -7,11 +7,11 @@
 // Nothing of size seqlen_q x seqlen_k reaches device memory; the scratch is O(seqlen).
 //
 // Kernels, in launch order:
-//   1. flash_bwd_preprocess_kernel: one warp per (batch, head, query row), rows padded to
-//      seqlen_q_pad: delta = rowsum(dO * O), lse_log2 = lse * log2(e) (+inf where the row sees no key
-//      or does not exist, so that P = exp2(s - inf) = 0 there; skipped when lse_log2 is null, as for
-//      the sm_90a kernel of flash_bwd_sm90.cu, which converts lse itself), and zeroes the row of
-//      dq_accum when dQ is accumulated by atomics.
+//   1. flash_bwd_preprocess_kernel: rows (batch, head, query row) padded to seqlen_q_pad, a row's
+//      16-byte chunks on consecutive lanes (RowLanes): delta = rowsum(dO * O), lse_log2 = lse *
+//      log2(e) (+inf where the row sees no key or does not exist, so that P = exp2(s - inf) = 0
+//      there; skipped when lse_log2 is null, as for the sm_90a kernel of flash_bwd_sm90.cu, which
+//      converts lse itself), and zeroes the row of dq_accum when dQ is accumulated by atomics.
 //   2. flash_bwd_dkdv_kernel: one block per (key block, kv head, batch). K and V of its BLOCK_N keys
 //      stay in shared memory; dK and dV stay in registers. It loops over every query head of its
 //      GQA group and every query block that can see its keys (bottom-right causal), with Q, dO, lse
@@ -52,68 +52,116 @@
 
 namespace cuflash {
 
-
-__device__ __forceinline__ float warp_sum(float x) {
-#pragma unroll
-    for (int o = 16; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
-    return x;
-}
-
 // ------------------------------------------------------------------------------------------------
 // 1. preprocess
 // ------------------------------------------------------------------------------------------------
+// The two row-wise kernels (preprocess, dq conversion) give a row's HEAD_DIM / 8 chunks of 8
+// elements (16 bytes of a 16-bit row) to TPR consecutive lanes, TPR the next power of two, so a
+// warp serves 32 / TPR rows at once; each thread takes PASSES rows, spaced a pass apart, and issues
+// all their loads before using any (bytes in flight: these kernels are memory-bound). One warp per
+// row left three quarters of the lanes idle at head_dim 64 and ran at about half the bandwidth.
+template <int HEAD_DIM>
+struct RowLanes {
+    static constexpr int CHUNKS = HEAD_DIM / 8;
+    static constexpr int TPR = CHUNKS <= 1 ? 1 : CHUNKS <= 2 ? 2 : CHUNKS <= 4 ? 4 : CHUNKS <= 8 ? 8 : CHUNKS <= 16 ? 16 : 32;
+    static constexpr int THREADS = 256;
+    static constexpr int ROWS_PER_PASS = THREADS / TPR;
+    static constexpr int PASSES = 4;
+    static constexpr int ROWS_PER_BLOCK = ROWS_PER_PASS * PASSES;  // cuflash/_config.py:ROW_KERNEL_ROWS
+    static_assert(HEAD_DIM % 8 == 0 && CHUNKS <= 32, "head_dim: multiple of 8 up to 256");
+};
+
+// Sum over the TPR lanes of a row (aligned groups of consecutive lanes).
+template <int TPR>
+__device__ __forceinline__ float row_group_sum(float x) {
+#pragma unroll
+    for (int o = TPR / 2; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
+}
+
+// Row row_id of (batch, head, row) with `rows` rows per head.
+struct RowOf {
+    int i, h, b;
+    i64 bh;
+    __device__ __forceinline__ RowOf(i64 row_id, int rows, int nheads) {
+        i = (int)(row_id % rows);
+        bh = row_id / rows;
+        h = (int)(bh % nheads);
+        b = (int)(bh / nheads);
+    }
+};
+
 template <typename T, int HEAD_DIM, bool ZERO_DQ, bool FEAT = false>
 __global__ void __launch_bounds__(256)
 flash_bwd_preprocess_kernel(const __grid_constant__ BwdParams p) {
     using Ops = ElemOps<T>;
-    const int lane = threadIdx.x % 32;
-    const i64 row_id = (i64)blockIdx.x * 8 + threadIdx.x / 32;  // over (batch, head, padded row)
-    if (row_id >= (i64)p.batch * p.nheads * p.seqlen_q_pad) return;
-    const int i = (int)(row_id % p.seqlen_q_pad);
-    const i64 bh = row_id / p.seqlen_q_pad;
-    const int h = (int)(bh % p.nheads), b = (int)(bh / p.nheads);
+    using L = RowLanes<HEAD_DIM>;
+    constexpr int PASSES = L::PASSES;
+    const int sub = threadIdx.x % L::TPR;  // this thread's chunk of the row
+    const i64 total = (i64)p.batch * p.nheads * p.seqlen_q_pad;
+    const i64 first = (i64)blockIdx.x * L::ROWS_PER_BLOCK + threadIdx.x / L::TPR;
 
-    i64 q_row0 = 0;
-    int sq = p.seqlen_q;
-    if constexpr (FEAT) {
-        const SeqInfo si = seq_info(p.mask, b, p.seqlen_q, p.seqlen_k);
-        q_row0 = si.q_row0;
-        sq = si.sq;
-    }
-
-    float d = 0.f;
-    if (i < sq) {
-        const i64 r = q_row0 + i;
-        const T* o = static_cast<const T*>(p.o) + b * p.o_batch_stride + r * p.o_row_stride + h * p.o_head_stride;
-        const T* dO = static_cast<const T*>(p.dout) + b * p.do_batch_stride + r * p.do_row_stride + h * p.do_head_stride;
-        for (int c = lane; c < HEAD_DIM / 8; c += 32) {
-            const uint4 ov = *reinterpret_cast<const uint4*>(o + c * 8);
-            const uint4 dv = *reinterpret_cast<const uint4*>(dO + c * 8);
-            const u16* oe = reinterpret_cast<const u16*>(&ov);
-            const u16* de = reinterpret_cast<const u16*>(&dv);
+    uint4 ov[PASSES], dv[PASSES];
+    i64 q_row0[PASSES];
+    int sq[PASSES];
 #pragma unroll
-            for (int e = 0; e < 8; ++e) d += Ops::to_float(oe[e]) * Ops::to_float(de[e]);
-        }
-    }
-    d = warp_sum(d);
-    if (lane == 0) {
-        p.delta[row_id] = d;
-        float l2 = CUFLASH_INF;
-        if (i < sq) {
-            const float l = FEAT ? p.lse[b * p.mask.lse_batch_stride + h * p.mask.lse_head_stride + q_row0 + i]
-                                 : p.lse[bh * p.seqlen_q + i];
-            if (l != -CUFLASH_INF) l2 = l * CUFLASH_LOG2E;
-        }
-        if (p.lse_log2 != nullptr) p.lse_log2[row_id] = l2;  // null when no kernel of the call reads it
+    for (int k = 0; k < PASSES; ++k) {
+        // row_id runs over (batch, head, padded row)
+        const i64 row_id = first + k * L::ROWS_PER_PASS;
+        const RowOf ro(row_id, p.seqlen_q_pad, p.nheads);
+        const int i = ro.i, h = ro.h, b = ro.b;
+        q_row0[k] = 0;
+        sq[k] = p.seqlen_q;
         if constexpr (FEAT) {
-            // This row's term of d sink_logits[h] = -sum_i exp(sink - lse_i) * D_i (0 for padding).
-            if (p.mask.dsink_rows != nullptr)
-                p.mask.dsink_rows[row_id] = -fast_exp2(p.mask.sink_logits[h] * CUFLASH_LOG2E - l2) * d;
+            if (row_id < total) {
+                const SeqInfo si = seq_info(p.mask, b, p.seqlen_q, p.seqlen_k);
+                q_row0[k] = si.q_row0;
+                sq[k] = si.sq;
+            }
+        }
+        ov[k] = make_uint4(0u, 0u, 0u, 0u);
+        dv[k] = ov[k];
+        if (row_id < total && i < sq[k] && sub < L::CHUNKS) {
+            const i64 r = q_row0[k] + i;
+            const T* o = static_cast<const T*>(p.o) + b * p.o_batch_stride + r * p.o_row_stride + h * p.o_head_stride;
+            const T* dO = static_cast<const T*>(p.dout) + b * p.do_batch_stride + r * p.do_row_stride + h * p.do_head_stride;
+            ov[k] = *reinterpret_cast<const uint4*>(o + sub * 8);
+            dv[k] = *reinterpret_cast<const uint4*>(dO + sub * 8);
         }
     }
-    if (ZERO_DQ) {
-        float4* acc = reinterpret_cast<float4*>(p.dq_accum + row_id * HEAD_DIM);
-        for (int c = lane; c < HEAD_DIM / 4; c += 32) acc[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int k = 0; k < PASSES; ++k) {
+        const i64 row_id = first + k * L::ROWS_PER_PASS;
+        const u16* oe = reinterpret_cast<const u16*>(&ov[k]);
+        const u16* de = reinterpret_cast<const u16*>(&dv[k]);
+        float d = 0.f;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) d += Ops::to_float(oe[e]) * Ops::to_float(de[e]);
+        d = row_group_sum<L::TPR>(d);
+        if (row_id >= total) continue;
+        const RowOf ro(row_id, p.seqlen_q_pad, p.nheads);
+        const int i = ro.i, h = ro.h, b = ro.b;
+        const i64 bh = ro.bh;
+        if (sub == 0) {
+            p.delta[row_id] = d;
+            float l2 = CUFLASH_INF;
+            if (i < sq[k]) {
+                const float l = FEAT ? p.lse[b * p.mask.lse_batch_stride + h * p.mask.lse_head_stride + q_row0[k] + i]
+                                     : p.lse[bh * p.seqlen_q + i];
+                if (l != -CUFLASH_INF) l2 = l * CUFLASH_LOG2E;
+            }
+            if (p.lse_log2 != nullptr) p.lse_log2[row_id] = l2;  // null when no kernel of the call reads it
+            if constexpr (FEAT) {
+                // This row's term of d sink_logits[h] = -sum_i exp(sink - lse_i) * D_i (0 for padding).
+                if (p.mask.dsink_rows != nullptr)
+                    p.mask.dsink_rows[row_id] = -fast_exp2(p.mask.sink_logits[h] * CUFLASH_LOG2E - l2) * d;
+            }
+        }
+        if (ZERO_DQ && sub < L::CHUNKS) {
+            float4* acc = reinterpret_cast<float4*>(p.dq_accum + row_id * HEAD_DIM);
+            acc[sub] = make_float4(0.f, 0.f, 0.f, 0.f);
+            acc[sub + L::CHUNKS] = make_float4(0.f, 0.f, 0.f, 0.f);
+        }
     }
 }
 
@@ -394,7 +442,7 @@ flash_bwd_dkdv_kernel(const __grid_constant__ BwdParams p) {
 }
 
 // ------------------------------------------------------------------------------------------------
-// 3a. dq = scale * dq_accum (atomic path); one warp per (batch, head, query row)
+// 3a. dq = scale * dq_accum (atomic path); rows (batch, head, query row) as the preprocess's (RowLanes)
 // ------------------------------------------------------------------------------------------------
 // DQ_PERM = 0: dq_accum is row-major (batch, nheads, seqlen_q_pad, HEAD_DIM). DQ_PERM = n > 0: each
 // block of PERM_ROWS rows is in flash_bwd_sm90_ws.cu's order: parts of 64 rows x n columns (part
@@ -404,23 +452,36 @@ flash_bwd_dkdv_kernel(const __grid_constant__ BwdParams p) {
 template <typename T, int HEAD_DIM, bool FEAT = false, int DQ_PERM = 0, int PERM_ROWS = 64>
 __global__ void __launch_bounds__(256)
 flash_bwd_convert_dq_kernel(const __grid_constant__ BwdParams p) {
-    const int lane = threadIdx.x % 32;
-    const i64 row_id = (i64)blockIdx.x * 8 + threadIdx.x / 32;  // over (batch, head, row < seqlen_q)
-    if (row_id >= (i64)p.batch * p.nheads * p.seqlen_q) return;
-    const int i = (int)(row_id % p.seqlen_q);
-    const i64 bh = row_id / p.seqlen_q;
-    const int h = (int)(bh % p.nheads), b = (int)(bh / p.nheads);
-    const float* acc = p.dq_accum + (bh * p.seqlen_q_pad + i) * HEAD_DIM;
-    T* dq = static_cast<T*>(p.dq) + b * p.dq_batch_stride + i * p.dq_row_stride + h * p.dq_head_stride;
-    if constexpr (FEAT) {
-        // The row among the sequence's own rows (packed: offset by cu_seqlens_q; rows past it are
-        // another sequence's). Padding rows of a padded batch get 0 (nothing was added to them).
-        const SeqInfo si = seq_info(p.mask, b, p.seqlen_q, p.seqlen_k);
-        if (i >= si.q_rows) return;
-        dq += si.q_row0 * p.dq_row_stride;
-    }
-    for (int c = lane; c < HEAD_DIM / 8; c += 32) {
-        float4 x, y;
+    using L = RowLanes<HEAD_DIM>;
+    constexpr int PASSES = L::PASSES;
+    const int c = threadIdx.x % L::TPR;  // this thread's chunk of 8 columns
+    const i64 total = (i64)p.batch * p.nheads * p.seqlen_q;
+    const i64 first = (i64)blockIdx.x * L::ROWS_PER_BLOCK + threadIdx.x / L::TPR;  // over (batch, head, row < seqlen_q)
+
+    float4 x[PASSES], y[PASSES];
+    T* dst[PASSES];
+#pragma unroll
+    for (int k = 0; k < PASSES; ++k) {
+        const i64 row_id = first + k * L::ROWS_PER_PASS;
+        const RowOf ro(row_id, p.seqlen_q, p.nheads);
+        const int i = ro.i, h = ro.h, b = ro.b;
+        const i64 bh = ro.bh;
+        bool ok = row_id < total && c < L::CHUNKS;
+        T* dq = static_cast<T*>(p.dq) + b * p.dq_batch_stride + i * p.dq_row_stride + h * p.dq_head_stride;
+        if constexpr (FEAT) {
+            // The row among the sequence's own rows (packed: offset by cu_seqlens_q; rows past it are
+            // another sequence's). Padding rows of a padded batch get 0 (nothing was added to them).
+            if (ok) {
+                const SeqInfo si = seq_info(p.mask, b, p.seqlen_q, p.seqlen_k);
+                ok = i < si.q_rows;
+                dq += si.q_row0 * p.dq_row_stride;
+            }
+        }
+        dst[k] = ok ? dq + c * 8 : nullptr;
+        x[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+        y[k] = x[k];
+        if (!ok) continue;
+        const float* acc = p.dq_accum + (bh * p.seqlen_q_pad + i) * HEAD_DIM;
         if constexpr (DQ_PERM > 0) {
             static_assert(!FEAT && HEAD_DIM % DQ_PERM == 0 && PERM_ROWS % 64 == 0, "the permuted layout: plain calls");
             const int rb = i % PERM_ROWS, r = rb % 64;
@@ -429,18 +490,22 @@ flash_bwd_convert_dq_kernel(const __grid_constant__ BwdParams p) {
             const float2* blk2 = reinterpret_cast<const float2*>(acc - (i64)rb * HEAD_DIM + part * 64 * DQ_PERM) + (r % 16) / 8;
             const float2 a0 = blk2[2 * (j * 128 + u0)], a1 = blk2[2 * (j * 128 + u0 + 1)];
             const float2 a2 = blk2[2 * (j * 128 + u0 + 2)], a3 = blk2[2 * (j * 128 + u0 + 3)];
-            x = make_float4(a0.x, a0.y, a1.x, a1.y);
-            y = make_float4(a2.x, a2.y, a3.x, a3.y);
+            x[k] = make_float4(a0.x, a0.y, a1.x, a1.y);
+            y[k] = make_float4(a2.x, a2.y, a3.x, a3.y);
         } else {
-            x = reinterpret_cast<const float4*>(acc)[2 * c];
-            y = reinterpret_cast<const float4*>(acc)[2 * c + 1];
+            x[k] = reinterpret_cast<const float4*>(acc)[2 * c];
+            y[k] = reinterpret_cast<const float4*>(acc)[2 * c + 1];
         }
+    }
+#pragma unroll
+    for (int k = 0; k < PASSES; ++k) {
+        if (dst[k] == nullptr) continue;
         uint4 out;
-        out.x = ElemOps<T>::pack(x.x * p.scale, x.y * p.scale);
-        out.y = ElemOps<T>::pack(x.z * p.scale, x.w * p.scale);
-        out.z = ElemOps<T>::pack(y.x * p.scale, y.y * p.scale);
-        out.w = ElemOps<T>::pack(y.z * p.scale, y.w * p.scale);
-        *reinterpret_cast<uint4*>(dq + c * 8) = out;
+        out.x = ElemOps<T>::pack(x[k].x * p.scale, x[k].y * p.scale);
+        out.y = ElemOps<T>::pack(x[k].z * p.scale, x[k].w * p.scale);
+        out.z = ElemOps<T>::pack(y[k].x * p.scale, y[k].y * p.scale);
+        out.w = ElemOps<T>::pack(y[k].z * p.scale, y[k].w * p.scale);
+        *reinterpret_cast<uint4*>(dst[k]) = out;
     }
 }
 

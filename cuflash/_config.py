@@ -252,6 +252,17 @@ def bwd_dq_smem_bytes(head_dim: int, cfg: TileConfig) -> int:
     return (2 * cfg.block_m + 4 * cfg.block_n) * padded_pitch(head_dim) * 2
 
 
+def row_kernel_rows(head_dim: int) -> int:
+    """Rows per 256-thread block of the backward's row-wise kernels (preprocess, dq conversion):
+    flash_bwd.cu's RowLanes<head_dim>::ROWS_PER_BLOCK. A row's head_dim / 8 chunks go to the next
+    power of two of lanes; each thread takes 4 rows."""
+    chunks = head_dim // 8
+    tpr = 1
+    while tpr < chunks:
+        tpr *= 2
+    return 256 // tpr * 4
+
+
 # Every backward BLOCK_M divides this: the preprocess pads the per-row scratch to it.
 BWD_ROW_PAD = 128
 

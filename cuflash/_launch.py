@@ -895,7 +895,8 @@ def bwd_launches(dout: DeviceTensor, q: DeviceTensor, k: DeviceTensor, v: Device
         ptrs.update(_set_mask(p, mask, softmax_scale, nheads, seqlen_q))
 
     (pre, _, _), (dkdv, smem, _), (last, last_smem, _) = kernels
-    grids = [(pre, 0, _cdiv(rows_pad, 8), 256, 0)]
+    row_block = _config.row_kernel_rows(head_dim)
+    grids = [(pre, 0, _cdiv(rows_pad, row_block), 256, 0)]
     n_blocks = _cdiv(seqlen_k, cfg.block_n)
     threads = 384 if dkdv.source == "flash_bwd_sm90_ws.cu" else cfg.warps * 32
     tiles = batch * nheads_kv * n_blocks
@@ -916,7 +917,7 @@ def bwd_launches(dout: DeviceTensor, q: DeviceTensor, k: DeviceTensor, v: Device
         m_blocks = _cdiv(seqlen_q, qcfg.block_m)
         grids.append((last, last_smem, batch * nheads * m_blocks, qcfg.warps * 32, m_blocks))
     else:
-        grids.append((last, 0, _cdiv(batch * nheads * seqlen_q, 8), 256, 0))
+        grids.append((last, 0, _cdiv(batch * nheads * seqlen_q, row_block), 256, 0))
     for spec, sm, grid, threads, num_blocks in grids:
         if grid > MAX_GRID_X:
             raise ValueError(f"{spec.name}: {grid} thread blocks exceed the grid limit {MAX_GRID_X}; split the batch")
