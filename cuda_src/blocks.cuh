@@ -35,6 +35,22 @@ __device__ __forceinline__ QueryBlock query_block(unsigned block, int num_m_bloc
     return r;
 }
 
+// Work tile k of block i on a persistent grid of G blocks (flash_fwd_sm90_ws.cu PERSISTENT), as a
+// block index of query_block's mapping (bh * num_m + the query block counted from the last); n_work
+// = num_m * bh_count once past the last. Tile t = k G + i, or k G + G - 1 - i in odd rounds (a snake:
+// the blocks that took the longest tiles of one round take the shortest of the next). Tiles t run
+// over groups of hg = ceil(G / num_m) heads (the blocks running together share K / V in L2), inside a
+// group query block by query block from the last (the longest causal one), head by head.
+__device__ __forceinline__ unsigned persistent_tile(int k, unsigned i, unsigned G, int num_m, unsigned bh_count) {
+    const unsigned n_work = (unsigned)num_m * bh_count;
+    const unsigned t = (unsigned)k * G + ((k & 1) ? G - 1 - i : i);
+    if (t >= n_work) return n_work;
+    const unsigned hg = max(1u, (G + (unsigned)num_m - 1) / (unsigned)num_m);
+    const unsigned grp = t / (hg * num_m), w = t % (hg * num_m);
+    const unsigned heads = min(hg, bh_count - grp * hg);
+    return (grp * hg + w % heads) * num_m + w / heads;
+}
+
 struct KeyBlock {
     int b, h_kv;
     int n0;       // first key

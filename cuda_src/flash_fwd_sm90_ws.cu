@@ -17,7 +17,14 @@
 // rows (batch 1); a block loads from its sequence's first row on and writes only its rows.
 //
 // Grid: one block per (batch, head, BLOCK_M = 64 CONSUMERS query rows), the 1-D mapping of
-// blocks.cuh (longest causal blocks first). CONSUMERS = 2 (384 threads) or 3 (512 threads, at head_dim
+// blocks.cuh (longest causal blocks first); or (PERSISTENT, plain calls) one block per SM walking
+// query blocks ("work tiles"), so that a block's setup (barriers, descriptors, the pipeline's fill)
+// is paid once per SM rather than once per work tile, and the next tile's Q and first K / V copies
+// run under the current tile's last products and epilogue. Work tile order (persistent_tile): heads
+// in groups of about gridDim.x / (query blocks per head), so that the blocks running together share
+// their K / V in L2; inside a group, longest causal blocks first; the k-th round of gridDim.x tiles
+// goes to the blocks in turn, every other round in reverse ("snake"), which spreads the long causal
+// tiles and the short ones evenly over the blocks. CONSUMERS = 2 (384 threads) or 3 (512 threads, at head_dim
 // 64, as FlashAttention-3 does there: the K / V tiles serve 192 rows), one producer warpgroup:
 //   producer  (warpgroup 0): gives registers back (setmaxnreg.dec 24); one thread issues every TMA
 //             copy: Q once, then K_j and V_j for j = 0 .. n_blocks - 1, into STAGES-deep rings;
@@ -41,6 +48,15 @@
 // producer, before its u-th load into a stage (u counting from 0, V_(-1) included), waits for phase
 // u - 1 of that stage's empty barrier. The producer runs at most STAGES tiles ahead; a consumer's
 // wait on a full barrier for tile j is phase j / STAGES.
+// PERSISTENT: j counts the block's key tiles over all its work tiles (the rings run on across them),
+// and u its work tiles. There is no V_(-1) stage: iteration 0 of each work tile issues no P V
+// product, and each V stage is used (and released) once per fill, a work tile's last by the final
+// product. Q is double-buffered: work tile u uses sQ[u % 2] and q_full[u % 2] (phase u / 2); one
+// more pair of barriers:
+//   q_empty[b]      count 4 CONSUMERS: lane 0 of each consumer warp once its epilogue has read its
+//                   rows of O back out of sQ[b]; before Q of work tile u the producer waits for phase
+//                   u / 2 - 1 of q_empty[u % 2] (from u = 2 on), so Q of tile u + 1 lands while tile
+//                   u computes.
 //
 // Pingpong (template flag PINGPONG; docs/hopper_plan.md step 3): the two consumers take turns at the
 // tensor cores, so that one's softmax runs while the other's products do. Named barrier 3 + c is
@@ -50,7 +66,8 @@
 // first turn before the loop, and does not open a turn after its own final product, so each barrier
 // sees as many arrivals as waits (n_blocks + 1 each); a block with no key tile uses none.
 //
-// Shared memory: sQ (BLOCK_M x HEAD_DIM), sK[STAGES], sV[STAGES] (BLOCK_N x HEAD_DIM), all SW128 panels
+// Shared memory: sQ[1, or 2 PERSISTENT] (BLOCK_M x HEAD_DIM), sK[STAGES], sV[STAGES] (BLOCK_N x
+// HEAD_DIM), all SW128 panels
 // (wgmma_util.cuh) filled by TMA (tma.cuh; box {64 columns, rows}: one copy per panel, rows past the
 // tensor's end as zeros), then the barriers. Each consumer writes its O rows out through its own rows
 // of sQ. Causal alignment, the empty-row convention, FwdParams and the grid mapping are those of
@@ -74,7 +91,7 @@ struct FwdWsParams : FwdParams {
     TmaDesc map_v;
 };
 
-template <int HEAD_DIM, int BLOCK_N, int STAGES, int CONSUMERS = 2>
+template <int HEAD_DIM, int BLOCK_N, int STAGES, int CONSUMERS = 2, bool PERSISTENT = false>
 struct FwdWsTraits {
     static constexpr int BLOCK_M = 64 * CONSUMERS;
     static constexpr int THREADS = 128 * (1 + CONSUMERS);
@@ -82,10 +99,11 @@ struct FwdWsTraits {
     static constexpr int D_TILES = HEAD_DIM / 8;
     static constexpr int SQ_BYTES = BLOCK_M * HEAD_DIM * 2;
     static constexpr int SKV_BYTES = BLOCK_N * HEAD_DIM * 2;
-    static constexpr int BAR_BYTES = 8 * (1 + 4 * STAGES);
-    // sQ, sK[STAGES], sV[STAGES], the barriers, plus 1024 bytes to align the start to 1024. Must
-    // equal cuflash/_config.py:fwd_ws_smem_bytes.
-    static constexpr int SMEM_BYTES = SQ_BYTES + 2 * STAGES * SKV_BYTES + BAR_BYTES + 1024;
+    static constexpr int QBUF = PERSISTENT ? 2 : 1;  // Q buffers
+    static constexpr int BAR_BYTES = 8 * (QBUF + 4 * STAGES + (PERSISTENT ? 2 : 0));
+    // sQ[QBUF], sK[STAGES], sV[STAGES], the barriers, plus 1024 bytes to align the start to 1024.
+    // Must equal cuflash/_config.py:fwd_ws_smem_bytes.
+    static constexpr int SMEM_BYTES = QBUF * SQ_BYTES + 2 * STAGES * SKV_BYTES + BAR_BYTES + 1024;
     // The register file (64K) split: 24 a producer thread, the rest among the consumers' (a
     // multiple of 8): 240 with two consumers, 160 with three.
     static constexpr int PRODUCER_REGS = 24;
@@ -97,11 +115,12 @@ struct FwdWsTraits {
 };
 
 template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES, bool IS_CAUSAL, bool IS_EVEN, bool PINGPONG = false,
-          int CONSUMERS = 2, bool FEAT = false>
+          int CONSUMERS = 2, bool FEAT = false, bool PERSISTENT = false>
 __global__ void __launch_bounds__(128 * (1 + CONSUMERS), 1)
 flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
-    using Tr = FwdWsTraits<HEAD_DIM, BLOCK_N, STAGES, CONSUMERS>;
+    using Tr = FwdWsTraits<HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, PERSISTENT>;
     static_assert(!PINGPONG || CONSUMERS == 2, "pingpong alternates two consumers");
+    static_assert(!(PERSISTENT && FEAT), "persistent: plain calls");
     using Ops = ElemOps<T>;
     constexpr int BLOCK_M = Tr::BLOCK_M, N_TILES = Tr::N_TILES;
     constexpr int PV_STEPS = BLOCK_N / 16;
@@ -109,14 +128,16 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     unsigned char* sQ_ptr;
     const u32 sQ = smem_aligned_1024(smem_raw, sQ_ptr);
-    const u32 sK = sQ + Tr::SQ_BYTES;
+    constexpr int QB = Tr::QBUF;
+    const u32 sK = sQ + QB * Tr::SQ_BYTES;
     const u32 sV = sK + STAGES * Tr::SKV_BYTES;
     const u32 s_bar = sV + STAGES * Tr::SKV_BYTES;
-    const u32 bar_q = s_bar;
-    auto k_full = [&](int s) { return s_bar + 8u * (u32)(1 + s); };
-    auto v_full = [&](int s) { return s_bar + 8u * (u32)(1 + STAGES + s); };
-    auto k_empty = [&](int s) { return s_bar + 8u * (u32)(1 + 2 * STAGES + s); };
-    auto v_empty = [&](int s) { return s_bar + 8u * (u32)(1 + 3 * STAGES + s); };
+    auto bar_q = [&](int b) { return s_bar + 8u * (u32)b; };
+    auto k_full = [&](int s) { return s_bar + 8u * (u32)(QB + s); };
+    auto v_full = [&](int s) { return s_bar + 8u * (u32)(QB + STAGES + s); };
+    auto k_empty = [&](int s) { return s_bar + 8u * (u32)(QB + 2 * STAGES + s); };
+    auto v_empty = [&](int s) { return s_bar + 8u * (u32)(QB + 3 * STAGES + s); };
+    auto q_empty = [&](int b) { return s_bar + 8u * (u32)(QB + 4 * STAGES + b); };  // PERSISTENT only
 
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const int g = lane / 4, t = lane % 4;
@@ -124,23 +145,42 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
 
     static_assert(!FEAT || (!IS_CAUSAL && !IS_EVEN), "FEAT: causal and the tails are the mask's");
     const int sq = p.seqlen_q, sk = p.seqlen_k;
-    const QueryBlock blk = query_block<BLOCK_M, BLOCK_N, IS_CAUSAL>(blockIdx.x, p.num_m_blocks, p.nheads, p.head_group, sq, sk);
-    const int h = blk.h, b = blk.b, h_kv = blk.h_kv, m0 = blk.m0;
-    int n_blocks = blk.n_blocks;
-    // With FEAT: the sequence's valid lengths, its mask and the key tiles to visit (padded batches:
-    // the rows of the sequence start at row 0 of entry b).
-    int q_valid = sq, k_valid = sk;
-    const QueryFeat qf = query_setup<FEAT, BLOCK_M, BLOCK_N>(p.mask, b, h, m0, sq, sk, n_blocks, q_valid, k_valid);
-    auto tile_of = [&](int it) { if constexpr (FEAT) return qf.kt.tile(it); else return it; };
-    // A packed batch's maps see its arrays as one sequence (batch 1) of all rows: a sequence's tiles
-    // start at its first row there. Rows past q_rows are not written.
-    const bool packed = FEAT && p.mask.cu_seqlens_q != nullptr;
-    const int tb = packed ? 0 : b;
-    const int q_row0 = (int)qf.si.q_row0, k_row0 = (int)qf.si.k_row0;
-    const int q_rows = FEAT ? qf.si.q_rows : sq;
+    // The block's work tiles: its own query block, or (PERSISTENT) tile persistent_tile(k) for k = 0, 1,
+    // ... while below n_work.
+    const unsigned n_work = (unsigned)p.batch * p.nheads * p.num_m_blocks;
+    auto tile_at = [&](int k) {
+        if constexpr (!PERSISTENT) return k == 0 ? blockIdx.x : n_work;
+        else return persistent_tile(k, blockIdx.x, gridDim.x, p.num_m_blocks, (unsigned)p.batch * p.nheads);
+    };
+
+    // One work tile: its query block and (FEAT) the sequence's valid lengths, its mask and the key
+    // tiles to visit (padded batches: the rows of the sequence start at row 0 of entry b). A packed
+    // batch's maps see its arrays as one sequence (batch 1) of all rows: a sequence's tiles start at
+    // its first row there. Rows past q_rows are not written.
+    struct Work {
+        QueryBlock blk;
+        int n_blocks, q_valid, k_valid, tb, q_row0, k_row0, q_rows;
+        QueryFeat qf;
+    };
+    auto work_of = [&](unsigned tile) {
+        Work w;
+        w.blk = query_block<BLOCK_M, BLOCK_N, IS_CAUSAL>(tile, p.num_m_blocks, p.nheads, p.head_group, sq, sk);
+        w.n_blocks = w.blk.n_blocks;
+        w.q_valid = sq;
+        w.k_valid = sk;
+        w.qf = query_setup<FEAT, BLOCK_M, BLOCK_N>(p.mask, w.blk.b, w.blk.h, w.blk.m0, sq, sk, w.n_blocks, w.q_valid,
+                                                   w.k_valid);
+        const bool packed = FEAT && p.mask.cu_seqlens_q != nullptr;
+        w.tb = packed ? 0 : w.blk.b;
+        w.q_row0 = (int)w.qf.si.q_row0;
+        w.k_row0 = (int)w.qf.si.k_row0;
+        w.q_rows = FEAT ? w.qf.si.q_rows : sq;
+        return w;
+    };
 
     if (tid == 0) {
-        mbar_init(bar_q, 1);
+#pragma unroll
+        for (int b = 0; b < QB; ++b) mbar_init(bar_q(b), 1);
 #pragma unroll
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(k_full(s), 1);
@@ -148,14 +188,21 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
             mbar_init(k_empty(s), 4 * CONSUMERS);
             mbar_init(v_empty(s), 4 * CONSUMERS);
         }
+        if (PERSISTENT) {
+            mbar_init(q_empty(0), 4 * CONSUMERS);
+            mbar_init(q_empty(1), 4 * CONSUMERS);
+        }
         fence_mbar_init();
     }
-    // "V_(-1)": stage STAGES - 1 of V, zero-filled with ordinary stores; the fence orders them before
-    // the async proxy's reads (wgmma) and writes (the producer's later copy into this stage).
-    for (int i = tid; i < Tr::SKV_BYTES / 16; i += Tr::THREADS)
-        asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};" :: "r"(sV + (STAGES - 1) * Tr::SKV_BYTES + 16 * i),
-                     "r"(0u) : "memory");
-    fence_proxy_async();
+    // "V_(-1)" (not PERSISTENT): stage STAGES - 1 of V, zero-filled with ordinary stores; the fence
+    // orders them before the async proxy's reads (wgmma) and writes (the producer's later copy into
+    // this stage).
+    if constexpr (!PERSISTENT) {
+        for (int i = tid; i < Tr::SKV_BYTES / 16; i += Tr::THREADS)
+            asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};" :: "r"(sV + (STAGES - 1) * Tr::SKV_BYTES + 16 * i),
+                         "r"(0u) : "memory");
+        fence_proxy_async();
+    }
     __syncthreads();  // barriers initialized, V_(-1) zeroed: the warpgroups go their ways
 
     const int wg = warpgroup_index();
@@ -166,22 +213,36 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
             tma_prefetch_desc(&p.map_q);
             tma_prefetch_desc(&p.map_k);
             tma_prefetch_desc(&p.map_v);
-            mbar_arrive_expect_tx(bar_q, Tr::SQ_BYTES);
-#pragma unroll
-            for (int c = 0; c < HEAD_DIM / 64; ++c) tma_load_4d(sQ + c * BLOCK_M * 128, &p.map_q, bar_q, c * 64, q_row0 + m0, h, tb);
-            for (int j = 0; j < n_blocks; ++j) {
-                const int s = j % STAGES, u = j / STAGES, n = tile_of(j) * BLOCK_N;
-                if (u > 0) mbar_wait(k_empty(s), (u - 1) & 1);
-                mbar_arrive_expect_tx(k_full(s), Tr::SKV_BYTES);
-#pragma unroll
-                for (int c = 0; c < HEAD_DIM / 64; ++c)
-                    tma_load_4d(sK + s * Tr::SKV_BYTES + c * BLOCK_N * 128, &p.map_k, k_full(s), c * 64, k_row0 + n, h_kv, tb);
-                const int uv = u + (s == STAGES - 1 ? 1 : 0);  // earlier uses of V stage s, V_(-1) included
-                if (uv > 0) mbar_wait(v_empty(s), (uv - 1) & 1);
-                mbar_arrive_expect_tx(v_full(s), Tr::SKV_BYTES);
+            int j0 = 0;  // key tiles of the block's earlier work tiles: the rings' position
+            for (int u = 0; tile_at(u) < n_work; ++u) {
+                const Work w = work_of(tile_at(u));
+                auto tile_of = [&](int it) { if constexpr (FEAT) return w.qf.kt.tile(it); else return it; };
+                const int qb = u % QB;
+                if (PERSISTENT && u >= 2) mbar_wait(q_empty(qb), (u / 2 - 1) & 1);  // tile u - 2's O is out of it
+                mbar_arrive_expect_tx(bar_q(qb), Tr::SQ_BYTES);
 #pragma unroll
                 for (int c = 0; c < HEAD_DIM / 64; ++c)
-                    tma_load_4d(sV + s * Tr::SKV_BYTES + c * BLOCK_N * 128, &p.map_v, v_full(s), c * 64, k_row0 + n, h_kv, tb);
+                    tma_load_4d(sQ + qb * Tr::SQ_BYTES + c * BLOCK_M * 128, &p.map_q, bar_q(qb), c * 64,
+                                w.q_row0 + w.blk.m0, w.blk.h, w.tb);
+                for (int j = 0; j < w.n_blocks; ++j) {
+                    const int jj = j0 + j, s = jj % STAGES, uk = jj / STAGES, n = tile_of(j) * BLOCK_N;
+                    if (uk > 0) mbar_wait(k_empty(s), (uk - 1) & 1);
+                    mbar_arrive_expect_tx(k_full(s), Tr::SKV_BYTES);
+#pragma unroll
+                    for (int c = 0; c < HEAD_DIM / 64; ++c)
+                        tma_load_4d(sK + s * Tr::SKV_BYTES + c * BLOCK_N * 128, &p.map_k, k_full(s), c * 64, w.k_row0 + n,
+                                    w.blk.h_kv, w.tb);
+                    // earlier uses of V stage s (V_(-1) included where it is used)
+                    const int uv = uk + (!PERSISTENT && s == STAGES - 1 ? 1 : 0);
+                    if (uv > 0) mbar_wait(v_empty(s), (uv - 1) & 1);
+                    mbar_arrive_expect_tx(v_full(s), Tr::SKV_BYTES);
+#pragma unroll
+                    for (int c = 0; c < HEAD_DIM / 64; ++c)
+                        tma_load_4d(sV + s * Tr::SKV_BYTES + c * BLOCK_N * 128, &p.map_v, v_full(s), c * 64, w.k_row0 + n,
+                                    w.blk.h_kv, w.tb);
+                }
+                j0 += w.n_blocks;
+                if constexpr (!PERSISTENT) break;  // one work tile: let the compiler see it
             }
         }
         return;
@@ -192,123 +253,146 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
     const int cw = wg - 1;                                  // consumer cw: rows [64 cw, 64 cw + 64)
     constexpr int PP_BAR = 3;                               // pingpong: named barriers 3 (consumer 0's turn), 4
     const int warp_row0 = cw * 64 + (warp % 4) * 16;        // this warp's first row in the block
-    const u32 sQ_wg = sQ + cw * 64 * 128;
 
-    float acc_o[HEAD_DIM / 2];
+    int j0 = 0;  // key tiles of the block's earlier work tiles: the rings' position
+    for (int u = 0; tile_at(u) < n_work; ++u) {
+        const Work w = work_of(tile_at(u));
+        const int qb = u % QB;
+        const u32 sQ_wg = sQ + qb * Tr::SQ_BYTES + cw * 64 * 128;
+        unsigned char* sQ_tile = sQ_ptr + qb * Tr::SQ_BYTES;
+        const int h = w.blk.h, b = w.blk.b, m0 = w.blk.m0, n_blocks = w.n_blocks;
+        const QueryFeat& qf = w.qf;
+        auto tile_of = [&](int it) { if constexpr (FEAT) return qf.kt.tile(it); else return it; };
+
+        float acc_o[HEAD_DIM / 2];
 #pragma unroll
-    for (int i = 0; i < HEAD_DIM / 2; ++i) acc_o[i] = 0.f;
-    OnlineSoftmax<1, N_TILES> softmax;
-    softmax.init();
-    u32 pa[PV_STEPS][4];  // P of the previous tile, as wgmma A fragments (one per k16 step of keys)
+        for (int i = 0; i < HEAD_DIM / 2; ++i) acc_o[i] = 0.f;
+        OnlineSoftmax<1, N_TILES> softmax;
+        softmax.init();
+        u32 pa[PV_STEPS][4];  // P of the previous tile, as wgmma A fragments (one per k16 step of keys)
 #pragma unroll
-    for (int kk = 0; kk < PV_STEPS; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
+        for (int kk = 0; kk < PV_STEPS; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
 
-    // Pingpong: consumer 0 issues first (consumer 1's arrival opens its turn; none without a tile).
-    if constexpr (PINGPONG) {
-        if (cw == 1 && n_blocks > 0) named_barrier_arrive(PP_BAR, 256);
-    }
-    mbar_wait(bar_q, 0);
-    for (int j = 0; j < n_blocks; ++j) {
-        const int s = j % STAGES;
-        const int sp = (j + STAGES - 1) % STAGES;  // V_(j-1)'s stage (V_(-1): STAGES - 1)
-        mbar_wait(k_full(s), (j / STAGES) & 1);
-        if (j > 0) mbar_wait(v_full(sp), ((j - 1) / STAGES) & 1);
-
-        float sc_[BLOCK_N / 2];
-        if constexpr (PINGPONG) named_barrier_sync(PP_BAR + cw, 256);  // this consumer's turn
-        wgmma_fence();
-        wgmma_ss_kmajor<T, BLOCK_N, HEAD_DIM, BLOCK_M, BLOCK_N>(sc_, sQ_wg, sK + s * Tr::SKV_BYTES);
-        wgmma_commit();
-        // At j == 0 P is all zeros (pa was zeroed) and the stage holds zeros: the product adds 0.
-        wgmma_rs_mnmajor<T, HEAD_DIM, PV_STEPS, BLOCK_N>(acc_o, pa, sV + sp * Tr::SKV_BYTES);
-        wgmma_commit();
-        if constexpr (PINGPONG) named_barrier_arrive(PP_BAR + 1 - cw, 256);  // the other's turn
-        wgmma_wait<1>();
-        fence_regs(sc_);
-        if (lane == 0) mbar_arrive(k_empty(s));  // this warp is done with K_j
-
-        // ---- mask, only on tiles that need it ----
-        float scale = p.scale_log2;
-        if constexpr (FEAT) {
-            scale = feat_logits_and_mask<BLOCK_N>(sc_, p.mask, qf, p.scale_log2, tile_of(j) * BLOCK_N, m0 + warp_row0,
-                                                  g, t);
-        } else {
-            mask_plain_tile<BLOCK_N, IS_CAUSAL, IS_EVEN>(sc_, j * BLOCK_N, m0 + warp_row0, g, t, sq, sk);
-        }
-
-        float alpha[1][2];
-        softmax.update(*reinterpret_cast<float(*)[1][N_TILES][4]>(&sc_), scale, alpha);
-
-        wgmma_wait<0>();
-        fence_regs(acc_o);
-        fence_regs(pa);
-        if (lane == 0) mbar_arrive(v_empty(sp));  // this warp is done with V_(j-1)
-        rescale_and_pack<Ops, HEAD_DIM, BLOCK_N>(acc_o, alpha, pa, sc_);
-    }
-
-    if (n_blocks > 0) {
-        const int sp = (n_blocks - 1) % STAGES;
-        mbar_wait(v_full(sp), ((n_blocks - 1) / STAGES) & 1);
-        if constexpr (FEAT) {
-            // V rows past the sequence's keys (kv_lengths, or the next sequence of a packed batch, or
-            // memory past its last: rows the call does not vouch for) as zeros: both consumers write
-            // the same zeros, each before its own product.
-            const int n_last = tile_of(n_blocks - 1) * BLOCK_N;
-            if (n_last + BLOCK_N > k_valid) {
-                zero_rows_sw128<HEAD_DIM, BLOCK_N>(sV + sp * Tr::SKV_BYTES, max(k_valid - n_last, 0), tid % 128, 128);
-                fence_proxy_async();
-                named_barrier_sync(1 + cw, 128);
-            }
-        }
-        if constexpr (PINGPONG) named_barrier_sync(PP_BAR + cw, 256);
-        wgmma_fence();
-        wgmma_rs_mnmajor<T, HEAD_DIM, PV_STEPS, BLOCK_N>(acc_o, pa, sV + sp * Tr::SKV_BYTES);
-        wgmma_commit();
-        // Consumer 1 goes last: nothing waits for a turn after its final product.
+        // Pingpong: consumer 0 issues first (consumer 1's arrival opens its turn; none without a tile).
         if constexpr (PINGPONG) {
-            if (cw == 0) named_barrier_arrive(PP_BAR + 1, 256);
+            if (cw == 1 && n_blocks > 0) named_barrier_arrive(PP_BAR, 256);
         }
-        wgmma_wait<0>();
-        fence_regs(acc_o);
-    }
-    // This consumer's four warps are done reading its rows of sQ: O goes out through them.
-    named_barrier_sync(1 + cw, 128);
+        mbar_wait(bar_q(qb), (u / QB) & 1);
+        for (int j = 0; j < n_blocks; ++j) {
+            const int jj = j0 + j;
+            const int s = jj % STAGES;
+            const int sp = (jj + STAGES - 1) % STAGES;  // V_(j-1)'s stage (V_(-1): STAGES - 1)
+            mbar_wait(k_full(s), (jj / STAGES) & 1);
+            if (j > 0) mbar_wait(v_full(sp), ((jj - 1) / STAGES) & 1);
 
-    // ---- epilogue: O /= l, lse, O through this warp's 16 rows of sQ ----
-    float inv_l[1][2], lse[1][2];
-    if constexpr (FEAT) {
-        // A sink logit joins here, after the last key tile (softmax.cuh); -inf: none.
-        const float* sink = p.mask.sink_logits;
-        softmax.finalize(inv_l, lse, sink != nullptr ? sink[h] * CUFLASH_LOG2E : -CUFLASH_INF);
-        // Rows past the sequence's valid length: out = 0 (set, since their Q rows may hold anything),
-        // lse = -inf.
-#pragma unroll
-        for (int r = 0; r < 2; ++r)
-            if (m0 + warp_row0 + g + r * 8 >= q_valid) {
-                inv_l[0][r] = 0.f;
-                lse[0][r] = -CUFLASH_INF;
-#pragma unroll
-                for (int i = 0; i < HEAD_DIM / 2; ++i)
-                    if ((i % 4) / 2 == r) acc_o[i] = 0.f;
+            float sc_[BLOCK_N / 2];
+            if constexpr (PINGPONG) named_barrier_sync(PP_BAR + cw, 256);  // this consumer's turn
+            wgmma_fence();
+            wgmma_ss_kmajor<T, BLOCK_N, HEAD_DIM, BLOCK_M, BLOCK_N>(sc_, sQ_wg, sK + s * Tr::SKV_BYTES);
+            wgmma_commit();
+            // At j == 0 P is all zeros (pa was zeroed) and the tile holds zeros: the product adds 0
+            // (PERSISTENT: no product at j == 0).
+            if (!PERSISTENT || j > 0) wgmma_rs_mnmajor<T, HEAD_DIM, PV_STEPS, BLOCK_N>(acc_o, pa, sV + sp * Tr::SKV_BYTES);
+            wgmma_commit();
+            if constexpr (PINGPONG) named_barrier_arrive(PP_BAR + 1 - cw, 256);  // the other's turn
+            wgmma_wait<1>();
+            fence_regs(sc_);
+            if (lane == 0) mbar_arrive(k_empty(s));  // this warp is done with K_j
+
+            // ---- mask, only on tiles that need it ----
+            float scale = p.scale_log2;
+            if constexpr (FEAT) {
+                scale = feat_logits_and_mask<BLOCK_N>(sc_, p.mask, qf, p.scale_log2, tile_of(j) * BLOCK_N, m0 + warp_row0,
+                                                      g, t);
+            } else {
+                mask_plain_tile<BLOCK_N, IS_CAUSAL, IS_EVEN>(sc_, j * BLOCK_N, m0 + warp_row0, g, t, sq, sk);
             }
-    } else {
-        softmax.finalize(inv_l, lse);
-    }
-    o_rows_to_smem<Ops, HEAD_DIM, BLOCK_M>(sQ_ptr, acc_o, inv_l, warp_row0, g, t);
-    // lse == nullptr: the caller wants only O (an eager forward with no gradient and no lse).
-    if (t == 0 && p.lse != nullptr) {
-        float* g_lse = FEAT ? p.lse + b * p.mask.lse_batch_stride + h * p.mask.lse_head_stride + q_row0
-                            : p.lse + ((i64)b * p.nheads + h) * sq;
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int row = m0 + warp_row0 + g + r * 8;
-            if (IS_EVEN || row < q_rows) g_lse[row] = lse[0][r];
-        }
-    }
-    __syncwarp();
 
-    T* gO = static_cast<T*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride + ((i64)q_row0 + m0) * p.o_row_stride;
-    o_rows_to_global<T, HEAD_DIM, BLOCK_M, IS_EVEN>(gO, p.o_row_stride, sQ_ptr, warp_row0, lane, m0, q_rows);
+            float alpha[1][2];
+            softmax.update(*reinterpret_cast<float(*)[1][N_TILES][4]>(&sc_), scale, alpha);
+
+            wgmma_wait<0>();
+            fence_regs(acc_o);
+            fence_regs(pa);
+            if (lane == 0 && (!PERSISTENT || j > 0)) mbar_arrive(v_empty(sp));  // this warp is done with V_(j-1)
+            rescale_and_pack<Ops, HEAD_DIM, BLOCK_N>(acc_o, alpha, pa, sc_);
+        }
+
+        if (n_blocks > 0) {
+            const int jl = j0 + n_blocks - 1;
+            const int sp = jl % STAGES;
+            mbar_wait(v_full(sp), (jl / STAGES) & 1);
+            if constexpr (FEAT) {
+                // V rows past the sequence's keys (kv_lengths, or the next sequence of a packed batch, or
+                // memory past its last: rows the call does not vouch for) as zeros: both consumers write
+                // the same zeros, each before its own product.
+                const int n_last = tile_of(n_blocks - 1) * BLOCK_N;
+                if (n_last + BLOCK_N > w.k_valid) {
+                    zero_rows_sw128<HEAD_DIM, BLOCK_N>(sV + sp * Tr::SKV_BYTES, max(w.k_valid - n_last, 0), tid % 128, 128);
+                    fence_proxy_async();
+                    named_barrier_sync(1 + cw, 128);
+                }
+            }
+            if constexpr (PINGPONG) named_barrier_sync(PP_BAR + cw, 256);
+            wgmma_fence();
+            wgmma_rs_mnmajor<T, HEAD_DIM, PV_STEPS, BLOCK_N>(acc_o, pa, sV + sp * Tr::SKV_BYTES);
+            wgmma_commit();
+            // Consumer 1 goes last: nothing waits for a turn after its final product.
+            if constexpr (PINGPONG) {
+                if (cw == 0) named_barrier_arrive(PP_BAR + 1, 256);
+            }
+            wgmma_wait<0>();
+            fence_regs(acc_o);
+            if (PERSISTENT && lane == 0) mbar_arrive(v_empty(sp));  // the stage's next fill may come
+        }
+        // This consumer's four warps are done reading its rows of sQ: O goes out through them.
+        named_barrier_sync(1 + cw, 128);
+
+        // ---- epilogue: O /= l, lse, O through this warp's 16 rows of sQ ----
+        float inv_l[1][2], lse[1][2];
+        if constexpr (FEAT) {
+            // A sink logit joins here, after the last key tile (softmax.cuh); -inf: none.
+            const float* sink = p.mask.sink_logits;
+            softmax.finalize(inv_l, lse, sink != nullptr ? sink[h] * CUFLASH_LOG2E : -CUFLASH_INF);
+            // Rows past the sequence's valid length: out = 0 (set, since their Q rows may hold anything),
+            // lse = -inf.
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+                if (m0 + warp_row0 + g + r * 8 >= w.q_valid) {
+                    inv_l[0][r] = 0.f;
+                    lse[0][r] = -CUFLASH_INF;
+#pragma unroll
+                    for (int i = 0; i < HEAD_DIM / 2; ++i)
+                        if ((i % 4) / 2 == r) acc_o[i] = 0.f;
+                }
+        } else {
+            softmax.finalize(inv_l, lse);
+        }
+        o_rows_to_smem<Ops, HEAD_DIM, BLOCK_M>(sQ_tile, acc_o, inv_l, warp_row0, g, t);
+        // lse == nullptr: the caller wants only O (an eager forward with no gradient and no lse).
+        if (t == 0 && p.lse != nullptr) {
+            float* g_lse = FEAT ? p.lse + b * p.mask.lse_batch_stride + h * p.mask.lse_head_stride + w.q_row0
+                                : p.lse + ((i64)b * p.nheads + h) * sq;
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int row = m0 + warp_row0 + g + r * 8;
+                if (IS_EVEN || row < w.q_rows) g_lse[row] = lse[0][r];
+            }
+        }
+        __syncwarp();
+
+        T* gO = static_cast<T*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride + ((i64)w.q_row0 + m0) * p.o_row_stride;
+        o_rows_to_global<T, HEAD_DIM, BLOCK_M, IS_EVEN>(gO, p.o_row_stride, sQ_tile, warp_row0, lane, m0, w.q_rows);
+        if constexpr (PERSISTENT) {
+            // This warp's rows of sQ[qb] are read out: work tile u + 2's Q may land there (the fence
+            // orders the generic accesses before the async proxy's copy).
+            fence_proxy_async();
+            __syncwarp();
+            if (lane == 0) mbar_arrive(q_empty(qb));
+        }
+        j0 += n_blocks;
+        if constexpr (!PERSISTENT) break;  // one work tile: let the compiler see it
+    }  // work tiles
 }
 
 }  // namespace cuflash

@@ -223,10 +223,61 @@ def fwd_ws_feat_config(head_dim: int, narrow_window: bool):
     return FWD_WS_FEAT_TABLE.get(head_dim)
 
 
-def fwd_ws_smem_bytes(head_dim: int, block_n: int, stages: int = FWD_WS_STAGES, consumers: int = 2) -> int:
-    """sQ (64 rows a consumer), the K and V rings, the mbarriers, and 1024 bytes of alignment slack.
-    Must equal FwdWsTraits::SMEM_BYTES."""
-    return 64 * consumers * head_dim * 2 + 2 * stages * block_n * head_dim * 2 + 8 * (1 + 4 * stages) + 1024
+def fwd_ws_smem_bytes(head_dim: int, block_n: int, stages: int = FWD_WS_STAGES, consumers: int = 2,
+                      persistent: bool = False) -> int:
+    """sQ (64 rows a consumer; two buffers when persistent), the K and V rings, the mbarriers, and 1024
+    bytes of alignment slack. Must equal FwdWsTraits::SMEM_BYTES."""
+    qbuf = 2 if persistent else 1
+    return (qbuf * 64 * consumers * head_dim * 2 + 2 * stages * block_n * head_dim * 2
+            + 8 * (qbuf + 4 * stages + (2 if persistent else 0)) + 1024)
+
+
+def fwd_ws_persistent() -> str:
+    """Where the warp-specialized forward of plain calls runs on a persistent grid (one block per SM
+    walking the query blocks; flash_fwd_sm90_ws.cu PERSISTENT): CUFLASH_FWD_WS_PERSISTENT "1": every
+    entry of FWD_WS_PERSISTENT_TABLE ("all"); "0": none ("off"); unset: FWD_WS_PERSISTENT_DEFAULT's
+    ("default")."""
+    import os
+
+    mode = os.environ.get("CUFLASH_FWD_WS_PERSISTENT", "")
+    return {"1": "all", "0": "off"}.get(mode, "default")
+
+
+# The persistent grid's tiles, (BLOCK_N, STAGES, PINGPONG, CONSUMERS) per (head_dim, causal): two
+# consumers at head_dim 64 (with three, the loop's state over work tiles spilled at 160 registers);
+# none at head_dim 256 (it spilled at 240). Measured (H100, session 8, bench.py fwd, 16k tokens,
+# TFLOP/s persistent / one block per query block, same run, at 512 / 1k / 2k / 4k / 8k;
+# bench/results/fwd_persistent_h100.json): head_dim 128 non-causal bf16 441 / 405, 528 / 522, 550 /
+# 592, 589 / 611, 614 / 645 (fp16 419 / 398, 516 / 517, 566 / 566, 582 / 614, 596 / 601); causal
+# bf16 262 / 225, 309 / 373, 465 / 469, 457 / 539, 584 / 588 (fp16 283 / 220, 302 / 368, 456 / 464,
+# 471 / 503, 574 / 562). Head_dim 64 on two consumers lost at every length to the default's three
+# consumers or TMA variant. So by default: head_dim 128 up to 512 keys, where the setup of a block
+# per query block weighs most.
+FWD_WS_PERSISTENT_TABLE = {(64, False): (128, 3, False, 2), (64, True): (128, 2, False, 2),
+                           (128, False): (128, 2, True, 2), (128, True): (128, 2, True, 2)}
+FWD_WS_PERSISTENT_DEFAULT = ((128, False), (128, True))
+FWD_WS_PERSISTENT_DEFAULT_MAX_SEQLEN_K = 512
+
+
+def fwd_ws_persistent_config(head_dim: int, causal: bool, seqlen_k: int | None = None):
+    """The persistent warp-specialized forward's (BLOCK_N, STAGES, PINGPONG, CONSUMERS) for a plain
+    call, or None (fwd_ws_config decides then): where fwd_ws_persistent() admits (head_dim, causal)
+    and the table has it; by default up to FWD_WS_PERSISTENT_DEFAULT_MAX_SEQLEN_K keys (seqlen_k
+    None: the call's length unknown, as when listing specializations). CUFLASH_FWD_WS=0: never."""
+    import os
+
+    mode = os.environ.get("CUFLASH_FWD_WS", "")
+    where = fwd_ws_persistent()
+    if mode == "0" or where == "off":
+        return None
+    if where == "default" and ((head_dim, causal) not in FWD_WS_PERSISTENT_DEFAULT or (
+            seqlen_k is not None and seqlen_k > FWD_WS_PERSISTENT_DEFAULT_MAX_SEQLEN_K)):
+        return None
+    cfg = FWD_WS_PERSISTENT_TABLE.get((head_dim, causal))
+    if cfg is None:
+        return None
+    pp = os.environ.get("CUFLASH_FWD_WS_PINGPONG")
+    return cfg[0], cfg[1], (cfg[2] if pp not in ("0", "1") else pp == "1") and cfg[3] == 2, cfg[3]
 
 
 def fwd_smem_bytes(head_dim: int, cfg: TileConfig) -> int:

@@ -231,43 +231,52 @@ def fwd_specialization(dtype: str, head_dim: int, cfg: _config.TileConfig, causa
 
 
 def fwd_ws_specialization(dtype: str, head_dim: int, causal: bool, even: bool, block_n: int, stages: int,
-                          pingpong: bool = False, consumers: int = 2, feat: bool = False):
+                          pingpong: bool = False, consumers: int = 2, feat: bool = False, persistent: bool = False):
     """(spec, smem) of the warp-specialized sm_90a forward (cuda_src/flash_fwd_sm90_ws.cu); pingpong:
     its schedule that alternates the two consumers at the tensor cores; consumers: 2 or 3 warpgroups
-    of 64 query rows; feat: the optional features (causal and even must then be False)."""
+    of 64 query rows; feat: the optional features (causal and even must then be False); persistent:
+    one block per SM walking the query blocks (plain calls)."""
     short, ctype = _DTYPE_TAG[dtype]
     bn = block_n
-    smem = _config.fwd_ws_smem_bytes(head_dim, bn, stages, consumers)
+    assert not (feat and persistent)
+    smem = _config.fwd_ws_smem_bytes(head_dim, bn, stages, consumers, persistent)
     flags = f"{'true' if causal else 'false'}, {'true' if even else 'false'}, {'true' if pingpong else 'false'}"
     expr = f"cuflash::flash_fwd_sm90_ws_kernel<{ctype}, {head_dim}, {bn}, {stages}, {flags}, {consumers}"
-    expr += ", true>" if feat else ">"
+    expr += ", true>" if feat else ", false, true>" if persistent else ">"
     kind = "feat" if feat else f"{'causal' if causal else 'full'}_{'even' if even else 'ragged'}"
     assert not (feat and (causal or even)), (causal, even)
-    name = f"fwd90ws_{short}_d{head_dim}_m{64 * consumers}_n{bn}_s{stages}_{kind}{'_pp' if pingpong else ''}"
+    name = (f"fwd90ws_{short}_d{head_dim}_m{64 * consumers}_n{bn}_s{stages}_{kind}{'_pp' if pingpong else ''}"
+            f"{'_pers' if persistent else ''}")
+    pers = ", true" if persistent else ""
     checks = "\n".join([
         _FWD_WS_CHECKS_PARAMS,
-        f"static_assert(cuflash::FwdWsTraits<{head_dim}, {bn}, {stages}, {consumers}>::SMEM_BYTES == {smem},"
+        f"static_assert(cuflash::FwdWsTraits<{head_dim}, {bn}, {stages}, {consumers}{pers}>::SMEM_BYTES == {smem},"
         f' "shared memory size differs from cuflash/_config.py:fwd_ws_smem_bytes");',
     ])
     return _compile.Specialization("flash_fwd_sm90_ws.cu", expr, name, checks), smem
 
 
 def all_fwd_ws_specializations(target: str, head_dims=None, dtypes=None, causal=(False, True),
-                               pingpong=None):
+                               pingpong=None, persistent=None):
     """The warp-specialized forward wherever cuflash/_config.py fwd_ws_config selects it, in its
-    schedule (pingpong None) or in those of `pingpong` (the compile gate takes both); none on
-    targets other than sm_90a."""
+    schedule (pingpong / persistent None) or in those of `pingpong` / `persistent` (the compile gate
+    takes both); none on targets other than sm_90a."""
     if target != "sm_90a":
         return []
     out = []
     for dtype in dtypes or _config.DTYPES:
         for d in head_dims or _config.HEAD_DIMS:
             for c in causal:
-                cfg = _config.fwd_ws_config(d, c)
-                if cfg is not None:
-                    out += [fwd_ws_specialization(dtype, d, c, e, cfg[0], cfg[1], pp, cfg[3])
-                            for pp in (pingpong if pingpong is not None else (cfg[2],)) for e in (False, True)
-                            if not (pp and cfg[3] != 2)]
+                if persistent is not None:
+                    grids = persistent
+                else:  # the grids the dispatcher can pick under the current setting
+                    grids = (False,) + ((True,) if _config.fwd_ws_persistent_config(d, c) is not None else ())
+                for ps in grids:
+                    cfg = _config.FWD_WS_PERSISTENT_TABLE.get((d, c)) if ps else _config.fwd_ws_config(d, c)
+                    if cfg is not None:
+                        out += [fwd_ws_specialization(dtype, d, c, e, cfg[0], cfg[1], pp, cfg[3], persistent=ps)
+                                for pp in (pingpong if pingpong is not None else (cfg[2],)) for e in (False, True)
+                                if not (pp and cfg[3] != 2)]
             fcfg = _config.fwd_ws_feat_config(d, False)
             if fcfg is not None:
                 out.append(fwd_ws_specialization(dtype, d, False, False, *fcfg, feat=True))
@@ -689,11 +698,12 @@ def fwd_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTen
         chosen = cfg is not None
         cfg = cfg or _config.fwd_config_for_target(target, head_dim, dtype, causal)
         tma = cfg.wgmma and _use_tma(k, v, cfg.block_n, dtype)
-        ws = None if chosen or not tma else _config.fwd_ws_config(head_dim, causal, seqlen_k)
+        pers = None if chosen or not tma else _config.fwd_ws_persistent_config(head_dim, causal, seqlen_k)
+        ws = pers or (None if chosen or not tma else _config.fwd_ws_config(head_dim, causal, seqlen_k))
         if ws and _use_tma(q, q, 64 * ws[3], dtype) and _use_tma(k, v, ws[0], dtype):
             cfg = _config.TileConfig(64 * ws[3], ws[0], 4 * (1 + ws[3]), wgmma=True)
             even = seqlen_q % cfg.block_m == 0 and seqlen_k % cfg.block_n == 0
-            spec, smem = fwd_ws_specialization(dtype, head_dim, causal, even, *ws)
+            spec, smem = fwd_ws_specialization(dtype, head_dim, causal, even, *ws, persistent=pers is not None)
         else:
             if tma and not chosen:
                 cfg = _config.fwd_tma_config_for_target(target, head_dim, dtype, causal)
@@ -707,6 +717,10 @@ def fwd_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTen
                          f"grid limit {MAX_GRID_X}; split the batch")
     if grid == 0:  # a packed batch whose sequences are all empty
         return []
+    if spec.name.endswith("_pers"):  # one block per SM, each walking query blocks
+        from ._kvcache import _sm_count
+
+        grid = min(grid, _sm_count(device_id))
     fn = _compile.get_function(spec, target, device_id, smem)
 
     ws = spec.name.startswith("fwd90ws_")

@@ -60,14 +60,17 @@ def _all_specs(kind, target):
         n_wgmma = sum(spec.name.startswith("fwd90_") for spec, _ in _launch.all_fwd_specializations(target))
         assert len(tma_fwd) == n_wgmma and all(spec.name.endswith("_tma") for spec, _ in tma_fwd)
         # ... and the warp-specialized forward: every (head_dim, causal) of its table, even and ragged,
-        # in both schedules (pingpong: CUFLASH_FWD_WS_PINGPONG=1).
-        # (Three consumer warpgroups have no pingpong schedule.)
-        ws_fwd = _launch.all_fwd_ws_specializations(target, pingpong=(False, True))
+        # in both schedules (pingpong: CUFLASH_FWD_WS_PINGPONG=1), on both grids (persistent:
+        # CUFLASH_FWD_WS_PERSISTENT). (Three consumer warpgroups have no pingpong schedule.)
+        ws_fwd = _launch.all_fwd_ws_specializations(target, pingpong=(False, True), persistent=(False, True))
         n_three = sum(cfg[3] == 3 for cfg in _config.FWD_WS_TABLE.values())
+        n_three_p = sum(cfg[3] == 3 for cfg in _config.FWD_WS_PERSISTENT_TABLE.values())
         # ... with one FEAT kernel per head_dim of FWD_WS_FEAT_TABLE.
         assert len(ws_fwd) == (len(_config.DTYPES) * (len(_config.FWD_WS_TABLE) * 4 - 2 * n_three
+                                                      + len(_config.FWD_WS_PERSISTENT_TABLE) * 4 - 2 * n_three_p
                                                       + len(_config.FWD_WS_FEAT_TABLE))
                                if target == "sm_90a" else 0)
+        assert len({spec.name for spec, _ in ws_fwd}) == len(ws_fwd)
         # ... and the dK/dV kernel's TMA variant (CUFLASH_BWD_TMA=1).
         tma_bwd = _launch.all_bwd_tma_specializations(target)
         assert all(spec.name.endswith("_tma") for spec, _ in tma_bwd)

@@ -22,19 +22,28 @@ MORE = [  # dtype, head_dim, causal, seqlen_q, seqlen_k, nheads, nheads_kv, layo
     ("bfloat16", 128, True, 2048, 512, 4, 1, "bshd"),     # bottom-right causal: early rows see no key
     ("bfloat16", 256, True, 1500, 1500, 2, 1, "bhsd"),
     ("float16", 128, False, 129, 1, 2, 2, "bshd"),        # one key
+    # Several work tiles per block on the persistent grid (132 SMs), of different lengths (causal),
+    # many with no key at all (bottom-right causal, seqlen_q >> seqlen_k).
+    ("bfloat16", 64, True, 3000, 3000, 8, 2, "bshd"),
+    ("float16", 128, False, 1000, 777, 16, 4, "bshd"),
+    ("bfloat16", 64, True, 4096, 300, 16, 4, "bshd"),
+    ("float16", 128, True, 2500, 2100, 12, 3, "bhsd"),
 ]
 
 
-@pytest.fixture(params=["plain", "pingpong", "three"])
+@pytest.fixture(params=["plain", "pingpong", "three", "persistent", "persistent_pingpong"])
 def ws_on(request, monkeypatch):
     """The warp-specialized kernel in each schedule (CUFLASH_FWD_WS_PINGPONG=1 / 0, whatever the table
-    chooses) and with three consumer warpgroups (CUFLASH_FWD_WS_CONSUMERS=3: 192-row blocks at head_dim
-    64, two consumers elsewhere); yields (names of the TMA launches fired, pingpong, three)."""
-    pp, three = request.param == "pingpong", request.param == "three"
+    chooses), with three consumer warpgroups (CUFLASH_FWD_WS_CONSUMERS=3: 192-row blocks at head_dim
+    64, two consumers elsewhere), and on the persistent grid (CUFLASH_FWD_WS_PERSISTENT=1: at head_dim
+    64 and 128, two consumers; unset: FWD_WS_PERSISTENT_DEFAULT's); yields (names of the TMA launches fired, pingpong, three, persistent)."""
+    pp, three = request.param.endswith("pingpong"), request.param == "three"
+    pers = request.param.startswith("persistent")
     names = record_tma_launches(monkeypatch, CUFLASH_FWD_WS="1", CUFLASH_FWD_TMA=None,
                                 CUFLASH_FWD_WS_PINGPONG="1" if pp else "0",
-                                CUFLASH_FWD_WS_CONSUMERS="3" if three else "2")
-    yield names, pp, three
+                                CUFLASH_FWD_WS_CONSUMERS="3" if three else "2",
+                                CUFLASH_FWD_WS_PERSISTENT="1" if pers else None)
+    yield names, pp, three, pers
     from cuflash import _plan
 
     _plan.CACHE.clear()
@@ -49,12 +58,19 @@ def test_ws_forward(ws_on, dtype, head_dim, causal, seqlen_q, seqlen_k, nheads, 
     torch.manual_seed(seed)
     q, k, v = make_qkv(2, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, getattr(torch, dtype), layout)
     label = f"ws {dtype} d{head_dim} causal={causal} {seqlen_q}x{seqlen_k} h{nheads}/{nheads_kv} {layout}"
-    names, pp, three = ws_on
+    names, pp, three, pers = ws_on
     label += " pingpong" if pp else " three consumers" if three else ""
+    label += " persistent" if pers else ""
     run_and_check(cuflash, q, k, v, causal=causal, seed=seed, label=label)
     rows_q = 192 if three and head_dim == 64 else 128
+    from cuflash import _config
+
+    # persistent: the table's entries (not head_dim 256, which spilled); otherwise the default's
+    pers_grid = (head_dim, causal) in _config.FWD_WS_PERSISTENT_TABLE if pers else (
+        (head_dim, causal) in _config.FWD_WS_PERSISTENT_DEFAULT and seqlen_k <= _config.FWD_WS_PERSISTENT_DEFAULT_MAX_SEQLEN_K)
     patched = all(_tma.layout_patch(tuple(t.shape), tuple(t.stride()), rows, dtype) is not None
                   for t, rows in ((q, rows_q), (k, 64 if head_dim > 128 else 128), (v, 64 if head_dim > 128 else 128)))
     if patched:
-        assert names and all(n.startswith("fwd90ws_") and n.endswith("_pp") == pp and f"_m{rows_q}_" in n
+        assert names and all(n.startswith("fwd90ws_") and n.removesuffix("_pers").endswith("_pp") == pp
+                             and f"_m{rows_q}_" in n and n.endswith("_pers") == pers_grid
                              for n in names), (label, names)

@@ -121,6 +121,7 @@ def dev(monkeypatch):
     monkeypatch.setattr(_compile, "get_function", get_function)
     monkeypatch.setattr(_launch, "_launch_kernel", launch_kernel)
     monkeypatch.setattr(_plan, "_current_device", lambda: 0)
+    monkeypatch.setattr(_kvcache, "_sm_count", lambda device_id: 132)  # an H100's (persistent grids)
     monkeypatch.setitem(_adapters._BY_TYPE, Dev, ad)
     # The fused decode combine's counters (cupy memory on a GPU): a fake pointer here.
     monkeypatch.setattr(_kvcache.DecodePlan, "_counters", lambda self, stream: 0xC0C000)
@@ -405,10 +406,11 @@ def test_fwd_ws_wiring(dev, monkeypatch):
     monkeypatch.setenv("CUFLASH_FWD_WS", "1")
     ad, launched = dev
     rng = np.random.default_rng()
-    # the table's (head_dim 64 causal: three consumers, 192-row blocks)
+    # the table's (head_dim 64 causal: three consumers, 192-row blocks); past the persistent grid's
+    # 512 keys (_config.FWD_WS_PERSISTENT_DEFAULT_MAX_SEQLEN_K)
     for d, bn, stages, pp, c in ((64, 128, 2, "", 3), (128, 128, 2, "_pp", 2), (256, 64, 2, "", 2)):
         q = arr(rng, (2, 300, 4, d))
-        k, v = arr(rng, (2, 500, 2, d)), arr(rng, (2, 500, 2, d))
+        k, v = arr(rng, (2, 600, 2, d)), arr(rng, (2, 600, 2, d))
         cuflash.attention(q, k, v, causal=True)
         L = launched[-1]
         assert L["name"] == f"fwd90ws_f16_d{d}_m{64 * c}_n{bn}_s{stages}_causal_ragged{pp}", L["name"]
@@ -433,13 +435,27 @@ def test_fwd_ws_wiring(dev, monkeypatch):
     q, k, v = arr(rng, (2, 256, 4, 64)), arr(rng, (2, 256, 2, 64)), arr(rng, (2, 256, 2, 64))
     cuflash.attention(q, k, v, causal=True)
     assert launched[-1]["name"] == "fwd90_f16_d64_m128_n64_causal_even_tma", launched[-1]["name"]
+    # (On the persistent grid, _config.FWD_WS_PERSISTENT_DEFAULT: one block per SM, at most.)
     q, k, v = arr(rng, (2, 256, 4, 128)), arr(rng, (2, 256, 2, 128)), arr(rng, (2, 256, 2, 128))
     cuflash.attention(q, k, v)
+    assert launched[-1]["name"] == "fwd90ws_f16_d128_m128_n128_s2_full_even_pp_pers", launched[-1]["name"]
+    assert launched[-1]["grid"] == 2 * 4 * 2, launched[-1]["grid"]  # 16 query blocks, fewer than 132 SMs
+    q2 = arr(rng, (2, 4096, 4, 128))
+    cuflash.attention(q2, k, v)
+    assert launched[-1]["name"].endswith("_pers") and launched[-1]["grid"] == 132, launched[-1]
+    k2, v2 = arr(rng, (2, 1024, 2, 128)), arr(rng, (2, 1024, 2, 128))  # past 512 keys: a block per query block
+    cuflash.attention(q2, k2, v2)
     assert launched[-1]["name"] == "fwd90ws_f16_d128_m128_n128_s2_full_even_pp", launched[-1]["name"]
     monkeypatch.setenv("CUFLASH_FWD_WS_PINGPONG", "0")  # the plain schedule: same Params, its own kernel
     _plan.CACHE.clear()
     cuflash.attention(q, k, v)
+    assert launched[-1]["name"] == "fwd90ws_f16_d128_m128_n128_s2_full_even_pers", launched[-1]["name"]
+    monkeypatch.setenv("CUFLASH_FWD_WS_PERSISTENT", "0")  # one block per query block
+    _plan.CACHE.clear()
+    cuflash.attention(q2, k, v)
     assert launched[-1]["name"] == "fwd90ws_f16_d128_m128_n128_s2_full_even", launched[-1]["name"]
+    assert launched[-1]["grid"] == 2 * 4 * 32, launched[-1]["grid"]
+    monkeypatch.delenv("CUFLASH_FWD_WS_PERSISTENT")
     # head_dim 64 non-causal: three consumers (192-row blocks) from seqlen_k 2048, the TMA variant
     # below (_config.FWD_WS_MIN_SEQLEN_K).
     for sk, want in ((512, "fwd90_f16_d64_m128_n64_full_even_tma"), (2048, "fwd90ws_f16_d64_m192_n128_s3_full_ragged")):
