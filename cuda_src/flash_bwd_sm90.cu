@@ -294,11 +294,26 @@ flash_bwd_dkdv_sm90_kernel(const __grid_constant__ typename BwdSm90ParamsOf<TMA>
                 // ALiBi alone: distances from one conversion per key (mask.cuh alibi_logit_log2).
                 const int d_key = q0 + mi.shift - (n0 + key_row0 + g);
                 const float d0[2] = {(float)d_key, (float)(d_key - 8)};
-                each_score<BLOCK_M>(lse_s, dlt_s, q0, [&](int i, int query, float l2, float dl) {
-                    const float x = mi.alibi_logit_log2(p.scale_log2, s[i], d0[(i % 4) / 2] + (float)(8 * (i / 4) + i % 2));
-                    s[i] = (edge && !qs[(i % 4) / 2].has(query)) ? 0.f : fast_exp2(fminf(x - l2, 0.f));
-                    dp[i] = s[i] * (dp[i] - dl);
-                });
+                // The exponent s scale - A |d| - lse as fma(s, scale, -fma(A, |d|, lse)): three
+                // instructions an element (|d| is an operand modifier), where mask.cuh's
+                // alibi_logit_log2 followed by - lse takes four.
+                // (The mask's test only on tiles a bound crosses: elsewhere it cost integer work per
+                // element for nothing.)
+                auto p_alibi = [&](int i, float l2) {
+                    const float r = fmaf(mi.alibi_log2, fabsf(d0[(i % 4) / 2] + (float)(8 * (i / 4) + i % 2)), l2);
+                    return fast_exp2(fminf(fmaf(s[i], p.scale_log2, -r), 0.f));
+                };
+                if (edge) {
+                    each_score<BLOCK_M>(lse_s, dlt_s, q0, [&](int i, int query, float l2, float dl) {
+                        s[i] = qs[(i % 4) / 2].has(query) ? p_alibi(i, l2) : 0.f;
+                        dp[i] = s[i] * (dp[i] - dl);
+                    });
+                } else {
+                    each_score<BLOCK_M>(lse_s, dlt_s, q0, [&](int i, int, float l2, float dl) {
+                        s[i] = p_alibi(i, l2);
+                        dp[i] = s[i] * (dp[i] - dl);
+                    });
+                }
             } else {
                 each_score<BLOCK_M>(lse_s, dlt_s, q0, [&](int i, int query, float l2, float dl) {
                     const int key = n0 + key_row0 + g + ((i % 4) / 2) * 8;
