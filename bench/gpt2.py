@@ -418,6 +418,14 @@ class Device:
     def peak_gib(self):
         return torch.cuda.max_memory_allocated() / 2**30 if self.cuda else None
 
+    def peak_requested_gib(self):
+        """The peak of the bytes tensors asked for: max_memory_allocated counts whole allocator blocks,
+        which the caching allocator may hand out up to 1 MiB larger than asked (it does not split off
+        a remainder below that), so two runs of equal tensors can differ there by allocation order."""
+        if not self.cuda:
+            return None
+        return torch.cuda.memory_stats().get("requested_bytes.all.peak", 0) / 2**30
+
     def free(self):
         gc.collect()   # an exception's traceback may have held the tensors until just now
         if self.cuda:
@@ -481,12 +489,13 @@ def run_train(model, forward, data, args, dev):
     dev.sync()
     dev.reset_peak()
     times = dev.time_calls(step, range(args.warmup, args.steps))
-    peak = dev.peak_gib()
+    peak, peak_req = dev.peak_gib(), dev.peak_requested_gib()
     loss_values = torch.stack(losses).float().cpu().tolist()
     med = statistics.median(times)
     tokens = inputs.shape[1] * inputs.shape[2]
     return {"ms": med, "ms_min": min(times), "ms_mean": statistics.fmean(times), "step_ms": times,
             "timed_steps": len(times), "tokens_per_s": tokens / (med / 1e3), "peak_gib": peak,
+            "peak_requested_gib": peak_req,
             "first_step_s": first_s, "compile_s": max(0.0, first_s - med / 1e3), "losses": loss_values,
             "finite": all(math.isfinite(x) for x in loss_values), "fused_adamw": fused}
 
@@ -503,10 +512,10 @@ def run_infer(forward, inputs, args, dev):
         dev.sync()
         dev.reset_peak()
         times = dev.time_calls(lambda i: forward(x), range(args.infer_reps))
-        peak = dev.peak_gib()
+        peak, peak_req = dev.peak_gib(), dev.peak_requested_gib()
     med = statistics.median(times)
     return {"ms": med, "ms_min": min(times), "call_ms": times, "reps": len(times),
-            "tokens_per_s": x.numel() / (med / 1e3), "peak_gib": peak, "first_call_s": first_s,
+            "tokens_per_s": x.numel() / (med / 1e3), "peak_gib": peak, "peak_requested_gib": peak_req, "first_call_s": first_s,
             "compile_s": max(0.0, first_s - med / 1e3)}
 
 
@@ -920,12 +929,14 @@ def progress_line(i, n, rec) -> str:
             parts.append(f"{phase} {'OOM' if r.get('oom') else 'ERROR'} {r['error'][:120]}")
         elif phase == "train":
             ls = r["losses"]
-            peak = f", peak {r['peak_gib']:.2f} GiB" if r["peak_gib"] is not None else ""
+            peak = (f", peak {r['peak_gib']:.4f} GiB (requested {r.get('peak_requested_gib') or 0:.4f})"
+                    if r["peak_gib"] is not None else "")
             comp = f", compile {r['compile_s']:.1f} s" if rec["mode"] == "compile" else ""
             parts.append(f"train {r['ms']:.2f} ms/step ({_tok(r['tokens_per_s'])} tok/s{peak}{comp}), "
                          f"loss {ls[0]:.3f} -> {ls[-1]:.3f}")
         else:
-            peak = f", peak {r['peak_gib']:.2f} GiB" if r["peak_gib"] is not None else ""
+            peak = (f", peak {r['peak_gib']:.4f} GiB (requested {r.get('peak_requested_gib') or 0:.4f})"
+                    if r["peak_gib"] is not None else "")
             comp = f", compile {r['compile_s']:.1f} s" if rec["mode"] == "compile" else ""
             parts.append(f"infer {r['ms']:.2f} ms{peak}{comp}")
     wall = f" [{rec['wall_s']:.1f} s]" if rec.get("wall_s") is not None else ""
