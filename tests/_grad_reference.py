@@ -37,8 +37,12 @@ def _group_sum(x, nheads_kv, rnd):
 
 def attention_grad_reference(dout, q, k, v, causal=False, softmax_scale=None, compute_dtype=None, *, q_lengths=None,
                              kv_lengths=None, window=(-1, -1), num_sink_tokens=0, sink_logits=None,
-                             alibi_slopes=None, softcap=0.0):
+                             alibi_slopes=None, softcap=0.0, delta_out=None):
     """Gradients (dq, dk, dv) of sum(attention(q, k, v) * dout), computed naively (full score matrix).
+
+    delta_out (exact mode only; q's shape): D = rowsum(dO * delta_out) in float64 in place of rowsum(dP *
+    P), as FlashAttention's backward forms D from the out it is handed; with the out an implementation
+    returned (rounded to the input dtype), the exact gradients that implementation's algorithm aims at.
 
     compute_dtype=None: exact, in float64 from the (upcast) inputs; returns float64 arrays.
     compute_dtype='input': emulates torch autograd of the naive attention in the input dtype (float16 or
@@ -67,6 +71,9 @@ def attention_grad_reference(dout, q, k, v, causal=False, softmax_scale=None, co
     dv_h = rnd(np.matmul(np.swapaxes(p, -1, -2), doh))
     dp = rnd(np.matmul(doh, np.swapaxes(fw.vh, -1, -2)))
     d_row = (dp * p).sum(axis=-1, keepdims=True)  # = rowsum(dO * O): the sink's value is 0
+    if delta_out is not None:
+        assert compute_dtype is None, "delta_out: exact mode"
+        d_row = (doh * np.swapaxes(np.asarray(delta_out), 1, 2).astype(np.float64)).sum(axis=-1, keepdims=True)
     ds = rnd(p * (dp - d_row))
     if fw.tanh is not None:
         ds = rnd(ds * (1 - fw.tanh * fw.tanh))  # through c * tanh(s / c)
