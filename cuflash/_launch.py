@@ -668,6 +668,16 @@ def stream_capturing(stream: int) -> bool:
         return False
 
 
+def _tma_context(target: str, device_id: int) -> None:
+    """Before a plan's tensor-map decisions on sm_90a: a current context in this thread (the
+    autograd engine's thread may have none; cuflash/_tma.py ensure_context)."""
+    if target == "sm_90a":
+        from . import _tma
+
+        if _tma.available():
+            _tma.ensure_context(device_id)
+
+
 def _tensor_ptrs(named) -> dict:
     return {name: t.ptr for name, t in named}
 
@@ -681,6 +691,7 @@ def fwd_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTen
     batch, seqlen_q, nheads, head_dim = q.shape
     _, seqlen_k, nheads_kv, _ = k.shape
     target = _config.compile_arch(*cc)
+    _tma_context(target, device_id)
     mq, mk, mv = q, k, v  # what the warp-specialized kernel's tensor maps describe
     if mask is not None:
         assert not causal
@@ -870,6 +881,7 @@ def bwd_launches(dout: DeviceTensor, q: DeviceTensor, k: DeviceTensor, v: Device
     _, seqlen_k, nheads_kv, _ = k.shape
     family = _config.arch_family(*cc)
     target = _config.compile_arch(*cc)
+    _tma_context(target, device_id)
     if mask is not None:
         assert not causal
         cfg = cfg or _config.feat_bwd_config(target, head_dim, dtype)

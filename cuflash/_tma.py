@@ -43,6 +43,15 @@ class TmaError(RuntimeError):
     """The driver refused a tensor map (its CUresult and the arguments are in the message)."""
 
 
+class TmaNoContext(TmaError):
+    """cuTensorMapEncodeTiled returned CUDA_ERROR_INVALID_CONTEXT: the calling thread has no current
+    CUDA context (a thread the process made itself, such as the autograd engine's). A fact about the
+    thread, not about the layout: ensure_context first."""
+
+
+CUDA_ERROR_INVALID_CONTEXT = 201
+
+
 def _driver_encode():
     """cuTensorMapEncodeTiled from libcuda, with its argument types."""
     global _encode_fn
@@ -97,9 +106,30 @@ def encode_tiled(ptr: int, dtype: str, dims, strides_bytes, box, swizzle: int = 
     res = _driver_encode()(ctypes.addressof(out), _DTYPES[dtype], rank, ctypes.c_void_p(ptr), dims_a, strides_a,
                            box_a, ones, INTERLEAVE_NONE, swizzle, l2, oob)
     if res != 0:
-        raise TmaError(f"cuTensorMapEncodeTiled returned CUresult {res} for {dtype} at {ptr:#x}, dims {tuple(dims)}, "
-                       f"strides {tuple(strides_bytes)} bytes, box {tuple(box)}, swizzle {swizzle}")
+        err = TmaNoContext if res == CUDA_ERROR_INVALID_CONTEXT else TmaError
+        raise err(f"cuTensorMapEncodeTiled returned CUresult {res} for {dtype} at {ptr:#x}, dims {tuple(dims)}, "
+                  f"strides {tuple(strides_bytes)} bytes, box {tuple(box)}, swizzle {swizzle}")
     return bytes(out)
+
+
+def ensure_context(device_id: int) -> None:
+    """Makes device_id's primary context current in the calling thread if the thread has none. Plans
+    are made where a call first arrives, and a backward's first call arrives on the autograd engine's
+    thread, which may have no current context: there the driver refuses every tensor map (CUresult
+    201), and a layout found unpatchable that way would have kept the TMA kernels off for the
+    process. Costs two driver calls; made once per plan, never per call."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return
+    ctx = ctypes.c_void_p()
+    if lib.cuCtxGetCurrent(ctypes.byref(ctx)) == 0 and ctx.value:
+        return
+    dev = ctypes.c_int()
+    if lib.cuDeviceGet(ctypes.byref(dev), ctypes.c_int(device_id)) != 0:
+        return
+    if lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) == 0:  # the runtime's context, already alive
+        lib.cuCtxSetCurrent(ctx)
 
 
 def kv_map_args(ptr: int, shape, strides, rows: int, dtype: str):
@@ -164,6 +194,8 @@ def learn_patch(encode) -> MapPatch | None:
     not follow the one-word rule (see above) at every probe pointer."""
     try:
         maps = [np.frombuffer(encode(ptr), dtype=np.uint64) for ptr in _PROBE_PTRS]
+    except TmaNoContext:
+        raise  # not the layout's fault: layout_patch must not remember it
     except (TmaError, ValueError):
         return None
     a, pa = maps[0], _PROBE_PTRS[0]
@@ -186,7 +218,10 @@ def layout_patch(shape, strides, rows: int, dtype: str) -> MapPatch | None:
         if key in _patches:
             return _patches[key]
     dims, strides_bytes, box = kv_map_args(16, shape, strides, rows, dtype)
-    patch = learn_patch(lambda ptr: encode_tiled(ptr, dtype, dims, strides_bytes, box))
+    try:
+        patch = learn_patch(lambda ptr: encode_tiled(ptr, dtype, dims, strides_bytes, box))
+    except TmaNoContext:
+        return None  # this call goes without; the layout is learned where a context is current
     with _patches_lock:
         _patches[key] = patch
     return patch

@@ -78,3 +78,41 @@ def test_ws_backward(monkeypatch, dtype, head_dim, causal, seqlen_q, seqlen_k, n
             assert ws, (label, names[n0:])
     finally:
         _plan.CACHE.clear()
+
+
+@pytest.mark.parametrize("how", ["thread", "autograd"])
+def test_backward_planned_on_a_thread_without_context(monkeypatch, how):
+    """A backward's plan is made where its first call arrives; under autograd that is the engine's
+    own thread, which may have no current CUDA context. There the driver refused every tensor map
+    (CUresult 201) and the refusal was remembered as the layout's, so the process's backwards ran
+    the cp.async kernels. A plan made on a fresh thread (or through autograd) with no layout learned
+    yet must take the warp-specialized kernel, and compute the right gradients."""
+    import threading
+
+    import cuflash
+    from cuflash import _tma
+
+    names = record_tma_launches(monkeypatch, CUFLASH_BWD_WS=None, CUFLASH_FWD_TMA=None)
+    monkeypatch.setattr(_tma, "_patches", {})  # nothing learned on the main thread yet
+    seed = fresh_seed()
+    torch.manual_seed(seed)
+    q, k, v = make_qkv(2, 1000, 1000, 4, 2, 128, torch.bfloat16, "bshd")
+    dout = make_dout(2, 1000, 4, 128, torch.bfloat16)
+    if how == "thread":
+        out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+        got = []
+        t = threading.Thread(target=lambda: got.append(cuflash.attention_backward(dout, q, k, v, out, lse, causal=True)))
+        t.start()
+        t.join()
+        grads = got[0]
+    else:
+        qq, kk, vv = (x.detach().clone().requires_grad_() for x in (q, k, v))
+        grads = torch.autograd.grad(cuflash.attention(qq, kk, vv, causal=True), (qq, kk, vv), dout)
+    assert names and all(n.startswith("bwd90ws_") for n in names if n.startswith("bwd")), (how, names)
+    assert any(n.startswith("bwd90ws_") for n in names), (how, names)
+    # The same gradients as the main thread's call (the same kernels; dQ's atomics aside), whose
+    # accuracy the CASES tests check against the float64 reference.
+    out2, lse2 = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    ref = cuflash.attention_backward(dout, q, k, v, out2, lse2, causal=True)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref):
+        assert torch.isfinite(g).all() and torch.allclose(g.float(), r.float(), atol=1e-2, rtol=1e-2), (how, name, seed)

@@ -107,6 +107,24 @@ def test_patch_refused_when_the_rule_fails(monkeypatch, store):
     assert len(ptrs) == n + 1 and m == _tma.kv_map(0x7F0000001230, *LAYOUT)
 
 
+def test_no_context_is_not_remembered_as_the_layouts_fault(monkeypatch):
+    """A thread with no current CUDA context (the autograd engine's, where a backward's plan is made)
+    gets CUresult 201 for every map: layout_patch answers None for that call but must not remember
+    it, or the layout would stay unpatched, and its TMA kernels off, for the rest of the process."""
+    linear_driver(monkeypatch, lambda a, w: a)
+    inner = _tma._driver_encode()
+    ctx = {"current": False}
+    monkeypatch.setattr(_tma, "_driver_encode",
+                        lambda: (lambda out, *a: inner(out, *a) if ctx["current"] else _tma.CUDA_ERROR_INVALID_CONTEXT))
+    with pytest.raises(_tma.TmaNoContext, match="CUresult 201"):
+        _tma.kv_map(0x7F0000001230, *LAYOUT)
+    assert _tma.layout_patch(*LAYOUT) is None
+    assert not _tma._patches, "a thread's missing context was cached as the layout's verdict"
+    ctx["current"] = True
+    patch = _tma.layout_patch(*LAYOUT)
+    assert patch is not None and patch.map(0x7F0000001230) == _tma.kv_map(0x7F0000001230, *LAYOUT)
+
+
 def test_kv_map_describes_the_tensor_as_4d(driver):
     # (batch 2, seqlen 300, heads 3, head_dim 128), rows of 3 heads: element strides (300*384, 384, 128, 1)
     m = _tma.kv_map(0x10000, (2, 300, 3, 128), (300 * 384, 384, 128, 1), 128, "bfloat16")
