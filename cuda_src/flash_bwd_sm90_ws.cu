@@ -1,7 +1,15 @@
 // flash_bwd_sm90_ws.cu: the dK / dV / dQ kernel of the backward for Hopper (sm_90a),
 // warp-specialized: a producer warp loads with TMA, two consumer warpgroups compute on wgmma, and
 // each consumer adds its dQ part into the float scratch with one bulk reduction per query block
-// (docs/hopper_plan.md steps 6-8). Plain calls (no FEAT options), non-deterministic dQ.
+// (docs/hopper_plan.md steps 6-8). Non-deterministic dQ.
+//
+// FEAT (mask.cuh; sliding windows, sink tokens, sink logits, ALiBi; the host sends no per-sequence
+// lengths, packed batches or softcap here): a key block visits the query blocks of query_range, and a
+// warp's (16 keys x BLOCK_M queries) tile pays for the element-wise mask only where a bound crosses
+// it (needs_mask); ALiBi's slope follows the query head of each iteration, its key distance formed in
+// float (MaskInfo::alibi_logit_log2). Rows that see no key (lse = -inf) lie only in tiles that need
+// the mask, where their P is set to 0. Every row of the tensors is a real row here, and rows past
+// them arrive as TMA's zeros, so no padding needs clearing.
 //
 // Algorithm: that of flash_bwd_sm90.cu (read its header first): one block per (key block of 128
 // keys, kv head, batch); K and V stay in shared memory, dK and dV in registers; the block loops over
@@ -104,9 +112,25 @@ struct BwdWsTraits {
     static_assert(DQ_N % 16 == 0, "dQ columns per consumer");
 };
 
-template <typename T, int HEAD_DIM, int BLOCK_M, bool IS_CAUSAL, bool IS_EVEN, int STAGES = 2>
+// The query blocks [m_begin, m_begin + m_iters) a key block visits: the causal range of key_block, or
+// with FEAT those whose rows may see one of its keys (query_range); mi gets the (sequence, kv head)'s
+// mask (a padded batch's entry b with no lengths: the whole tensors).
+template <bool FEAT, int BLOCK_M, int BLOCK_N>
+__device__ __forceinline__ void ws_query_blocks(const BwdTmaParams& p, const KeyBlock& blk, int& m_begin, int& m_iters,
+                                                MaskInfo& mi) {
+    m_begin = blk.m_begin;
+    m_iters = blk.m_iters;
+    if constexpr (FEAT) {
+        const SeqInfo si = seq_info(p.mask, blk.b, p.seqlen_q, p.seqlen_k);
+        mi.init(p.mask, si, blk.b, blk.h_kv * p.head_group);
+        query_range<BLOCK_M, BLOCK_N>(p.mask, mi, blk.n0, m_begin, m_iters);
+    }
+}
+
+template <typename T, int HEAD_DIM, int BLOCK_M, bool IS_CAUSAL, bool IS_EVEN, int STAGES = 2, bool FEAT = false>
 __global__ void __launch_bounds__(384, 1)
 flash_bwd_sm90_ws_kernel(const __grid_constant__ BwdTmaParams p) {
+    static_assert(!FEAT || (!IS_CAUSAL && !IS_EVEN), "FEAT: causal and the tails are the mask's");
     using Tr = BwdWsTraits<HEAD_DIM, BLOCK_M, STAGES>;
     using Ops = ElemOps<T>;
     constexpr int BLOCK_N = Tr::BLOCK_N, DQ_N = Tr::DQ_N;
@@ -160,7 +184,10 @@ flash_bwd_sm90_ws_kernel(const __grid_constant__ BwdTmaParams p) {
         for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x, ++tcount) {
             const KeyBlock blk = key_block_grouped<BLOCK_M, BLOCK_N, IS_CAUSAL>(tile, p.num_blocks, p.nheads_kv, p.batch,
                                                                                 p.tile_heads, sq, sk);
-            const int h_kv = blk.h_kv, b = blk.b, n0 = blk.n0, m_begin = blk.m_begin, m_iters = blk.m_iters;
+            const int h_kv = blk.h_kv, b = blk.b, n0 = blk.n0;
+            int m_begin, m_iters;
+            MaskInfo mi;
+            ws_query_blocks<FEAT, BLOCK_M, BLOCK_N>(p, blk, m_begin, m_iters, mi);
             const int iters = m_iters * p.head_group;
             // K and V of this tile go where the previous tile's epilogue wrote dK and dV out.
             if (tcount > 0) mbar_wait(kv_empty, (tcount - 1) & 1);
@@ -222,7 +249,10 @@ flash_bwd_sm90_ws_kernel(const __grid_constant__ BwdTmaParams p) {
     for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x, ++tcount) {
         const KeyBlock blk = key_block_grouped<BLOCK_M, BLOCK_N, IS_CAUSAL>(tile, p.num_blocks, p.nheads_kv, p.batch,
                                                                             p.tile_heads, sq, sk);
-        const int h_kv = blk.h_kv, b = blk.b, n0 = blk.n0, m_begin = blk.m_begin, m_iters = blk.m_iters;
+        const int h_kv = blk.h_kv, b = blk.b, n0 = blk.n0;
+        int m_begin, m_iters;
+        MaskInfo mi;
+        ws_query_blocks<FEAT, BLOCK_M, BLOCK_N>(p, blk, m_begin, m_iters, mi);
         const int iters = m_iters * p.head_group;
         const int diag_base = 2 * t + sk - sq - n0 - key_row0 - g;
 
@@ -277,18 +307,72 @@ flash_bwd_sm90_ws_kernel(const __grid_constant__ BwdTmaParams p) {
                     return ld_shared_f32x2(base + 32 * j);
                 }
             };
+            // FEAT: whether a bound crosses this warp's tile; ALiBi's slope of this iteration's query
+            // head and the key distances of query m0 + 2 t (the element's adds 8 j + e % 2).
+            bool edge = false, alibi = false;
+            float d0[2] = {0.f, 0.f};
+            QuerySpan qs[2];  // FEAT: the queries that see this thread's two keys (formed here, not held
+                              // across the products: registers)
+            if constexpr (FEAT) {
+                edge = mi.needs_mask(p.mask, m0, BLOCK_M, n0 + key_row0, 16);
+                qs[0] = mi.query_span(p.mask, n0 + key_row0 + g);
+                qs[1] = mi.query_span(p.mask, n0 + key_row0 + g + 8);
+                alibi = p.mask.alibi_slopes != nullptr;
+                if (alibi) {
+                    mi.set_head(p.mask, b, h_kv * p.head_group + it / m_iters);
+                    const int d = m0 + 2 * t + mi.shift - (n0 + key_row0 + g);
+                    d0[0] = (float)d;
+                    d0[1] = (float)(d - 8);
+                }
+            }
+            if (FEAT && (edge || alibi)) {
+                // The options' loop, taken only by tiles a bound crosses or with ALiBi; the others run
+                // the plain loop below at its own cost. ALiBi's exponent: fma(s, scale, -fma(A, |d|,
+                // lse)); the mask's test is compiled into the loop only for tiles a bound crosses
+                // (tested per element on every ALiBi tile, it cost the kernel 0.85 -> 0.99 of Flex
+                // in flash_bwd_sm90.cu).
+                auto p_of = [&](int i, int j, int e, float l2) {
+                    const float r = alibi ? fmaf(mi.alibi_log2, fabsf(d0[e / 2] + (float)(8 * j + e % 2)), l2) : l2;
+                    return fast_exp2(fminf(fmaf(sc[i], p.scale_log2, -r), 0.f));  // P <= 1
+                };
+                // (One loop with the test under a runtime flag where BLOCK_M = 128: two spilled there.)
+                if (BLOCK_M == 128 || edge) {
 #pragma unroll
-            for (int j = 0; j < BLOCK_M / 8; ++j) {
-                // lse -> lse * log2(e); see flash_bwd_sm90.cu for rows with lse = -inf or past seqlen_q.
-                float2 l2 = row_pair(lse_s, lse_lo, lse_hi, j);
-                l2.x *= CUFLASH_LOG2E;
-                l2.y *= CUFLASH_LOG2E;
+                    for (int j = 0; j < BLOCK_M / 8; ++j) {
+                        float2 l2 = row_pair(lse_s, lse_lo, lse_hi, j);
+                        l2.x *= CUFLASH_LOG2E;
+                        l2.y *= CUFLASH_LOG2E;
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int i = 4 * j + e;
-                    float pv = fast_exp2(fminf(fmaf(sc[i], p.scale_log2, -(e % 2 ? l2.y : l2.x)), 0.f));  // P <= 1
-                    if (IS_CAUSAL && diag && (e / 2) * 8 - 8 * j - (e % 2) > diag_lim) pv = 0.f;
-                    sc[i] = pv;
+                        for (int e = 0; e < 4; ++e) {
+                            const int i = 4 * j + e;
+                            const float pv = p_of(i, j, e, e % 2 ? l2.y : l2.x);
+                            sc[i] = !edge || qs[e / 2].has(m0 + 8 * j + 2 * t + e % 2) ? pv : 0.f;
+                        }
+                    }
+                } else {
+#pragma unroll
+                    for (int j = 0; j < BLOCK_M / 8; ++j) {
+                        float2 l2 = row_pair(lse_s, lse_lo, lse_hi, j);
+                        l2.x *= CUFLASH_LOG2E;
+                        l2.y *= CUFLASH_LOG2E;
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) sc[4 * j + e] = p_of(4 * j + e, j, e, e % 2 ? l2.y : l2.x);
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int j = 0; j < BLOCK_M / 8; ++j) {
+                    // lse -> lse * log2(e); see flash_bwd_sm90.cu for rows with lse = -inf or past seqlen_q.
+                    float2 l2 = row_pair(lse_s, lse_lo, lse_hi, j);
+                    l2.x *= CUFLASH_LOG2E;
+                    l2.y *= CUFLASH_LOG2E;
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int i = 4 * j + e;
+                        float pv = fast_exp2(fminf(fmaf(sc[i], p.scale_log2, -(e % 2 ? l2.y : l2.x)), 0.f));  // P <= 1
+                        if (IS_CAUSAL && diag && (e / 2) * 8 - 8 * j - (e % 2) > diag_lim) pv = 0.f;
+                        sc[i] = pv;
+                    }
                 }
             }
             wgmma_wait<0>();

@@ -587,6 +587,15 @@ def decode_stages(target: str, head_dim: int) -> int | None:
 DECODE_FUSED_MAX_PARTS = 64
 
 
+def bwd_ws_feat_enabled() -> bool:
+    """CUFLASH_BWD_WS_FEAT=1: backward calls with windows, sink tokens or logits, or ALiBi (no
+    per-sequence lengths, packed batches or softcap) run the warp-specialized backward's FEAT
+    variant (cuda_src/flash_bwd_sm90_ws.cu). Opt-in until a GPU has run and measured it."""
+    import os
+
+    return os.environ.get("CUFLASH_BWD_WS_FEAT") == "1"
+
+
 def decode_fused_combine() -> bool:
     """Whether split decodes may merge their splits inside the decode kernel (the last split block of
     each row tile; cuda_src/flash_decode.cu merge_tile) instead of a second kernel, where rows x

@@ -357,23 +357,32 @@ def bwd_uses_atomics(deterministic: bool, target: str | None = None, head_dim: i
 
 
 def bwd_ws_specializations(dtype: str, head_dim: int, causal: bool, even: bool,
-                           stages: int = _config.BWD_WS_STAGES, block_m: int | None = None):
+                           stages: int = _config.BWD_WS_STAGES, block_m: int | None = None, feat: bool = False):
     """The warp-specialized sm_90a backward's launches, in order (cuda_src/flash_bwd_sm90_ws.cu):
     the preprocess (zeroing dq_accum), the kernel (Params BwdTmaParams: Q / dO maps with block_m-row
     boxes, K / V with 128), and the conversion of its permuted dq_accum. even: seqlen_q % block_m
-    == 0 and seqlen_k % 128 == 0. block_m: _config.bwd_ws_block_m by default."""
+    == 0 and seqlen_k % 128 == 0. block_m: _config.bwd_ws_block_m by default. feat: the kernel with
+    the options (windows, sinks, ALiBi; causal and even then False) after the feature preprocess."""
     short, ctype = _DTYPE_TAG[dtype]
     assert head_dim in _config.BWD_WS_HEAD_DIMS, head_dim
+    assert not (feat and (causal or even)), (causal, even)
     m = block_m or _config.bwd_ws_block_m(head_dim)
-    pre = _compile.Specialization(
-        "flash_bwd.cu", f"cuflash::flash_bwd_preprocess_kernel<{ctype}, {head_dim}, true>",
-        f"bwd_pre_{short}_d{head_dim}_zero_dq", _BWD_CHECKS_PARAMS)
+    if feat:
+        pre = _compile.Specialization(
+            "flash_bwd.cu", f"cuflash::flash_bwd_preprocess_kernel<{ctype}, {head_dim}, true, true>",
+            f"bwd_pre_{short}_d{head_dim}_zero_dq_feat", _BWD_CHECKS_PARAMS)
+    else:
+        pre = _compile.Specialization(
+            "flash_bwd.cu", f"cuflash::flash_bwd_preprocess_kernel<{ctype}, {head_dim}, true>",
+            f"bwd_pre_{short}_d{head_dim}_zero_dq", _BWD_CHECKS_PARAMS)
     smem = _config.bwd_ws_smem_bytes(head_dim, stages, m)
     traits = f"cuflash::BwdWsTraits<{head_dim}, {m}, {stages}>"
+    kind = "feat" if feat else f"{'causal' if causal else 'full'}_{'even' if even else 'ragged'}"
     ws = _compile.Specialization(
         "flash_bwd_sm90_ws.cu",
-        f"cuflash::flash_bwd_sm90_ws_kernel<{ctype}, {head_dim}, {m}, {_b(causal)}, {_b(even)}, {stages}>",
-        f"bwd90ws_{short}_d{head_dim}_m{m}_s{stages}_{'causal' if causal else 'full'}_{'even' if even else 'ragged'}_tma",
+        f"cuflash::flash_bwd_sm90_ws_kernel<{ctype}, {head_dim}, {m}, {_b(causal)}, {_b(even)}, {stages}"
+        + (", true>" if feat else ">"),
+        f"bwd90ws_{short}_d{head_dim}_m{m}_s{stages}_{kind}_tma",
         _BWD_TMA_CHECKS_PARAMS + "\n" +
         f'static_assert({traits}::SMEM_BYTES == {smem}, "shared memory size differs from cuflash/_config.py:bwd_ws_smem_bytes");')
     part = head_dim if m == 128 else head_dim // 2  # BwdWsTraits::DQ_N
@@ -403,6 +412,10 @@ def all_bwd_ws_specializations(target: str, head_dims=None, dtypes=None, causal=
                                 continue
                             for spec, smem, _ in bwd_ws_specializations(dtype, d, c, e, st, m):
                                 seen.setdefault(spec.expression, (spec, smem))
+            m = _config.BWD_WS_BLOCK_M[d]
+            for spec, smem, _ in bwd_ws_specializations(dtype, d, False, False, _config.bwd_ws_stages(d, m), m,
+                                                        feat=True):
+                seen.setdefault(spec.expression, (spec, smem))
     return list(seen.values())
 
 
@@ -884,9 +897,18 @@ def bwd_launches(dout: DeviceTensor, q: DeviceTensor, k: DeviceTensor, v: Device
     _tma_context(target, device_id)
     if mask is not None:
         assert not causal
-        cfg = cfg or _config.feat_bwd_config(target, head_dim, dtype)
-        qcfg = _config.feat_dq_config(target, head_dim, dtype)
-        kernels = bwd_specializations(dtype, head_dim, target, False, False, False, atomic, cfg, feat=True)
+        ws = (cfg is None and atomic and target == "sm_90a" and head_dim in _config.BWD_WS_HEAD_DIMS
+              and _config.bwd_ws_feat_enabled() and not mask.packed and not mask.q_lengths and not mask.kv_lengths
+              and not mask.softcap and _use_bwd_ws(q, dout, k, v, dtype, _config.bwd_ws_block_m(head_dim)))
+        if ws:
+            cfg = _config.TileConfig(_config.bwd_ws_block_m(head_dim), 128, 8, wgmma=True)
+            qcfg = cfg
+            kernels = bwd_ws_specializations(dtype, head_dim, False, False,
+                                             _config.bwd_ws_stages(head_dim, cfg.block_m), cfg.block_m, feat=True)
+        else:
+            cfg = cfg or _config.feat_bwd_config(target, head_dim, dtype)
+            qcfg = _config.feat_dq_config(target, head_dim, dtype)
+            kernels = bwd_specializations(dtype, head_dim, target, False, False, False, atomic, cfg, feat=True)
     else:
         cfg = cfg or _config.bwd_config_for_target(target, head_dim, dtype)
         qcfg = _config.bwd_dq_config(family, head_dim, dtype)

@@ -579,6 +579,25 @@ def test_bwd_ws_wiring(dev, monkeypatch):
     assert len(ws) == 1 and ws[0]["grid"] == 5 and int(ws[0]["p"]["num_blocks"]) == 6, ws
     assert int(ws[0]["p"]["tile_heads"]) == 1, ws
     monkeypatch.delenv("CUFLASH_BWD_WS_PERSISTENT")
+    # Options (CUFLASH_BWD_WS_FEAT=1): windows, sinks, ALiBi take the kernel's FEAT variant after the
+    # feature preprocess; lengths (and packed batches, softcap) keep the cp.async kernels.
+    monkeypatch.setenv("CUFLASH_BWD_WS_FEAT", "1")
+    _plan.CACHE.clear()
+    q, k, v = arr(rng, (2, 70, 4, 128)), arr(rng, (2, 300, 2, 128)), arr(rng, (2, 300, 2, 128))
+    for kw, want in (({"window": (40, 0)}, True), ({"alibi_slopes": np.full(4, 0.1, np.float32).view(Dev)}, True),
+                     ({"kv_lengths": np.array([300, 17], np.int32).view(Dev)}, False)):
+        out, lse = cuflash.attention(q, k, v, return_lse=True, **kw)
+        n0 = len(launched)
+        cuflash.attention_backward(arr(rng, q.shape), q, k, v, out, lse, **kw)
+        names = [L["name"] for L in launched[n0:]]
+        if want:
+            assert names == ["bwd_pre_f16_d128_zero_dq_feat", "bwd90ws_f16_d128_m64_s2_feat_tma",
+                             "bwd_convert_dq_f16_d128_perm64"], (kw, names)
+            p = launched[n0 + 1]["p"]
+            assert int(p["mask"]["window_left"]) == kw.get("window", (-1, -1))[0], (kw, p["mask"])
+        else:
+            assert not any(n.startswith("bwd90ws_") for n in names), (kw, names)
+    monkeypatch.delenv("CUFLASH_BWD_WS_FEAT")
     monkeypatch.setenv("CUFLASH_BWD_WS", "0")
     _plan.CACHE.clear()
     q, k, v = arr(rng, (2, 70, 4, 128)), arr(rng, (2, 300, 2, 128)), arr(rng, (2, 300, 2, 128))
