@@ -1,5 +1,5 @@
 """The warp-specialized sm_90a backward with the options (cuda_src/flash_bwd_sm90_ws.cu, FEAT;
-CUFLASH_BWD_WS_FEAT=1): sliding windows, sink tokens, sink logits and ALiBi, alone and in pairs,
+the default; CUFLASH_BWD_WS_FEAT=0 turns it off): sliding windows, sink tokens, sink logits and ALiBi, alone and in pairs,
 at head_dim 64 and 128, both dtypes, causal or not, MHA / GQA / MQA, checked as
 tests/test_gpu_features.py checks them (float64 reference gradients, 3x the naive error, exact
 zeros where no query sees a key, NaN-poisoned allocators, inputs untouched). Calls with lengths,

@@ -579,9 +579,9 @@ def test_bwd_ws_wiring(dev, monkeypatch):
     assert len(ws) == 1 and ws[0]["grid"] == 5 and int(ws[0]["p"]["num_blocks"]) == 6, ws
     assert int(ws[0]["p"]["tile_heads"]) == 1, ws
     monkeypatch.delenv("CUFLASH_BWD_WS_PERSISTENT")
-    # Options (CUFLASH_BWD_WS_FEAT=1): windows, sinks, ALiBi take the kernel's FEAT variant after the
+    # Options (by default; CUFLASH_BWD_WS_FEAT=0 turns it off): windows, sinks, ALiBi take the kernel's FEAT variant after the
     # feature preprocess; lengths (and packed batches, softcap) keep the cp.async kernels.
-    monkeypatch.setenv("CUFLASH_BWD_WS_FEAT", "1")
+    monkeypatch.delenv("CUFLASH_BWD_WS_FEAT", raising=False)
     _plan.CACHE.clear()
     q, k, v = arr(rng, (2, 70, 4, 128)), arr(rng, (2, 300, 2, 128)), arr(rng, (2, 300, 2, 128))
     for kw, want in (({"window": (40, 0)}, True), ({"alibi_slopes": np.full(4, 0.1, np.float32).view(Dev)}, True),
@@ -597,6 +597,12 @@ def test_bwd_ws_wiring(dev, monkeypatch):
             assert int(p["mask"]["window_left"]) == kw.get("window", (-1, -1))[0], (kw, p["mask"])
         else:
             assert not any(n.startswith("bwd90ws_") for n in names), (kw, names)
+    monkeypatch.setenv("CUFLASH_BWD_WS_FEAT", "0")  # off: the options keep the cp.async kernel
+    _plan.CACHE.clear()
+    out, lse = cuflash.attention(q, k, v, return_lse=True, window=(40, 0))
+    n0 = len(launched)
+    cuflash.attention_backward(arr(rng, q.shape), q, k, v, out, lse, window=(40, 0))
+    assert not any(L["name"].startswith("bwd90ws_") for L in launched[n0:]), launched[n0:]
     monkeypatch.delenv("CUFLASH_BWD_WS_FEAT")
     monkeypatch.setenv("CUFLASH_BWD_WS", "0")
     _plan.CACHE.clear()
