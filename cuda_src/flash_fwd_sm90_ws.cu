@@ -224,22 +224,21 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
                 for (int c = 0; c < HEAD_DIM / 64; ++c)
                     tma_load_4d(sQ + qb * Tr::SQ_BYTES + c * BLOCK_M * 128, &p.map_q, bar_q(qb), c * 64,
                                 w.q_row0 + w.blk.m0, w.blk.h, w.tb);
+                // One K or V tile of key row n into its stage: after the stage's previous use (phase
+                // use - 1 of its empty barrier), armed with the tile's bytes.
+                auto load_kv = [&](u32 dst, const TmaDesc* map, u32 full, u32 empty, int use, int n) {
+                    if (use > 0) mbar_wait(empty, (use - 1) & 1);
+                    mbar_arrive_expect_tx(full, Tr::SKV_BYTES);
+#pragma unroll
+                    for (int c = 0; c < HEAD_DIM / 64; ++c)
+                        tma_load_4d(dst + c * BLOCK_N * 128, map, full, c * 64, w.k_row0 + n, w.blk.h_kv, w.tb);
+                };
                 for (int j = 0; j < w.n_blocks; ++j) {
                     const int jj = j0 + j, s = jj % STAGES, uk = jj / STAGES, n = tile_of(j) * BLOCK_N;
-                    if (uk > 0) mbar_wait(k_empty(s), (uk - 1) & 1);
-                    mbar_arrive_expect_tx(k_full(s), Tr::SKV_BYTES);
-#pragma unroll
-                    for (int c = 0; c < HEAD_DIM / 64; ++c)
-                        tma_load_4d(sK + s * Tr::SKV_BYTES + c * BLOCK_N * 128, &p.map_k, k_full(s), c * 64, w.k_row0 + n,
-                                    w.blk.h_kv, w.tb);
+                    load_kv(sK + s * Tr::SKV_BYTES, &p.map_k, k_full(s), k_empty(s), uk, n);
                     // earlier uses of V stage s (V_(-1) included where it is used)
-                    const int uv = uk + (!PERSISTENT && s == STAGES - 1 ? 1 : 0);
-                    if (uv > 0) mbar_wait(v_empty(s), (uv - 1) & 1);
-                    mbar_arrive_expect_tx(v_full(s), Tr::SKV_BYTES);
-#pragma unroll
-                    for (int c = 0; c < HEAD_DIM / 64; ++c)
-                        tma_load_4d(sV + s * Tr::SKV_BYTES + c * BLOCK_N * 128, &p.map_v, v_full(s), c * 64, w.k_row0 + n,
-                                    w.blk.h_kv, w.tb);
+                    load_kv(sV + s * Tr::SKV_BYTES, &p.map_v, v_full(s), v_empty(s),
+                            uk + (!PERSISTENT && s == STAGES - 1 ? 1 : 0), n);
                 }
                 j0 += w.n_blocks;
                 if constexpr (!PERSISTENT) break;  // one work tile: let the compiler see it

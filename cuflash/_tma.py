@@ -18,6 +18,7 @@ Nothing in cuflash's default paths uses it yet: cuda_src/tma_probe.cu checks it 
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 
 import numpy as np
@@ -112,15 +113,23 @@ def encode_tiled(ptr: int, dtype: str, dims, strides_bytes, box, swizzle: int = 
     return bytes(out)
 
 
+@functools.lru_cache(maxsize=1)
+def _libcuda():
+    """The driver library (None without one)."""
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+
+
 def ensure_context(device_id: int) -> None:
     """Makes device_id's primary context current in the calling thread if the thread has none. Plans
     are made where a call first arrives, and a backward's first call arrives on the autograd engine's
     thread, which may have no current context: there the driver refuses every tensor map (CUresult
     201), and a layout found unpatchable that way would have kept the TMA kernels off for the
     process. Costs two driver calls; made once per plan, never per call."""
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-    except OSError:
+    lib = _libcuda()
+    if lib is None:
         return
     ctx = ctypes.c_void_p()
     if lib.cuCtxGetCurrent(ctypes.byref(ctx)) == 0 and ctx.value:
