@@ -316,11 +316,12 @@ def cuflash_specs(configs, passes, target):
             even_kv = s % bc.block_m == 0 and s % bc.block_n == 0
             even_q = s % qc.block_m == 0 and s % qc.block_n == 0
             atomic = _launch.bwd_uses_atomics(False, target, d)
-            bws = (atomic and target == "sm_90a" and d in _config.BWD_WS_HEAD_DIMS and bc.wgmma
+            bws = (atomic and target == "sm_90a" and d in _config.BWD_WS_HEAD_DIMS and (bc.wgmma or d == 256)
                    and _config.bwd_ws_mode() != "off" and _config.fwd_tma_mode() != "off")
             btma = bc.wgmma and _config.bwd_tma_enabled() and _config.fwd_tma_mode() != "off"
             bm = _config.bwd_ws_block_m(d) if bws else bc.block_m
-            kernels = (_launch.bwd_ws_specializations(dt, d, c, s % bm == 0 and s % 128 == 0,
+            bn = _config.bwd_ws_block_n(d)
+            kernels = (_launch.bwd_ws_specializations(dt, d, c, s % bm == 0 and s % bn == 0,
                                                       _config.bwd_ws_stages(d, bm), bm) if bws else
                        _launch.bwd_specializations(dt, d, target, c, even_kv, even_q, atomic, tma=btma))
             for spec, smem, _ in kernels:

@@ -76,6 +76,7 @@
 // Grid: 1-D, one block per tile, or (persistent) one per SM.
 #include "blocks.cuh"
 #include "bwd_sm90_steps.cuh"
+#include "bwd_ws_pipeline.cuh"
 #include "bwd_tma_params.cuh"
 #include "common.cuh"
 #include "params.cuh"
@@ -112,21 +113,6 @@ struct BwdWsTraits {
     static_assert(DQ_N % 16 == 0, "dQ columns per consumer");
 };
 
-// The query blocks [m_begin, m_begin + m_iters) a key block visits: the causal range of key_block, or
-// with FEAT those whose rows may see one of its keys (query_range); mi gets the (sequence, kv head)'s
-// mask (a padded batch's entry b with no lengths: the whole tensors).
-template <bool FEAT, int BLOCK_M, int BLOCK_N>
-__device__ __forceinline__ void ws_query_blocks(const BwdTmaParams& p, const KeyBlock& blk, int& m_begin, int& m_iters,
-                                                MaskInfo& mi) {
-    m_begin = blk.m_begin;
-    m_iters = blk.m_iters;
-    if constexpr (FEAT) {
-        const SeqInfo si = seq_info(p.mask, blk.b, p.seqlen_q, p.seqlen_k);
-        mi.init(p.mask, si, blk.b, blk.h_kv * p.head_group);
-        query_range<BLOCK_M, BLOCK_N>(p.mask, mi, blk.n0, m_begin, m_iters);
-    }
-}
-
 template <typename T, int HEAD_DIM, int BLOCK_M, bool IS_CAUSAL, bool IS_EVEN, int STAGES = 2, bool FEAT = false>
 __global__ void __launch_bounds__(384, 1)
 flash_bwd_sm90_ws_kernel(const __grid_constant__ BwdTmaParams p) {
@@ -145,12 +131,7 @@ flash_bwd_sm90_ws_kernel(const __grid_constant__ BwdTmaParams p) {
     const u32 sdS = sdO + STAGES * Tr::SQ_BYTES;       // [2]
     const u32 sdQ = sdS + 2 * Tr::SDS_BYTES;
     const u32 sRows = sdQ + Tr::SDQ_BYTES;             // sLse[STAGES][64], then sDelta[STAGES][64]
-    const u32 s_bar = sRows + Tr::ROWS_BYTES;
-    const u32 kv_full = s_bar, kv_empty = s_bar + 8u;
-    auto full = [&](int s) { return s_bar + 8u * (u32)(2 + s); };
-    auto empty = [&](int s) { return s_bar + 8u * (u32)(2 + STAGES + s); };
-    auto lse_row = [&](int s) { return sRows + (u32)(s * BLOCK_M) * 4u; };
-    auto dlt_row = [&](int s) { return sRows + (u32)((STAGES + s) * BLOCK_M) * 4u; };
+    const BwdWsBars<STAGES, BLOCK_M> bars{sRows + Tr::ROWS_BYTES, sRows};
 
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     if (tid == 0 && dynamic_smem_bytes() < (u32)Tr::SMEM_BYTES) __trap();
@@ -158,78 +139,14 @@ flash_bwd_sm90_ws_kernel(const __grid_constant__ BwdTmaParams p) {
     const int sq = p.seqlen_q, sk = p.seqlen_k;
     const int num_tiles = p.batch * p.nheads_kv * p.num_blocks;
 
-    if (tid == 0) {
-        mbar_init(kv_full, 1);
-        mbar_init(kv_empty, 8);
-#pragma unroll
-        for (int s = 0; s < STAGES; ++s) {
-            mbar_init(full(s), 32);
-            mbar_init(empty(s), 8);
-        }
-        fence_mbar_init();
-    }
+    if (tid == 0) bars.init();
     __syncthreads();  // barriers initialized: the warpgroups go their ways
 
     const int wg = warpgroup_index();
     if (wg == 0) {
-        // ---------------- producer ----------------
+        // ---------------- producer (bwd_ws_pipeline.cuh) ----------------
         setmaxnreg_dec<Tr::PRODUCER_REGS>();
-        if (warp != 0) return;
-        if (lane == 0) {
-            tma_prefetch_desc(&p.map_q);
-            tma_prefetch_desc(&p.map_do);
-        }
-        int g_base = 0;  // iterations of the earlier tiles: the ring's stages and phases run on across tiles
-        int tcount = 0;
-        for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x, ++tcount) {
-            const KeyBlock blk = key_block_grouped<BLOCK_M, BLOCK_N, IS_CAUSAL>(tile, p.num_blocks, p.nheads_kv, p.batch,
-                                                                                p.tile_heads, sq, sk);
-            const int h_kv = blk.h_kv, b = blk.b, n0 = blk.n0;
-            int m_begin, m_iters;
-            MaskInfo mi;
-            ws_query_blocks<FEAT, BLOCK_M, BLOCK_N>(p, blk, m_begin, m_iters, mi);
-            const int iters = m_iters * p.head_group;
-            // K and V of this tile go where the previous tile's epilogue wrote dK and dV out.
-            if (tcount > 0) mbar_wait(kv_empty, (tcount - 1) & 1);
-            if (lane == 0) {
-                mbar_arrive_expect_tx(kv_full, 2 * Tr::SKV_BYTES);
-#pragma unroll
-                for (int c = 0; c < HEAD_DIM / 64; ++c) {
-                    tma_load_4d(sK + c * BLOCK_N * 128, &p.map_k, kv_full, c * 64, n0, h_kv, b);
-                    tma_load_4d(sV + c * BLOCK_N * 128, &p.map_v, kv_full, c * 64, n0, h_kv, b);
-                }
-            }
-            for (int it = 0; it < iters; ++it) {
-                const int gi = g_base + it;
-                const int s = gi % STAGES, u = gi / STAGES;
-                if (u > 0) mbar_wait(empty(s), (u - 1) & 1);
-                const int hq = h_kv * p.head_group + it / m_iters;
-                const int m0 = (m_begin + it % m_iters) * BLOCK_M;
-                // lse from the forward's (batch, nheads, seqlen_q) array, 0 past seqlen_q; delta from the
-                // padded scratch. Lane l: rows R l .. R l + R - 1, R = BLOCK_M / 32.
-                constexpr int R = BLOCK_M / 32;
-                const i64 bhq = (i64)b * p.nheads + hq;
-#pragma unroll
-                for (int r = 0; r < R; ++r) {
-                    const int row = m0 + R * lane + r;
-                    const float l = row < sq ? p.lse[bhq * sq + row] : 0.f;
-                    const float d = p.delta[bhq * p.seqlen_q_pad + row];
-                    asm volatile("st.shared.f32 [%0], %1;" :: "r"(lse_row(s) + (R * lane + r) * 4), "f"(l) : "memory");
-                    asm volatile("st.shared.f32 [%0], %1;" :: "r"(dlt_row(s) + (R * lane + r) * 4), "f"(d) : "memory");
-                }
-                if (lane == 0) {
-                    mbar_arrive_expect_tx(full(s), 2 * Tr::SQ_BYTES);
-#pragma unroll
-                    for (int c = 0; c < HEAD_DIM / 64; ++c) {
-                        tma_load_4d(sQ + s * Tr::SQ_BYTES + c * BLOCK_M * 128, &p.map_q, full(s), c * 64, m0, hq, b);
-                        tma_load_4d(sdO + s * Tr::SQ_BYTES + c * BLOCK_M * 128, &p.map_do, full(s), c * 64, m0, hq, b);
-                    }
-                } else {
-                    mbar_arrive(full(s));
-                }
-            }
-            g_base += iters;
-        }
+        if (warp == 0) bwd_ws_produce<HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, FEAT>(p, bars, lane, sK, sV, sQ, sdO);
         return;
     }
 
@@ -261,14 +178,14 @@ flash_bwd_sm90_ws_kernel(const __grid_constant__ BwdTmaParams p) {
         for (int i = 0; i < HEAD_DIM / 2; ++i) { acc_dv[i] = 0.f; acc_dk[i] = 0.f; }
 
         // K and V of this tile (also before the epilogue writes through sK / sV when no query block runs).
-        mbar_wait(kv_full, tcount & 1);
+        mbar_wait(bars.kv_full(), tcount & 1);
         for (int it = 0; it < iters; ++it) {
             const int gi = g_base + it;
             const int s = gi % STAGES;
             const int m0 = (m_begin + it % m_iters) * BLOCK_M;
             const u32 sQs = sQ + s * Tr::SQ_BYTES, sdOs = sdO + s * Tr::SQ_BYTES;
             const u32 sdSi = sdS + (gi % 2) * Tr::SDS_BYTES;
-            mbar_wait(full(s), (gi / STAGES) & 1);
+            mbar_wait(bars.full(s), (gi / STAGES) & 1);
 
             // ---- S^T = K Q^T, dP^T = V dO^T: (64 keys, 64 queries) ----
             float sc[BLOCK_M / 2], dp[BLOCK_M / 2];
@@ -284,8 +201,8 @@ flash_bwd_sm90_ws_kernel(const __grid_constant__ BwdTmaParams p) {
             // Keys past seqlen_k need no mask: TMA fills their K and V rows with zeros, so their dS
             // reaches dQ multiplied by K = 0, and their dK, dV rows are never written.
             const bool diag = IS_CAUSAL && n0 + key_row0 + 15 > m0 + sk - sq;
-            const u32 lse_s = lse_row(s) + 2 * t * 4;
-            const u32 dlt_s = dlt_row(s) + 2 * t * 4;
+            const u32 lse_s = bars.lse_row(s) + 2 * t * 4;
+            const u32 dlt_s = bars.dlt_row(s) + 2 * t * 4;
             // Element (key n0 + key_row0 + g + 8 (e / 2), query m0 + 8 j + 2 t + e % 2) is above the
             // diagonal iff 8 (e / 2) - 8 j - e % 2 > diag_lim.
             const int diag_lim = m0 + diag_base;
@@ -442,7 +359,7 @@ flash_bwd_sm90_ws_kernel(const __grid_constant__ BwdTmaParams p) {
             }
             wgmma_wait<0>();
             fence_regs(acc_dk);
-            if (lane == 0) mbar_arrive(empty(s));   // this warp is done with Q, dO, lse and delta of stage s
+            if (lane == 0) mbar_arrive(bars.empty(s));   // this warp is done with Q, dO, lse and delta of stage s
         }
         g_base += iters;
         named_barrier_sync(DS_BAR, 256);   // both consumers' dQ products (which read all of sK) are done
@@ -464,7 +381,7 @@ flash_bwd_sm90_ws_kernel(const __grid_constant__ BwdTmaParams p) {
             dkdv_rows_to_global<T, HEAD_DIM, BLOCK_N, IS_EVEN>(gdK, gdV, p.dk_row_stride, p.dv_row_stride, sK, sV,
                                                                key_row0, lane, n0, p.seqlen_k);
             __syncwarp();
-            if (lane == 0) mbar_arrive(kv_empty);  // this warp's rows of sK / sV are read: the next K, V may land
+            if (lane == 0) mbar_arrive(bars.kv_empty());  // this warp's rows of sK / sV are read: the next K, V may land
         }
     }
     if (tw == 0) bulk_wait_group<0>();  // the reductions are done before the block retires

@@ -63,19 +63,30 @@ def bwd_tma_enabled() -> bool:
 # the atomic dQ path. CUFLASH_BWD_WS (read when a plan is made): "1" wherever it serves the call,
 # "0" never; unset: where it serves the call and the maps patch per pointer (as CUFLASH_FWD_TMA).
 BWD_WS_STAGES = 2
-BWD_WS_HEAD_DIMS = (64, 128)
+BWD_WS_HEAD_DIMS = (64, 128, 256)
+# Head dims whose options' backward (windows, sinks, ALiBi) runs on the warp-specialized kernel; 256
+# has its own kernel (cuda_src/flash_bwd_sm90_ws256.cu: 64 x 64 tiles, plain calls only).
+BWD_WS_FEAT_HEAD_DIMS = (64, 128)
 # Query rows per iteration (BLOCK_M) by head_dim: 128 at head_dim 64 (FlashAttention-3's choice
 # there; the consumers then split dQ by rows), 64 at 128 (128 would not fit in shared memory).
 # Measured on an H100 (bench.py --quick, bf16, head_dim 64, backward TFLOP/s at 2k / 8k, cuDNN in
 # the same run): non-causal 412 / 481 against 342 / 397 with 64 rows (cuDNN 418 / 481); causal 299 /
 # 427 against 277 / 369 (cuDNN 314 / 420).
-BWD_WS_BLOCK_M = {64: 128, 128: 64}
+BWD_WS_BLOCK_M = {64: 128, 128: 64, 256: 64}
+
+
+def bwd_ws_block_n(head_dim: int) -> int:
+    """Keys per tile of the warp-specialized backward: 128 (two consumers of 64 keys), 64 at head_dim
+    256 (flash_bwd_sm90_ws256.cu: the consumers split head_dim instead)."""
+    return 64 if head_dim == 256 else 128
 
 
 def bwd_ws_block_m(head_dim: int) -> int:
     """BWD_WS_BLOCK_M, or CUFLASH_BWD_WS_BLOCK_M=64 (tuning) at head_dim 64."""
     import os
 
+    if head_dim == 256:
+        return 64
     return 64 if os.environ.get("CUFLASH_BWD_WS_BLOCK_M") == "64" else BWD_WS_BLOCK_M[head_dim]
 
 
@@ -110,8 +121,14 @@ def bwd_ws_mode() -> str:
 def bwd_ws_smem_bytes(head_dim: int, stages: int = BWD_WS_STAGES, block_m: int = 64) -> int:
     """Dynamic shared memory of flash_bwd_sm90_ws.cu (BwdWsTraits::SMEM_BYTES): sK, sV (128 rows),
     sQ / sdO rings (block_m rows), sdS[2] (128 x block_m), sdQ (block_m x head_dim floats), the lse /
-    delta rows, the mbarriers and 1024 bytes of alignment slack."""
+    delta rows, the mbarriers and 1024 bytes of alignment slack. Head_dim 256
+    (flash_bwd_sm90_ws256.cu, BwdWs256Traits::SMEM_BYTES): sK, sV of 64 rows, the rings of 64 rows,
+    sP[2] and sdS[2] (64 x 64), no sdQ."""
     m = block_m
+    if head_dim == 256:
+        assert m == 64, m
+        return (2 * 64 * 256 * 2 + 2 * stages * 64 * 256 * 2 + 4 * 64 * 64 * 2 + stages * 2 * 64 * 4
+                + 8 * (2 + 2 * stages) + 1024)
     return (2 * 128 * head_dim * 2 + 2 * stages * m * head_dim * 2 + 2 * 128 * m * 2 + m * head_dim * 4
             + stages * 2 * m * 4 + 8 * (2 + 2 * stages) + 1024)
 

@@ -353,6 +353,10 @@ def bwd_uses_atomics(deterministic: bool, target: str | None = None, head_dim: i
         return False
     if target is not None and head_dim is not None and _config.bwd_config_for_target(target, head_dim, "float16").wgmma:
         return True
+    # Head_dim 256 on sm_90a: the warp-specialized kernel (flash_bwd_sm90_ws256.cu) adds dQ into the
+    # scratch; where it cannot run (a layout TMA cannot map), the mma.sync kernel's atomic path does.
+    if target == "sm_90a" and head_dim == 256 and _config.bwd_ws_mode() != "off":
+        return True
     return _config.BWD_ATOMIC_DQ
 
 
@@ -366,7 +370,9 @@ def bwd_ws_specializations(dtype: str, head_dim: int, causal: bool, even: bool,
     short, ctype = _DTYPE_TAG[dtype]
     assert head_dim in _config.BWD_WS_HEAD_DIMS, head_dim
     assert not (feat and (causal or even)), (causal, even)
+    assert not (feat and head_dim not in _config.BWD_WS_FEAT_HEAD_DIMS), head_dim
     m = block_m or _config.bwd_ws_block_m(head_dim)
+    n = _config.bwd_ws_block_n(head_dim)
     if feat:
         pre = _compile.Specialization(
             "flash_bwd.cu", f"cuflash::flash_bwd_preprocess_kernel<{ctype}, {head_dim}, true, true>",
@@ -376,20 +382,25 @@ def bwd_ws_specializations(dtype: str, head_dim: int, causal: bool, even: bool,
             "flash_bwd.cu", f"cuflash::flash_bwd_preprocess_kernel<{ctype}, {head_dim}, true>",
             f"bwd_pre_{short}_d{head_dim}_zero_dq", _BWD_CHECKS_PARAMS)
     smem = _config.bwd_ws_smem_bytes(head_dim, stages, m)
-    traits = f"cuflash::BwdWsTraits<{head_dim}, {m}, {stages}>"
     kind = "feat" if feat else f"{'causal' if causal else 'full'}_{'even' if even else 'ragged'}"
+    if head_dim == 256:
+        traits = f"cuflash::BwdWs256Traits<{stages}>"
+        source = "flash_bwd_sm90_ws256.cu"
+        expr = f"cuflash::flash_bwd_sm90_ws256_kernel<{ctype}, {_b(causal)}, {_b(even)}, {stages}>"
+    else:
+        traits = f"cuflash::BwdWsTraits<{head_dim}, {m}, {stages}>"
+        source = "flash_bwd_sm90_ws.cu"
+        expr = (f"cuflash::flash_bwd_sm90_ws_kernel<{ctype}, {head_dim}, {m}, {_b(causal)}, {_b(even)}, {stages}"
+                + (", true>" if feat else ">"))
     ws = _compile.Specialization(
-        "flash_bwd_sm90_ws.cu",
-        f"cuflash::flash_bwd_sm90_ws_kernel<{ctype}, {head_dim}, {m}, {_b(causal)}, {_b(even)}, {stages}"
-        + (", true>" if feat else ">"),
-        f"bwd90ws_{short}_d{head_dim}_m{m}_s{stages}_{kind}_tma",
+        source, expr, f"bwd90ws_{short}_d{head_dim}_m{m}_s{stages}_{kind}_tma",
         _BWD_TMA_CHECKS_PARAMS + "\n" +
         f'static_assert({traits}::SMEM_BYTES == {smem}, "shared memory size differs from cuflash/_config.py:bwd_ws_smem_bytes");')
-    part = head_dim if m == 128 else head_dim // 2  # BwdWsTraits::DQ_N
+    part = head_dim if m == 128 else head_dim // 2  # BwdWsTraits::DQ_N (BwdWs256Traits::COLS)
     conv = _compile.Specialization(
         "flash_bwd.cu", f"cuflash::flash_bwd_convert_dq_kernel<{ctype}, {head_dim}, false, {part}, {m}>",
         f"bwd_convert_dq_{short}_d{head_dim}_perm{m}", _BWD_CHECKS_PARAMS)
-    return [(pre, 0, None), (ws, smem, _config.TileConfig(m, 128, 8, wgmma=True)), (conv, 0, None)]
+    return [(pre, 0, None), (ws, smem, _config.TileConfig(m, n, 8, wgmma=True)), (conv, 0, None)]
 
 
 def all_bwd_ws_specializations(target: str, head_dims=None, dtypes=None, causal=(False, True),
@@ -407,11 +418,13 @@ def all_bwd_ws_specializations(target: str, head_dims=None, dtypes=None, causal=
             for c in causal:
                 for e in (False, True):
                     for st in stages:
-                        for m in sorted({_config.BWD_WS_BLOCK_M[d], 64 if tuning else _config.BWD_WS_BLOCK_M[d]}):
+                        for m in sorted({_config.BWD_WS_BLOCK_M[d], 64 if tuning and d != 256 else _config.BWD_WS_BLOCK_M[d]}):
                             if _config.bwd_ws_smem_bytes(d, st, m) > _config.SMEM_LIMIT["sm90"]:
                                 continue
                             for spec, smem, _ in bwd_ws_specializations(dtype, d, c, e, st, m):
                                 seen.setdefault(spec.expression, (spec, smem))
+            if d not in _config.BWD_WS_FEAT_HEAD_DIMS:
+                continue
             m = _config.BWD_WS_BLOCK_M[d]
             for spec, smem, _ in bwd_ws_specializations(dtype, d, False, False, _config.bwd_ws_stages(d, m), m,
                                                         feat=True):
@@ -800,9 +813,9 @@ def _use_tma(k: DeviceTensor, v: DeviceTensor, block_n: int, dtype: str) -> bool
 
 
 def _use_bwd_ws(q: DeviceTensor, dout: DeviceTensor, k: DeviceTensor, v: DeviceTensor, dtype: str,
-                block_m: int) -> bool:
+                block_m: int, block_n: int = 128) -> bool:
     """Whether the warp-specialized backward may run (cuflash/_config.py bwd_ws_mode): Q and dO
-    through maps of block_m-row boxes, K and V of 128."""
+    through maps of block_m-row boxes, K and V of block_n."""
     from . import _tma
 
     mode = _config.bwd_ws_mode()
@@ -810,7 +823,7 @@ def _use_bwd_ws(q: DeviceTensor, dout: DeviceTensor, k: DeviceTensor, v: DeviceT
         return False
     if mode == "force":
         return True
-    return _use_tma(q, dout, block_m, dtype) and _use_tma(k, v, 128, dtype)
+    return _use_tma(q, dout, block_m, dtype) and _use_tma(k, v, block_n, dtype)
 
 
 def tail_launches(t: DeviceTensor, cu_seqlens, batch: int, max_seqlen: int, elem: str, fill_bits: int,
@@ -897,7 +910,7 @@ def bwd_launches(dout: DeviceTensor, q: DeviceTensor, k: DeviceTensor, v: Device
     _tma_context(target, device_id)
     if mask is not None:
         assert not causal
-        ws = (cfg is None and atomic and target == "sm_90a" and head_dim in _config.BWD_WS_HEAD_DIMS
+        ws = (cfg is None and atomic and target == "sm_90a" and head_dim in _config.BWD_WS_FEAT_HEAD_DIMS
               and _config.bwd_ws_feat_enabled() and not mask.packed and not mask.q_lengths and not mask.kv_lengths
               and not mask.softcap and _use_bwd_ws(q, dout, k, v, dtype, _config.bwd_ws_block_m(head_dim)))
         if ws:
@@ -910,14 +923,19 @@ def bwd_launches(dout: DeviceTensor, q: DeviceTensor, k: DeviceTensor, v: Device
             qcfg = _config.feat_dq_config(target, head_dim, dtype)
             kernels = bwd_specializations(dtype, head_dim, target, False, False, False, atomic, cfg, feat=True)
     else:
+        explicit_cfg = cfg is not None
         cfg = cfg or _config.bwd_config_for_target(target, head_dim, dtype)
         qcfg = _config.bwd_dq_config(family, head_dim, dtype)
         even_kv = seqlen_q % cfg.block_m == 0 and seqlen_k % cfg.block_n == 0
         even_q = seqlen_q % qcfg.block_m == 0 and seqlen_k % qcfg.block_n == 0
-        ws = (atomic and target == "sm_90a" and head_dim in _config.BWD_WS_HEAD_DIMS and cfg.wgmma
-              and _use_bwd_ws(q, dout, k, v, dtype, _config.bwd_ws_block_m(head_dim)))
+        # cfg.wgmma: the sm_90a wgmma configuration (head_dim 64, 128), unless a caller chose tiles; head_dim
+        # 256's default configuration is the mma.sync kernel's, which the warp-specialized one replaces.
+        ws_n = _config.bwd_ws_block_n(head_dim)
+        ws = (atomic and target == "sm_90a" and head_dim in _config.BWD_WS_HEAD_DIMS
+              and (cfg.wgmma or (head_dim == 256 and not explicit_cfg))
+              and _use_bwd_ws(q, dout, k, v, dtype, _config.bwd_ws_block_m(head_dim), ws_n))
         if ws:
-            cfg = _config.TileConfig(_config.bwd_ws_block_m(head_dim), 128, 8, wgmma=True)
+            cfg = _config.TileConfig(_config.bwd_ws_block_m(head_dim), ws_n, 8, wgmma=True)
             even_kv = seqlen_q % cfg.block_m == 0 and seqlen_k % cfg.block_n == 0
             kernels = bwd_ws_specializations(dtype, head_dim, causal, even_kv,
                                              _config.bwd_ws_stages(head_dim, cfg.block_m), cfg.block_m)
@@ -946,10 +964,11 @@ def bwd_launches(dout: DeviceTensor, q: DeviceTensor, k: DeviceTensor, v: Device
     row_block = _config.row_kernel_rows(head_dim)
     grids = [(pre, 0, _cdiv(rows_pad, row_block), 256, 0)]
     n_blocks = _cdiv(seqlen_k, cfg.block_n)
-    threads = 384 if dkdv.source == "flash_bwd_sm90_ws.cu" else cfg.warps * 32
+    ws_kernel = dkdv.source in ("flash_bwd_sm90_ws.cu", "flash_bwd_sm90_ws256.cu")
+    threads = 384 if ws_kernel else cfg.warps * 32
     tiles = batch * nheads_kv * n_blocks
     tile_heads = 1
-    if dkdv.source == "flash_bwd_sm90_ws.cu":
+    if ws_kernel:
         from ._kvcache import _sm_count
 
         sms = _sm_count(device_id)

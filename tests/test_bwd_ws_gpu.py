@@ -8,8 +8,9 @@ key, query blocks that see no key block, GQA and MQA, strided layouts, with the 
 (BLOCK_M 128 at head_dim 64, 64 at 128; 2 stages) and the tuning ones (CUFLASH_BWD_WS_BLOCK_M=64,
 CUFLASH_BWD_WS_STAGES=3), and on a persistent grid (CUFLASH_BWD_WS_PERSISTENT=1: blocks walk several
 tiles, so K / V reloads and the ring's phases cross tiles). The launched kernel's name is
-checked, so a fallback cannot pass for it; deterministic calls must not take it. Marked gpu;
-skipped below sm_90."""
+checked, so a fallback cannot pass for it; deterministic calls must not take it. Head_dim 256 has
+its own kernel (cuda_src/flash_bwd_sm90_ws256.cu), the default there, checked the same way over
+CASES_256 (one block per tile and persistent). Marked gpu; skipped below sm_90."""
 
 import pytest
 
@@ -116,3 +117,49 @@ def test_backward_planned_on_a_thread_without_context(monkeypatch, how):
     ref = cuflash.attention_backward(dout, q, k, v, out2, lse2, causal=True)
     for name, g, r in zip(("dq", "dk", "dv"), grads, ref):
         assert torch.isfinite(g).all() and torch.allclose(g.float(), r.float(), atol=1e-2, rtol=1e-2), (how, name, seed)
+
+
+# Head_dim 256 (cuda_src/flash_bwd_sm90_ws256.cu): 64 x 64 tiles, the consumers split head_dim for dK,
+# dV and dQ and the queries for S and dP; dQ by vector reductions. The default there (no setting).
+CASES_256 = [  # dtype, causal, seqlen_q, seqlen_k, nheads, nheads_kv, layout
+    ("bfloat16", False, 1024, 1024, 4, 4, "bshd"),
+    ("float16", True, 1000, 1000, 4, 2, "bshd"),
+    ("bfloat16", True, 513, 777, 4, 2, "bhsd"),
+    ("float16", False, 200, 130, 4, 1, "padded"),
+    ("bfloat16", True, 700, 300, 2, 1, "bshd"),    # bottom-right causal: rows with no key
+    ("float16", True, 300, 700, 2, 2, "bshd"),     # key blocks no query sees (dK = dV = 0)
+    ("float16", False, 1, 4097, 2, 2, "bshd"),
+    ("bfloat16", False, 2048, 64, 2, 2, "mixed"),  # many query blocks per key block
+    ("float16", True, 1024, 4096, 4, 2, "bshd"),   # 256 tiles: a persistent block walks several
+]
+
+
+@pytest.mark.parametrize("dtype,causal,seqlen_q,seqlen_k,nheads,nheads_kv,layout", CASES_256)
+@pytest.mark.parametrize("det", [False, True])
+@pytest.mark.parametrize("persistent", [None, "1"])
+def test_ws256_backward(monkeypatch, dtype, causal, seqlen_q, seqlen_k, nheads, nheads_kv, layout, det, persistent):
+    import cuflash
+    from cuflash import _plan
+
+    if det and persistent:
+        pytest.skip("deterministic calls do not take the kernel")
+    names = record_tma_launches(monkeypatch, CUFLASH_BWD_WS=None, CUFLASH_BWD_WS_PERSISTENT=persistent)
+    try:
+        seed = fresh_seed()
+        torch.manual_seed(seed)
+        tdt = getattr(torch, dtype)
+        q, k, v = make_qkv(2, seqlen_q, seqlen_k, nheads, nheads_kv, 256, tdt, layout)
+        dout = make_dout(2, seqlen_q, nheads, 256, tdt, layout)
+        label = (f"bwd ws256 {dtype} causal={causal} {seqlen_q}x{seqlen_k} h{nheads}/{nheads_kv} {layout} "
+                 f"deterministic={det} persistent={persistent}")
+        n0 = len(names)
+        run_backward_and_check(cuflash, q, k, v, dout, causal=causal, deterministic=det, seed=seed, label=label)
+        ws = [n for n in names[n0:] if n.startswith("bwd90ws_")]
+        assert not (det and ws), (label, names[n0:])
+        assert all("_d256_m64_s2_" in n for n in ws), (label, ws)
+        mappable = all(t.stride(-1) == 1 and all(s > 0 and s % 8 == 0 for s in t.stride()[:3])
+                       for t in (q, k, v, dout))
+        if mappable and not det:
+            assert ws, (label, names[n0:])
+    finally:
+        _plan.CACHE.clear()

@@ -1,0 +1,124 @@
+// bwd_ws_pipeline.cuh: what the two warp-specialized sm_90a backward kernels share
+// (flash_bwd_sm90_ws.cu, flash_bwd_sm90_ws256.cu): the mbarriers' places and initialization, the
+// query blocks a key block visits, and the producer warp. The barrier protocol is described at the
+// top of flash_bwd_sm90_ws.cu; both kernels follow it.
+//
+// Barriers at s_bar (8 bytes each): kv_full, kv_empty, full[STAGES], empty[STAGES]. Rows at sRows:
+// sLse[STAGES][BLOCK_M], then sDelta[STAGES][BLOCK_M] (floats). Shared tiles are SW128 panels
+// (wgmma_util.cuh): K and V of BLOCK_N rows, each stage's Q and dO of BLOCK_M rows.
+#pragma once
+#include "blocks.cuh"
+#include "bwd_tma_params.cuh"
+#include "common.cuh"
+#include "params.cuh"
+#include "tma.cuh"
+
+namespace cuflash {
+
+template <int STAGES, int BLOCK_M>
+struct BwdWsBars {
+    u32 s_bar, s_rows;
+    __device__ __forceinline__ u32 kv_full() const { return s_bar; }
+    __device__ __forceinline__ u32 kv_empty() const { return s_bar + 8u; }
+    __device__ __forceinline__ u32 full(int s) const { return s_bar + 8u * (u32)(2 + s); }
+    __device__ __forceinline__ u32 empty(int s) const { return s_bar + 8u * (u32)(2 + STAGES + s); }
+    __device__ __forceinline__ u32 lse_row(int s) const { return s_rows + (u32)(s * BLOCK_M) * 4u; }
+    __device__ __forceinline__ u32 dlt_row(int s) const { return s_rows + (u32)((STAGES + s) * BLOCK_M) * 4u; }
+
+    // Thread 0: kv_full (count 1), kv_empty (8: a consumer warp each), full[s] (32: the producer's
+    // lanes), empty[s] (8). The caller synchronizes the block afterwards.
+    __device__ __forceinline__ void init() const {
+        mbar_init(kv_full(), 1);
+        mbar_init(kv_empty(), 8);
+#pragma unroll
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(full(s), 32);
+            mbar_init(empty(s), 8);
+        }
+        fence_mbar_init();
+    }
+};
+
+// The query blocks [m_begin, m_begin + m_iters) a key block visits: the causal range of key_block, or
+// with FEAT those whose rows may see one of its keys (query_range); mi gets the (sequence, kv head)'s
+// mask (a padded batch's entry b with no lengths: the whole tensors).
+template <bool FEAT, int BLOCK_M, int BLOCK_N>
+__device__ __forceinline__ void ws_query_blocks(const BwdTmaParams& p, const KeyBlock& blk, int& m_begin, int& m_iters,
+                                                MaskInfo& mi) {
+    m_begin = blk.m_begin;
+    m_iters = blk.m_iters;
+    if constexpr (FEAT) {
+        const SeqInfo si = seq_info(p.mask, blk.b, p.seqlen_q, p.seqlen_k);
+        mi.init(p.mask, si, blk.b, blk.h_kv * p.head_group);
+        query_range<BLOCK_M, BLOCK_N>(p.mask, mi, blk.n0, m_begin, m_iters);
+    }
+}
+
+// The producer: warp 0 of warpgroup 0 (lane = its lane). Per tile (blocks.cuh key_block_grouped's
+// order, tiles blockIdx.x, + gridDim.x, ...): lane 0 loads K and V once (after the previous tile's
+// epilogue released them: kv_empty), then for each iteration (query head, query block) waits for
+// its stage to be empty, the 32 lanes copy the rows' lse (0 past seqlen_q) and delta beside it, and
+// lane 0 issues Q's and dO's copies. The ring's stages and phases run on across the block's tiles.
+template <int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, bool IS_CAUSAL, bool FEAT>
+__device__ __forceinline__ void bwd_ws_produce(const BwdTmaParams& p, const BwdWsBars<STAGES, BLOCK_M>& bars, int lane,
+                                               u32 sK, u32 sV, u32 sQ, u32 sdO) {
+    constexpr int SKV_BYTES = BLOCK_N * HEAD_DIM * 2, SQ_BYTES = BLOCK_M * HEAD_DIM * 2;
+    const int sq = p.seqlen_q, sk = p.seqlen_k;
+    const int num_tiles = p.batch * p.nheads_kv * p.num_blocks;
+    if (lane == 0) {
+        tma_prefetch_desc(&p.map_q);
+        tma_prefetch_desc(&p.map_do);
+    }
+    int g_base = 0, tcount = 0;
+    for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x, ++tcount) {
+        const KeyBlock blk = key_block_grouped<BLOCK_M, BLOCK_N, IS_CAUSAL>(tile, p.num_blocks, p.nheads_kv, p.batch,
+                                                                            p.tile_heads, sq, sk);
+        const int h_kv = blk.h_kv, b = blk.b, n0 = blk.n0;
+        int m_begin, m_iters;
+        MaskInfo mi;
+        ws_query_blocks<FEAT, BLOCK_M, BLOCK_N>(p, blk, m_begin, m_iters, mi);
+        const int iters = m_iters * p.head_group;
+        // K and V of this tile go where the previous tile's epilogue wrote dK and dV out.
+        if (tcount > 0) mbar_wait(bars.kv_empty(), (tcount - 1) & 1);
+        if (lane == 0) {
+            mbar_arrive_expect_tx(bars.kv_full(), 2 * SKV_BYTES);
+#pragma unroll
+            for (int c = 0; c < HEAD_DIM / 64; ++c) {
+                tma_load_4d(sK + c * BLOCK_N * 128, &p.map_k, bars.kv_full(), c * 64, n0, h_kv, b);
+                tma_load_4d(sV + c * BLOCK_N * 128, &p.map_v, bars.kv_full(), c * 64, n0, h_kv, b);
+            }
+        }
+        for (int it = 0; it < iters; ++it) {
+            const int gi = g_base + it;
+            const int s = gi % STAGES, u = gi / STAGES;
+            if (u > 0) mbar_wait(bars.empty(s), (u - 1) & 1);
+            const int hq = h_kv * p.head_group + it / m_iters;
+            const int m0 = (m_begin + it % m_iters) * BLOCK_M;
+            // lse from the forward's (batch, nheads, seqlen_q) array, 0 past seqlen_q; delta from the
+            // padded scratch. Lane l: rows R l .. R l + R - 1, R = BLOCK_M / 32.
+            constexpr int R = BLOCK_M / 32;
+            const i64 bhq = (i64)b * p.nheads + hq;
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const int row = m0 + R * lane + r;
+                const float l = row < sq ? p.lse[bhq * sq + row] : 0.f;
+                const float d = p.delta[bhq * p.seqlen_q_pad + row];
+                asm volatile("st.shared.f32 [%0], %1;" :: "r"(bars.lse_row(s) + (R * lane + r) * 4), "f"(l) : "memory");
+                asm volatile("st.shared.f32 [%0], %1;" :: "r"(bars.dlt_row(s) + (R * lane + r) * 4), "f"(d) : "memory");
+            }
+            if (lane == 0) {
+                mbar_arrive_expect_tx(bars.full(s), 2 * SQ_BYTES);
+#pragma unroll
+                for (int c = 0; c < HEAD_DIM / 64; ++c) {
+                    tma_load_4d(sQ + s * SQ_BYTES + c * BLOCK_M * 128, &p.map_q, bars.full(s), c * 64, m0, hq, b);
+                    tma_load_4d(sdO + s * SQ_BYTES + c * BLOCK_M * 128, &p.map_do, bars.full(s), c * 64, m0, hq, b);
+                }
+            } else {
+                mbar_arrive(bars.full(s));
+            }
+        }
+        g_base += iters;
+    }
+}
+
+}  // namespace cuflash
