@@ -41,16 +41,18 @@ __device__ __forceinline__ void dkdv_rows_to_smem(u32 sK, u32 sV, const float (&
 }
 
 // Epilogue, second half (after __syncwarp): the warp's 16 rows of sK / sV to dK / dV (gdK, gdV: the
-// block's first key row), 16 bytes a lane; rows with n0 + row >= k_rows are skipped unless IS_EVEN.
+// block's first key row), 16 bytes a lane; rows with n0 + row >= k_rows are skipped unless IS_EVEN,
+// and columns from `cols` on (head_dim pad-up: the call's head_dim is below the kernel's).
 template <typename T, int HEAD_DIM, int BLOCK_N, bool IS_EVEN, typename Stride>
 __device__ __forceinline__ void dkdv_rows_to_global(T* gdK, T* gdV, Stride dk_row_stride, Stride dv_row_stride, u32 sK,
-                                                    u32 sV, int key_row0, int lane, int n0, int k_rows) {
+                                                    u32 sV, int key_row0, int lane, int n0, int k_rows,
+                                                    int cols = HEAD_DIM) {
     constexpr int D_TILES = HEAD_DIM / 8;
 #pragma unroll
     for (int i = 0; i < 16 * D_TILES / 32; ++i) {
         const int c = lane + i * 32;
         const int row = key_row0 + c / D_TILES, chunk = c % D_TILES;
-        if (IS_EVEN || n0 + row < k_rows) {
+        if ((IS_EVEN || n0 + row < k_rows) && chunk * 8 < cols) {
             const u32 off = sw128_offset(row, chunk, BLOCK_N);
             *reinterpret_cast<uint4*>(gdK + row * dk_row_stride + chunk * 8) = ld_shared_u128(sK + off);
             *reinterpret_cast<uint4*>(gdV + row * dv_row_stride + chunk * 8) = ld_shared_u128(sV + off);

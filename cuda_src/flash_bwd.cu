@@ -91,7 +91,9 @@ struct RowOf {
     }
 };
 
-template <typename T, int HEAD_DIM, bool ZERO_DQ, bool FEAT = false>
+// ACC_DIM: the width of dq_accum's rows, HEAD_DIM unless the dK/dV kernel runs at a larger head_dim
+// than the call's (head_dim pad-up: cuflash/_config.py bwd_pad_head_dim).
+template <typename T, int HEAD_DIM, bool ZERO_DQ, bool FEAT = false, int ACC_DIM = HEAD_DIM>
 __global__ void __launch_bounds__(256)
 flash_bwd_preprocess_kernel(const __grid_constant__ BwdParams p) {
     using Ops = ElemOps<T>;
@@ -157,10 +159,16 @@ flash_bwd_preprocess_kernel(const __grid_constant__ BwdParams p) {
                     p.mask.dsink_rows[row_id] = -fast_exp2(p.mask.sink_logits[h] * CUFLASH_LOG2E - l2) * d;
             }
         }
-        if (ZERO_DQ && sub < L::CHUNKS) {
-            float4* acc = reinterpret_cast<float4*>(p.dq_accum + row_id * HEAD_DIM);
-            acc[sub] = make_float4(0.f, 0.f, 0.f, 0.f);
-            acc[sub + L::CHUNKS] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if constexpr (ZERO_DQ && ACC_DIM == HEAD_DIM) {
+            if (sub < L::CHUNKS) {
+                float4* acc = reinterpret_cast<float4*>(p.dq_accum + row_id * HEAD_DIM);
+                acc[sub] = make_float4(0.f, 0.f, 0.f, 0.f);
+                acc[sub + L::CHUNKS] = make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+        } else if constexpr (ZERO_DQ) {
+            float4* acc = reinterpret_cast<float4*>(p.dq_accum + row_id * ACC_DIM);
+#pragma unroll
+            for (int c = sub; c < ACC_DIM / 4; c += L::TPR) acc[c] = make_float4(0.f, 0.f, 0.f, 0.f);
         }
     }
 }
@@ -448,8 +456,9 @@ flash_bwd_dkdv_kernel(const __grid_constant__ BwdParams p) {
 // block of PERM_ROWS rows is in flash_bwd_sm90_ws.cu's order: parts of 64 rows x n columns (part
 // (r / 64) * (HEAD_DIM / n) + column / n for row r of the block), each held as that kernel's consumer
 // threads hold them (its header); the row's 8 columns of chunk c are then the float2 halves (hi =
-// r % 16 / 8) of four consecutive float4s.
-template <typename T, int HEAD_DIM, bool FEAT = false, int DQ_PERM = 0, int PERM_ROWS = 64>
+// r % 16 / 8) of four consecutive float4s. OUT_DIM: the columns of dq (head_dim pad-up: the
+// accumulator is HEAD_DIM wide, the call's dq OUT_DIM; HEAD_DIM otherwise).
+template <typename T, int HEAD_DIM, bool FEAT = false, int DQ_PERM = 0, int PERM_ROWS = 64, int OUT_DIM = HEAD_DIM>
 __global__ void __launch_bounds__(256)
 flash_bwd_convert_dq_kernel(const __grid_constant__ BwdParams p) {
     using L = RowLanes<HEAD_DIM>;
@@ -466,7 +475,7 @@ flash_bwd_convert_dq_kernel(const __grid_constant__ BwdParams p) {
         const RowOf ro(row_id, p.seqlen_q, p.nheads);
         const int i = ro.i, h = ro.h, b = ro.b;
         const i64 bh = ro.bh;
-        bool ok = row_id < total && c < L::CHUNKS;
+        bool ok = row_id < total && c < L::CHUNKS && c < OUT_DIM / 8;
         T* dq = static_cast<T*>(p.dq) + b * p.dq_batch_stride + i * p.dq_row_stride + h * p.dq_head_stride;
         if constexpr (FEAT) {
             // The row among the sequence's own rows (packed: offset by cu_seqlens_q; rows past it are

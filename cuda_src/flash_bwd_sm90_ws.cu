@@ -379,7 +379,7 @@ flash_bwd_sm90_ws_kernel(const __grid_constant__ BwdTmaParams p) {
             T* gdK = static_cast<T*>(p.dk) + b * p.dk_batch_stride + h_kv * p.dk_head_stride + (i64)n0 * p.dk_row_stride;
             T* gdV = static_cast<T*>(p.dv) + b * p.dv_batch_stride + h_kv * p.dv_head_stride + (i64)n0 * p.dv_row_stride;
             dkdv_rows_to_global<T, HEAD_DIM, BLOCK_N, IS_EVEN>(gdK, gdV, p.dk_row_stride, p.dv_row_stride, sK, sV,
-                                                               key_row0, lane, n0, p.seqlen_k);
+                                                               key_row0, lane, n0, p.seqlen_k, p.d_cols);
             __syncwarp();
             if (lane == 0) mbar_arrive(bars.kv_empty());  // this warp's rows of sK / sV are read: the next K, V may land
         }

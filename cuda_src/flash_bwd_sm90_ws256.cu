@@ -274,7 +274,7 @@ flash_bwd_sm90_ws256_kernel(const __grid_constant__ BwdTmaParams p) {
             T* gdV = static_cast<T*>(p.dv) + b * p.dv_batch_stride + h_kv * p.dv_head_stride + (i64)n0 * p.dv_row_stride
                      + cw * COLS;
             dkdv_rows_to_global<T, COLS, BLOCK_N, IS_EVEN>(gdK, gdV, p.dk_row_stride, p.dv_row_stride, sK + off,
-                                                           sV + off, key_row0, lane, n0, p.seqlen_k);
+                                                           sV + off, key_row0, lane, n0, p.seqlen_k, p.d_cols - cw * COLS);
             __syncwarp();
             if (lane == 0) mbar_arrive(bars.kv_empty());  // this warp's rows of sK / sV are read: the next K, V may land
         }

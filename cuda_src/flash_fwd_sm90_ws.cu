@@ -86,6 +86,7 @@ namespace cuflash {
 // FwdParams, then the tensor maps of Q (box rows 128), K and V (box rows BLOCK_N). Must match
 // cuflash/_launch.py FWD_WS_PARAMS.
 struct FwdWsParams : FwdParams {
+    int d_cols;  // the call's head_dim: O's columns to write (below HEAD_DIM under pad-up)
     TmaDesc map_q;
     TmaDesc map_k;
     TmaDesc map_v;
@@ -381,7 +382,8 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
         __syncwarp();
 
         T* gO = static_cast<T*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride + ((i64)w.q_row0 + m0) * p.o_row_stride;
-        o_rows_to_global<T, HEAD_DIM, BLOCK_M, IS_EVEN>(gO, p.o_row_stride, sQ_tile, warp_row0, lane, m0, w.q_rows);
+        o_rows_to_global<T, HEAD_DIM, BLOCK_M, IS_EVEN>(gO, p.o_row_stride, sQ_tile, warp_row0, lane, m0, w.q_rows,
+                                                        p.d_cols);
         if constexpr (PERSISTENT) {
             // This warp's rows of sQ[qb] are read out: work tile u + 2's Q may land there (the fence
             // orders the generic accesses before the async proxy's copy).

@@ -119,10 +119,11 @@ __device__ __forceinline__ void o_rows_to_smem(unsigned char* tile, const float 
 }
 
 // Epilogue, second half (after __syncwarp): the warp's 16 rows from the tile to gO (the block's first
-// row, m0 of the sequence) in 16-byte stores; rows at or past q_rows are not written.
+// row, m0 of the sequence) in 16-byte stores; rows at or past q_rows are not written, nor columns from
+// `cols` on (head_dim pad-up: the call's head_dim is below the kernel's).
 template <typename T, int HEAD_DIM, int ROWS, bool IS_EVEN>
 __device__ __forceinline__ void o_rows_to_global(T* gO, i64 o_row_stride, const unsigned char* tile, int warp_row0,
-                                                 int lane, int m0, int q_rows) {
+                                                 int lane, int m0, int q_rows, int cols = HEAD_DIM) {
     constexpr int D_TILES = HEAD_DIM / 8;
     constexpr int WARP_CHUNKS = 16 * D_TILES;
 #pragma unroll
@@ -130,7 +131,7 @@ __device__ __forceinline__ void o_rows_to_global(T* gO, i64 o_row_stride, const 
         const int c = lane + i * 32;
         const int row = warp_row0 + c / D_TILES;
         const int chunk = c % D_TILES;
-        if (IS_EVEN || m0 + row < q_rows) {
+        if ((IS_EVEN || m0 + row < q_rows) && chunk * 8 < cols) {
             const uint4 v = *reinterpret_cast<const uint4*>(tile + sw128_offset(row, chunk, ROWS));
             *reinterpret_cast<uint4*>(gO + row * o_row_stride + chunk * 8) = v;
         }

@@ -75,6 +75,43 @@ BWD_WS_FEAT_HEAD_DIMS = (64, 128)
 BWD_WS_BLOCK_M = {64: 128, 128: 64, 256: 64}
 
 
+def bwd_pad_head_dim(target: str, head_dim: int) -> int | None:
+    """Head_dim pad-up of the backward: the head_dim of the warp-specialized kernel a plain call of
+    another head_dim runs on (the next of BWD_WS_HEAD_DIMS), or None. The kernel reads the call's
+    tensors through tensor maps whose columns past head_dim are TMA's zeros, and writes only the
+    call's columns; the scores and the gradients' columns below head_dim are unchanged. Measured on
+    an H100 (session 9, bench.py bf16, 16k tokens, seqlen 1k / 4k, non-causal and causal, pad-up on
+    against CUFLASH_BWD_PAD=0 in one call; bench/results/padup_{on,off}_h100.json): head_dim 40
+    1.93-2.51x, 72 1.92-2.37x, 96 2.06-2.59x, 136 1.55-1.88x, 200 1.90-2.43x. Head dims below 32 keep
+    the mma.sync kernel (padding would more than double their products; not measured).
+    CUFLASH_BWD_PAD=0 turns it off."""
+    import os
+
+    if (target != "sm_90a" or head_dim in BWD_WS_HEAD_DIMS or not 32 <= head_dim <= 256
+            or os.environ.get("CUFLASH_BWD_PAD") == "0"):
+        return None
+    return next(d for d in BWD_WS_HEAD_DIMS if d > head_dim)
+
+
+def fwd_pad_head_dim(target: str, head_dim: int) -> int | None:
+    """Head_dim pad-up of the forward (as bwd_pad_head_dim for the backward): the head_dim of the
+    warp-specialized forward a plain call of another head_dim runs on, or None. Between 64 and 256
+    only (below 64 the kernel of 64 would gain 1.00-1.11x by its TFLOP/s, and it serves only 2048 keys
+    or more). Measured on an H100 (session 9, bench.py bf16, 16k tokens, seqlen 1k / 4k, non-causal
+    and causal, against CUFLASH_FWD_PAD=0 in one call; bench/results/padup_{on,off}_h100.json):
+    head_dim 72 1.23-1.46x, 96 1.40-1.67x, 136 1.35-1.65x, 200 1.76-1.97x. CUFLASH_FWD_PAD=0 turns
+    it off."""
+    import os
+
+    if (target != "sm_90a" or head_dim in WGMMA_FWD_HEAD_DIMS or not FWD_PAD_MIN_HEAD_DIM <= head_dim <= 256
+            or os.environ.get("CUFLASH_FWD_PAD") == "0" or os.environ.get("CUFLASH_FWD_WS") == "0"):
+        return None
+    return 128 if head_dim < 128 else 256
+
+
+FWD_PAD_MIN_HEAD_DIM = 72  # the first multiple of 8 above 64
+
+
 def bwd_ws_block_n(head_dim: int) -> int:
     """Keys per tile of the warp-specialized backward: 128 (two consumers of 64 keys), 64 at head_dim
     256 (flash_bwd_sm90_ws256.cu: the consumers split head_dim instead)."""

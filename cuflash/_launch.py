@@ -68,7 +68,7 @@ _FWD_TMA_CHECKS_PARAMS = (_compile.params_layout_checks("cuflash", "FwdTmaParams
                           + _FWD_CHECKS_PARAMS)
 
 # Mirror of cuflash::FwdWsParams (cuda_src/flash_fwd_sm90_ws.cu): FwdParams, then the maps of Q, K, V.
-FWD_WS_PARAMS = _with_maps(FWD_PARAMS, ("map_q", "map_k", "map_v"))
+FWD_WS_PARAMS = _with_maps(FWD_PARAMS, ("map_q", "map_k", "map_v"), ints=("d_cols",))
 _FWD_WS_CHECKS_PARAMS = (_compile.params_layout_checks("cuflash", "FwdWsParams", FWD_WS_PARAMS) + "\n"
                          + _FWD_CHECKS_PARAMS)
 
@@ -87,7 +87,7 @@ _BWD_CHECKS_PARAMS = _compile.params_layout_checks("cuflash", "BwdParams", BWD_P
 
 # Mirror of cuflash::BwdTmaParams (cuda_src/bwd_tma_params.cuh): BwdParams, tile_heads, then the maps of
 # Q, dO, K, V.
-BWD_TMA_PARAMS = _with_maps(BWD_PARAMS, ("map_q", "map_do", "map_k", "map_v"), ints=("tile_heads",))
+BWD_TMA_PARAMS = _with_maps(BWD_PARAMS, ("map_q", "map_do", "map_k", "map_v"), ints=("tile_heads", "d_cols"))
 _BWD_TMA_CHECKS_PARAMS = (_compile.params_layout_checks("cuflash", "BwdTmaParams", BWD_TMA_PARAMS) + "\n"
                           + _BWD_CHECKS_PARAMS)
 
@@ -264,8 +264,11 @@ def all_fwd_ws_specializations(target: str, head_dims=None, dtypes=None, causal=
     if target != "sm_90a":
         return []
     out = []
+    dims = list(head_dims or _config.HEAD_DIMS)
+    # Pad-up (_config.fwd_pad_head_dim): a head_dim's calls may run the kernels of a larger one.
+    dims += [p for p in (_config.fwd_pad_head_dim(target, d) for d in dims) if p is not None and p not in dims]
     for dtype in dtypes or _config.DTYPES:
-        for d in head_dims or _config.HEAD_DIMS:
+        for d in dict.fromkeys(dims):
             for c in causal:
                 if persistent is not None:
                     grids = persistent
@@ -355,18 +358,23 @@ def bwd_uses_atomics(deterministic: bool, target: str | None = None, head_dim: i
         return True
     # Head_dim 256 on sm_90a: the warp-specialized kernel (flash_bwd_sm90_ws256.cu) adds dQ into the
     # scratch; where it cannot run (a layout TMA cannot map), the mma.sync kernel's atomic path does.
-    if target == "sm_90a" and head_dim == 256 and _config.bwd_ws_mode() != "off":
+    if target == "sm_90a" and _config.bwd_ws_mode() != "off" and (
+            head_dim == 256 or _config.bwd_pad_head_dim(target, head_dim) is not None):
         return True
     return _config.BWD_ATOMIC_DQ
 
 
 def bwd_ws_specializations(dtype: str, head_dim: int, causal: bool, even: bool,
-                           stages: int = _config.BWD_WS_STAGES, block_m: int | None = None, feat: bool = False):
+                           stages: int = _config.BWD_WS_STAGES, block_m: int | None = None, feat: bool = False,
+                           call_dim: int | None = None):
     """The warp-specialized sm_90a backward's launches, in order (cuda_src/flash_bwd_sm90_ws.cu):
     the preprocess (zeroing dq_accum), the kernel (Params BwdTmaParams: Q / dO maps with block_m-row
     boxes, K / V with 128), and the conversion of its permuted dq_accum. even: seqlen_q % block_m
     == 0 and seqlen_k % 128 == 0. block_m: _config.bwd_ws_block_m by default. feat: the kernel with
-    the options (windows, sinks, ALiBi; causal and even then False) after the feature preprocess."""
+    the options (windows, sinks, ALiBi; causal and even then False) after the feature preprocess.
+    call_dim: the call's head_dim under pad-up (_config.bwd_pad_head_dim; head_dim is then the
+    kernel's): the preprocess reads call_dim columns and zeroes head_dim-wide accumulator rows, the
+    conversion writes call_dim columns."""
     short, ctype = _DTYPE_TAG[dtype]
     assert head_dim in _config.BWD_WS_HEAD_DIMS, head_dim
     assert not (feat and (causal or even)), (causal, even)
@@ -377,6 +385,11 @@ def bwd_ws_specializations(dtype: str, head_dim: int, causal: bool, even: bool,
         pre = _compile.Specialization(
             "flash_bwd.cu", f"cuflash::flash_bwd_preprocess_kernel<{ctype}, {head_dim}, true, true>",
             f"bwd_pre_{short}_d{head_dim}_zero_dq_feat", _BWD_CHECKS_PARAMS)
+    elif call_dim is not None and call_dim != head_dim:
+        assert not feat and call_dim < head_dim, (call_dim, head_dim)
+        pre = _compile.Specialization(
+            "flash_bwd.cu", f"cuflash::flash_bwd_preprocess_kernel<{ctype}, {call_dim}, true, false, {head_dim}>",
+            f"bwd_pre_{short}_d{call_dim}_zero_dq{head_dim}", _BWD_CHECKS_PARAMS)
     else:
         pre = _compile.Specialization(
             "flash_bwd.cu", f"cuflash::flash_bwd_preprocess_kernel<{ctype}, {head_dim}, true>",
@@ -397,9 +410,14 @@ def bwd_ws_specializations(dtype: str, head_dim: int, causal: bool, even: bool,
         _BWD_TMA_CHECKS_PARAMS + "\n" +
         f'static_assert({traits}::SMEM_BYTES == {smem}, "shared memory size differs from cuflash/_config.py:bwd_ws_smem_bytes");')
     part = head_dim if m == 128 else head_dim // 2  # BwdWsTraits::DQ_N (BwdWs256Traits::COLS)
-    conv = _compile.Specialization(
-        "flash_bwd.cu", f"cuflash::flash_bwd_convert_dq_kernel<{ctype}, {head_dim}, false, {part}, {m}>",
-        f"bwd_convert_dq_{short}_d{head_dim}_perm{m}", _BWD_CHECKS_PARAMS)
+    if call_dim is not None and call_dim != head_dim:
+        conv = _compile.Specialization(
+            "flash_bwd.cu", f"cuflash::flash_bwd_convert_dq_kernel<{ctype}, {head_dim}, false, {part}, {m}, {call_dim}>",
+            f"bwd_convert_dq_{short}_d{head_dim}_perm{m}_to{call_dim}", _BWD_CHECKS_PARAMS)
+    else:
+        conv = _compile.Specialization(
+            "flash_bwd.cu", f"cuflash::flash_bwd_convert_dq_kernel<{ctype}, {head_dim}, false, {part}, {m}>",
+            f"bwd_convert_dq_{short}_d{head_dim}_perm{m}", _BWD_CHECKS_PARAMS)
     return [(pre, 0, None), (ws, smem, _config.TileConfig(m, n, 8, wgmma=True)), (conv, 0, None)]
 
 
@@ -429,6 +447,18 @@ def all_bwd_ws_specializations(target: str, head_dims=None, dtypes=None, causal=
             for spec, smem, _ in bwd_ws_specializations(dtype, d, False, False, _config.bwd_ws_stages(d, m), m,
                                                         feat=True):
                 seen.setdefault(spec.expression, (spec, smem))
+        # Pad-up (_config.bwd_pad_head_dim): the other head dims' preprocess and conversion around the
+        # kernel of the next supported head_dim (the kernels themselves are those above).
+        for cd in _config.HEAD_DIMS:
+            d = _config.bwd_pad_head_dim(target, cd)
+            if d is None or (head_dims is not None and cd not in head_dims):
+                continue
+            m = _config.BWD_WS_BLOCK_M[d]
+            for c in causal:
+                for e in (False, True):
+                    for spec, smem, _ in bwd_ws_specializations(dtype, d, c, e, _config.bwd_ws_stages(d, m), m,
+                                                                call_dim=cd):
+                        seen.setdefault(spec.expression, (spec, smem))
     return list(seen.values())
 
 
@@ -733,14 +763,24 @@ def fwd_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTen
             spec, smem = fwd_specialization(dtype, head_dim, cfg, False, False, feat=True)
     else:
         chosen = cfg is not None
+        # Head_dim pad-up (_config.fwd_pad_head_dim): the warp-specialized kernel of pad_dim reads the
+        # call's tensors through maps whose columns past head_dim are zeros, and writes head_dim columns.
+        pad_dim = None if chosen else _config.fwd_pad_head_dim(target, head_dim)
+        if pad_dim is not None:
+            pers = _config.fwd_ws_persistent_config(pad_dim, causal, seqlen_k)
+            ws = pers or _config.fwd_ws_config(pad_dim, causal, seqlen_k)
+            if not (ws and _use_tma(q, q, 64 * ws[3], dtype, True) and _use_tma(k, v, ws[0], dtype, True)):
+                pad_dim = None
         cfg = cfg or _config.fwd_config_for_target(target, head_dim, dtype, causal)
         tma = cfg.wgmma and _use_tma(k, v, cfg.block_n, dtype)
-        pers = None if chosen or not tma else _config.fwd_ws_persistent_config(head_dim, causal, seqlen_k)
-        ws = pers or (None if chosen or not tma else _config.fwd_ws_config(head_dim, causal, seqlen_k))
-        if ws and _use_tma(q, q, 64 * ws[3], dtype) and _use_tma(k, v, ws[0], dtype):
+        if pad_dim is None:
+            pers = None if chosen or not tma else _config.fwd_ws_persistent_config(head_dim, causal, seqlen_k)
+            ws = pers or (None if chosen or not tma else _config.fwd_ws_config(head_dim, causal, seqlen_k))
+        if pad_dim is not None or (ws and _use_tma(q, q, 64 * ws[3], dtype) and _use_tma(k, v, ws[0], dtype)):
             cfg = _config.TileConfig(64 * ws[3], ws[0], 4 * (1 + ws[3]), wgmma=True)
             even = seqlen_q % cfg.block_m == 0 and seqlen_k % cfg.block_n == 0
-            spec, smem = fwd_ws_specialization(dtype, head_dim, causal, even, *ws, persistent=pers is not None)
+            spec, smem = fwd_ws_specialization(dtype, pad_dim or head_dim, causal, even, *ws,
+                                               persistent=pers is not None)
         else:
             if tma and not chosen:
                 cfg = _config.fwd_tma_config_for_target(target, head_dim, dtype, causal)
@@ -770,6 +810,8 @@ def fwd_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTen
     p["head_group"] = nheads // nheads_kv
     p["seqlen_q"], p["seqlen_k"], p["num_m_blocks"] = seqlen_q, seqlen_k, num_m_blocks
     p["scale_log2"] = softmax_scale * LOG2E
+    if ws:
+        p["d_cols"] = head_dim  # the call's columns (the kernel's head_dim may be larger: pad-up)
     if mask is not None:
         ptrs.update(_set_mask(p, mask, softmax_scale, nheads, seqlen_q))
     if tma or ws:
@@ -789,23 +831,25 @@ def _one_sequence(t: DeviceTensor, rows: int) -> DeviceTensor:
     return DeviceTensor(t.ptr, (1, max(rows, 1), heads, head_dim), (max(rows, 1) * rs, rs, hs, es))
 
 
-def _tma_ok(t: DeviceTensor) -> bool:
+def _tma_ok(t: DeviceTensor, pad: bool = False) -> bool:
     """Whether a K/V tensor can be described by a tensor map (cuflash/_tma.py kv_map): head_dim a
-    multiple of 64, a unit-stride last dimension, other strides positive multiples of 8 elements,
-    every size in [1, 2^32]."""
+    multiple of 64 (any multiple of 8 with pad: the kernel's columns past it read as zeros), a
+    unit-stride last dimension, other strides positive multiples of 8 elements, every size in
+    [1, 2^32]."""
     strides = tuple(t.strides)
-    return (t.shape[3] % 64 == 0 and strides[3] == 1 and all(s > 0 and s % 8 == 0 for s in strides[:3])
+    return (t.shape[3] % (8 if pad else 64) == 0 and strides[3] == 1 and all(s > 0 and s % 8 == 0 for s in strides[:3])
             and all(1 <= n <= 2**32 for n in t.shape))
 
 
-def _use_tma(k: DeviceTensor, v: DeviceTensor, block_n: int, dtype: str) -> bool:
+def _use_tma(k: DeviceTensor, v: DeviceTensor, block_n: int, dtype: str, pad: bool = False) -> bool:
     """Whether two tensors may be read through tensor maps with `block_n`-row boxes
     (cuflash/_config.py fwd_tma_mode: CUFLASH_FWD_TMA=0 keeps every kernel on cp.async): never where
-    the driver cannot be loaded (a machine without a GPU: the fake device of the CPU tests)."""
+    the driver cannot be loaded (a machine without a GPU: the fake device of the CPU tests). pad: for
+    a kernel of a larger head_dim (pad-up; _tma_ok)."""
     from . import _tma
 
     mode = _config.fwd_tma_mode()
-    if mode == "off" or not (_tma_ok(k) and _tma_ok(v)) or not _tma.available():
+    if mode == "off" or not (_tma_ok(k, pad) and _tma_ok(v, pad)) or not _tma.available():
         return False
     if mode == "force":
         return True
@@ -813,17 +857,17 @@ def _use_tma(k: DeviceTensor, v: DeviceTensor, block_n: int, dtype: str) -> bool
 
 
 def _use_bwd_ws(q: DeviceTensor, dout: DeviceTensor, k: DeviceTensor, v: DeviceTensor, dtype: str,
-                block_m: int, block_n: int = 128) -> bool:
+                block_m: int, block_n: int = 128, pad: bool = False) -> bool:
     """Whether the warp-specialized backward may run (cuflash/_config.py bwd_ws_mode): Q and dO
     through maps of block_m-row boxes, K and V of block_n."""
     from . import _tma
 
     mode = _config.bwd_ws_mode()
-    if mode == "off" or not all(_tma_ok(t) for t in (q, dout, k, v)) or not _tma.available():
+    if mode == "off" or not all(_tma_ok(t, pad) for t in (q, dout, k, v)) or not _tma.available():
         return False
     if mode == "force":
         return True
-    return _use_tma(q, dout, block_m, dtype) and _use_tma(k, v, block_n, dtype)
+    return _use_tma(q, dout, block_m, dtype, pad) and _use_tma(k, v, block_n, dtype, pad)
 
 
 def tail_launches(t: DeviceTensor, cu_seqlens, batch: int, max_seqlen: int, elem: str, fill_bits: int,
@@ -891,7 +935,9 @@ def bwd_scratch_sizes(batch: int, nheads: int, seqlen_q: int, head_dim: int, ato
     pad = _cdiv(seqlen_q, _config.BWD_ROW_PAD) * _config.BWD_ROW_PAD
     rows = batch * nheads * pad
     per_row = 2 if bwd_needs_lse_log2(target, head_dim, atomic) else 1
-    return per_row * rows, (rows * head_dim if atomic else 0)
+    # Under pad-up the accumulator rows are the kernel's head_dim wide.
+    acc_dim = (_config.bwd_pad_head_dim(target, head_dim) or head_dim) if target is not None else head_dim
+    return per_row * rows, (rows * acc_dim if atomic else 0)
 
 
 def bwd_launches(dout: DeviceTensor, q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTensor,
@@ -908,6 +954,7 @@ def bwd_launches(dout: DeviceTensor, q: DeviceTensor, k: DeviceTensor, v: Device
     family = _config.arch_family(*cc)
     target = _config.compile_arch(*cc)
     _tma_context(target, device_id)
+    kernel_dim = head_dim  # the dK/dV kernel's head_dim (larger under pad-up)
     if mask is not None:
         assert not causal
         ws = (cfg is None and atomic and target == "sm_90a" and head_dim in _config.BWD_WS_FEAT_HEAD_DIMS
@@ -930,15 +977,20 @@ def bwd_launches(dout: DeviceTensor, q: DeviceTensor, k: DeviceTensor, v: Device
         even_q = seqlen_q % qcfg.block_m == 0 and seqlen_k % qcfg.block_n == 0
         # cfg.wgmma: the sm_90a wgmma configuration (head_dim 64, 128), unless a caller chose tiles; head_dim
         # 256's default configuration is the mma.sync kernel's, which the warp-specialized one replaces.
-        ws_n = _config.bwd_ws_block_n(head_dim)
-        ws = (atomic and target == "sm_90a" and head_dim in _config.BWD_WS_HEAD_DIMS
-              and (cfg.wgmma or (head_dim == 256 and not explicit_cfg))
-              and _use_bwd_ws(q, dout, k, v, dtype, _config.bwd_ws_block_m(head_dim), ws_n))
+        # Head_dim pad-up (_config.bwd_pad_head_dim): the warp-specialized kernel of kernel_dim runs on the
+        # call's tensors, whose maps read the columns past head_dim as zeros.
+        pad_dim = None if explicit_cfg else _config.bwd_pad_head_dim(target, head_dim)
+        kernel_dim = pad_dim or head_dim
+        ws_n = _config.bwd_ws_block_n(kernel_dim)
+        ws = (atomic and target == "sm_90a" and kernel_dim in _config.BWD_WS_HEAD_DIMS
+              and (cfg.wgmma or (kernel_dim != head_dim or head_dim == 256) and not explicit_cfg)
+              and _use_bwd_ws(q, dout, k, v, dtype, _config.bwd_ws_block_m(kernel_dim), ws_n, pad=pad_dim is not None))
         if ws:
-            cfg = _config.TileConfig(_config.bwd_ws_block_m(head_dim), ws_n, 8, wgmma=True)
+            cfg = _config.TileConfig(_config.bwd_ws_block_m(kernel_dim), ws_n, 8, wgmma=True)
             even_kv = seqlen_q % cfg.block_m == 0 and seqlen_k % cfg.block_n == 0
-            kernels = bwd_ws_specializations(dtype, head_dim, causal, even_kv,
-                                             _config.bwd_ws_stages(head_dim, cfg.block_m), cfg.block_m)
+            kernels = bwd_ws_specializations(dtype, kernel_dim, causal, even_kv,
+                                             _config.bwd_ws_stages(kernel_dim, cfg.block_m), cfg.block_m,
+                                             call_dim=head_dim)
         else:
             tma = (cfg.wgmma and _config.bwd_tma_enabled() and _use_tma(q, dout, cfg.block_m, dtype)
                    and _use_tma(k, v, cfg.block_n, dtype))
@@ -984,7 +1036,9 @@ def bwd_launches(dout: DeviceTensor, q: DeviceTensor, k: DeviceTensor, v: Device
         m_blocks = _cdiv(seqlen_q, qcfg.block_m)
         grids.append((last, last_smem, batch * nheads * m_blocks, qcfg.warps * 32, m_blocks))
     else:
-        grids.append((last, 0, _cdiv(batch * nheads * seqlen_q, row_block), 256, 0))
+        # The conversion's rows per block are those of the accumulator's width (the kernel's head_dim).
+        conv_rows = _config.row_kernel_rows(kernel_dim if ws else head_dim)
+        grids.append((last, 0, _cdiv(batch * nheads * seqlen_q, conv_rows), 256, 0))
     for spec, sm, grid, threads, num_blocks in grids:
         if grid > MAX_GRID_X:
             raise ValueError(f"{spec.name}: {grid} thread blocks exceed the grid limit {MAX_GRID_X}; split the batch")
@@ -1001,6 +1055,7 @@ def bwd_launches(dout: DeviceTensor, q: DeviceTensor, k: DeviceTensor, v: Device
             for name in BWD_PARAMS.names:
                 pt[name] = p[name]
             pt["tile_heads"] = tile_heads
+            pt["d_cols"] = head_dim
             maps = [(f"map_{n}", t.ptr, _tma.MapCache(t.shape, t.strides, rows, dtype)) for n, t, rows in
                     (("q", q, cfg.block_m), ("do", dout, cfg.block_m), ("k", k, cfg.block_n), ("v", v, cfg.block_n))]
             launches.append(TmaLaunch(spec.name, fn.ptr, grid, threads, sm, pt, ptrs, device_id, maps))

@@ -144,14 +144,15 @@ def ensure_context(device_id: int) -> None:
 def kv_map_args(ptr: int, shape, strides, rows: int, dtype: str):
     """(dims, strides in bytes, box) of `kv_map`'s encode: a (batch, seqlen, heads, head_dim) tensor
     with element strides (batch, row, head, 1) as 4-D (head_dim, seqlen, heads, batch), box {64, rows,
-    1, 1}. head_dim must be a multiple of 64 (one copy per 64-column panel)."""
+    1, 1}. head_dim must be a multiple of 8; a kernel copies one 64-column panel at a time, and where
+    head_dim is not a multiple of 64 (head_dim pad-up) the columns past it arrive as zeros."""
     batch, seqlen, heads, head_dim = shape
     bs, rs, hs, es = strides
     if es != 1:
         raise ValueError(f"tensor map: expected a unit-stride last dimension; got strides {tuple(strides)}")
-    if head_dim % 64:
-        raise ValueError(f"tensor map: expected head_dim a multiple of 64 (one copy per 64-column panel); got "
-                         f"{head_dim}")
+    if head_dim % 8:
+        raise ValueError(f"tensor map: expected head_dim a multiple of 8 (rows of whole 16-byte chunks; a "
+                         f"kernel's columns past it read as zeros); got {head_dim}")
     if dtype not in _DTYPES:
         raise ValueError(f"tensor map: expected a 16-bit dtype {sorted(_DTYPES)}; got {dtype}")
     return (head_dim, seqlen, heads, batch), (2 * rs, 2 * hs, 2 * bs), (64, rows, 1, 1)

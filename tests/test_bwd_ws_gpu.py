@@ -163,3 +163,45 @@ def test_ws256_backward(monkeypatch, dtype, causal, seqlen_q, seqlen_k, nheads, 
             assert ws, (label, names[n0:])
     finally:
         _plan.CACHE.clear()
+
+
+# Head_dim pad-up (cuflash/_config.py bwd_pad_head_dim): other head dims from 32 run the kernel of the
+# next supported head_dim through maps whose columns past head_dim read as zeros, and write only their
+# own columns (dq, dk and dv are NaN-poisoned by run_backward_and_check, so a write past them or a
+# column left unwritten shows).
+CASES_PAD = [  # dtype, head_dim, causal, seqlen_q, seqlen_k, nheads, nheads_kv, layout
+    ("bfloat16", 40, False, 1000, 1000, 4, 2, "bshd"),
+    ("float16", 32, True, 513, 777, 4, 4, "bhsd"),
+    ("float16", 96, True, 1000, 1000, 4, 1, "bshd"),
+    ("bfloat16", 72, False, 200, 130, 4, 2, "padded"),
+    ("bfloat16", 120, True, 700, 300, 2, 1, "bshd"),
+    ("float16", 136, False, 300, 700, 2, 2, "mixed"),
+    ("bfloat16", 200, True, 1024, 1024, 4, 2, "bshd"),
+    ("float16", 248, False, 1, 4097, 2, 2, "bshd"),
+]
+
+
+@pytest.mark.parametrize("dtype,head_dim,causal,seqlen_q,seqlen_k,nheads,nheads_kv,layout", CASES_PAD)
+def test_padded_head_dim_backward(monkeypatch, dtype, head_dim, causal, seqlen_q, seqlen_k, nheads, nheads_kv, layout):
+    import cuflash
+    from cuflash import _config, _plan
+
+    names = record_tma_launches(monkeypatch, CUFLASH_BWD_WS=None, CUFLASH_BWD_PAD=None)
+    try:
+        seed = fresh_seed()
+        torch.manual_seed(seed)
+        tdt = getattr(torch, dtype)
+        q, k, v = make_qkv(2, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, tdt, layout)
+        dout = make_dout(2, seqlen_q, nheads, head_dim, tdt, layout)
+        label = f"bwd pad-up {dtype} d{head_dim} causal={causal} {seqlen_q}x{seqlen_k} h{nheads}/{nheads_kv} {layout}"
+        n0 = len(names)
+        run_backward_and_check(cuflash, q, k, v, dout, causal=causal, deterministic=False, seed=seed, label=label)
+        ws = [n for n in names[n0:] if n.startswith("bwd90ws_")]
+        pad = _config.bwd_pad_head_dim("sm_90a", head_dim)
+        assert pad is not None and all(f"_d{pad}_" in n for n in ws), (label, ws)
+        mappable = all(t.stride(-1) == 1 and all(s > 0 and s % 8 == 0 for s in t.stride()[:3])
+                       for t in (q, k, v, dout))
+        if mappable:
+            assert ws, (label, names[n0:])
+    finally:
+        _plan.CACHE.clear()

@@ -74,3 +74,40 @@ def test_ws_forward(ws_on, dtype, head_dim, causal, seqlen_q, seqlen_k, nheads, 
         assert names and all(n.startswith("fwd90ws_") and n.removesuffix("_pers").endswith("_pp") == pp
                              and f"_m{rows_q}_" in n and n.endswith("_pers") == pers_grid
                              for n in names), (label, names)
+
+
+# Head_dim pad-up (cuflash/_config.py fwd_pad_head_dim): head dims between 64 and 256 run the kernel of
+# 128 or 256 through maps whose columns past head_dim read as zeros, and write only their own columns
+# of out (run_and_check NaN-poisons out, so a column left unwritten or a write past the row shows).
+CASES_PAD = [  # dtype, head_dim, causal, seqlen_q, seqlen_k, nheads, nheads_kv, layout
+    ("bfloat16", 96, False, 1000, 1000, 4, 2, "bshd"),
+    ("float16", 96, True, 513, 777, 4, 4, "bhsd"),
+    ("bfloat16", 72, True, 300, 700, 4, 1, "padded"),
+    ("float16", 120, False, 200, 130, 2, 2, "mixed"),
+    ("bfloat16", 136, True, 1024, 1024, 4, 2, "bshd"),
+    ("float16", 200, False, 700, 300, 2, 1, "bshd"),
+    ("bfloat16", 248, True, 2048, 512, 2, 2, "bshd"),   # bottom-right causal: early rows see no key
+    ("float16", 200, False, 129, 1, 2, 2, "bshd"),       # one key
+]
+
+
+@pytest.mark.parametrize("dtype,head_dim,causal,seqlen_q,seqlen_k,nheads,nheads_kv,layout", CASES_PAD)
+def test_padded_head_dim_forward(monkeypatch, dtype, head_dim, causal, seqlen_q, seqlen_k, nheads, nheads_kv, layout):
+    import cuflash
+    from cuflash import _config, _plan
+
+    names = record_tma_launches(monkeypatch, CUFLASH_FWD_WS=None, CUFLASH_FWD_TMA=None, CUFLASH_FWD_PAD=None)
+    try:
+        seed = fresh_seed()
+        torch.manual_seed(seed)
+        q, k, v = make_qkv(2, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, getattr(torch, dtype), layout)
+        label = f"ws pad-up {dtype} d{head_dim} causal={causal} {seqlen_q}x{seqlen_k} h{nheads}/{nheads_kv} {layout}"
+        run_and_check(cuflash, q, k, v, causal=causal, seed=seed, label=label)
+        pad = _config.fwd_pad_head_dim("sm_90a", head_dim)
+        mappable = all(t.stride(-1) == 1 and all(s > 0 and s % 8 == 0 for s in t.stride()[:3]) for t in (q, k, v))
+        assert pad is not None and all(n.startswith(f"fwd90ws_{'bf16' if dtype == 'bfloat16' else 'f16'}_d{pad}_")
+                                       for n in names), (label, names)
+        if mappable:
+            assert names, label
+    finally:
+        _plan.CACHE.clear()

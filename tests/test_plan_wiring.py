@@ -533,7 +533,9 @@ def test_bwd_ws_wiring(dev, monkeypatch):
     one block per (128 keys, kv head, batch) and BwdTmaParams holding the maps of q and dout (boxes of
     BLOCK_M rows: 128 at head_dim 64, 64 at 128) and k and v (128 rows) of the call's pointers, then
     the permuted dQ conversion; the
-    deterministic backward, head_dim 96 and CUFLASH_BWD_WS=0 keep the other kernels."""
+    deterministic backward and CUFLASH_BWD_WS=0 keep the other kernels. Head_dim 96 pads up to the
+    kernel of 128 (the preprocess reads 96 columns and zeroes 128-wide accumulator rows, the maps see
+    96 columns, d_cols = 96, the conversion writes 96) unless CUFLASH_BWD_PAD=0; 24 does not pad."""
     from cuflash import _tma
 
     fake_tma_driver(monkeypatch, lambda ptr, i, dims, box, strides: (
@@ -544,7 +546,13 @@ def test_bwd_ws_wiring(dev, monkeypatch):
     monkeypatch.setattr(_kvcache, "_sm_count", lambda dev: 5)
     ad, launched = dev
     rng = np.random.default_rng()
-    for d, det, want in ((128, False, True), (64, False, True), (128, True, False), (96, False, False)):
+    for d, det, want, nopad in ((128, False, True, None), (64, False, True, None), (128, True, False, None),
+                                (96, False, True, None), (96, False, False, "0"), (24, False, False, None)):
+        if nopad:
+            monkeypatch.setenv("CUFLASH_BWD_PAD", nopad)
+        else:
+            monkeypatch.delenv("CUFLASH_BWD_PAD", raising=False)
+        _plan.CACHE.clear()
         q, k, v = arr(rng, (2, 70, 4, d)), arr(rng, (2, 300, 2, d)), arr(rng, (2, 300, 2, d))
         out, lse = cuflash.attention(q, k, v, return_lse=True, deterministic=det, causal=True)
         dout = arr(rng, q.shape)
@@ -555,11 +563,16 @@ def test_bwd_ws_wiring(dev, monkeypatch):
         if not want:
             continue
         m = 128 if d == 64 else 64  # query rows per iteration (_config.BWD_WS_BLOCK_M)
-        assert names == [f"bwd_pre_f16_d{d}_zero_dq", f"bwd90ws_f16_d{d}_m{m}_s2_causal_ragged_tma",
-                         f"bwd_convert_dq_f16_d{d}_perm{m}"], names
+        if d == 96:
+            assert names == ["bwd_pre_f16_d96_zero_dq128", "bwd90ws_f16_d128_m64_s2_causal_ragged_tma",
+                             "bwd_convert_dq_f16_d128_perm64_to96"], names
+        else:
+            assert names == [f"bwd_pre_f16_d{d}_zero_dq", f"bwd90ws_f16_d{d}_m{m}_s2_causal_ragged_tma",
+                             f"bwd_convert_dq_f16_d{d}_perm{m}"], names
         L = launched[n0 + 1]
         assert L["threads"] == 384 and L["grid"] == 2 * 2 * 3, L
         p = L["p"]
+        assert int(p["d_cols"]) == d, p
         # Tile groups of ceil(5 SMs / 3 key blocks) = 2 of the 4 (batch, kv head)s.
         assert int(p["tile_heads"]) == 2 and int(p["num_blocks"]) == 3, p
         check_tensor(p, "q", q)

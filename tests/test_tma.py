@@ -138,7 +138,7 @@ def test_kv_map_describes_the_tensor_as_4d(driver):
 
 
 @pytest.mark.parametrize("shape, strides, dtype, match", [
-    ((2, 64, 4, 96), (64 * 384, 384, 96, 1), "float16", "head_dim a multiple of 64"),
+    ((2, 64, 4, 100), (64 * 400, 400, 100, 1), "float16", "head_dim a multiple of 8"),
     ((2, 64, 4, 64), (64 * 512, 512, 128, 2), "float16", "unit-stride last dimension"),
     ((2, 64, 4, 64), (64 * 256, 256, 64, 1), "float32", "16-bit dtype"),
 ])
@@ -181,8 +181,8 @@ def test_map_cache_encodes_once_per_pointer_and_stays_bounded(driver):
     assert len(driver) == 4
     cache.get(0x1000)  # evicted by the fourth pointer: encoded again
     assert len(driver) == 5 and [c["ptr"] for c in driver][-1] == 0x1000
-    with pytest.raises(ValueError, match="head_dim a multiple of 64"):
-        _tma.MapCache((1, 256, 2, 72), (256 * 144, 144, 72, 1), 64, "float16")
+    with pytest.raises(ValueError, match="head_dim a multiple of 8"):
+        _tma.MapCache((1, 256, 2, 76), (256 * 152, 152, 76, 1), 64, "float16")
 
 
 def test_expected_tile_is_the_sw128_panel_layout():
