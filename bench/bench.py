@@ -302,10 +302,12 @@ def cuflash_specs(configs, passes, target):
         fc = _config.fwd_config_for_target(target, d, dt, c)
         # On sm_90a the plain forward loads by TMA (the tensors here are contiguous: their maps patch),
         # warp-specialized where the table says so.
-        tma = fc.wgmma and d % 64 == 0 and _config.fwd_tma_mode() != "off"
-        ws = _config.fwd_ws_config(d, c, s) if tma else None
+        # Other head dims pad up to the next wgmma head_dim (_config.fwd_pad_head_dim / bwd_pad_head_dim).
+        fd = _config.fwd_pad_head_dim(target, d) if _config.fwd_tma_mode() != "off" else None
+        tma = (fc.wgmma and d % 64 == 0 or fd is not None) and _config.fwd_tma_mode() != "off"
+        ws = _config.fwd_ws_config(fd or d, c, s) if tma else None
         if ws:
-            spec, smem = _launch.fwd_ws_specialization(dt, d, c, s % (64 * ws[3]) == 0 and s % ws[0] == 0, *ws)
+            spec, smem = _launch.fwd_ws_specialization(dt, fd or d, c, s % (64 * ws[3]) == 0 and s % ws[0] == 0, *ws)
         else:
             if tma:
                 fc = _config.fwd_tma_config_for_target(target, d, dt, c)
@@ -316,14 +318,16 @@ def cuflash_specs(configs, passes, target):
             even_kv = s % bc.block_m == 0 and s % bc.block_n == 0
             even_q = s % qc.block_m == 0 and s % qc.block_n == 0
             atomic = _launch.bwd_uses_atomics(False, target, d)
-            bws = (atomic and target == "sm_90a" and d in _config.BWD_WS_HEAD_DIMS and (bc.wgmma or d == 256)
+            kd = _config.bwd_pad_head_dim(target, d) or d
+            bws = (atomic and target == "sm_90a" and kd in _config.BWD_WS_HEAD_DIMS
                    and _config.bwd_ws_mode() != "off" and _config.fwd_tma_mode() != "off")
             btma = bc.wgmma and _config.bwd_tma_enabled() and _config.fwd_tma_mode() != "off"
-            bm = _config.bwd_ws_block_m(d) if bws else bc.block_m
-            bn = _config.bwd_ws_block_n(d)
-            kernels = (_launch.bwd_ws_specializations(dt, d, c, s % bm == 0 and s % bn == 0,
-                                                      _config.bwd_ws_stages(d, bm), bm) if bws else
-                       _launch.bwd_specializations(dt, d, target, c, even_kv, even_q, atomic, tma=btma))
+            bm = _config.bwd_ws_block_m(kd) if bws else bc.block_m
+            bn = _config.bwd_ws_block_n(kd)
+            kernels = (_launch.bwd_ws_specializations(dt, kd, c, s % bm == 0 and s % bn == 0,
+                                                      _config.bwd_ws_stages(kd, bm), bm, call_dim=d) if bws else
+                       _launch.bwd_specializations(dt, d, target, c, even_kv, even_q,
+                                                   atomic and _launch._mma_bwd_atomic(target, d), tma=btma))
             for spec, smem, _ in kernels:
                 seen.setdefault(spec.expression, (spec, smem))
     return list(seen.values())

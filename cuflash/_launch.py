@@ -534,7 +534,15 @@ def bwd_specializations(dtype: str, head_dim: int, target: str, causal: bool, ev
 def bwd_atomic_choices(target: str, head_dim: int) -> tuple[bool, ...]:
     """The dQ paths the dispatcher can select for (target, head_dim): the deterministic one always,
     the atomic one where a non-deterministic call takes it."""
-    return (False, True) if bwd_uses_atomics(False, target, head_dim) else (False,)
+    return (False, True) if _mma_bwd_atomic(target, head_dim) else (False,)
+
+
+def _mma_bwd_atomic(target: str, head_dim: int) -> bool:
+    """Whether the dK/dV kernels other than the warp-specialized ones add dQ by atomics on a
+    non-deterministic call: the sm_90a wgmma kernel always, the mma.sync kernel as BWD_ATOMIC_DQ
+    says. (A call whose plan reserved the accumulator for the warp-specialized kernel, at head_dim
+    256 or under pad-up, but whose layout keeps it off that kernel takes the separate dQ pass.)"""
+    return _config.bwd_config_for_target(target, head_dim, "float16").wgmma or _config.BWD_ATOMIC_DQ
 
 
 def all_bwd_specializations(target: str, head_dims=None, dtypes=None, causal=(False, True), even=(False, True),
@@ -994,6 +1002,7 @@ def bwd_launches(dout: DeviceTensor, q: DeviceTensor, k: DeviceTensor, v: Device
         else:
             tma = (cfg.wgmma and _config.bwd_tma_enabled() and _use_tma(q, dout, cfg.block_m, dtype)
                    and _use_tma(k, v, cfg.block_n, dtype))
+            atomic = atomic and (explicit_cfg or _mma_bwd_atomic(target, head_dim))
             kernels = bwd_specializations(dtype, head_dim, target, causal, even_kv, even_q, atomic, cfg, tma=tma)
     pad = _cdiv(seqlen_q, _config.BWD_ROW_PAD) * _config.BWD_ROW_PAD
     rows_pad = batch * nheads * pad
