@@ -596,8 +596,15 @@ FEAT_ATOMIC_DQ_HEAD_DIMS = (64, 128)
 
 def feat_bwd_uses_atomics(deterministic: bool, target: str, head_dim: int) -> bool:
     """Whether the feature backward accumulates dQ with float atomics (see FEAT_ATOMIC_DQ_HEAD_DIMS)."""
-    return (not deterministic and target == "sm_90a" and head_dim in FEAT_ATOMIC_DQ_HEAD_DIMS
-            and feat_bwd_config(target, head_dim, "float16").wgmma)
+    if not deterministic and bwd_pad_head_dim(target, head_dim) in BWD_WS_FEAT_HEAD_DIMS and bwd_ws_feat_enabled():
+        return True  # pad-up to the warp-specialized FEAT kernel (its accumulator; see bwd_pad_head_dim)
+    return not deterministic and feat_kernel_atomic(target, head_dim)
+
+
+def feat_kernel_atomic(target: str, head_dim: int) -> bool:
+    """Whether the feature dK/dV kernels other than the warp-specialized one add dQ by atomics."""
+    return target == "sm_90a" and head_dim in FEAT_ATOMIC_DQ_HEAD_DIMS and feat_bwd_config(target, head_dim,
+                                                                                           "float16").wgmma
 
 
 def feat_dq_config(target: str, head_dim: int, dtype: str) -> TileConfig:

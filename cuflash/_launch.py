@@ -335,7 +335,7 @@ _TAIL_CTYPE = {"u16": "unsigned short", "u32": "unsigned int"}
 def feat_bwd_atomic_choices(target: str, head_dim: int) -> tuple[bool, ...]:
     """The dQ paths of the feature backward: the separate pass always; float atomics too where
     deterministic=False takes them (_config.feat_bwd_uses_atomics)."""
-    return (False, True) if _config.feat_bwd_uses_atomics(False, target, head_dim) else (False,)
+    return (False, True) if _config.feat_kernel_atomic(target, head_dim) else (False,)
 
 
 def tail_specialization(elem: str):
@@ -381,15 +381,15 @@ def bwd_ws_specializations(dtype: str, head_dim: int, causal: bool, even: bool,
     assert not (feat and head_dim not in _config.BWD_WS_FEAT_HEAD_DIMS), head_dim
     m = block_m or _config.bwd_ws_block_m(head_dim)
     n = _config.bwd_ws_block_n(head_dim)
-    if feat:
+    if feat and (call_dim is None or call_dim == head_dim):
         pre = _compile.Specialization(
             "flash_bwd.cu", f"cuflash::flash_bwd_preprocess_kernel<{ctype}, {head_dim}, true, true>",
             f"bwd_pre_{short}_d{head_dim}_zero_dq_feat", _BWD_CHECKS_PARAMS)
     elif call_dim is not None and call_dim != head_dim:
-        assert not feat and call_dim < head_dim, (call_dim, head_dim)
+        assert call_dim < head_dim, (call_dim, head_dim)
         pre = _compile.Specialization(
-            "flash_bwd.cu", f"cuflash::flash_bwd_preprocess_kernel<{ctype}, {call_dim}, true, false, {head_dim}>",
-            f"bwd_pre_{short}_d{call_dim}_zero_dq{head_dim}", _BWD_CHECKS_PARAMS)
+            "flash_bwd.cu", f"cuflash::flash_bwd_preprocess_kernel<{ctype}, {call_dim}, true, {_b(feat)}, {head_dim}>",
+            f"bwd_pre_{short}_d{call_dim}_zero_dq{head_dim}{'_feat' if feat else ''}", _BWD_CHECKS_PARAMS)
     else:
         pre = _compile.Specialization(
             "flash_bwd.cu", f"cuflash::flash_bwd_preprocess_kernel<{ctype}, {head_dim}, true>",
@@ -459,6 +459,10 @@ def all_bwd_ws_specializations(target: str, head_dims=None, dtypes=None, causal=
                     for spec, smem, _ in bwd_ws_specializations(dtype, d, c, e, _config.bwd_ws_stages(d, m), m,
                                                                 call_dim=cd):
                         seen.setdefault(spec.expression, (spec, smem))
+            if d in _config.BWD_WS_FEAT_HEAD_DIMS:
+                for spec, smem, _ in bwd_ws_specializations(dtype, d, False, False, _config.bwd_ws_stages(d, m), m,
+                                                            feat=True, call_dim=cd):
+                    seen.setdefault(spec.expression, (spec, smem))
     return list(seen.values())
 
 
@@ -760,12 +764,16 @@ def fwd_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTen
     if mask is not None:
         assert not causal
         narrow = 0 <= mask.window_left and mask.window_left + max(mask.window_right, 0) < _config.NARROW_WINDOW
-        ws = None if cfg is not None or target != "sm_90a" else _config.fwd_ws_feat_config(head_dim, narrow)
+        # Pad-up as for plain calls (below): the kernel of pad_dim where the options' table serves it.
+        pad_dim = None if cfg is not None else _config.fwd_pad_head_dim(target, head_dim)
+        kernel_dim = pad_dim or head_dim
+        ws = None if cfg is not None or target != "sm_90a" else _config.fwd_ws_feat_config(kernel_dim, narrow)
         if mask.packed:  # the arrays as one sequence of all their rows (flash_fwd_sm90_ws.cu)
             mq, mk, mv = (_one_sequence(t, n) for t, n in ((q, mask.total_q), (k, mask.total_k), (v, mask.total_k)))
-        if ws and _use_tma(mq, mq, 64 * ws[3], dtype) and _use_tma(mk, mv, ws[0], dtype):
+        pad = pad_dim is not None
+        if ws and _use_tma(mq, mq, 64 * ws[3], dtype, pad) and _use_tma(mk, mv, ws[0], dtype, pad):
             cfg = _config.TileConfig(64 * ws[3], ws[0], 4 * (1 + ws[3]), wgmma=True)
-            spec, smem = fwd_ws_specialization(dtype, head_dim, False, False, *ws, feat=True)
+            spec, smem = fwd_ws_specialization(dtype, kernel_dim, False, False, *ws, feat=True)
         else:
             cfg = cfg or _config.feat_fwd_config(target, head_dim, dtype, narrow)
             spec, smem = fwd_specialization(dtype, head_dim, cfg, False, False, feat=True)
@@ -965,15 +973,22 @@ def bwd_launches(dout: DeviceTensor, q: DeviceTensor, k: DeviceTensor, v: Device
     kernel_dim = head_dim  # the dK/dV kernel's head_dim (larger under pad-up)
     if mask is not None:
         assert not causal
-        ws = (cfg is None and atomic and target == "sm_90a" and head_dim in _config.BWD_WS_FEAT_HEAD_DIMS
+        pad_dim = None if cfg is not None else _config.bwd_pad_head_dim(target, head_dim)
+        kernel_dim = pad_dim if pad_dim in _config.BWD_WS_FEAT_HEAD_DIMS else head_dim
+        ws = (cfg is None and atomic and target == "sm_90a" and kernel_dim in _config.BWD_WS_FEAT_HEAD_DIMS
               and _config.bwd_ws_feat_enabled() and not mask.packed and not mask.q_lengths and not mask.kv_lengths
-              and not mask.softcap and _use_bwd_ws(q, dout, k, v, dtype, _config.bwd_ws_block_m(head_dim)))
+              and not mask.softcap
+              and _use_bwd_ws(q, dout, k, v, dtype, _config.bwd_ws_block_m(kernel_dim), pad=kernel_dim != head_dim))
         if ws:
-            cfg = _config.TileConfig(_config.bwd_ws_block_m(head_dim), 128, 8, wgmma=True)
+            cfg = _config.TileConfig(_config.bwd_ws_block_m(kernel_dim), 128, 8, wgmma=True)
             qcfg = cfg
-            kernels = bwd_ws_specializations(dtype, head_dim, False, False,
-                                             _config.bwd_ws_stages(head_dim, cfg.block_m), cfg.block_m, feat=True)
+            kernels = bwd_ws_specializations(dtype, kernel_dim, False, False,
+                                             _config.bwd_ws_stages(kernel_dim, cfg.block_m), cfg.block_m, feat=True,
+                                             call_dim=head_dim)
         else:
+            # A plan that reserved the accumulator for pad-up, where the call cannot take the kernel:
+            # the feature kernels' own dQ path.
+            atomic = atomic and (cfg is not None or _config.feat_kernel_atomic(target, head_dim))
             cfg = cfg or _config.feat_bwd_config(target, head_dim, dtype)
             qcfg = _config.feat_dq_config(target, head_dim, dtype)
             kernels = bwd_specializations(dtype, head_dim, target, False, False, False, atomic, cfg, feat=True)

@@ -237,7 +237,8 @@ def scratch_layout(c: Call, target: str, has_sink: bool) -> tuple:
     atomic = _config.feat_bwd_uses_atomics(c.deterministic, target, d)
     pad = _launch.bwd_row_pad(c.seqlen_q)
     n_rows = max(1, 2 * batch * h * pad)
-    return atomic, n_rows, batch * h * pad * d if atomic else 0, batch * h * pad if has_sink else 0
+    acc_dim = _config.bwd_pad_head_dim(target, d) or d  # the kernel's head_dim under pad-up
+    return atomic, n_rows, batch * h * pad * acc_dim if atomic else 0, batch * h * pad if has_sink else 0
 
 
 class BackwardPlan:

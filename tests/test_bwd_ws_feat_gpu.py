@@ -53,3 +53,34 @@ def test_ws_feat_backward(cf, ws_feat, feature, dtype, causal, head_dim, seqlen_
     bwd = [n for n in ws_feat[n0:] if n.startswith("bwd90ws_")]
     want = "_tma" if (feature, causal) in PLAIN_EQUIVALENT else "_feat_tma"
     assert bwd and all(n.endswith(want) for n in bwd), (label, ws_feat[n0:])
+
+
+def _pad_params():
+    """Head_dim pad-up (cuflash/_config.py bwd_pad_head_dim): the options at head dims 32 to 120 run
+    the FEAT kernel of 64 or 128 through maps whose columns past head_dim read as zeros."""
+    out = []
+    for i, name in enumerate(NAMES[::2]):
+        d = (40, 96, 72, 120, 32)[i % 5]
+        causal = i % 2 == 1
+        dtype = ("float16", "bfloat16")[i % 2]
+        sq, sk = SHAPES[(3 * i + 2) % len(SHAPES)]
+        h, hkv = HEADS[i % 3]
+        out.append(pytest.param(name, dtype, causal, d, sq, sk, h, hkv,
+                                id=f"{name}-{dtype}-{'causal' if causal else 'full'}-d{d}-q{sq}k{sk}-h{h}kv{hkv}"))
+    return out
+
+
+@pytest.mark.parametrize("feature,dtype,causal,head_dim,seqlen_q,seqlen_k,nheads,nheads_kv", _pad_params())
+def test_ws_feat_backward_padded_head_dim(cf, ws_feat, feature, dtype, causal, head_dim, seqlen_q, seqlen_k, nheads,
+                                          nheads_kv):
+    from cuflash import _config
+
+    fs = FEATURES_BY_NAME[feature]
+    n0 = len(ws_feat)
+    label = f"ws bwd feat pad-up {feature} {dtype} causal={causal} d={head_dim} {seqlen_q}x{seqlen_k} h={nheads}/{nheads_kv}"
+    run_padded_case(cf, seed=fresh_seed(), dtype=dtype, batch=2, sq=seqlen_q, sk=seqlen_k, h=nheads, hkv=nheads_kv,
+                    d=head_dim, causal=causal, deterministic=False, fs=fs, label=label)
+    bwd = [n for n in ws_feat[n0:] if n.startswith("bwd90ws_")]
+    want = "_tma" if (feature, causal) in PLAIN_EQUIVALENT else "_feat_tma"
+    pad = _config.bwd_pad_head_dim("sm_90a", head_dim)
+    assert bwd and all(n.endswith(want) and f"_d{pad}_" in n for n in bwd), (label, ws_feat[n0:])

@@ -70,10 +70,43 @@ def test_ws_feat_forward(cf, ws_feat, feature, dtype, causal, head_dim, seqlen_q
     _assert_ws_feat(ws_feat, n0, label, feature, causal)
 
 
+def _pad_params():
+    """Head_dim pad-up (cuflash/_config.py fwd_pad_head_dim): feature sets at head dims 72 to 248, which
+    run the kernel of 128 or 256 with the maps reading the columns past head_dim as zeros."""
+    out = []
+    for i, fs in enumerate(FEATURES[::3]):
+        d = (72, 96, 136, 200, 248)[i % 5]
+        dtype = ("float16", "bfloat16")[i % 2]
+        causal = i % 3 == 1
+        sq, sk = SHAPES[(5 * i + 1) % len(SHAPES)]
+        h, hkv = HEADS[i % 3]
+        out.append(pytest.param(fs.name, dtype, causal, d, sq, sk, h, hkv,
+                                id=f"{fs.name}-{dtype}-{'causal' if causal else 'full'}-d{d}-q{sq}k{sk}-h{h}kv{hkv}"))
+    return out
+
+
+@pytest.mark.parametrize("feature,dtype,causal,head_dim,seqlen_q,seqlen_k,nheads,nheads_kv", _pad_params())
+def test_ws_feat_forward_padded_head_dim(cf, ws_feat, feature, dtype, causal, head_dim, seqlen_q, seqlen_k, nheads,
+                                         nheads_kv):
+    from cuflash import _config
+
+    fs = FEATURES_BY_NAME[feature]
+    n0 = len(ws_feat)
+    label = f"ws feat pad-up {feature} {dtype} causal={causal} d={head_dim} {seqlen_q}x{seqlen_k} h={nheads}/{nheads_kv}"
+    run_padded_case(cf, seed=fresh_seed(), dtype=dtype, batch=LENGTHS_BATCH if fs.lengths else 2, sq=seqlen_q,
+                    sk=seqlen_k, h=nheads, hkv=nheads_kv, d=head_dim, causal=causal, deterministic=False, fs=fs,
+                    label=label, backward=False)
+    _assert_ws_feat(ws_feat, n0, label, feature, causal)
+    pad = _config.fwd_pad_head_dim("sm_90a", head_dim)
+    assert all(f"_d{pad}_" in n for n in ws_feat[n0:]), (label, ws_feat[n0:])
+
+
 @pytest.mark.parametrize("head_dim,dtype,causal,feature", [(64, "bfloat16", True, "lens"),
                                                            (128, "float16", False, "lens+alibi"),
                                                            (128, "bfloat16", True, "all"),
-                                                           (256, "float16", False, "lens+softcap")])
+                                                           (256, "float16", False, "lens+softcap"),
+                                                           (96, "bfloat16", True, "lens+alibi"),
+                                                           (200, "float16", False, "all")])
 def test_nan_padding(cf, ws_feat, head_dim, dtype, causal, feature):
     """Rows past q_lengths and kv_lengths hold NaN: the output is that of the zero-padded inputs."""
     fs = FEATURES_BY_NAME[feature]
@@ -116,7 +149,9 @@ def test_nan_padding(cf, ws_feat, head_dim, dtype, causal, feature):
                                                                  ("win5_7", "float16", False, 128, True),
                                                                  ("alibi_bh", "bfloat16", False, 128, False),
                                                                  ("sinklogits", "float16", True, 256, True),
-                                                                 ("win3_0_sinktok2", "bfloat16", True, 128, True)])
+                                                                 ("win3_0_sinktok2", "bfloat16", True, 128, True),
+                                                                 ("win5_7", "float16", False, 96, True),
+                                                                 ("alibi_bh", "bfloat16", True, 200, False)])
 def test_ws_feat_varlen(cf, ws_feat, feature, dtype, causal, head_dim, cross):
     """Packed batches (the maps see the arrays as one sequence of all rows): tests/test_gpu_features.py's
     test_varlen (lengths 0, 1 and odd ones, rows past cu_seqlens[-1], forward and backward, against
