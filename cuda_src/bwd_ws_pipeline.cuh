@@ -12,6 +12,7 @@
 #include "common.cuh"
 #include "params.cuh"
 #include "tma.cuh"
+#include "wgmma_util.cuh"
 
 namespace cuflash {
 
@@ -44,11 +45,12 @@ struct BwdWsBars {
 // mask (a padded batch's entry b with no lengths: the whole tensors).
 template <bool FEAT, int BLOCK_M, int BLOCK_N>
 __device__ __forceinline__ void ws_query_blocks(const BwdTmaParams& p, const KeyBlock& blk, int& m_begin, int& m_iters,
-                                                MaskInfo& mi) {
+                                                MaskInfo& mi, SeqInfo& si) {
     m_begin = blk.m_begin;
     m_iters = blk.m_iters;
+    si.q_row0 = si.k_row0 = 0;
     if constexpr (FEAT) {
-        const SeqInfo si = seq_info(p.mask, blk.b, p.seqlen_q, p.seqlen_k);
+        si = seq_info(p.mask, blk.b, p.seqlen_q, p.seqlen_k);
         mi.init(p.mask, si, blk.b, blk.h_kv * p.head_group);
         query_range<BLOCK_M, BLOCK_N>(p.mask, mi, blk.n0, m_begin, m_iters);
     }
@@ -59,7 +61,11 @@ __device__ __forceinline__ void ws_query_blocks(const BwdTmaParams& p, const Key
 // epilogue released them: kv_empty), then for each iteration (query head, query block) waits for
 // its stage to be empty, the 32 lanes copy the rows' lse (0 past seqlen_q) and delta beside it, and
 // lane 0 issues Q's and dO's copies. The ring's stages and phases run on across the block's tiles.
-template <int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, bool IS_CAUSAL, bool FEAT>
+// SEQS (with FEAT: per-sequence lengths, a padded or a packed batch): the sequence's rows start at
+// its q_row0 / k_row0 (a packed batch's maps see each array as one sequence of all its rows, batch
+// coordinate 0), and the lse comes from the preprocess's lse * log2(e) rows, +inf on rows past the
+// sequence (so P = 0 there: the forward's lse of a padded row is -inf).
+template <int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, bool IS_CAUSAL, bool FEAT, bool SEQS = false>
 __device__ __forceinline__ void bwd_ws_produce(const BwdTmaParams& p, const BwdWsBars<STAGES, BLOCK_M>& bars, int lane,
                                                u32 sK, u32 sV, u32 sQ, u32 sdO) {
     constexpr int SKV_BYTES = BLOCK_N * HEAD_DIM * 2, SQ_BYTES = BLOCK_M * HEAD_DIM * 2;
@@ -76,16 +82,19 @@ __device__ __forceinline__ void bwd_ws_produce(const BwdTmaParams& p, const BwdW
         const int h_kv = blk.h_kv, b = blk.b, n0 = blk.n0;
         int m_begin, m_iters;
         MaskInfo mi;
-        ws_query_blocks<FEAT, BLOCK_M, BLOCK_N>(p, blk, m_begin, m_iters, mi);
+        SeqInfo si;
+        ws_query_blocks<FEAT, BLOCK_M, BLOCK_N>(p, blk, m_begin, m_iters, mi, si);
         const int iters = m_iters * p.head_group;
+        const int bmap = SEQS && p.mask.cu_seqlens_q != nullptr ? 0 : b;  // the maps' batch coordinate
+        const int q_row0 = SEQS ? (int)si.q_row0 : 0, k_row0 = SEQS ? (int)si.k_row0 : 0;
         // K and V of this tile go where the previous tile's epilogue wrote dK and dV out.
         if (tcount > 0) mbar_wait(bars.kv_empty(), (tcount - 1) & 1);
         if (lane == 0) {
             mbar_arrive_expect_tx(bars.kv_full(), 2 * SKV_BYTES);
 #pragma unroll
             for (int c = 0; c < HEAD_DIM / 64; ++c) {
-                tma_load_4d(sK + c * BLOCK_N * 128, &p.map_k, bars.kv_full(), c * 64, n0, h_kv, b);
-                tma_load_4d(sV + c * BLOCK_N * 128, &p.map_v, bars.kv_full(), c * 64, n0, h_kv, b);
+                tma_load_4d(sK + c * BLOCK_N * 128, &p.map_k, bars.kv_full(), c * 64, k_row0 + n0, h_kv, bmap);
+                tma_load_4d(sV + c * BLOCK_N * 128, &p.map_v, bars.kv_full(), c * 64, k_row0 + n0, h_kv, bmap);
             }
         }
         for (int it = 0; it < iters; ++it) {
@@ -101,7 +110,11 @@ __device__ __forceinline__ void bwd_ws_produce(const BwdTmaParams& p, const BwdW
 #pragma unroll
             for (int r = 0; r < R; ++r) {
                 const int row = m0 + R * lane + r;
-                const float l = row < sq ? p.lse[bhq * sq + row] : 0.f;
+                float l;
+                if constexpr (SEQS)
+                    l = p.lse_log2[bhq * p.seqlen_q_pad + row] * CUFLASH_LN2;  // +inf past the sequence
+                else
+                    l = row < sq ? p.lse[bhq * sq + row] : 0.f;
                 const float d = p.delta[bhq * p.seqlen_q_pad + row];
                 asm volatile("st.shared.f32 [%0], %1;" :: "r"(bars.lse_row(s) + (R * lane + r) * 4), "f"(l) : "memory");
                 asm volatile("st.shared.f32 [%0], %1;" :: "r"(bars.dlt_row(s) + (R * lane + r) * 4), "f"(d) : "memory");
@@ -110,8 +123,10 @@ __device__ __forceinline__ void bwd_ws_produce(const BwdTmaParams& p, const BwdW
                 mbar_arrive_expect_tx(bars.full(s), 2 * SQ_BYTES);
 #pragma unroll
                 for (int c = 0; c < HEAD_DIM / 64; ++c) {
-                    tma_load_4d(sQ + s * SQ_BYTES + c * BLOCK_M * 128, &p.map_q, bars.full(s), c * 64, m0, hq, b);
-                    tma_load_4d(sdO + s * SQ_BYTES + c * BLOCK_M * 128, &p.map_do, bars.full(s), c * 64, m0, hq, b);
+                    tma_load_4d(sQ + s * SQ_BYTES + c * BLOCK_M * 128, &p.map_q, bars.full(s), c * 64, q_row0 + m0, hq,
+                                bmap);
+                    tma_load_4d(sdO + s * SQ_BYTES + c * BLOCK_M * 128, &p.map_do, bars.full(s), c * 64, q_row0 + m0,
+                                hq, bmap);
                 }
             } else {
                 mbar_arrive(bars.full(s));

@@ -20,6 +20,7 @@ typedef unsigned long long u64;
 
 #define CUFLASH_INF __int_as_float(0x7f800000)
 #define CUFLASH_LOG2E 1.4426950408889634f
+#define CUFLASH_LN2 0.6931471805599453f
 
 namespace cuflash {
 

@@ -492,7 +492,7 @@ flash_bwd_convert_dq_kernel(const __grid_constant__ BwdParams p) {
         if (!ok) continue;
         const float* acc = p.dq_accum + (bh * p.seqlen_q_pad + i) * HEAD_DIM;
         if constexpr (DQ_PERM > 0) {
-            static_assert(!FEAT && HEAD_DIM % DQ_PERM == 0 && PERM_ROWS % 64 == 0, "the permuted layout: plain calls");
+            static_assert(HEAD_DIM % DQ_PERM == 0 && PERM_ROWS % 64 == 0, "the permuted layout");
             const int rb = i % PERM_ROWS, r = rb % 64;
             const int part = (rb / 64) * (HEAD_DIM / DQ_PERM) + 8 * c / DQ_PERM, j = (8 * c % DQ_PERM) / 8;
             const int u0 = (r / 16) * 32 + (r % 8) * 4;  // consumer thread of t = 0

@@ -3,13 +3,17 @@
 // each consumer adds its dQ part into the float scratch with one bulk reduction per query block
 // (docs/hopper_plan.md steps 6-8). Non-deterministic dQ.
 //
-// FEAT (mask.cuh; sliding windows, sink tokens, sink logits, ALiBi; the host sends no per-sequence
-// lengths, packed batches or softcap here): a key block visits the query blocks of query_range, and a
+// FEAT (mask.cuh; sliding windows, sink tokens, sink logits, ALiBi; and with SEQS per-sequence lengths,
+// padded or packed batches; the host sends no softcap here): a key block visits the query blocks of query_range, and a
 // warp's (16 keys x BLOCK_M queries) tile pays for the element-wise mask only where a bound crosses
 // it (needs_mask); ALiBi's slope follows the query head of each iteration, its key distance formed in
 // float (MaskInfo::alibi_logit_log2). Rows that see no key (lse = -inf) lie only in tiles that need
-// the mask, where their P is set to 0. Every row of the tensors is a real row here, and rows past
-// them arrive as TMA's zeros, so no padding needs clearing.
+// the mask, where their P is set to 0. Without SEQS every row of the tensors is a real row, and rows
+// past them arrive as TMA's zeros, so no padding needs clearing. With SEQS the rows past a sequence
+// arrive as they are in memory: each consumer zeroes them in shared memory (K, V once per tile; Q,
+// dO per query block) before its products, the rows' P comes from the preprocess's lse * log2(e)
+// (+inf past the sequence: P = 0), and a packed batch's maps see each array as one sequence of all
+// its rows (bwd_ws_pipeline.cuh).
 //
 // Algorithm: that of flash_bwd_sm90.cu (read its header first): one block per (key block of 128
 // keys, kv head, batch); K and V stay in shared memory, dK and dV in registers; the block loops over
@@ -113,10 +117,12 @@ struct BwdWsTraits {
     static_assert(DQ_N % 16 == 0, "dQ columns per consumer");
 };
 
-template <typename T, int HEAD_DIM, int BLOCK_M, bool IS_CAUSAL, bool IS_EVEN, int STAGES = 2, bool FEAT = false>
+template <typename T, int HEAD_DIM, int BLOCK_M, bool IS_CAUSAL, bool IS_EVEN, int STAGES = 2, bool FEAT = false,
+          bool SEQS = false>
 __global__ void __launch_bounds__(384, 1)
 flash_bwd_sm90_ws_kernel(const __grid_constant__ BwdTmaParams p) {
     static_assert(!FEAT || (!IS_CAUSAL && !IS_EVEN), "FEAT: causal and the tails are the mask's");
+    static_assert(!SEQS || FEAT, "SEQS: per-sequence lengths are an option of FEAT");
     using Tr = BwdWsTraits<HEAD_DIM, BLOCK_M, STAGES>;
     using Ops = ElemOps<T>;
     constexpr int BLOCK_N = Tr::BLOCK_N, DQ_N = Tr::DQ_N;
@@ -146,7 +152,8 @@ flash_bwd_sm90_ws_kernel(const __grid_constant__ BwdTmaParams p) {
     if (wg == 0) {
         // ---------------- producer (bwd_ws_pipeline.cuh) ----------------
         setmaxnreg_dec<Tr::PRODUCER_REGS>();
-        if (warp == 0) bwd_ws_produce<HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, FEAT>(p, bars, lane, sK, sV, sQ, sdO);
+        if (warp == 0)
+            bwd_ws_produce<HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, FEAT, SEQS>(p, bars, lane, sK, sV, sQ, sdO);
         return;
     }
 
@@ -169,7 +176,8 @@ flash_bwd_sm90_ws_kernel(const __grid_constant__ BwdTmaParams p) {
         const int h_kv = blk.h_kv, b = blk.b, n0 = blk.n0;
         int m_begin, m_iters;
         MaskInfo mi;
-        ws_query_blocks<FEAT, BLOCK_M, BLOCK_N>(p, blk, m_begin, m_iters, mi);
+        SeqInfo si;
+        ws_query_blocks<FEAT, BLOCK_M, BLOCK_N>(p, blk, m_begin, m_iters, mi, si);
         const int iters = m_iters * p.head_group;
         const int diag_base = 2 * t + sk - sq - n0 - key_row0 - g;
 
@@ -179,6 +187,19 @@ flash_bwd_sm90_ws_kernel(const __grid_constant__ BwdTmaParams p) {
 
         // K and V of this tile (also before the epilogue writes through sK / sV when no query block runs).
         mbar_wait(bars.kv_full(), tcount & 1);
+        if constexpr (SEQS) {
+            // Rows past the sequence's keys arrive as they are in memory (another sequence's, a padded
+            // batch's padding, a packed batch's tail: anything, NaN included): zeros here, so that the
+            // masked products multiply zeros. Both consumers write the same zeros, each before its own
+            // products.
+            if (n0 + BLOCK_N > mi.sk) {
+                const int from = max(mi.sk - n0, 0);
+                zero_rows_sw128<HEAD_DIM, BLOCK_N>(sK, from, tw, 128);
+                zero_rows_sw128<HEAD_DIM, BLOCK_N>(sV, from, tw, 128);
+                fence_proxy_async();
+                named_barrier_sync(DQ_BAR + cw, 128);
+            }
+        }
         for (int it = 0; it < iters; ++it) {
             const int gi = g_base + it;
             const int s = gi % STAGES;
@@ -186,6 +207,15 @@ flash_bwd_sm90_ws_kernel(const __grid_constant__ BwdTmaParams p) {
             const u32 sQs = sQ + s * Tr::SQ_BYTES, sdOs = sdO + s * Tr::SQ_BYTES;
             const u32 sdSi = sdS + (gi % 2) * Tr::SDS_BYTES;
             mbar_wait(bars.full(s), (gi / STAGES) & 1);
+            if constexpr (SEQS) {
+                if (m0 + BLOCK_M > mi.sq) {  // Q and dO rows past the sequence: zeros (as K, V above)
+                    const int from = max(mi.sq - m0, 0);
+                    zero_rows_sw128<HEAD_DIM, BLOCK_M>(sQs, from, tw, 128);
+                    zero_rows_sw128<HEAD_DIM, BLOCK_M>(sdOs, from, tw, 128);
+                    fence_proxy_async();
+                    named_barrier_sync(DQ_BAR + cw, 128);
+                }
+            }
 
             // ---- S^T = K Q^T, dP^T = V dO^T: (64 keys, 64 queries) ----
             float sc[BLOCK_M / 2], dp[BLOCK_M / 2];
@@ -376,10 +406,20 @@ flash_bwd_sm90_ws_kernel(const __grid_constant__ BwdTmaParams p) {
             const int n0 = eblk.n0, h_kv = eblk.h_kv, b = eblk.b;
             dkdv_rows_to_smem<Ops, HEAD_DIM, BLOCK_N>(sK, sV, acc_dk, acc_dv, p.scale, key_row0, g, t);
             __syncwarp();
-            T* gdK = static_cast<T*>(p.dk) + b * p.dk_batch_stride + h_kv * p.dk_head_stride + (i64)n0 * p.dk_row_stride;
-            T* gdV = static_cast<T*>(p.dv) + b * p.dv_batch_stride + h_kv * p.dv_head_stride + (i64)n0 * p.dv_row_stride;
+            // SEQS: the sequence's rows of dK / dV (a packed batch's from k_row0, as many as it has keys).
+            i64 k_row0 = 0;
+            int k_rows = p.seqlen_k;
+            if constexpr (SEQS) {
+                const SeqInfo esi = seq_info(p.mask, b, p.seqlen_q, p.seqlen_k);
+                k_row0 = esi.k_row0;
+                k_rows = esi.k_rows;
+            }
+            T* gdK = static_cast<T*>(p.dk) + b * p.dk_batch_stride + h_kv * p.dk_head_stride
+                     + (k_row0 + n0) * p.dk_row_stride;
+            T* gdV = static_cast<T*>(p.dv) + b * p.dv_batch_stride + h_kv * p.dv_head_stride
+                     + (k_row0 + n0) * p.dv_row_stride;
             dkdv_rows_to_global<T, HEAD_DIM, BLOCK_N, IS_EVEN>(gdK, gdV, p.dk_row_stride, p.dv_row_stride, sK, sV,
-                                                               key_row0, lane, n0, p.seqlen_k, p.d_cols);
+                                                               key_row0, lane, n0, k_rows, p.d_cols);
             __syncwarp();
             if (lane == 0) mbar_arrive(bars.kv_empty());  // this warp's rows of sK / sV are read: the next K, V may land
         }

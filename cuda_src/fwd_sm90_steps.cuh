@@ -77,16 +77,6 @@ __device__ __forceinline__ float feat_logits_and_mask(float (&s)[BLOCK_N / 2], c
     return sc;
 }
 
-// Rows [row_from, ROWS) of a SW128 tile (all HEAD_DIM / 64 panels) set to zero by nthreads threads
-// (this one is number i); the caller fences them for the async proxy.
-template <int HEAD_DIM, int ROWS>
-__device__ __forceinline__ void zero_rows_sw128(u32 tile, int row_from, int i, int nthreads) {
-    constexpr int CHUNKS = HEAD_DIM / 8;
-    for (int c = i; c < (ROWS - row_from) * CHUNKS; c += nthreads)
-        asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};"
-                     :: "r"(tile + sw128_offset(row_from + c / CHUNKS, c % CHUNKS, ROWS)), "r"(0u) : "memory");
-}
-
 // After the P V product of the previous tile has retired: O *= alpha (the online softmax's rescale)
 // and this tile's probabilities packed as the next P V product's A fragments (one per k16 step).
 template <typename Ops, int HEAD_DIM, int BLOCK_N>

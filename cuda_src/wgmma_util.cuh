@@ -100,6 +100,16 @@ __device__ __forceinline__ void wgmma_rs_mnmajor(float (&acc)[N / 2], const u32 
         Wgmma<T, N>::template rs<1>(acc, a[kk], make_smem_desc(b_base + kk * 16 * 128, B_ROWS * 128, 1024), 1);
 }
 
+// Rows [row_from, ROWS) of a SW128 tile (all HEAD_DIM / 64 panels) set to zero by nthreads threads
+// (this one is number i); the caller fences them for the async proxy.
+template <int HEAD_DIM, int ROWS>
+__device__ __forceinline__ void zero_rows_sw128(u32 tile, int row_from, int i, int nthreads) {
+    constexpr int CHUNKS = HEAD_DIM / 8;
+    for (int c = i; c < (ROWS - row_from) * CHUNKS; c += nthreads)
+        asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};"
+                     :: "r"(tile + sw128_offset(row_from + c / CHUNKS, c % CHUNKS, ROWS)), "r"(0u) : "memory");
+}
+
 // cp.async copy of ROWS x COLS (16-bit) from global memory (row stride in elements) into a SW128
 // tile at shared address s_base. Rows at or past valid_rows are zero-filled.
 template <int COLS, int ROWS, int THREADS, bool CHECK>

@@ -648,6 +648,14 @@ def decode_stages(target: str, head_dim: int) -> int | None:
 DECODE_FUSED_MAX_PARTS = 64
 
 
+def bwd_ws_seqs_enabled() -> bool:
+    """The warp-specialized FEAT backward for calls with per-sequence lengths (padded or packed
+    batches; the kernel's SEQS): yes unless CUFLASH_BWD_WS_SEQS=0."""
+    import os
+
+    return os.environ.get("CUFLASH_BWD_WS_SEQS") != "0"
+
+
 def bwd_ws_feat_enabled() -> bool:
     """Whether backward calls with windows, sink tokens or logits, or ALiBi (no per-sequence lengths,
     packed batches or softcap) run the warp-specialized backward's FEAT variant

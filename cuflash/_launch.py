@@ -366,7 +366,7 @@ def bwd_uses_atomics(deterministic: bool, target: str | None = None, head_dim: i
 
 def bwd_ws_specializations(dtype: str, head_dim: int, causal: bool, even: bool,
                            stages: int = _config.BWD_WS_STAGES, block_m: int | None = None, feat: bool = False,
-                           call_dim: int | None = None):
+                           call_dim: int | None = None, seqs: bool = False):
     """The warp-specialized sm_90a backward's launches, in order (cuda_src/flash_bwd_sm90_ws.cu):
     the preprocess (zeroing dq_accum), the kernel (Params BwdTmaParams: Q / dO maps with block_m-row
     boxes, K / V with 128), and the conversion of its permuted dq_accum. even: seqlen_q % block_m
@@ -374,11 +374,13 @@ def bwd_ws_specializations(dtype: str, head_dim: int, causal: bool, even: bool,
     the options (windows, sinks, ALiBi; causal and even then False) after the feature preprocess.
     call_dim: the call's head_dim under pad-up (_config.bwd_pad_head_dim; head_dim is then the
     kernel's): the preprocess reads call_dim columns and zeroes head_dim-wide accumulator rows, the
-    conversion writes call_dim columns."""
+    conversion writes call_dim columns. seqs (with feat): per-sequence lengths, a padded or a packed
+    batch (the kernel's SEQS; the conversion then places each sequence's rows)."""
     short, ctype = _DTYPE_TAG[dtype]
     assert head_dim in _config.BWD_WS_HEAD_DIMS, head_dim
     assert not (feat and (causal or even)), (causal, even)
     assert not (feat and head_dim not in _config.BWD_WS_FEAT_HEAD_DIMS), head_dim
+    assert feat or not seqs
     m = block_m or _config.bwd_ws_block_m(head_dim)
     n = _config.bwd_ws_block_n(head_dim)
     if feat and (call_dim is None or call_dim == head_dim):
@@ -395,7 +397,7 @@ def bwd_ws_specializations(dtype: str, head_dim: int, causal: bool, even: bool,
             "flash_bwd.cu", f"cuflash::flash_bwd_preprocess_kernel<{ctype}, {head_dim}, true>",
             f"bwd_pre_{short}_d{head_dim}_zero_dq", _BWD_CHECKS_PARAMS)
     smem = _config.bwd_ws_smem_bytes(head_dim, stages, m)
-    kind = "feat" if feat else f"{'causal' if causal else 'full'}_{'even' if even else 'ragged'}"
+    kind = ("feat_seqs" if seqs else "feat") if feat else f"{'causal' if causal else 'full'}_{'even' if even else 'ragged'}"
     if head_dim == 256:
         traits = f"cuflash::BwdWs256Traits<{stages}>"
         source = "flash_bwd_sm90_ws256.cu"
@@ -404,20 +406,19 @@ def bwd_ws_specializations(dtype: str, head_dim: int, causal: bool, even: bool,
         traits = f"cuflash::BwdWsTraits<{head_dim}, {m}, {stages}>"
         source = "flash_bwd_sm90_ws.cu"
         expr = (f"cuflash::flash_bwd_sm90_ws_kernel<{ctype}, {head_dim}, {m}, {_b(causal)}, {_b(even)}, {stages}"
-                + (", true>" if feat else ">"))
+                + ((", true, true>" if seqs else ", true>") if feat else ">"))
     ws = _compile.Specialization(
         source, expr, f"bwd90ws_{short}_d{head_dim}_m{m}_s{stages}_{kind}_tma",
         _BWD_TMA_CHECKS_PARAMS + "\n" +
         f'static_assert({traits}::SMEM_BYTES == {smem}, "shared memory size differs from cuflash/_config.py:bwd_ws_smem_bytes");')
     part = head_dim if m == 128 else head_dim // 2  # BwdWsTraits::DQ_N (BwdWs256Traits::COLS)
-    if call_dim is not None and call_dim != head_dim:
-        conv = _compile.Specialization(
-            "flash_bwd.cu", f"cuflash::flash_bwd_convert_dq_kernel<{ctype}, {head_dim}, false, {part}, {m}, {call_dim}>",
-            f"bwd_convert_dq_{short}_d{head_dim}_perm{m}_to{call_dim}", _BWD_CHECKS_PARAMS)
-    else:
-        conv = _compile.Specialization(
-            "flash_bwd.cu", f"cuflash::flash_bwd_convert_dq_kernel<{ctype}, {head_dim}, false, {part}, {m}>",
-            f"bwd_convert_dq_{short}_d{head_dim}_perm{m}", _BWD_CHECKS_PARAMS)
+    out_dim = call_dim if call_dim is not None else head_dim
+    conv = _compile.Specialization(
+        "flash_bwd.cu",
+        f"cuflash::flash_bwd_convert_dq_kernel<{ctype}, {head_dim}, {_b(seqs)}, {part}, {m}"
+        + (f", {out_dim}>" if out_dim != head_dim else ">"),
+        f"bwd_convert_dq_{short}_d{head_dim}_perm{m}" + (f"_to{out_dim}" if out_dim != head_dim else "")
+        + ("_feat" if seqs else ""), _BWD_CHECKS_PARAMS)
     return [(pre, 0, None), (ws, smem, _config.TileConfig(m, n, 8, wgmma=True)), (conv, 0, None)]
 
 
@@ -444,9 +445,10 @@ def all_bwd_ws_specializations(target: str, head_dims=None, dtypes=None, causal=
             if d not in _config.BWD_WS_FEAT_HEAD_DIMS:
                 continue
             m = _config.BWD_WS_BLOCK_M[d]
-            for spec, smem, _ in bwd_ws_specializations(dtype, d, False, False, _config.bwd_ws_stages(d, m), m,
-                                                        feat=True):
-                seen.setdefault(spec.expression, (spec, smem))
+            for seqs in (False, True):
+                for spec, smem, _ in bwd_ws_specializations(dtype, d, False, False, _config.bwd_ws_stages(d, m), m,
+                                                            feat=True, seqs=seqs):
+                    seen.setdefault(spec.expression, (spec, smem))
         # Pad-up (_config.bwd_pad_head_dim): the other head dims' preprocess and conversion around the
         # kernel of the next supported head_dim (the kernels themselves are those above).
         for cd in _config.HEAD_DIMS:
@@ -460,9 +462,10 @@ def all_bwd_ws_specializations(target: str, head_dims=None, dtypes=None, causal=
                                                                 call_dim=cd):
                         seen.setdefault(spec.expression, (spec, smem))
             if d in _config.BWD_WS_FEAT_HEAD_DIMS:
-                for spec, smem, _ in bwd_ws_specializations(dtype, d, False, False, _config.bwd_ws_stages(d, m), m,
-                                                            feat=True, call_dim=cd):
-                    seen.setdefault(spec.expression, (spec, smem))
+                for seqs in (False, True):
+                    for spec, smem, _ in bwd_ws_specializations(dtype, d, False, False, _config.bwd_ws_stages(d, m),
+                                                                m, feat=True, call_dim=cd, seqs=seqs):
+                        seen.setdefault(spec.expression, (spec, smem))
     return list(seen.values())
 
 
@@ -971,20 +974,26 @@ def bwd_launches(dout: DeviceTensor, q: DeviceTensor, k: DeviceTensor, v: Device
     target = _config.compile_arch(*cc)
     _tma_context(target, device_id)
     kernel_dim = head_dim  # the dK/dV kernel's head_dim (larger under pad-up)
+    mq, mdo, mk, mv = q, dout, k, v  # what the warp-specialized kernel's tensor maps describe
     if mask is not None:
         assert not causal
         pad_dim = None if cfg is not None else _config.bwd_pad_head_dim(target, head_dim)
         kernel_dim = pad_dim if pad_dim in _config.BWD_WS_FEAT_HEAD_DIMS else head_dim
+        # Per-sequence lengths (the kernel's SEQS): a packed batch's maps see each array as one sequence
+        # of all its rows, as the forward's (flash_fwd_sm90_ws.cu).
+        seqs = bool(mask.packed or mask.q_lengths or mask.kv_lengths)
+        if mask.packed:
+            mq, mdo = _one_sequence(q, mask.total_q), _one_sequence(dout, mask.total_q)
+            mk, mv = _one_sequence(k, mask.total_k), _one_sequence(v, mask.total_k)
         ws = (cfg is None and atomic and target == "sm_90a" and kernel_dim in _config.BWD_WS_FEAT_HEAD_DIMS
-              and _config.bwd_ws_feat_enabled() and not mask.packed and not mask.q_lengths and not mask.kv_lengths
-              and not mask.softcap
-              and _use_bwd_ws(q, dout, k, v, dtype, _config.bwd_ws_block_m(kernel_dim), pad=kernel_dim != head_dim))
+              and _config.bwd_ws_feat_enabled() and (not seqs or _config.bwd_ws_seqs_enabled()) and not mask.softcap
+              and _use_bwd_ws(mq, mdo, mk, mv, dtype, _config.bwd_ws_block_m(kernel_dim), pad=kernel_dim != head_dim))
         if ws:
             cfg = _config.TileConfig(_config.bwd_ws_block_m(kernel_dim), 128, 8, wgmma=True)
             qcfg = cfg
             kernels = bwd_ws_specializations(dtype, kernel_dim, False, False,
                                              _config.bwd_ws_stages(kernel_dim, cfg.block_m), cfg.block_m, feat=True,
-                                             call_dim=head_dim)
+                                             call_dim=head_dim, seqs=seqs)
         else:
             # A plan that reserved the accumulator for pad-up, where the call cannot take the kernel:
             # the feature kernels' own dQ path.
@@ -1081,7 +1090,7 @@ def bwd_launches(dout: DeviceTensor, q: DeviceTensor, k: DeviceTensor, v: Device
             pt["tile_heads"] = tile_heads
             pt["d_cols"] = head_dim
             maps = [(f"map_{n}", t.ptr, _tma.MapCache(t.shape, t.strides, rows, dtype)) for n, t, rows in
-                    (("q", q, cfg.block_m), ("do", dout, cfg.block_m), ("k", k, cfg.block_n), ("v", v, cfg.block_n))]
+                    (("q", mq, cfg.block_m), ("do", mdo, cfg.block_m), ("k", mk, cfg.block_n), ("v", mv, cfg.block_n))]
             launches.append(TmaLaunch(spec.name, fn.ptr, grid, threads, sm, pt, ptrs, device_id, maps))
         else:
             launches.append(Launch(spec.name, fn.ptr, grid, threads, sm, p.copy(), ptrs, device_id))

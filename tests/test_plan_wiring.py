@@ -593,17 +593,21 @@ def test_bwd_ws_wiring(dev, monkeypatch):
     assert int(ws[0]["p"]["tile_heads"]) == 1, ws
     monkeypatch.delenv("CUFLASH_BWD_WS_PERSISTENT")
     # Options (by default; CUFLASH_BWD_WS_FEAT=0 turns it off): windows, sinks, ALiBi take the kernel's FEAT variant after the
-    # feature preprocess; lengths (and packed batches, softcap) keep the cp.async kernels.
+    # feature preprocess; lengths (and packed batches) its SEQS variant with the FEAT conversion
+    # (CUFLASH_BWD_WS_SEQS=0: the cp.async kernels); softcap keeps the cp.async kernels.
     monkeypatch.delenv("CUFLASH_BWD_WS_FEAT", raising=False)
     _plan.CACHE.clear()
     q, k, v = arr(rng, (2, 70, 4, 128)), arr(rng, (2, 300, 2, 128)), arr(rng, (2, 300, 2, 128))
     for kw, want in (({"window": (40, 0)}, True), ({"alibi_slopes": np.full(4, 0.1, np.float32).view(Dev)}, True),
-                     ({"kv_lengths": np.array([300, 17], np.int32).view(Dev)}, False)):
+                     ({"kv_lengths": np.array([300, 17], np.int32).view(Dev)}, "seqs"), ({"softcap": 20.0}, False)):
         out, lse = cuflash.attention(q, k, v, return_lse=True, **kw)
         n0 = len(launched)
         cuflash.attention_backward(arr(rng, q.shape), q, k, v, out, lse, **kw)
         names = [L["name"] for L in launched[n0:]]
-        if want:
+        if want == "seqs":
+            assert names == ["bwd_pre_f16_d128_zero_dq_feat", "bwd90ws_f16_d128_m64_s2_feat_seqs_tma",
+                             "bwd_convert_dq_f16_d128_perm64_feat"], (kw, names)
+        elif want:
             assert names == ["bwd_pre_f16_d128_zero_dq_feat", "bwd90ws_f16_d128_m64_s2_feat_tma",
                              "bwd_convert_dq_f16_d128_perm64"], (kw, names)
             p = launched[n0 + 1]["p"]
