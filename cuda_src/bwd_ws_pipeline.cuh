@@ -85,6 +85,12 @@ __device__ __forceinline__ void bwd_ws_produce(const BwdTmaParams& p, const BwdW
         SeqInfo si;
         ws_query_blocks<FEAT, BLOCK_M, BLOCK_N>(p, blk, m_begin, m_iters, mi, si);
         const int iters = m_iters * p.head_group;
+        // SEQS: a packed batch's key block past its sequence's keys has nothing to compute or write
+        // (the consumers skip it too, by the same test, so tcount stays in step).
+        if (SEQS && n0 >= si.k_rows) {
+            --tcount;
+            continue;
+        }
         const int bmap = SEQS && p.mask.cu_seqlens_q != nullptr ? 0 : b;  // the maps' batch coordinate
         const int q_row0 = SEQS ? (int)si.q_row0 : 0, k_row0 = SEQS ? (int)si.k_row0 : 0;
         // K and V of this tile go where the previous tile's epilogue wrote dK and dV out.

@@ -179,6 +179,10 @@ flash_bwd_sm90_ws_kernel(const __grid_constant__ BwdTmaParams p) {
         SeqInfo si;
         ws_query_blocks<FEAT, BLOCK_M, BLOCK_N>(p, blk, m_begin, m_iters, mi, si);
         const int iters = m_iters * p.head_group;
+        if (SEQS && n0 >= si.k_rows) {  // past a packed sequence's keys: skipped, as by the producer
+            --tcount;
+            continue;
+        }
         const int diag_base = 2 * t + sk - sq - n0 - key_row0 - g;
 
         float acc_dv[HEAD_DIM / 2], acc_dk[HEAD_DIM / 2];

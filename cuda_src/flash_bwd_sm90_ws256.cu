@@ -1,7 +1,9 @@
 // flash_bwd_sm90_ws256.cu: the dK / dV / dQ kernel of the backward for Hopper (sm_90a) at head_dim
 // 256, warp-specialized: a producer warp loads with TMA, two consumer warpgroups compute on wgmma,
 // and dQ goes to the float scratch by vector reductions from registers. Non-deterministic dQ. Plain
-// calls (causal or not, any lengths, MQA / GQA); the options keep the cp.async backward.
+// calls (causal or not, any lengths, MQA / GQA) and (FEAT) windows, sinks, ALiBi, and (SEQS)
+// per-sequence lengths and packed batches as in flash_bwd_sm90_ws.cu; softcap keeps the mma.sync
+// backward.
 //
 // Why a kernel of its own: flash_bwd_sm90_ws.cu gives each consumer 64 keys and all of head_dim,
 // so dK and dV of its keys take HEAD_DIM floats a thread, 256 at head_dim 256: more than the
@@ -94,9 +96,11 @@ struct BwdWs256Traits {
     static_assert(STAGES >= 2, "stages");
 };
 
-template <typename T, bool IS_CAUSAL, bool IS_EVEN, int STAGES = 2>
+template <typename T, bool IS_CAUSAL, bool IS_EVEN, int STAGES = 2, bool FEAT = false, bool SEQS = false>
 __global__ void __launch_bounds__(384, 1)
 flash_bwd_sm90_ws256_kernel(const __grid_constant__ BwdTmaParams p) {
+    static_assert(!FEAT || (!IS_CAUSAL && !IS_EVEN), "FEAT: causal and the tails are the mask's");
+    static_assert(!SEQS || FEAT, "SEQS: per-sequence lengths are an option of FEAT");
     using Tr = BwdWs256Traits<STAGES>;
     using Ops = ElemOps<T>;
     constexpr int HEAD_DIM = Tr::HEAD_DIM, BLOCK_M = Tr::BLOCK_M, BLOCK_N = Tr::BLOCK_N, COLS = Tr::COLS;
@@ -126,7 +130,8 @@ flash_bwd_sm90_ws256_kernel(const __grid_constant__ BwdTmaParams p) {
     if (wg == 0) {
         // ---------------- producer (bwd_ws_pipeline.cuh) ----------------
         setmaxnreg_dec<Tr::PRODUCER_REGS>();
-        if (warp == 0) bwd_ws_produce<HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, false>(p, bars, lane, sK, sV, sQ, sdO);
+        if (warp == 0)
+            bwd_ws_produce<HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, FEAT, SEQS>(p, bars, lane, sK, sV, sQ, sdO);
         return;
     }
 
@@ -145,8 +150,15 @@ flash_bwd_sm90_ws256_kernel(const __grid_constant__ BwdTmaParams p) {
         const KeyBlock blk = key_block_grouped<BLOCK_M, BLOCK_N, IS_CAUSAL>(tile, p.num_blocks, p.nheads_kv, p.batch,
                                                                             p.tile_heads, sq, sk);
         const int h_kv = blk.h_kv, b = blk.b, n0 = blk.n0;
-        const int m_begin = blk.m_begin, m_iters = blk.m_iters;
+        int m_begin, m_iters;
+        MaskInfo mi;
+        SeqInfo si;
+        ws_query_blocks<FEAT, BLOCK_M, BLOCK_N>(p, blk, m_begin, m_iters, mi, si);
         const int iters = m_iters * p.head_group;
+        if (SEQS && n0 >= si.k_rows) {  // past a packed sequence's keys: skipped, as by the producer
+            --tcount;
+            continue;
+        }
         // Element (key n0 + key_row0 + g + 8 (e / 2), query m0 + 32 cw + 8 j + 2 t + e % 2) lies above
         // the causal diagonal iff 8 (e / 2) - 8 j - e % 2 > m0 + diag_base.
         const int diag_base = 32 * cw + 2 * t + sk - sq - n0 - key_row0 - g;
@@ -156,6 +168,16 @@ flash_bwd_sm90_ws256_kernel(const __grid_constant__ BwdTmaParams p) {
         for (int i = 0; i < COLS / 2; ++i) { acc_dv[i] = 0.f; acc_dk[i] = 0.f; }
 
         mbar_wait(bars.kv_full(), tcount & 1);
+        if constexpr (SEQS) {
+            // Rows past the sequence's keys: zeros (flash_bwd_sm90_ws.cu's SEQS; both consumers write them).
+            if (n0 + BLOCK_N > mi.sk) {
+                const int from = max(mi.sk - n0, 0);
+                zero_rows_sw128<HEAD_DIM, BLOCK_N>(sK, from, tw, 128);
+                zero_rows_sw128<HEAD_DIM, BLOCK_N>(sV, from, tw, 128);
+                fence_proxy_async();
+                named_barrier_sync(2 + cw, 128);
+            }
+        }
         for (int it = 0; it < iters; ++it) {
             const int gi = g_base + it;
             const int s = gi % STAGES;
@@ -163,6 +185,15 @@ flash_bwd_sm90_ws256_kernel(const __grid_constant__ BwdTmaParams p) {
             const u32 sQs = sQ + s * Tr::SQ_BYTES, sdOs = sdO + s * Tr::SQ_BYTES;
             const u32 sPi = sP + (gi % 2) * Tr::SPS_BYTES, sdSi = sdS + (gi % 2) * Tr::SPS_BYTES;
             mbar_wait(bars.full(s), (gi / STAGES) & 1);
+            if constexpr (SEQS) {
+                if (m0 + BLOCK_M > mi.sq) {  // Q and dO rows past the sequence: zeros
+                    const int from = max(mi.sq - m0, 0);
+                    zero_rows_sw128<HEAD_DIM, BLOCK_M>(sQs, from, tw, 128);
+                    zero_rows_sw128<HEAD_DIM, BLOCK_M>(sdOs, from, tw, 128);
+                    fence_proxy_async();
+                    named_barrier_sync(2 + cw, 128);
+                }
+            }
 
             // ---- S^T_c = K Q_c^T, dP^T_c = V dO_c^T: (64 keys, 32 queries) ----
             float sc[16], dp[16];
@@ -181,6 +212,25 @@ flash_bwd_sm90_ws256_kernel(const __grid_constant__ BwdTmaParams p) {
             const int diag_lim = m0 + diag_base;
             const u32 lse_s = bars.lse_row(s) + (32 * cw + 2 * t) * 4;
             const u32 dlt_s = bars.dlt_row(s) + (32 * cw + 2 * t) * 4;
+            // FEAT (as flash_bwd_sm90_ws.cu): the element-wise mask only where a bound crosses this
+            // warp's (16 keys x 32 queries) tile; ALiBi's slope of this iteration's query head, and the
+            // key distances of query m0 + 32 cw + 2 t (the element's adds 8 j + e % 2).
+            bool edge = false, alibi = false;
+            float d0[2] = {0.f, 0.f};
+            QuerySpan qs[2];
+            if constexpr (FEAT) {
+                const int q0 = m0 + 32 * cw;
+                edge = mi.needs_mask(p.mask, q0, 32, n0 + key_row0, 16);
+                qs[0] = mi.query_span(p.mask, n0 + key_row0 + g);
+                qs[1] = mi.query_span(p.mask, n0 + key_row0 + g + 8);
+                alibi = p.mask.alibi_slopes != nullptr;
+                if (alibi) {
+                    mi.set_head(p.mask, b, h_kv * p.head_group + it / m_iters);
+                    const int d = q0 + 2 * t + mi.shift - (n0 + key_row0 + g);
+                    d0[0] = (float)d;
+                    d0[1] = (float)(d - 8);
+                }
+            }
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 // lse -> lse * log2(e); see flash_bwd_sm90.cu for rows with lse = -inf or past seqlen_q.
@@ -190,8 +240,11 @@ flash_bwd_sm90_ws256_kernel(const __grid_constant__ BwdTmaParams p) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int i = 4 * j + e;
-                    float pv = fast_exp2(fminf(fmaf(sc[i], p.scale_log2, -(e % 2 ? l2.y : l2.x)), 0.f));  // P <= 1
+                    float r = e % 2 ? l2.y : l2.x;
+                    if (FEAT && alibi) r = fmaf(mi.alibi_log2, fabsf(d0[e / 2] + (float)(8 * j + e % 2)), r);
+                    float pv = fast_exp2(fminf(fmaf(sc[i], p.scale_log2, -r), 0.f));  // P <= 1
                     if (IS_CAUSAL && diag && (e / 2) * 8 - 8 * j - (e % 2) > diag_lim) pv = 0.f;
+                    if (FEAT && edge && !qs[e / 2].has(m0 + 32 * cw + 8 * j + 2 * t + e % 2)) pv = 0.f;
                     sc[i] = pv;
                 }
             }
@@ -269,12 +322,19 @@ flash_bwd_sm90_ws256_kernel(const __grid_constant__ BwdTmaParams p) {
             const u32 off = (u32)(cw * 2 * PANEL);
             dkdv_rows_to_smem<Ops, COLS, BLOCK_N>(sK + off, sV + off, acc_dk, acc_dv, p.scale, key_row0, g, t);
             __syncwarp();
-            T* gdK = static_cast<T*>(p.dk) + b * p.dk_batch_stride + h_kv * p.dk_head_stride + (i64)n0 * p.dk_row_stride
-                     + cw * COLS;
-            T* gdV = static_cast<T*>(p.dv) + b * p.dv_batch_stride + h_kv * p.dv_head_stride + (i64)n0 * p.dv_row_stride
-                     + cw * COLS;
+            i64 k_row0 = 0;  // SEQS: the sequence's rows of dK / dV
+            int k_rows = p.seqlen_k;
+            if constexpr (SEQS) {
+                const SeqInfo esi = seq_info(p.mask, b, p.seqlen_q, p.seqlen_k);
+                k_row0 = esi.k_row0;
+                k_rows = esi.k_rows;
+            }
+            T* gdK = static_cast<T*>(p.dk) + b * p.dk_batch_stride + h_kv * p.dk_head_stride
+                     + (k_row0 + n0) * p.dk_row_stride + cw * COLS;
+            T* gdV = static_cast<T*>(p.dv) + b * p.dv_batch_stride + h_kv * p.dv_head_stride
+                     + (k_row0 + n0) * p.dv_row_stride + cw * COLS;
             dkdv_rows_to_global<T, COLS, BLOCK_N, IS_EVEN>(gdK, gdV, p.dk_row_stride, p.dv_row_stride, sK + off,
-                                                           sV + off, key_row0, lane, n0, p.seqlen_k, p.d_cols - cw * COLS);
+                                                           sV + off, key_row0, lane, n0, k_rows, p.d_cols - cw * COLS);
             __syncwarp();
             if (lane == 0) mbar_arrive(bars.kv_empty());  // this warp's rows of sK / sV are read: the next K, V may land
         }

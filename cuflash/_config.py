@@ -64,9 +64,9 @@ def bwd_tma_enabled() -> bool:
 # "0" never; unset: where it serves the call and the maps patch per pointer (as CUFLASH_FWD_TMA).
 BWD_WS_STAGES = 2
 BWD_WS_HEAD_DIMS = (64, 128, 256)
-# Head dims whose options' backward (windows, sinks, ALiBi) runs on the warp-specialized kernel; 256
-# has its own kernel (cuda_src/flash_bwd_sm90_ws256.cu: 64 x 64 tiles, plain calls only).
-BWD_WS_FEAT_HEAD_DIMS = (64, 128)
+# Head dims whose options' backward (windows, sinks, ALiBi, lengths, packed batches) runs on the
+# warp-specialized kernels (256: cuda_src/flash_bwd_sm90_ws256.cu, 64 x 64 tiles).
+BWD_WS_FEAT_HEAD_DIMS = (64, 128, 256)
 # Query rows per iteration (BLOCK_M) by head_dim: 128 at head_dim 64 (FlashAttention-3's choice
 # there; the consumers then split dQ by rows), 64 at 128 (128 would not fit in shared memory).
 # Measured on an H100 (bench.py --quick, bf16, head_dim 64, backward TFLOP/s at 2k / 8k, cuDNN in
@@ -596,9 +596,12 @@ FEAT_ATOMIC_DQ_HEAD_DIMS = (64, 128)
 
 def feat_bwd_uses_atomics(deterministic: bool, target: str, head_dim: int) -> bool:
     """Whether the feature backward accumulates dQ with float atomics (see FEAT_ATOMIC_DQ_HEAD_DIMS)."""
-    if not deterministic and bwd_pad_head_dim(target, head_dim) in BWD_WS_FEAT_HEAD_DIMS and bwd_ws_feat_enabled():
-        return True  # pad-up to the warp-specialized FEAT kernel (its accumulator; see bwd_pad_head_dim)
-    return not deterministic and feat_kernel_atomic(target, head_dim)
+    if deterministic:
+        return False
+    kernel_dim = bwd_pad_head_dim(target, head_dim) or head_dim  # pad-up (see bwd_pad_head_dim)
+    if target == "sm_90a" and kernel_dim in BWD_WS_FEAT_HEAD_DIMS and bwd_ws_feat_enabled():
+        return True  # the warp-specialized FEAT kernel's accumulator
+    return feat_kernel_atomic(target, head_dim)
 
 
 def feat_kernel_atomic(target: str, head_dim: int) -> bool:

@@ -401,7 +401,8 @@ def bwd_ws_specializations(dtype: str, head_dim: int, causal: bool, even: bool,
     if head_dim == 256:
         traits = f"cuflash::BwdWs256Traits<{stages}>"
         source = "flash_bwd_sm90_ws256.cu"
-        expr = f"cuflash::flash_bwd_sm90_ws256_kernel<{ctype}, {_b(causal)}, {_b(even)}, {stages}>"
+        expr = (f"cuflash::flash_bwd_sm90_ws256_kernel<{ctype}, {_b(causal)}, {_b(even)}, {stages}"
+                + ((", true, true>" if seqs else ", true>") if feat else ">"))
     else:
         traits = f"cuflash::BwdWsTraits<{head_dim}, {m}, {stages}>"
         source = "flash_bwd_sm90_ws.cu"
@@ -987,9 +988,11 @@ def bwd_launches(dout: DeviceTensor, q: DeviceTensor, k: DeviceTensor, v: Device
             mk, mv = _one_sequence(k, mask.total_k), _one_sequence(v, mask.total_k)
         ws = (cfg is None and atomic and target == "sm_90a" and kernel_dim in _config.BWD_WS_FEAT_HEAD_DIMS
               and _config.bwd_ws_feat_enabled() and (not seqs or _config.bwd_ws_seqs_enabled()) and not mask.softcap
-              and _use_bwd_ws(mq, mdo, mk, mv, dtype, _config.bwd_ws_block_m(kernel_dim), pad=kernel_dim != head_dim))
+              and _use_bwd_ws(mq, mdo, mk, mv, dtype, _config.bwd_ws_block_m(kernel_dim),
+                              _config.bwd_ws_block_n(kernel_dim), pad=kernel_dim != head_dim))
         if ws:
-            cfg = _config.TileConfig(_config.bwd_ws_block_m(kernel_dim), 128, 8, wgmma=True)
+            cfg = _config.TileConfig(_config.bwd_ws_block_m(kernel_dim), _config.bwd_ws_block_n(kernel_dim), 8,
+                                     wgmma=True)
             qcfg = cfg
             kernels = bwd_ws_specializations(dtype, kernel_dim, False, False,
                                              _config.bwd_ws_stages(kernel_dim, cfg.block_m), cfg.block_m, feat=True,

@@ -1,11 +1,12 @@
-"""The warp-specialized sm_90a backward with the options (cuda_src/flash_bwd_sm90_ws.cu, FEAT;
-the default; CUFLASH_BWD_WS_FEAT=0 turns it off): sliding windows, sink tokens, sink logits and ALiBi, alone and in pairs,
-at head_dim 64 and 128, both dtypes, causal or not, MHA / GQA / MQA, checked as
-tests/test_gpu_features.py checks them (float64 reference gradients, 3x the naive error, exact
-zeros where no query sees a key, NaN-poisoned allocators, inputs untouched). Calls with lengths
-or packed batches run its SEQS variant (tested below, NaN in the rows past the sequences included);
-softcap keeps the cp.async kernels (not sent here). The launched kernel's name is
-checked, so a fallback cannot pass for it. Marked gpu; skipped below sm_90."""
+"""The warp-specialized sm_90a backward with the options (cuda_src/flash_bwd_sm90_ws.cu and, at
+head_dim 256, flash_bwd_sm90_ws256.cu, FEAT; the default; CUFLASH_BWD_WS_FEAT=0 turns it off):
+sliding windows, sink tokens, sink logits and ALiBi, alone and in pairs, at head_dim 64, 128, 256,
+both dtypes, causal or not, MHA / GQA / MQA, checked as tests/test_gpu_features.py checks them
+(float64 reference gradients, 3x the naive error, exact zeros where no query sees a key,
+NaN-poisoned allocators, inputs untouched). Calls with lengths or packed batches run its SEQS
+variant (tested below, NaN in the rows past the sequences included); softcap keeps the cp.async
+kernels (not sent here). The launched kernel's name is checked, so a fallback cannot pass for it.
+Marked gpu; skipped below sm_90."""
 
 import pytest
 
@@ -34,7 +35,7 @@ def ws_feat(monkeypatch):
 def _params():
     out = []
     for i, name in enumerate(NAMES):
-        for j, d in enumerate((64, 128)):
+        for j, d in enumerate((64, 128, 256)):
             for c, causal in enumerate((False, True)):
                 dtype = ("float16", "bfloat16")[(i + j + c) % 2]
                 sq, sk = SHAPES[(3 * i + j + 5 * c) % len(SHAPES)]
@@ -57,11 +58,11 @@ def test_ws_feat_backward(cf, ws_feat, feature, dtype, causal, head_dim, seqlen_
 
 
 def _pad_params():
-    """Head_dim pad-up (cuflash/_config.py bwd_pad_head_dim): the options at head dims 32 to 120 run
-    the FEAT kernel of 64 or 128 through maps whose columns past head_dim read as zeros."""
+    """Head_dim pad-up (cuflash/_config.py bwd_pad_head_dim): the options at head dims 32 to 248 run
+    the FEAT kernel of 64, 128 or 256 through maps whose columns past head_dim read as zeros."""
     out = []
     for i, name in enumerate(NAMES[::2]):
-        d = (40, 96, 72, 120, 32)[i % 5]
+        d = (40, 96, 72, 120, 32, 200, 136)[i % 7]
         causal = i % 2 == 1
         dtype = ("float16", "bfloat16")[i % 2]
         sq, sk = SHAPES[(3 * i + 2) % len(SHAPES)]
@@ -96,7 +97,7 @@ LEN_NAMES = [f.name for f in FEATURES if f.lengths and not f.softcap]
 def _len_params():
     out = []
     for i, name in enumerate(LEN_NAMES):
-        for j, d in enumerate((64, 128, 96)):
+        for j, d in enumerate((64, 128, 96, 256, 200)):
             causal = (i + j) % 2 == 1
             dtype = ("float16", "bfloat16")[(i + 2 * j) % 2]
             sq, sk = SHAPES[(2 * i + 3 * j) % len(SHAPES)]
@@ -125,7 +126,9 @@ def test_ws_seqs_backward_lengths(cf, ws_feat, feature, dtype, causal, head_dim,
                                                                  ("alibi_bh", "bfloat16", False, 128, False),
                                                                  ("sinklogits", "float16", True, 96, True),
                                                                  ("win3_0_sinktok2", "bfloat16", True, 64, True),
-                                                                 ("alibi_h", "float16", True, 40, False)])
+                                                                 ("alibi_h", "float16", True, 40, False),
+                                                                 ("win5_7", "bfloat16", True, 256, True),
+                                                                 ("plain", "float16", False, 200, False)])
 def test_ws_seqs_backward_varlen(cf, ws_feat, feature, dtype, causal, head_dim, cross):
     """Packed batches: tests/test_gpu_features.py's test_varlen (lengths 0, 1 and odd ones, rows past
     cu_seqlens[-1]; forward and backward against the reference), the backward on the SEQS kernel."""
@@ -138,7 +141,7 @@ def test_ws_seqs_backward_varlen(cf, ws_feat, feature, dtype, causal, head_dim, 
 
 
 @pytest.mark.parametrize("head_dim,causal,packed", [(64, True, False), (128, False, False), (128, True, True),
-                                                    (96, False, True)])
+                                                    (96, False, True), (256, True, True), (200, False, False)])
 def test_ws_seqs_backward_nan_rows(ws_feat, head_dim, causal, packed):
     """Rows past the sequences (a padded batch's padding, a packed batch's rows past cu_seqlens[-1])
     hold NaN in q, k, v and dout: the gradients of the sequences' rows are finite and equal those of
