@@ -77,10 +77,14 @@ def _all_specs(kind, target):
         assert bool(tma_bwd) == (target == "sm_90a")
         # ... and the warp-specialized backward: per (dtype, head_dim) its kernel for causal x even x
         # (BLOCK_M, ring depth) where it fits (head_dim 64: 128 x 2, and for tuning 64 x 2, 64 x 3;
-        # head_dim 128: 64 x 2, 64 x 3), the zeroing preprocess and the permuted dQ conversions; and
-        # its FEAT kernel with the feature preprocess (two more per head_dim).
+        # head_dim 128: 64 x 2, 64 x 3; head_dim 256: 64 x 2), the zeroing preprocess and the permuted
+        # dQ conversions; its FEAT and SEQS kernels with the feature preprocess and the SEQS conversion
+        # (four more per head_dim); and per head_dim that pads up (_config.bwd_pad_head_dim) a zeroing
+        # and a feature preprocess, a conversion (plain and FEAT) and a SEQS conversion.
         ws_bwd = _launch.all_bwd_ws_specializations(target, stages=(2, 3), tuning=True)
-        assert len(ws_bwd) == (len(_config.DTYPES) * ((3 * 4 + 3) + (2 * 4 + 2) + 2 * 2) if target == "sm_90a" else 0)
+        n_pad = sum(_config.bwd_pad_head_dim(target, d) is not None for d in _config.HEAD_DIMS)
+        assert len(ws_bwd) == (len(_config.DTYPES) * ((3 * 4 + 3) + (2 * 4 + 2) + (4 + 2) + 3 * 4 + 4 * n_pad)
+                               if target == "sm_90a" else 0)
         assert len({spec.name for spec, _ in ws_bwd}) == len(ws_bwd)
         return specs + tma_fwd + ws_fwd + tma_bwd + ws_bwd
     if kind == "fwd":
