@@ -25,6 +25,7 @@ arrays, and equal only when the Call and the layouts are equal).
 
 from __future__ import annotations
 
+import operator
 import threading
 
 from . import _config, _launch
@@ -52,6 +53,16 @@ def remember(key, plan: "Plan") -> "Plan":
         CACHE.clear()
     CACHE[key] = plan
     return plan
+
+
+def _taker(names: tuple):
+    """A function of a mapping that returns its values of `names` as a tuple, in that order."""
+    if len(names) > 1:
+        return operator.itemgetter(*names)
+    if names:
+        name = names[0]
+        return lambda opts: (opts[name],)
+    return lambda opts: ()
 
 
 def needs_copy(info: ArrayInfo) -> bool:
@@ -100,8 +111,18 @@ class Plan:
         self.lse_shape = call.lse_shape
         self.has_sink = "sink_logits" in call.arrays
         self.options = call.arrays                      # names of the option arrays the call passes
-        # Per option slot, its name if the call passes that array, else None.
-        self.option_slots = tuple(n if n in call.arrays else None for n in ARRAY_OPTIONS)
+        # Fixed by the signature, so that an adapter holding the option arrays in `options` order
+        # writes their pointers without looking names up on each call: where each one's pointer
+        # goes among the option slots (from FWD_OPT / BWD_OPT on); option_pad, where those slots
+        # follow each other (a packed batch's two offsets, one option, ...), the zeros before the
+        # first (option_pad, then the pointers in `options` order, are the option slots), else
+        # None; where sink_logits is among them (-1: absent); and a function taking them from a
+        # name -> array mapping (a C itemgetter where it can be).
+        self.option_index = tuple(ARRAY_OPTIONS.index(n) for n in self.options)
+        rel = self.option_index
+        self.option_pad = (0,) * rel[0] if rel and rel[-1] - rel[0] == len(rel) - 1 else None
+        self.sink_index = self.options.index("sink_logits") if self.has_sink else -1
+        self.take_options = _taker(self.options)
         self.infos = infos                              # the layouts planned for (q, k, v, options)
         self._backward: dict = {}
         self._lock = threading.Lock()
@@ -147,10 +168,13 @@ class Plan:
         self._lse_tail = lse_tail[0] if lse_tail else None
         return launches + lse_tail
 
-    def launch(self, stream: int, ptrs) -> None:
+    def launch(self, stream: int, ptrs, lse_tail: bool = True) -> None:
         """Runs the prepared launches with these pointers (by slot) on the stream. ptrs[LSE] = 0
-        runs the forward without lse."""
-        run_launches(self, stream, ptrs, self.launches if ptrs[LSE] else self.launches_no_lse)
+        runs the forward without lse. lse_tail=False writes lse only where the attention kernels
+        write it, leaving out a packed batch's lse tail fill (rows no sequence owns, rows past
+        max_seqlen_q): for an lse that only the backward reads (an autograd node's own), which
+        reads lse at those rows of each sequence the forward visited and nowhere else."""
+        run_launches(self, stream, ptrs, self.launches if ptrs[LSE] and lse_tail else self.launches_no_lse)
 
     def backward_plan(self, key, infos: dict) -> "BackwardPlan":
         """The backward for this forward and a layout of dout / out / lse (infos: their ArrayInfos;

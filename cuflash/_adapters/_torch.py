@@ -3,9 +3,10 @@
 Eager calls take the hot path: a signature key from the tensors' dtype, shape, stride, device and
 pointer alignment plus the scalars; a dict lookup for the plan; outputs from torch's caching
 allocator; pointers from data_ptr(); the stream from torch's current raw stream; cuLaunchKernel.
-No DLPack capsule, stream object or Params struct is made per call. Calls whose inputs require
-grad go through `_Attention`, an autograd.Function that saves q, k, v, out and lse (never the
-probabilities) and whose backward runs the plan's backward.
+No DLPack capsule, stream object or Params struct is made per call, and no dict of the option
+arrays: they travel as a tuple in the plan's `options` order, and the plan holds their pointer
+slots. Calls whose inputs require grad go through `_Attention`, an autograd.Function that saves
+q, k, v, out and lse (never the probabilities) and whose backward runs the plan's backward.
 
 Under torch.compile (and any other tracing, where tensors are fake) the call is validated, then
 goes through the torch.library operators `cuflash::attention_fwd` / `attention_bwd` (plain) and
@@ -23,11 +24,12 @@ import torch
 from .. import _call
 from .._call import ArrayInfo
 from .._features import ARRAY_OPTIONS
-from .._plan import CACHE, Plan
+from .._plan import CACHE, NO_OPTIONS, Plan
 from ._base import Adapter, info_of, options_key
 
 _empty = torch.empty
 _empty_like = torch.empty_like
+_data_ptr = torch.Tensor.data_ptr
 _f32 = torch.float32
 _grad_enabled = torch.is_grad_enabled
 _is_compiling = torch.compiler.is_compiling
@@ -75,9 +77,9 @@ def _state(plan) -> _State:
     return st
 
 
-def _option_ptrs(plan: Plan, opts) -> list:
-    """The option arrays' pointers in slot order (0 for an option the call does not pass)."""
-    return [0 if n is None else opts[n].data_ptr() for n in plan.option_slots]
+def _arrays(plan: Plan, opts) -> tuple:
+    """The option arrays of a call (name -> array) in the plan's `options` order."""
+    return plan.take_options(opts) if plan.options else ()
 
 
 def _copies(plan_or_bp, arrays: dict) -> dict:
@@ -90,12 +92,28 @@ def _copies(plan_or_bp, arrays: dict) -> dict:
     return arrays
 
 
-def _gpu_forward(plan: Plan, q, k, v, opts, want_lse=True) -> tuple:
-    """(out, lse) of a GPU plan; lse is None (and neither allocated nor written) unless wanted."""
+def _option_ptrs(plan: Plan, arrays) -> list:
+    """The option slots' pointers of a call: its option arrays' (in `plan.options` order) on their
+    slots, 0 on the others."""
+    pad = plan.option_pad
+    if pad is not None:  # consecutive slots: the pointers in order after the pad
+        ptrs = list(pad)
+        ptrs += map(_data_ptr, arrays)
+        return ptrs
+    ptrs = list(NO_OPTIONS)
+    for i, a in zip(plan.option_index, arrays):
+        ptrs[i] = a.data_ptr()
+    return ptrs
+
+
+def _gpu_forward(plan: Plan, q, k, v, arrays=(), want_lse=True, lse_tail=True) -> tuple:
+    """(out, lse) of a GPU plan; arrays: its option arrays in `plan.options` order. lse is None (and
+    neither allocated nor written) unless wanted; lse_tail=False: wanted by the autograd node alone,
+    so a packed batch's lse tail fill is left out (Plan.launch)."""
     st = plan.state.get("torch") or _state(plan)
     if plan.copy:
-        a = _copies(plan, dict(opts or {}, q=q, k=k, v=v))
-        q, k, v, opts = a["q"], a["k"], a["v"], a
+        a = _copies(plan, dict(zip(plan.options, arrays), q=q, k=k, v=v))
+        q, k, v, arrays = a["q"], a["k"], a["v"], tuple(a[n] for n in plan.options)
     out = _empty_like(st.out)
     if want_lse:
         lse = _empty_like(st.lse)
@@ -103,14 +121,20 @@ def _gpu_forward(plan: Plan, q, k, v, opts, want_lse=True) -> tuple:
     else:
         lse = None
         ptrs = [q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0]
-    if plan.options:
-        ptrs += _option_ptrs(plan, opts)
-    plan.launch(_raw_stream(plan.device_id), ptrs)
+    if arrays:
+        pad = plan.option_pad
+        if pad is not None:  # _option_ptrs written out: this runs on every call with options
+            ptrs += pad
+            ptrs += map(_data_ptr, arrays)
+        else:
+            ptrs += _option_ptrs(plan, arrays)
+    plan.launch(_raw_stream(plan.device_id), ptrs, lse_tail)
     return out, lse
 
 
-def _gpu_backward(plan: Plan, dout, q, k, v, out, lse, opts, bp=None) -> tuple:
-    """(dq, dk, dv, dsink or None) of a GPU plan (bp: its backward plan for this dout, if known)."""
+def _gpu_backward(plan: Plan, dout, q, k, v, out, lse, arrays=(), bp=None) -> tuple:
+    """(dq, dk, dv, dsink or None) of a GPU plan (arrays: its option arrays in `plan.options` order;
+    bp: its backward plan for this dout, if known)."""
     if bp is None:
         try:
             key = ((dout.dtype, dout.shape, dout.stride(), dout.device, dout.data_ptr() & 15),
@@ -120,8 +144,9 @@ def _gpu_backward(plan: Plan, dout, q, k, v, out, lse, opts, bp=None) -> tuple:
         except Exception:
             bp = ADAPTER.backward_plan(plan, dout, out, lse)
     if bp.copy:
-        a = _copies(bp, dict(opts or {}, dout=dout, q=q, k=k, v=v, out=out, lse=lse))
-        dout, q, k, v, out, lse, opts = a["dout"], a["q"], a["k"], a["v"], a["out"], a["lse"], a
+        a = _copies(bp, dict(zip(plan.options, arrays), dout=dout, q=q, k=k, v=v, out=out, lse=lse))
+        dout, q, k, v, out, lse = a["dout"], a["q"], a["k"], a["v"], a["out"], a["lse"]
+        arrays = tuple(a[n] for n in plan.options)
     st = plan.state.get("torch") or _state(plan)
     scratch_t = bp.state.get("torch")
     if scratch_t is None:
@@ -132,8 +157,8 @@ def _gpu_backward(plan: Plan, dout, q, k, v, out, lse, opts, bp=None) -> tuple:
     scratch = _empty_like(scratch_t)
     ptrs = [dout.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
             dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), scratch.data_ptr()]
-    if plan.options:
-        ptrs += _option_ptrs(plan, opts)
+    if arrays:
+        ptrs += _option_ptrs(plan, arrays)
     bp.launch(_raw_stream(plan.device_id), ptrs)
     dsink = None
     if bp.dsink_shape:
@@ -144,42 +169,49 @@ def _gpu_backward(plan: Plan, dout, q, k, v, out, lse, opts, bp=None) -> tuple:
 
 def _forward(plan, q, k, v, opts):
     if plan.on_gpu:
-        return _gpu_forward(plan, q, k, v, opts)
+        return _gpu_forward(plan, q, k, v, _arrays(plan, opts))
     return ADAPTER.run_forward(plan, q, k, v, opts)
 
 
 def _backward(plan, dout, q, k, v, out, lse, opts):
     if plan.on_gpu:
-        return _gpu_backward(plan, dout, q, k, v, out, lse, opts)
+        return _gpu_backward(plan, dout, q, k, v, out, lse, _arrays(plan, opts))
     bp = ADAPTER.backward_plan(plan, dout, out, lse)
     return ADAPTER.run_backward(plan, bp, dout, q, k, v, out, lse, opts)
 
 
 class _Attention(torch.autograd.Function):
-    """Eager autograd for every cuflash call: apply(plan, q, k, v, *option arrays in plan.options
-    order). Gradients flow to q, k, v and sink_logits; lse is not differentiable."""
+    """Eager autograd for every cuflash call: apply(plan, lse_seen, q, k, v, *option arrays in
+    plan.options order). Gradients flow to q, k, v and sink_logits; lse is not differentiable.
+    lse_seen: whether the caller gets lse (return_lse); if not, only the backward reads it, and a
+    packed batch's forward leaves out its lse tail fill (a launch)."""
 
     @staticmethod
-    def forward(ctx, plan, q, k, v, *arrays):
-        opts = dict(zip(plan.options, arrays)) if arrays else {}
-        out, lse = _forward(plan, q, k, v, opts)
-        ctx.save_for_backward(q, k, v, out, lse, *arrays)
-        ctx.plan = plan
-        ctx.mark_non_differentiable(lse)
+    def forward(ctx, plan, lse_seen, q, k, v, *arrays):
+        if plan.on_gpu:
+            out, lse = _gpu_forward(plan, q, k, v, arrays, True, lse_seen)
+        else:
+            out, lse = ADAPTER.run_forward(plan, q, k, v, dict(zip(plan.options, arrays)))
+        # ctx.save_for_backward(q, k, v, out, lse, *arrays), ctx.mark_non_differentiable(lse) and
+        # ctx.set_materialize_grads(False), written as the attribute stores those methods are
+        # (torch/autograd/function.py: FunctionCtx), which the C++ apply reads: three Python calls
+        # fewer per call.
+        ctx.to_save = (q, k, v, out, lse, *arrays)
+        ctx.non_differentiable = (lse,)
         # lse gets no gradient: without this, autograd hands backward a zero tensor of lse's shape
         # for it, an allocation that SDPA's backward does not make (measured: +2 MiB of peak at
         # head_dim 64).
-        ctx.set_materialize_grads(False)
+        ctx.materialize_grads = False
+        ctx.plan = plan
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, *arrays = ctx.saved_tensors
         plan = ctx.plan
-        opts = dict(zip(plan.options, arrays)) if arrays else {}
         if dout is None:  # only lse was used: no gradient reaches q, k, v
             dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-            dsink = torch.zeros_like(opts["sink_logits"]) if plan.has_sink else None
+            dsink = torch.zeros_like(arrays[plan.sink_index]) if plan.has_sink else None
         elif plan.on_gpu:
             # out and lse are this forward's own (contiguous), and autograd hands over dout of out's
             # shape and dtype: dout's layout alone picks the backward plan.
@@ -187,12 +219,12 @@ class _Attention(torch.autograd.Function):
                 bp = plan._backward[(dout.stride(), dout.data_ptr() & 15)]
             except KeyError:
                 bp = plan._backward[(dout.stride(), dout.data_ptr() & 15)] = ADAPTER.backward_plan(plan, dout, out, lse)
-            dq, dk, dv, dsink = _gpu_backward(plan, dout, q, k, v, out, lse, opts, bp)
+            dq, dk, dv, dsink = _gpu_backward(plan, dout, q, k, v, out, lse, arrays, bp)
         else:
-            dq, dk, dv, dsink = _backward(plan, dout, q, k, v, out, lse, opts)
+            dq, dk, dv, dsink = _backward(plan, dout, q, k, v, out, lse, dict(zip(plan.options, arrays)))
         if not arrays:
-            return None, dq, dk, dv
-        return (None, dq, dk, dv) + tuple(dsink if n == "sink_logits" else None for n in plan.options)
+            return None, None, dq, dk, dv
+        return (None, None, dq, dk, dv) + tuple(dsink if n == "sink_logits" else None for n in plan.options)
 
 
 # torch.autograd.Function.apply is a Python wrapper (default-argument binding for setup_context
@@ -202,18 +234,33 @@ class _Attention(torch.autograd.Function):
 _c_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, _Attention)
 
 
-def _apply(plan, q, k, v, arrays):
+def _apply(plan, lse_seen, q, k, v, arrays):
     if _functorch_active():
-        return _Attention.apply(plan, q, k, v, *arrays)
-    return _c_apply(plan, _unwrap_if_dead(q), _unwrap_if_dead(k), _unwrap_if_dead(v), *arrays)
+        return _Attention.apply(plan, lse_seen, q, k, v, *arrays)
+    return _c_apply(plan, lse_seen, _unwrap_if_dead(q), _unwrap_if_dead(k), _unwrap_if_dead(v), *arrays)
 
 
-def _needs_grad(plan, q, k, v, opts) -> bool:
+def _needs_grad(plan, q, k, v, arrays) -> bool:
     if not _grad_enabled():
         return False
     if q.requires_grad or k.requires_grad or v.requires_grad:
         return True
-    return plan.has_sink and opts["sink_logits"].requires_grad
+    return plan.has_sink and arrays[plan.sink_index].requires_grad
+
+
+def _gpu_call(plan, q, k, v, arrays, return_lse):
+    """An eager call of a GPU plan (arrays: the option arrays in plan.options order): the autograd
+    node when an input requires grad, else the bare forward without lse unless asked for."""
+    if _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                            or plan.has_sink and arrays[plan.sink_index].requires_grad):
+        if _functorch_active():
+            out, lse = _Attention.apply(plan, return_lse, q, k, v, *arrays)
+        else:
+            out, lse = _c_apply(plan, return_lse, _unwrap_if_dead(q), _unwrap_if_dead(k), _unwrap_if_dead(v),
+                                *arrays)
+    else:
+        out, lse = _gpu_forward(plan, q, k, v, arrays, return_lse)
+    return (out, lse) if return_lse else out
 
 
 def _sig(x):
@@ -225,12 +272,36 @@ def _sig(x):
 
 def _forward_key(q, k, v, causal, softmax_scale, deterministic, return_lse, opts) -> tuple:
     """The base adapter's forward key (sig of q, k, v, then the scalars with their types), written
-    out for torch tensors: it is built on every call."""
-    key = ("fwd", (q.dtype, q.shape, q.stride(), q.device, q.data_ptr() & 15),
-           (k.dtype, k.shape, k.stride(), k.device, k.data_ptr() & 15),
-           (v.dtype, v.shape, v.stride(), v.device, v.data_ptr() & 15),
-           (causal.__class__, causal), (softmax_scale.__class__, softmax_scale),
-           (deterministic.__class__, deterministic), (return_lse.__class__, return_lse))
+    out for torch tensors: it is built on every call, as one flat tuple (the same facts as nested
+    ones, at fixed positions, in one allocation)."""
+    key = ("fwd", q.dtype, q.shape, q.stride(), q.device, q.data_ptr() & 15,
+           k.dtype, k.shape, k.stride(), k.device, k.data_ptr() & 15,
+           v.dtype, v.shape, v.stride(), v.device, v.data_ptr() & 15,
+           causal.__class__, causal, softmax_scale.__class__, softmax_scale,
+           deterministic.__class__, deterministic, return_lse.__class__, return_lse)
+    if opts:
+        key += options_key(opts, _sig)
+    return key
+
+
+_SAME_OFFSETS = "cu_seqlens_k is cu_seqlens_q"   # in a varlen key: equal to no signature
+
+
+def _varlen_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                deterministic, return_lse, opts) -> tuple:
+    """The base adapter's varlen key, written out for torch tensors and flat as `_forward_key`: q, k,
+    v, cu_seqlens_q (with its class, as `_sig`), then cu_seqlens_k's signature, or a marker when it
+    is the very tensor cu_seqlens_q is (self-attention's usual call: its signature is then
+    cu_seqlens_q's, and not built twice), then the scalars with their types, then the options."""
+    key = ("varlen", q.dtype, q.shape, q.stride(), q.device, q.data_ptr() & 15,
+           k.dtype, k.shape, k.stride(), k.device, k.data_ptr() & 15,
+           v.dtype, v.shape, v.stride(), v.device, v.data_ptr() & 15,
+           cu_seqlens_q.__class__, cu_seqlens_q.dtype, cu_seqlens_q.shape, cu_seqlens_q.stride(),
+           cu_seqlens_q.device, cu_seqlens_q.data_ptr() & 15,
+           _SAME_OFFSETS if cu_seqlens_k is cu_seqlens_q else _sig(cu_seqlens_k),
+           max_seqlen_q.__class__, max_seqlen_q, max_seqlen_k.__class__, max_seqlen_k,
+           causal.__class__, causal, softmax_scale.__class__, softmax_scale,
+           deterministic.__class__, deterministic, return_lse.__class__, return_lse)
     if opts:
         key += options_key(opts, _sig)
     return key
@@ -265,13 +336,8 @@ class TorchAdapter(Adapter):
 
     def varlen_key(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                    deterministic, return_lse, opts) -> tuple:
-        return (("varlen", (q.dtype, q.shape, q.stride(), q.device, q.data_ptr() & 15),
-                 (k.dtype, k.shape, k.stride(), k.device, k.data_ptr() & 15),
-                 (v.dtype, v.shape, v.stride(), v.device, v.data_ptr() & 15), _sig(cu_seqlens_q), _sig(cu_seqlens_k),
-                 (max_seqlen_q.__class__, max_seqlen_q), (max_seqlen_k.__class__, max_seqlen_k),
-                 (causal.__class__, causal), (softmax_scale.__class__, softmax_scale),
-                 (deterministic.__class__, deterministic), (return_lse.__class__, return_lse))
-                + options_key(opts, _sig))
+        return _varlen_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                           deterministic, return_lse, opts)
 
     # ---- primitives of the generic pipeline (CPU tensors, the public backward) ----
     def ptr(self, x, keep) -> int:
@@ -312,28 +378,22 @@ class TorchAdapter(Adapter):
             plan = CACHE[_forward_key(q, k, v, causal, softmax_scale, deterministic, return_lse, opts)]
         except Exception:
             plan = self.forward_plan(q, k, v, causal, softmax_scale, deterministic, return_lse, opts)
-        return self._run(plan, q, k, v, opts, return_lse)
-
-    def _run(self, plan, q, k, v, opts, return_lse):
-        if not plan.on_gpu:
-            out, lse = self.forward(plan, q, k, v, opts or {})
-        elif _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                  or (plan.has_sink and opts["sink_logits"].requires_grad)):
-            out, lse = _apply(plan, q, k, v, [opts[n] for n in plan.options] if plan.options else ())
-        else:  # inference: no autograd node, and no lse unless asked for
-            out, lse = _gpu_forward(plan, q, k, v, opts, return_lse)
+        if plan.on_gpu:
+            return _gpu_call(plan, q, k, v, plan.take_options(opts) if plan.options else (), return_lse)
+        out, lse = self.forward(plan, q, k, v, opts or {})
         return (out, lse) if return_lse else out
 
     def forward(self, plan, q, k, v, opts, want_lse=True):
-        if _needs_grad(plan, q, k, v, opts):
-            return _apply(plan, q, k, v, [opts[n] for n in plan.options])
+        arrays = _arrays(plan, opts)
+        if _needs_grad(plan, q, k, v, arrays):
+            return _apply(plan, True, q, k, v, arrays)
         if plan.on_gpu:
-            return _gpu_forward(plan, q, k, v, opts, want_lse)
+            return _gpu_forward(plan, q, k, v, arrays, want_lse)
         return Adapter.run_forward(self, plan, q, k, v, opts)
 
     def run_forward(self, plan, q, k, v, opts, want_lse=True):
         if plan.on_gpu:
-            return _gpu_forward(plan, q, k, v, opts, want_lse)
+            return _gpu_forward(plan, q, k, v, _arrays(plan, opts), want_lse)
         return Adapter.run_forward(self, plan, q, k, v, opts)
 
     def attention_varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
@@ -341,19 +401,25 @@ class TorchAdapter(Adapter):
         if _is_compiling():
             return _traced_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                   softmax_scale, return_lse, deterministic, opts)
-        try:
-            plan = CACHE[self.varlen_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                                         softmax_scale, deterministic, return_lse, opts)]
+        try:  # the hot path, as attention's
+            plan = CACHE[_varlen_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                     softmax_scale, deterministic, return_lse, opts)]
         except Exception:
             plan = self.varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                     softmax_scale, deterministic, return_lse, opts)
-        opts = dict(opts, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
-        return self._run(plan, q, k, v, opts, return_lse)
+        if plan.on_gpu:
+            if opts:
+                arrays = plan.take_options(dict(opts, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k))
+            else:  # no option: the plan's arrays are the offsets (its options are the key's, none here)
+                arrays = (cu_seqlens_q, cu_seqlens_k)
+            return _gpu_call(plan, q, k, v, arrays, return_lse)
+        out, lse = self.forward(plan, q, k, v, dict(opts, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k))
+        return (out, lse) if return_lse else out
 
     def backward(self, plan, dout, q, k, v, out, lse, opts):
         bp = self.backward_plan(plan, dout, out, lse)  # checks dout, out, lse on a miss
         if plan.on_gpu:
-            return _gpu_backward(plan, dout, q, k, v, out, lse, opts)
+            return _gpu_backward(plan, dout, q, k, v, out, lse, _arrays(plan, opts), bp)
         return self.run_backward(plan, bp, dout, q, k, v, out, lse, opts)
 
     def kvcache_append(self, k_cache, v_cache, k, v, seqlens, capacity):

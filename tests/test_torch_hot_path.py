@@ -1,0 +1,181 @@
+"""CPU: the torch adapter's eager hot path of a repeat call (issue 11, host time per call), on the
+fake device of tests/test_plan_wiring.py (torch CPU tensors that report cuda:0, launches recorded
+with their decoded Params).
+
+A repeat call only builds the signature key, reads pointers, allocates the outputs and launches:
+the option arrays travel as a tuple in the plan's order and land on their pointer slots
+(consecutive or not), attention_varlen keys cu_seqlens_k by a marker when it is cu_seqlens_q, and
+an autograd node whose lse the caller does not get leaves out the packed batch's lse tail fill.
+These tests check that each of those still puts the right pointers in the right places, forward
+and backward, and that bad input on a repeat signature still raises the same errors before any
+launch.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import cuflash  # noqa: E402
+from test_plan_wiring import dev, torch_dev  # noqa: E402,F401  (fixtures, used by name)
+
+TOTAL, H, D = 50, 4, 64
+CU = (0, 13, 13, 40)   # a sequence of 13, an empty one, one of 27; rows 40..49 belong to none
+
+
+def _packed(grad=False):
+    return [torch.randn(TOTAL, H, D, dtype=torch.bfloat16).requires_grad_(grad) for _ in range(3)]
+
+
+def _cu():
+    return torch.tensor(CU, dtype=torch.int32)
+
+
+def _names(launches):
+    return [L["name"] for L in launches]
+
+
+def test_varlen_repeat_calls_patch_their_own_pointers(torch_dev):
+    """Calls of one signature, with cu_seqlens_k the very tensor cu_seqlens_q is (the key's marker)
+    or another tensor of the same signature: each launch gets that call's offsets and output."""
+    torch, launched = torch_dev
+    q, k, v = _packed()
+    for i in range(4):
+        cu_q = _cu()
+        cu_k = cu_q if i % 2 == 0 else _cu()
+        n = len(launched)
+        out = cuflash.attention_varlen(q, k, v, cu_q, cu_k, 27, 27, causal=True)
+        assert _names(launched[n:])[1:] == ["varlen_fill_tail_u16"], _names(launched[n:])
+        fwd, tail = launched[n]["p"], launched[n + 1]["p"]
+        assert int(fwd["mask"]["cu_seqlens_q"]) == cu_q.data_ptr()
+        assert int(fwd["mask"]["cu_seqlens_k"]) == cu_k.data_ptr()
+        assert int(fwd["q"]) == q.data_ptr() and int(fwd["o"]) == out.data_ptr() and int(fwd["lse"]) == 0
+        assert int(tail["ptr"]) == out.data_ptr() and int(tail["cu_seqlens"]) == cu_q.data_ptr()
+    # return_lse: the lse buffer and its tail fill
+    n = len(launched)
+    out, lse = cuflash.attention_varlen(q, k, v, cu_q, cu_q, 27, 27, causal=True, return_lse=True)
+    assert _names(launched[n:])[1:] == ["varlen_fill_tail_u16", "varlen_fill_tail_u32"]
+    assert int(launched[n]["p"]["lse"]) == lse.data_ptr() and int(launched[n + 2]["p"]["ptr"]) == lse.data_ptr()
+
+
+def test_varlen_repeat_call_bad_input_raises_before_any_launch(torch_dev):
+    """After a call of a signature has been planned (its plan cached), calls that differ from it in
+    one argument raise the error a first call would, every time, and launch nothing; the good call
+    still runs after them."""
+    torch, launched = torch_dev
+    q, k, v = _packed()
+    cu = _cu()
+    good = dict(q=q, k=k, v=v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=27, max_seqlen_k=27, causal=True)
+    for _ in range(2):
+        cuflash.attention_varlen(**good)
+    n = len(launched)
+    cases = [
+        (dict(cu_seqlens_q=cu.long(), cu_seqlens_k=cu.long()), TypeError, "cu_seqlens_q: expected dtype int32"),
+        (dict(cu_seqlens_k=cu.long()), TypeError, "cu_seqlens_k: expected dtype int32"),
+        (dict(cu_seqlens_k=_cu()[:3]), ValueError, "cu_seqlens_k: expected the shape of cu_seqlens_q"),
+        (dict(cu_seqlens_q=cu.numpy(), cu_seqlens_k=cu.numpy()), TypeError, "cu_seqlens_q: expected a torch array"),
+        (dict(cu_seqlens_k=list(CU)), TypeError, "cu_seqlens_k"),
+        (dict(cu_seqlens_q=None), TypeError, "cu_seqlens_q"),
+        (dict(max_seqlen_q=27.0), TypeError, "max_seqlen_q: expected an int"),
+        (dict(max_seqlen_k=-1), ValueError, "max_seqlen_k: expected an int >= 0"),
+        (dict(causal=1), TypeError, "causal: expected a bool"),
+        (dict(softmax_scale=float("nan")), ValueError, "softmax_scale"),
+        (dict(q=q.float()), TypeError, "q: dtype float32 is not supported"),
+        (dict(k=k[:, :3], v=v[:, :3]), ValueError, "k: nheads_kv 3 must divide"),
+        (dict(q=q[None]), ValueError, "q: expected 3 dimensions"),
+        (dict(window=(1.5, 0)), TypeError, "window: left must be an int"),
+        (dict(alibi_slopes=torch.ones(H, dtype=torch.float64)), TypeError, "alibi_slopes: expected dtype float32"),
+    ]
+    for change, err, match in cases:
+        for _ in range(2):  # a refused call is never cached: the second one raises as well
+            with pytest.raises(err, match=match):
+                cuflash.attention_varlen(**dict(good, **change))
+    assert len(launched) == n, _names(launched[n:])
+    out = cuflash.attention_varlen(**good)
+    assert len(launched) == n + 2 and int(launched[n]["p"]["o"]) == out.data_ptr()
+
+
+def test_varlen_autograd_node_leaves_out_the_lse_tail_only_when_lse_is_unseen(torch_dev):
+    """With inputs that require grad and no return_lse, the node's lse is written by the attention
+    kernel (the backward reads it there) but its tail fill is left out: two launches, as without
+    grad. The backward reads that lse and fills dq / dk / dv's tails. With return_lse the caller's
+    lse gets its tail fill."""
+    torch, launched = torch_dev
+    q, k, v = _packed(grad=True)
+    cu = _cu()
+    for _ in range(2):
+        n = len(launched)
+        out = cuflash.attention_varlen(q, k, v, cu, cu, 27, 27, causal=True)
+        assert type(out.grad_fn).__name__ == "_AttentionBackward"
+        assert _names(launched[n:])[1:] == ["varlen_fill_tail_u16"], _names(launched[n:])
+        lse_ptr = int(launched[n]["p"]["lse"])
+        assert lse_ptr != 0 and int(launched[n]["p"]["o"]) == out.data_ptr()
+        n = len(launched)
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+        bwd = [L for L in launched[n:] if not L["name"].startswith("varlen_fill_tail")]
+        assert bwd and all(int(L["p"]["lse"]) == lse_ptr for L in bwd), _names(launched[n:])
+        tails = [int(L["p"]["ptr"]) for L in launched[n:] if L["name"] == "varlen_fill_tail_u16"]
+        assert tails == [dq.data_ptr(), dk.data_ptr(), dv.data_ptr()]
+        assert int(bwd[0]["p"]["mask"]["cu_seqlens_q"]) == cu.data_ptr()
+    n = len(launched)
+    out, lse = cuflash.attention_varlen(q, k, v, cu, cu, 27, 27, causal=True, return_lse=True)
+    assert _names(launched[n:])[1:] == ["varlen_fill_tail_u16", "varlen_fill_tail_u32"]
+    assert int(launched[n]["p"]["lse"]) == lse.data_ptr() == int(launched[n + 2]["p"]["ptr"])
+    assert not lse.requires_grad and out.requires_grad
+
+
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("options", ["sink", "alibi", "sink+alibi"])
+def test_varlen_options_on_their_slots(torch_dev, options, grad):
+    """The option arrays' pointers on their MaskParams fields, forward and backward: offsets and sink
+    logits take consecutive slots (written in order after a pad), offsets and ALiBi slopes do not
+    (written one by one). The sink logits' gradient comes back."""
+    torch, launched = torch_dev
+    q, k, v = _packed(grad=grad)
+    cu = _cu()
+    kw = {}
+    if "sink" in options:
+        kw["sink_logits"] = torch.randn(H).requires_grad_(grad)
+    if "alibi" in options:
+        kw["alibi_slopes"] = torch.rand(H)
+    for _ in range(2):
+        n = len(launched)
+        out = cuflash.attention_varlen(q, k, v, cu, cu, 27, 27, causal=True, window=(5, 0), **kw)
+        m = launched[n]["p"]["mask"]
+        assert int(m["cu_seqlens_q"]) == cu.data_ptr() == int(m["cu_seqlens_k"])
+        assert int(m["q_lengths"]) == 0 == int(m["kv_lengths"])
+        for name in ("sink_logits", "alibi_slopes"):
+            assert int(m[name]) == (kw[name].data_ptr() if name in kw else 0), name
+        if not grad:
+            continue
+        n = len(launched)
+        g = torch.autograd.grad(out, (q, k, v) + ((kw["sink_logits"],) if "sink_logits" in kw else ()),
+                                torch.randn_like(out))
+        assert len(g) == (4 if "sink_logits" in kw else 3) and g[0].shape == q.shape
+        for L in launched[n:]:
+            if L["name"].startswith("varlen_fill_tail"):
+                continue
+            m = L["p"]["mask"]
+            assert int(m["cu_seqlens_q"]) == cu.data_ptr() == int(m["cu_seqlens_k"]), L["name"]
+            for name in ("sink_logits", "alibi_slopes"):
+                assert int(m[name]) == (kw[name].data_ptr() if name in kw else 0), (L["name"], name)
+
+
+def test_padded_options_on_their_slots(torch_dev):
+    """The same for padded calls: kv_lengths alone (one slot after a pad), q_lengths with ALiBi (apart),
+    with grad through the backward."""
+    torch, launched = torch_dev
+    q, k, v = (torch.randn(2, 40, H, D, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    lengths = torch.tensor([40, 9], dtype=torch.int32)
+    slopes = torch.rand(2, H)
+    for kw in (dict(kv_lengths=lengths), dict(q_lengths=lengths, alibi_slopes=slopes)):
+        for _ in range(2):
+            n = len(launched)
+            out = cuflash.attention(q, k, v, causal=True, **kw)
+            g = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+            assert g[0].shape == q.shape
+            for L in launched[n:]:
+                m = L["p"]["mask"]
+                for name in ("q_lengths", "kv_lengths", "alibi_slopes", "sink_logits", "cu_seqlens_q"):
+                    assert int(m[name]) == (kw[name].data_ptr() if name in kw else 0), (L["name"], name)
