@@ -44,7 +44,18 @@ compiled code serves all, and a cell compiles in seconds, not minutes) or of the
 median: reported on its own, never in ms/step. torch._dynamo.reset() before each compiled cell;
 inductor's on-disk caches (FX graphs, Triton kernels) stay, so a second run on the same machine,
 or a cell whose kernels an earlier cell already built, compiles faster. cuflash's kernels are
-built (cuflash.precompile) before the first cell.
+built (cuflash.precompile) before the first cell of each process that runs cuflash.
+
+Processes (--isolate): by default every cell runs in a process of its own (`cell`): the script
+starts itself again with sys.executable for that one cell and reads the cell's record back as
+JSON. Cells that share a process do not measure alike: measured on an H100, GPT-2 124M compiled
+training read 41.5 ms/step after the eager cells of the same process against 26.3 ms in a process
+that ran compiled cells only (bench/NOTES.md). `mode` runs one process per (model, seqlen, batch,
+mode), `none` everything in this process (the CPU smoke's default). The initial weights are made
+once, here, and handed to the processes in a temporary file, so every cell starts from the same
+bytes. A process costs its start-up (imports, CUDA context, cuflash's kernels from the disk cache,
+and for compile cells the compiler's warm-up): recorded per cell under "process", outside the
+cell's wall_s and its timings.
 
 Loss curve: every step's loss, from the shared initial weights. Within each (model, seqlen,
 batch, mode), max |loss - loss of sdpa_flash| over the steps. Its noise scale is the same figure
@@ -58,7 +69,7 @@ CPU from --seed; every cell sees the same batches. The loss falls from ln(50304)
 model learns which ids occur, then which follows which.
 
 A failure (a backend that does not run here, out of memory, a compile error) is recorded for its
-cell and phase, and the run goes on. --budget-s (default 520 s, --quick 115 s) skips the cells
+cell and phase, and the run goes on. --budget-s (default 520 s, --quick 140 s) skips the cells
 predicted to end past it; they are listed as skipped, and --models / --modes / --impls / --phases
 run a subset, so a full run can be split over calls and merged with --summarize.
 
@@ -71,7 +82,7 @@ or its loss curve was flagged; 2 without a CUDA device (except --cpu-smoke, --su
 
 Examples:
     python bench/gpt2.py --dry-run                    # the cells and a rough H100 time, no GPU
-    python bench/gpt2.py --quick                      # < 2 minutes on an H100
+    python bench/gpt2.py --quick                      # about 2 minutes on an H100, a process per cell
     python bench/gpt2.py --json out/gpt2.json --plot out/gpt2.png       # < 9 minutes
     python bench/gpt2.py --models 355M --modes compile --json out/355m_compile.json   # a subset
     python bench/gpt2.py --summarize out/a.json out/b.json --plot out/gpt2.png        # merge, no GPU
@@ -89,9 +100,11 @@ import json
 import math
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 
@@ -124,16 +137,17 @@ FLAG_NOISE_FACTOR, FLAG_SLACK = 3.0, 0.02
 
 # Presets; an explicit flag wins over them.
 FULL = {"models": ["124M", "355M"], "impls": list(DEFAULT_IMPLS), "modes": list(MODES), "steps": 40, "warmup": 5,
-        "infer_warmup": 3, "infer_reps": 20, "lr": 6e-4, "lr_warmup": 10, "budget_s": 520.0}
+        "infer_warmup": 3, "infer_reps": 20, "lr": 6e-4, "lr_warmup": 10, "budget_s": 520.0, "isolate": "cell"}
 QUICK = {"models": ["124M"], "impls": ["cuflash", "sdpa_flash", "sdpa_cudnn", "naive"], "modes": list(MODES),
          "steps": 20, "warmup": 3, "infer_warmup": 2, "infer_reps": 10, "lr": 6e-4, "lr_warmup": 5,
-         "budget_s": 115.0}
+         "budget_s": 140.0, "isolate": "cell"}
 # The CPU smoke: cuflash's NumPy path on torch CPU tensors. A larger lr than GPT-2's, so that 16
 # steps of 64 tokens move the loss well past the implementations' differences. sdpa_cudnn has no
 # CPU kernel: it is there to show that a failing implementation is recorded and the run goes on.
 SMOKE = {"models": ["tiny"], "impls": ["cuflash", "sdpa_flash", "sdpa_math", "sdpa_cudnn", "naive"],
          "modes": ["eager"], "steps": 16, "warmup": 2, "infer_warmup": 1, "infer_reps": 3, "lr": 3e-3,
-         "lr_warmup": 2, "budget_s": 0.0}
+         "lr_warmup": 2, "budget_s": 0.0, "isolate": "none"}
+ISOLATION = ("cell", "mode", "none")
 
 
 def parse_args(argv=None):
@@ -141,8 +155,8 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--quick", action="store_true",
-                   help="< 2 minutes on an H100: 124M only, impls cuflash sdpa_flash sdpa_cudnn naive, eager and "
-                        "compile, 20 steps (3 untimed), 10 inference calls")
+                   help="about 2 minutes on an H100: 124M only, impls cuflash sdpa_flash sdpa_cudnn naive, eager and "
+                        "compile, 20 steps (3 untimed), 10 inference calls, a process per cell")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="no GPU needed: the tiny model on the CPU in bf16 autocast (cuflash runs its NumPy path); "
                         "checks that cuflash's loss curve agrees with SDPA's and the naive one's")
@@ -171,13 +185,19 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=1337, help="initial weights and data (default 1337)")
     p.add_argument("--budget-s", type=float,
                    help="skip cells predicted to end past this many seconds from the start (default 520, for a "
-                        "600 s device call; --quick: 115; 0 = no limit)")
+                        "600 s device call; --quick: 140; 0 = no limit)")
     p.add_argument("--json", metavar="PATH", help="write every figure here (rewritten after each cell)")
     p.add_argument("--plot", metavar="PATH.png", help="draw ms/step bars and the loss curves here (matplotlib)")
     p.add_argument("--summarize", nargs="+", metavar="PATH",
                    help="print the report of earlier --json files (merged) and exit; with --plot, redraw")
     p.add_argument("--dry-run", action="store_true", help="list the cells and a rough H100 time; no GPU needed")
+    p.add_argument("--isolate", choices=ISOLATION,
+                   help="cell: a process per cell (default); mode: a process per (model, seqlen, batch, mode); "
+                        "none: every cell in this process (the default of --cpu-smoke)")
+    p.add_argument("--child", metavar="SPEC.json", help=argparse.SUPPRESS)   # internal: run the cells of SPEC
     args = p.parse_args(argv)
+    if args.child:
+        return args
 
     preset = SMOKE if args.cpu_smoke else QUICK if args.quick else FULL
     for key, value in preset.items():
@@ -618,8 +638,13 @@ def build_cells(args):
 # score matrices, and compile seconds (train, infer) per cell.
 EST_TFLOPS = {"eager": 250.0, "compile": 330.0}
 EST_HBM = 3.0e12
-EST_COMPILE_S = {"blocks": (15.0, 6.0), "model": (20.0, 8.0)}   # model scope: + 2 s and 1 s per layer
+# Block scope: the H100 runs of bench/results/gpt2_*.json measured 0.1 to 6.5 s (train, 3 s typical) and 0.2 to
+# 3.6 s (infer, 1 s typical) per cell.
+EST_COMPILE_S = {"blocks": (5.0, 2.0), "model": (20.0, 8.0)}   # model scope: + 2 s and 1 s per layer
 EST_CELL_OVERHEAD_S = 2.5
+# A process of its own (--isolate cell / mode): python and torch imports, the CUDA context, cuflash's
+# kernels from the disk cache, the initial weights; with compiled cells also the compiler's warm-up.
+EST_PROCESS_S = {"eager": 6.0, "compile": 13.0}
 
 
 def est_ms(cell, phase) -> float:
@@ -653,11 +678,30 @@ def est_cell_s(cell, args) -> float:
     return s
 
 
+def process_groups(cells, isolate):
+    """The cells of each process: one per cell, one per (model, seqlen, batch, mode), or all in one."""
+    if isolate == "cell":
+        return [[c] for c in cells]
+    if isolate == "none":
+        return [list(cells)] if cells else []
+    groups = {}
+    for c in cells:
+        groups.setdefault(group_key(c), []).append(c)
+    return list(groups.values())
+
+
+def est_process_s(group, args) -> float:
+    """Rough start-up seconds of a process of its own for these cells (0 when they run in this one)."""
+    if args.isolate == "none":
+        return 0.0
+    return EST_PROCESS_S["compile" if any(c["mode"] == "compile" for c in group) else "eager"]
+
+
 def dry_run(args) -> int:
     cells = build_cells(args)
     print(f"gpt2.py --dry-run: {len(cells)} cells; phases {', '.join(args.phases)}; {args.steps} training steps "
           f"({args.warmup} untimed), {args.infer_warmup} + {args.infer_reps} inference calls; compile scope "
-          f"{args.compile_scope}")
+          f"{args.compile_scope}; processes: {args.isolate}")
     hdr = f"{'#':>3}  {'model':<6}{'params':>9}{'seqlen':>8}{'batch':>7}  {'mode':<9}{'impl':<16}{'est. s':>8}"
     print(hdr)
     print("-" * len(hdr))
@@ -668,9 +712,14 @@ def dry_run(args) -> int:
         n = count_params(model_config(c["model"], c["seqlen"]))
         print(f"{i:>3}  {c['model']:<6}{n / 1e6:>8.1f}M{c['seqlen']:>8}{c['batch']:>7}  {c['mode']:<9}{c['impl']:<16}"
               f"{s:>8.1f}")
-    start = 20.0   # torch import, CUDA context, cuflash kernels, initial weights on the CPU
-    print(f"rough total on an H100: {total + start:.0f} s ({total:.0f} s of cells + ~{start:.0f} s start-up); "
-          f"budget guard {'off' if not args.budget_s else f'{args.budget_s:.0f} s'}")
+    groups = process_groups(cells, args.isolate)
+    procs = sum(est_process_s(g, args) for g in groups)
+    # torch import, CUDA context, cuflash kernels, initial weights on the CPU; with processes of their own,
+    # this one only imports torch and makes the initial weights
+    start = 20.0 if args.isolate == "none" else 8.0
+    print(f"rough total on an H100: {total + procs + start:.0f} s ({total:.0f} s of cells"
+          + (f" + {procs:.0f} s for {len(groups)} processes' start-up" if procs else "")
+          + f" + ~{start:.0f} s start-up); budget guard {'off' if not args.budget_s else f'{args.budget_s:.0f} s'}")
     return 0
 
 
@@ -940,6 +989,9 @@ def progress_line(i, n, rec) -> str:
             comp = f", compile {r['compile_s']:.1f} s" if rec["mode"] == "compile" else ""
             parts.append(f"infer {r['ms']:.2f} ms{peak}{comp}")
     wall = f" [{rec['wall_s']:.1f} s]" if rec.get("wall_s") is not None else ""
+    proc = rec.get("process") or {}
+    if proc.get("wall_s") is not None:   # the cell's own process: its whole life, start-up included
+        wall = f"{wall[:-1] if wall else ' ['}{'; ' if wall else ''}process {proc['wall_s']:.1f} s]"
     return f"[{i}/{n} {time.perf_counter() - T_START:4.0f}s] {_cell_name(rec)} " + " | ".join(parts) + wall
 
 
@@ -1028,29 +1080,44 @@ def nvidia_smi():
         return None
 
 
-def collect_meta(args, dev, cuflash_version, cuflash_error):
+# What a process that ran cells knows and the one that started it may not (it touches no GPU).
+DEVICE_META = ("cudnn", "cupy", "device", "capability", "total_memory_gib")
+
+
+def device_meta(dev) -> dict:
+    if not dev.cuda:
+        return {"cudnn": None, "cupy": getattr(sys.modules.get("cupy"), "__version__", None),
+                "device": f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} threads)"}
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return {"cudnn": torch.backends.cudnn.version(), "cupy": getattr(sys.modules.get("cupy"), "__version__", None),
+            "device": props.name, "capability": f"{props.major}.{props.minor}",
+            "total_memory_gib": props.total_memory / 2**30}
+
+
+def collect_meta(args, dev, cuflash_version, cuflash_error, query_device=True):
+    """The run's metadata. query_device=False (the parent of --isolate processes): no CUDA call here;
+    the device's fields come from the first process that ran a cell (the name from nvidia-smi until
+    then)."""
     smi = nvidia_smi() if dev.cuda else None
     meta = {"timestamp_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "argv": sys.argv[1:], "python": platform.python_version(), "platform": platform.platform(),
             "torch": torch.__version__, "torch_cuda": torch.version.cuda,
-            "cudnn": torch.backends.cudnn.version() if dev.cuda else None, "numpy": np.__version__,
+            "cudnn": None, "numpy": np.__version__,
             "cuflash": cuflash_version, "cuflash_import_error": cuflash_error,
-            "cupy": getattr(sys.modules.get("cupy"), "__version__", None), "nvidia_smi": smi,
+            "cupy": None, "nvidia_smi": smi,
             "driver": smi[0].split(",")[1].strip() if smi else None,
-            "config": {k: v for k, v in vars(args).items() if k not in ("summarize", "json", "plot", "dry_run")},
+            "config": {k: v for k, v in vars(args).items()
+                       if k not in ("summarize", "json", "plot", "dry_run", "child")},
             "data": f"Markov chain over {MARKOV_STATES} token ids, successor probabilities {list(MARKOV_PROBS)}, "
                     f"seed {args.seed}",
             "timing": "train: median of per-step CUDA-event times after --warmup untimed steps, every step "
                       "forward + backward + clip + AdamW + zero_grad(set_to_none); infer: median of per-call "
                       "CUDA-event times under inference_mode; compile_s = first wall time - median",
             "float32_matmul_precision": torch.get_float32_matmul_precision()}
-    if dev.cuda:
-        props = torch.cuda.get_device_properties(torch.cuda.current_device())
-        meta["device"] = props.name
-        meta["capability"] = f"{props.major}.{props.minor}"
-        meta["total_memory_gib"] = props.total_memory / 2**30
+    if query_device or not dev.cuda:
+        meta.update(device_meta(dev))
     else:
-        meta["device"] = f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} threads)"
+        meta["device"] = smi[0].split(",")[0].strip() if smi else "CUDA device"
     meta["models"] = {name: dict(MODELS[name], n_params=count_params(model_config(name, 1024)))
                       for name in args.models}
     return meta
@@ -1108,24 +1175,48 @@ def prepare_cuflash(args, dev):
     return cuflash.__version__, None, record
 
 
+def make_initial_states(cells, args):
+    """GPT-2's initial weights once per (model, positions), on the CPU from --seed."""
+    states = {}
+    for c in cells:
+        cfg = model_config(c["model"], c["seqlen"])
+        if (c["model"], cfg.block_size) not in states:
+            torch.manual_seed(args.seed)
+            states[(c["model"], cfg.block_size)] = build_model(cfg, None, "cpu").state_dict()
+    return states
+
+
+def make_datasets(cells, args):
+    datasets = {}
+    for c in cells:
+        if data_key(c) not in datasets:
+            datasets[data_key(c)] = make_data(args.steps, *data_key(c), args.seed)
+    return datasets
+
+
+def budget_skip(args, dev, est, scale):
+    """The reason to skip work predicted to take est * scale seconds, or None to run it."""
+    elapsed = time.perf_counter() - T_START
+    if args.budget_s and dev.cuda and elapsed + est * scale > args.budget_s:
+        return (f"time budget: {elapsed:.0f} s elapsed, ~{est * scale:.0f} s predicted, "
+                f"budget {args.budget_s:.0f} s")
+    return None
+
+
 def run(args, dev) -> int:
+    if args.isolate != "none":
+        return run_isolated(args, dev)
     cuflash_version, cuflash_error, precompile = prepare_cuflash(args, dev)
     cells = build_cells(args)
     data = {"meta": collect_meta(args, dev, cuflash_version, cuflash_error), "cells": []}
     data["meta"]["cuflash_precompile"] = precompile
+    data["meta"]["isolation"] = "none"
     print(f"gpt2.py: {len(cells)} cells ({', '.join(args.models)} x {', '.join(args.modes)} x "
           f"{', '.join(args.impls)}) on {data['meta']['device']}", flush=True)
 
     # initial weights, once per (model, positions), on the CPU; data once per (batch, seqlen, vocab)
-    init_states, datasets = {}, {}
     t0 = time.perf_counter()
-    for c in cells:
-        cfg = model_config(c["model"], c["seqlen"])
-        if (c["model"], cfg.block_size) not in init_states:
-            torch.manual_seed(args.seed)
-            init_states[(c["model"], cfg.block_size)] = build_model(cfg, None, "cpu").state_dict()
-        if data_key(c) not in datasets:
-            datasets[data_key(c)] = make_data(args.steps, *data_key(c), args.seed)
+    init_states, datasets = make_initial_states(cells, args), make_datasets(cells, args)
     data["meta"]["setup_s"] = time.perf_counter() - t0
     if "compile" in args.modes:
         data["meta"]["compiler_warmup"] = guarded(lambda: warm_up_compiler(dev), dev)
@@ -1136,10 +1227,9 @@ def run(args, dev) -> int:
         for i, cell in enumerate(cells, 1):
             est = est_cell_s(cell, args) if dev.cuda else 0.0
             scale = max(0.5, act_done / est_done) if est_done > 10 else 1.0
-            elapsed = time.perf_counter() - T_START
-            if args.budget_s and dev.cuda and elapsed + est * scale > args.budget_s:
-                rec = dict(cell, skipped=f"time budget: {elapsed:.0f} s elapsed, ~{est * scale:.0f} s predicted, "
-                                         f"budget {args.budget_s:.0f} s")
+            skip = budget_skip(args, dev, est, scale)
+            if skip:
+                rec = dict(cell, skipped=skip)
             else:
                 rec = run_cell(cell, args, dev, init_states, datasets)
                 act_done += rec["wall_s"]
@@ -1155,6 +1245,154 @@ def run(args, dev) -> int:
     plot_if_asked(data, args)
     print_report(data)
     return 1 if data["cuflash_failures"] or data["cuflash_flagged"] or cuflash_error else 0
+
+
+# ------------------------------------------------------------------------------------------ processes
+
+def run_isolated(args, dev) -> int:
+    """--isolate cell / mode: each group of cells in a process of its own (see the docstring); this
+    process makes the initial weights, starts the processes one after another, and reports."""
+    cells = build_cells(args)
+    groups = process_groups(cells, args.isolate)
+    data = {"meta": collect_meta(args, dev, None, None, query_device=False), "cells": []}
+    meta = data["meta"]
+    meta["isolation"] = args.isolate
+    print(f"gpt2.py: {len(cells)} cells ({', '.join(args.models)} x {', '.join(args.modes)} x "
+          f"{', '.join(args.impls)}) on {meta['device']}, {len(groups)} process{'es' if len(groups) > 1 else ''} "
+          f"(--isolate {args.isolate})",
+          flush=True)
+    tmp = tempfile.mkdtemp(prefix="cuflash_gpt2_")
+    est_done = act_done = 0.0
+    cuflash_error = None
+    try:
+        t0 = time.perf_counter()
+        states = {}
+        for (model, positions), state in make_initial_states(cells, args).items():
+            path = os.path.join(tmp, f"init_{model}_{positions}.pt")
+            torch.save(state, path)
+            states[f"{model}|{positions}"] = path
+        meta["setup_s"] = time.perf_counter() - t0
+        write_json(args.json, data)
+        for n, group in enumerate(groups):
+            est = (sum(est_cell_s(c, args) for c in group) + est_process_s(group, args)) if dev.cuda else 0.0
+            scale = max(0.5, act_done / est_done) if est_done > 10 else 1.0
+            # A group of several cells runs when its first fits; the process skips those that do not.
+            first = (est_cell_s(group[0], args) + est_process_s(group, args)) if dev.cuda else 0.0
+            skip = budget_skip(args, dev, est if len(group) == 1 else first, scale)
+            if skip:
+                records = [dict(c, skipped=skip) for c in group]
+            else:
+                t1 = time.perf_counter()
+                left = args.budget_s - (t1 - T_START) if args.budget_s and dev.cuda else 0.0
+                records, child_meta = run_process(group, args, dev, states, os.path.join(tmp, f"p{n}"), left, scale)
+                act_done += time.perf_counter() - t1
+                est_done += est
+                for key in DEVICE_META + ("cuflash",):
+                    if child_meta.get(key) is not None and (meta.get(key) is None or key == "device"
+                                                            and not meta.get("capability")):
+                        meta[key] = child_meta[key]
+                for key in ("cuflash_precompile", "compiler_warmup"):
+                    if child_meta.get(key) and not meta.get(key):
+                        meta[key] = child_meta[key]
+                if child_meta.get("cuflash_import_error"):
+                    cuflash_error = meta["cuflash_import_error"] = child_meta["cuflash_import_error"]
+            for rec in records:
+                data["cells"].append(rec)
+                print(progress_line(len(data["cells"]), len(cells), rec), flush=True)
+            write_json(args.json, data)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        meta["wall_s"] = time.perf_counter() - T_START
+        finalize(data)
+        write_json(args.json, data)
+
+    plot_if_asked(data, args)
+    print_report(data)
+    return 1 if data["cuflash_failures"] or data["cuflash_flagged"] or cuflash_error else 0
+
+
+def run_process(group, args, dev, states, stem, budget_left, scale):
+    """Runs the cells of `group` in a new process (this script with --child): (records, its meta).
+    A process that dies (a crash, the OOM killer, a timeout) leaves an error record for each cell
+    it did not report, with the tail of its output."""
+    spec = {"args": {k: v for k, v in vars(args).items() if k != "child"}, "device": dev.type, "cells": group,
+            "states": states, "out": stem + ".out.json", "budget_left_s": budget_left, "scale": scale}
+    with open(stem + ".spec.json", "w") as f:
+        json.dump(spec, f)
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", stem + ".spec.json"]
+    # No output for a process stuck past the budget (a hang would otherwise hold the whole run).
+    timeout = budget_left + 120.0 if budget_left > 0 else None
+    t0 = time.perf_counter()
+    status = None
+    with open(stem + ".log", "w+") as log:
+        try:
+            status = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            status = f"timed out after {timeout:.0f} s"
+        log.seek(0)
+        output = log.read()
+    wall = time.perf_counter() - t0
+    if output.strip():   # the process's own messages (warnings, tracebacks), as they would have appeared here
+        sys.stderr.write(output if output.endswith("\n") else output + "\n")
+        sys.stderr.flush()
+    try:
+        with open(spec["out"]) as f:
+            result = json.load(f)
+    except (OSError, ValueError):
+        result = {"meta": {}, "cells": []}
+    records = result["cells"]
+    for rec in records:
+        rec.setdefault("process", {})["wall_s"] = wall
+    if len(records) < len(group) or status != 0:
+        why = f"the cell's process {'exited with status ' + str(status) if isinstance(status, int) else status}"
+        last = next((line.strip() for line in reversed(output.splitlines()) if line.strip()), "")
+        for cell in group[len(records):]:
+            records.append(dict(cell, error=f"{why}{': ' + last[:300] if last else ''}", traceback=output[-3000:],
+                                process={"wall_s": wall, "status": status}))
+    return records, result["meta"]
+
+
+def run_child(spec_path) -> int:
+    """The process side of run_process: the cells of the spec, each record written back as it ends."""
+    t_start = time.perf_counter()
+    with open(spec_path) as f:
+        spec = json.load(f)
+    args = argparse.Namespace(**spec["args"], child=spec_path)
+    dev = Device(spec["device"])
+    cells = spec["cells"]
+    args.impls = [x for x in IMPLS if any(c["impl"] == x for c in cells)]   # cuflash is prepared only if it runs
+    args.modes = [x for x in MODES if any(c["mode"] == x for c in cells)]
+    if dev.cuda:
+        torch.set_float32_matmul_precision("high")
+    cuflash_version, cuflash_error, precompile = prepare_cuflash(args, dev)
+    meta = {"cuflash": cuflash_version, "cuflash_import_error": cuflash_error, "cuflash_precompile": precompile,
+            "pid": os.getpid()}
+    meta.update(device_meta(dev))
+    init_states = {}
+    for key, path in spec["states"].items():
+        model, positions = key.split("|")
+        init_states[(model, int(positions))] = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    datasets = make_datasets(cells, args)
+    if "compile" in args.modes:
+        meta["compiler_warmup"] = guarded(lambda: warm_up_compiler(dev), dev)
+    startup = time.perf_counter() - t_start
+    out = {"meta": meta, "cells": []}
+    budget_left, scale = spec["budget_left_s"], spec["scale"]
+    for i, cell in enumerate(cells):
+        est = est_cell_s(cell, args) * scale if dev.cuda else 0.0
+        elapsed = time.perf_counter() - t_start
+        if i > 0 and budget_left > 0 and elapsed + est > budget_left:   # the first was checked by the caller
+            rec = dict(cell, skipped=f"time budget: ~{est:.0f} s predicted, {budget_left - elapsed:.0f} s of the "
+                                     f"budget left")
+        else:
+            rec = run_cell(cell, args, dev, init_states, datasets)
+        rec["process"] = {"isolation": args.isolate, "pid": os.getpid(), "startup_s": startup,
+                          "compiler_warmup_s": (meta.get("compiler_warmup") or {}).get("wall_s"),
+                          "cuflash_precompile_s": (precompile or {}).get("wall_s"), "cells": len(cells)}
+        out["cells"].append(rec)
+        write_json(spec["out"], out)
+    write_json(spec["out"], out)
+    return 0
 
 
 def plot_if_asked(data, args):
@@ -1174,6 +1412,8 @@ def main(argv=None) -> int:
         plot_if_asked(data, args)
         print_report(data)
         return 0
+    if args.child:
+        return run_child(args.child)
     if args.dry_run:
         return dry_run(args)
     if args.cpu_smoke:
