@@ -250,6 +250,13 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
 
     // ---------------- consumers ----------------
     setmaxnreg_inc<Tr::CONSUMER_REGS>();
+    if constexpr (FEAT) {
+        // A packed batch's rows that belong to no sequence: out 0, lse -inf (mask.cuh; what
+        // varlen.cu's kernel does after the other forward kernels, here without its launch).
+        if (p.mask.cu_seqlens_q != nullptr)
+            fill_packed_tail(p.mask, static_cast<u16*>(p.o), p.o_row_stride, p.o_head_stride, p.lse, p.batch, p.nheads,
+                             p.seqlen_q, p.d_cols, (int)threadIdx.x - 128, Tr::THREADS - 128);
+    }
     const int cw = wg - 1;                                  // consumer cw: rows [64 cw, 64 cw + 64)
     constexpr int PP_BAR = 3;                               // pingpong: named barriers 3 (consumer 0's turn), 4
     const int warp_row0 = cw * 64 + (warp % 4) * 16;        // this warp's first row in the block

@@ -238,6 +238,31 @@ __device__ __forceinline__ QueryFeat query_setup(const MaskParams& m, int b, int
     return qf;
 }
 
+// A packed batch's rows that belong to no sequence, filled by a forward kernel's threads (thread i of
+// n per block; varlen.cu's rule: rows at or past cu_seqlens_q[batch], and a sequence's rows past
+// max_seqlen_q): out's first `cols` columns of every head with zeros, lse (when given) with -inf.
+// Typically there are none: a load of cu_seqlens_q[batch], and two per sequence for blocks below
+// `batch`.
+__device__ __forceinline__ void fill_packed_tail(const MaskParams& m, u16* out, i64 o_row_stride, i64 o_head_stride,
+                                                 float* lse, int batch, int nheads, int max_seqlen, int cols, int i,
+                                                 int n) {
+    const i64 per_row = (i64)nheads * cols;
+    auto put = [&](i64 row, i64 k) {
+        const int rest = (int)(k % per_row);
+        const int head = rest / cols, e = rest % cols;
+        out[row * o_row_stride + head * o_head_stride + e] = 0;  // +0 in float16 and bfloat16
+        if (lse != nullptr && e == 0) lse[head * m.lse_head_stride + row] = -CUFLASH_INF;
+    };
+    const int start = min(max(m.cu_seqlens_q[batch], 0), m.total_q);
+    const i64 count = (i64)(m.total_q - start) * per_row;
+    for (i64 k = (i64)blockIdx.x * n + i; k < count; k += (i64)gridDim.x * n) put(start + k / per_row, k);
+    for (int b = blockIdx.x; b < batch; b += gridDim.x) {
+        const i64 from = (i64)min(max(m.cu_seqlens_q[b], 0), m.total_q) + max(max_seqlen, 0);
+        const i64 to = min(max(m.cu_seqlens_q[b + 1], 0), m.total_q);
+        for (i64 k = i; k < (to - from) * per_row; k += n) put(from + k / per_row, k);
+    }
+}
+
 // The query blocks [m_begin, m_end) whose valid rows may see a key of [n0, n0 + BLOCK_N).
 template <int BLOCK_M, int BLOCK_N>
 __device__ __forceinline__ void query_range(const MaskParams& m, const MaskInfo& mi, int n0, int& m_begin, int& m_iters) {

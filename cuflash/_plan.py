@@ -161,7 +161,10 @@ class Plan:
         launches = _launch.fwd_launches(_packed4(q, b, mq), _packed4(k, b, mk), _packed4(v, b, mk),
                                         _packed4(o, b, mq), Slot(LSE), c.dtype, False, c.scale, self.device_id, cc,
                                         mask=m)
-        # Rows no sequence owns, and rows of a sequence past max_seqlen_q: out 0, lse -inf.
+        # Rows no sequence owns, and rows of a sequence past max_seqlen_q: out 0, lse -inf. The
+        # warp-specialized forward fills them itself (mask.cuh fill_packed_tail): no launch for them.
+        if any(L.name.startswith("fwd90ws_") for L in launches):
+            return launches
         launches += _launch.tail_launches(o, m.cu_seqlens_q, b, mq, "u16", 0, self.device_id, cc)
         lse_rows = DeviceTensor(Slot(LSE), (c.total_q, c.nheads, 1), (1, c.total_q, 1))
         lse_tail = _launch.tail_launches(lse_rows, m.cu_seqlens_q, b, mq, "u32", _NEG_INF_BITS, self.device_id, cc)

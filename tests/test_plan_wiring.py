@@ -474,9 +474,13 @@ def test_fwd_ws_wiring(dev, monkeypatch):
     # A packed batch: the maps describe each array as one sequence of all its rows (batch 1).
     qp, kp, vp = arr(rng, (300, 2, 128)), arr(rng, (260, 1, 128)), arr(rng, (260, 1, 128))
     cu_q, cu_k = np.array([0, 100, 290], np.int32).view(Dev), np.array([0, 60, 250], np.int32).view(Dev)
-    cuflash.attention_varlen(qp, kp, vp, cu_q, cu_k, 190, 190, causal=True)
+    n0 = len(launched)
+    cuflash.attention_varlen(qp, kp, vp, cu_q, cu_k, 190, 190, causal=True, return_lse=True)
     L = next(L for L in reversed(launched) if L["name"].startswith("fwd90"))
     assert L["name"] == "fwd90ws_f16_d128_m128_n128_s2_feat_pp", L["name"]
+    # ... which fills the rows no sequence owns itself (mask.cuh fill_packed_tail): one launch, no
+    # varlen_fill_tail kernels, out and lse included.
+    assert [x["name"] for x in launched[n0:]] == [L["name"]], [x["name"] for x in launched[n0:]]
     for field, t, rows in (("map_q", qp, 128), ("map_k", kp, 128), ("map_v", vp, 128)):
         n, h = t.shape[:2]
         want_map = _tma.kv_map(addr(t), (1, n, h, 128), (n * h * 128, h * 128, 128, 1), rows, "float16")
