@@ -139,7 +139,7 @@ FLAG_NOISE_FACTOR, FLAG_SLACK = 3.0, 0.02
 FULL = {"models": ["124M", "355M"], "impls": list(DEFAULT_IMPLS), "modes": list(MODES), "steps": 40, "warmup": 5,
         "infer_warmup": 3, "infer_reps": 20, "lr": 6e-4, "lr_warmup": 10, "budget_s": 520.0, "isolate": "cell"}
 QUICK = {"models": ["124M"], "impls": ["cuflash", "sdpa_flash", "sdpa_cudnn", "naive"], "modes": list(MODES),
-         "steps": 20, "warmup": 3, "infer_warmup": 2, "infer_reps": 10, "lr": 6e-4, "lr_warmup": 5,
+         "steps": 20, "warmup": 3, "infer_warmup": 10, "infer_reps": 20, "lr": 6e-4, "lr_warmup": 5,
          "budget_s": 140.0, "isolate": "cell"}
 # The CPU smoke: cuflash's NumPy path on torch CPU tensors. A larger lr than GPT-2's, so that 16
 # steps of 64 tokens move the loss well past the implementations' differences. sdpa_cudnn has no
