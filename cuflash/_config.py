@@ -59,8 +59,9 @@ def bwd_tma_enabled() -> bool:
 
 
 # The warp-specialized sm_90a backward (cuda_src/flash_bwd_sm90_ws.cu): a TMA producer warp, two
-# consumer warpgroups, dQ by bulk reductions; 64 x 128 tiles, head_dim 64 and 128, plain calls with
-# the atomic dQ path. CUFLASH_BWD_WS (read when a plan is made): "1" wherever it serves the call,
+# consumer warpgroups, dQ by bulk reductions; 64 x 128 tiles (128 x 128 at head_dim 64), head_dim 64
+# and 128; at 256 cuda_src/flash_bwd_sm90_ws256.cu (64 x 64 tiles, dQ by vector reductions); calls
+# with the atomic dQ path. CUFLASH_BWD_WS (read when a plan is made): "1" wherever it serves the call,
 # "0" never; unset: where it serves the call and the maps patch per pointer (as CUFLASH_FWD_TMA).
 BWD_WS_STAGES = 2
 BWD_WS_HEAD_DIMS = (64, 128, 256)
