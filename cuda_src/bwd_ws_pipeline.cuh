@@ -56,6 +56,45 @@ __device__ __forceinline__ void ws_query_blocks(const BwdTmaParams& p, const Key
     }
 }
 
+// One tile of the warp-specialized backwards (blocks.cuh key_block_grouped's order), as the producer
+// and both consumers see it: the key block, the query blocks it visits (ws_query_blocks; iters =
+// m_iters x the query heads of its GQA group), the mask and the sequence. skip (SEQS): a packed
+// batch's key block past its sequence's keys, which has nothing to compute or write; producer and
+// consumers skip it by this same test, so their tile counts stay in step.
+struct WsTile {
+    KeyBlock blk;
+    int m_begin, m_iters, iters;
+    MaskInfo mi;
+    SeqInfo si;
+    bool skip;
+};
+
+template <bool FEAT, bool SEQS, int BLOCK_M, int BLOCK_N, bool IS_CAUSAL>
+__device__ __forceinline__ WsTile ws_tile(const BwdTmaParams& p, int tile) {
+    WsTile w;
+    w.blk = key_block_grouped<BLOCK_M, BLOCK_N, IS_CAUSAL>(tile, p.num_blocks, p.nheads_kv, p.batch, p.tile_heads,
+                                                          p.seqlen_q, p.seqlen_k);
+    ws_query_blocks<FEAT, BLOCK_M, BLOCK_N>(p, w.blk, w.m_begin, w.m_iters, w.mi, w.si);
+    w.iters = w.m_iters * p.head_group;
+    w.skip = SEQS && w.blk.n0 >= w.si.k_rows;
+    return w;
+}
+
+// SEQS: rows [valid, ROWS) of two SW128 tiles (K and V, or Q and dO) set to zero by one consumer's
+// 128 threads (tw = the thread's index in it), fenced for the async proxy and synchronized on the
+// consumer's named barrier `bar`. Rows past a sequence arrive as they are in memory (another
+// sequence's, padding, a packed batch's tail: anything, NaN included); zeroed, the masked products
+// multiply zeros. Both consumers write the same zeros, each before its own products.
+template <int HEAD_DIM, int ROWS>
+__device__ __forceinline__ void zero_rows_past(u32 a, u32 b, int valid, int tw, int bar) {
+    if (valid >= ROWS) return;
+    const int from = max(valid, 0);
+    zero_rows_sw128<HEAD_DIM, ROWS>(a, from, tw, 128);
+    zero_rows_sw128<HEAD_DIM, ROWS>(b, from, tw, 128);
+    fence_proxy_async();
+    named_barrier_sync(bar, 128);
+}
+
 // The producer: warp 0 of warpgroup 0 (lane = its lane). Per tile (blocks.cuh key_block_grouped's
 // order, tiles blockIdx.x, + gridDim.x, ...): lane 0 loads K and V once (after the previous tile's
 // epilogue released them: kv_empty), then for each iteration (query head, query block) waits for
@@ -69,7 +108,7 @@ template <int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, bool IS_CAUSAL, bo
 __device__ __forceinline__ void bwd_ws_produce(const BwdTmaParams& p, const BwdWsBars<STAGES, BLOCK_M>& bars, int lane,
                                                u32 sK, u32 sV, u32 sQ, u32 sdO) {
     constexpr int SKV_BYTES = BLOCK_N * HEAD_DIM * 2, SQ_BYTES = BLOCK_M * HEAD_DIM * 2;
-    const int sq = p.seqlen_q, sk = p.seqlen_k;
+    const int sq = p.seqlen_q;
     const int num_tiles = p.batch * p.nheads_kv * p.num_blocks;
     if (lane == 0) {
         tma_prefetch_desc(&p.map_q);
@@ -77,20 +116,14 @@ __device__ __forceinline__ void bwd_ws_produce(const BwdTmaParams& p, const BwdW
     }
     int g_base = 0, tcount = 0;
     for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x, ++tcount) {
-        const KeyBlock blk = key_block_grouped<BLOCK_M, BLOCK_N, IS_CAUSAL>(tile, p.num_blocks, p.nheads_kv, p.batch,
-                                                                            p.tile_heads, sq, sk);
-        const int h_kv = blk.h_kv, b = blk.b, n0 = blk.n0;
-        int m_begin, m_iters;
-        MaskInfo mi;
-        SeqInfo si;
-        ws_query_blocks<FEAT, BLOCK_M, BLOCK_N>(p, blk, m_begin, m_iters, mi, si);
-        const int iters = m_iters * p.head_group;
-        // SEQS: a packed batch's key block past its sequence's keys has nothing to compute or write
-        // (the consumers skip it too, by the same test, so tcount stays in step).
-        if (SEQS && n0 >= si.k_rows) {
+        const WsTile w = ws_tile<FEAT, SEQS, BLOCK_M, BLOCK_N, IS_CAUSAL>(p, tile);
+        if (w.skip) {
             --tcount;
             continue;
         }
+        const int h_kv = w.blk.h_kv, b = w.blk.b, n0 = w.blk.n0;
+        const int m_begin = w.m_begin, m_iters = w.m_iters, iters = w.iters;
+        const SeqInfo& si = w.si;
         const int bmap = SEQS && p.mask.cu_seqlens_q != nullptr ? 0 : b;  // the maps' batch coordinate
         const int q_row0 = SEQS ? (int)si.q_row0 : 0, k_row0 = SEQS ? (int)si.k_row0 : 0;
         // K and V of this tile go where the previous tile's epilogue wrote dK and dV out.

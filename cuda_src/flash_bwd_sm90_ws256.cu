@@ -147,18 +147,14 @@ flash_bwd_sm90_ws256_kernel(const __grid_constant__ BwdTmaParams p) {
 
     int g_base = 0, tcount = 0;
     for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x, ++tcount) {
-        const KeyBlock blk = key_block_grouped<BLOCK_M, BLOCK_N, IS_CAUSAL>(tile, p.num_blocks, p.nheads_kv, p.batch,
-                                                                            p.tile_heads, sq, sk);
-        const int h_kv = blk.h_kv, b = blk.b, n0 = blk.n0;
-        int m_begin, m_iters;
-        MaskInfo mi;
-        SeqInfo si;
-        ws_query_blocks<FEAT, BLOCK_M, BLOCK_N>(p, blk, m_begin, m_iters, mi, si);
-        const int iters = m_iters * p.head_group;
-        if (SEQS && n0 >= si.k_rows) {  // past a packed sequence's keys: skipped, as by the producer
+        WsTile w = ws_tile<FEAT, SEQS, BLOCK_M, BLOCK_N, IS_CAUSAL>(p, tile);
+        if (w.skip) {  // past a packed sequence's keys: skipped, as by the producer
             --tcount;
             continue;
         }
+        const int h_kv = w.blk.h_kv, b = w.blk.b, n0 = w.blk.n0;
+        const int m_begin = w.m_begin, m_iters = w.m_iters, iters = w.iters;
+        MaskInfo& mi = w.mi;
         // Element (key n0 + key_row0 + g + 8 (e / 2), query m0 + 32 cw + 8 j + 2 t + e % 2) lies above
         // the causal diagonal iff 8 (e / 2) - 8 j - e % 2 > m0 + diag_base.
         const int diag_base = 32 * cw + 2 * t + sk - sq - n0 - key_row0 - g;
@@ -168,16 +164,8 @@ flash_bwd_sm90_ws256_kernel(const __grid_constant__ BwdTmaParams p) {
         for (int i = 0; i < COLS / 2; ++i) { acc_dv[i] = 0.f; acc_dk[i] = 0.f; }
 
         mbar_wait(bars.kv_full(), tcount & 1);
-        if constexpr (SEQS) {
-            // Rows past the sequence's keys: zeros (flash_bwd_sm90_ws.cu's SEQS; both consumers write them).
-            if (n0 + BLOCK_N > mi.sk) {
-                const int from = max(mi.sk - n0, 0);
-                zero_rows_sw128<HEAD_DIM, BLOCK_N>(sK, from, tw, 128);
-                zero_rows_sw128<HEAD_DIM, BLOCK_N>(sV, from, tw, 128);
-                fence_proxy_async();
-                named_barrier_sync(2 + cw, 128);
-            }
-        }
+        // K, V rows past the sequence's keys: zeros (bwd_ws_pipeline.cuh)
+        if constexpr (SEQS) zero_rows_past<HEAD_DIM, BLOCK_N>(sK, sV, mi.sk - n0, tw, 2 + cw);
         for (int it = 0; it < iters; ++it) {
             const int gi = g_base + it;
             const int s = gi % STAGES;
@@ -185,15 +173,8 @@ flash_bwd_sm90_ws256_kernel(const __grid_constant__ BwdTmaParams p) {
             const u32 sQs = sQ + s * Tr::SQ_BYTES, sdOs = sdO + s * Tr::SQ_BYTES;
             const u32 sPi = sP + (gi % 2) * Tr::SPS_BYTES, sdSi = sdS + (gi % 2) * Tr::SPS_BYTES;
             mbar_wait(bars.full(s), (gi / STAGES) & 1);
-            if constexpr (SEQS) {
-                if (m0 + BLOCK_M > mi.sq) {  // Q and dO rows past the sequence: zeros
-                    const int from = max(mi.sq - m0, 0);
-                    zero_rows_sw128<HEAD_DIM, BLOCK_M>(sQs, from, tw, 128);
-                    zero_rows_sw128<HEAD_DIM, BLOCK_M>(sdOs, from, tw, 128);
-                    fence_proxy_async();
-                    named_barrier_sync(2 + cw, 128);
-                }
-            }
+            // Q, dO rows past the sequence: zeros
+            if constexpr (SEQS) zero_rows_past<HEAD_DIM, BLOCK_M>(sQs, sdOs, mi.sq - m0, tw, 2 + cw);
 
             // ---- S^T_c = K Q_c^T, dP^T_c = V dO_c^T: (64 keys, 32 queries) ----
             float sc[16], dp[16];
