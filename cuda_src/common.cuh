@@ -112,6 +112,18 @@ __device__ __forceinline__ void ldmatrix_x2_trans(u32& r0, u32& r1, u32 addr) {
 __device__ __forceinline__ void cp_async_16(u32 dst, const void* src, int src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(src_bytes));
 }
+// With an L2 prefetch size hint: the L2 fills PREFETCH (64, 128 or 256) bytes around the request
+// from memory at once.
+template <int PREFETCH>
+__device__ __forceinline__ void cp_async_16_l2(u32 dst, const void* src, int src_bytes) {
+    static_assert(PREFETCH == 64 || PREFETCH == 128 || PREFETCH == 256, "L2 prefetch sizes: 64, 128, 256 bytes");
+    if constexpr (PREFETCH == 256)
+        asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(src_bytes));
+    else if constexpr (PREFETCH == 128)
+        asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(src_bytes));
+    else
+        asm volatile("cp.async.cg.shared.global.L2::64B [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(src_bytes));
+}
 // 4-byte variant (through L1; .cg takes only 16): src_bytes = 0 writes 4 zero bytes.
 __device__ __forceinline__ void cp_async_4(u32 dst, const void* src, int src_bytes) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" :: "r"(dst), "l"(src), "r"(src_bytes));

@@ -52,6 +52,7 @@
 
 namespace cuflash {
 
+
 struct DecodeParams {
     const void* q;
     const void* k;              // k_cache
@@ -336,13 +337,41 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
         }
     }
 
-    // Where each key row of a tile lives is worked out once, by one thread per (row, K or V), into
-    // a ring of STAGES offset tables (-1: past the chunk, zero-filled): tile j's table is written in
-    // iteration j - STAGES and read (after the next block barrier) when tile j's copy is issued.
-    // Then consecutive threads copy consecutive 16-byte chunks of a row, so one warp instruction
-    // moves whole rows (coalesced), and no thread computes an address of its own.
+    // Copies. Consecutive threads copy consecutive 16-byte chunks of a key row, so one warp
+    // instruction moves whole rows (coalesced). Where head_dim's chunks divide the block's threads
+    // (LANE_ROWS: head_dim 16, 32, 64 or 128), a thread keeps one column chunk and walks rows my_row,
+    // my_row + RPP, ... of every tile; its shared-memory addresses are fixed per stage.
+    //   Affine tiles (a contiguous cache, and no boundary between the sink tokens and the window's
+    //   span inside the tile): the tile's keys are consecutive rows of the cache, and a thread walks
+    //   them with one pointer per tensor: no table, no per-row arithmetic.
+    //   Other tiles (paged caches, the tile at the sink boundary; and every tile without LANE_ROWS):
+    //   where each key row lives is worked out once, by one thread per (row, K or V), into a ring of
+    //   STAGES offset tables (-1: past the chunk, zero-filled); tile j's table is written in iteration
+    //   j - STAGES and read (after the next block barrier) when tile j's copy is issued.
+    // Keys past the chunk land as zeros either way (their P is 0, and 0 * V must not meet garbage).
     __shared__ i64 s_off[STAGES][2][BN];
     static_assert(THREADS == 2 * BN, "one thread per (key row, K or V)");
+    // (Not above head_dim 128, whose kernel is at 255 registers: ptxas spilled there on sm_90a.)
+    constexpr bool LANE_ROWS = THREADS % CHUNKS == 0 && THREADS / CHUNKS <= BN && HEAD_DIM <= 128;
+    constexpr int RPP = LANE_ROWS ? THREADS / CHUNKS : 1;  // rows per pass of the block
+    constexpr int PASSES = BN / RPP;
+    static_assert(BN % RPP == 0, "a tile is whole passes");
+    constexpr u32 STAGE_BYTES = Tr::SKV_ELEMS * sizeof(T);
+    // The L2 fetches a whole cache row (2 * head_dim bytes, at most 256) from memory at the first
+    // request to it (measured at head_dim 128 on an H100: 2 % at batch 64, 8k keys, GQA 1).
+    constexpr int PREFETCH = HEAD_DIM >= 128 ? 256 : (HEAD_DIM >= 64 ? 128 : 64);
+    const int my_row = LANE_ROWS ? tid / CHUNKS : 0;
+    const int my_col = LANE_ROWS ? (tid % CHUNKS) * 8 : 0;
+    const u32 sK_lane = smem_addr(sK) + 2u * (my_row * PITCH + my_col);
+    const u32 sV_lane = smem_addr(sV) + 2u * (my_row * PITCH + my_col);
+    const bool contiguous = p.page_size == 0;
+    const T* gK_lane = gK + my_col + (contiguous ? cache_row * p.k_batch_stride : 0);
+    const T* gV_lane = gV + my_col + (contiguous ? cache_row * p.v_batch_stride : 0);
+    const i64 k_pass = RPP * p.k_row_stride, v_pass = RPP * p.v_row_stride;
+    auto affine = [&](int it) {
+        const int v0 = v_begin + it * BN;
+        return LANE_ROWS && contiguous && (v0 >= n_sink || min(v0 + BN, v_end) <= n_sink);
+    };
     auto tile_offsets = [&](int it) {
         const int row = tid % BN, which = tid / BN;
         const int vv = v_begin + it * BN + row;
@@ -356,27 +385,54 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
     };
     auto load_tile = [&](int it) {
         const int stage = it % STAGES;
-        T* dK = sK + stage * Tr::SKV_ELEMS;
-        T* dV = sV + stage * Tr::SKV_ELEMS;
+        if constexpr (LANE_ROWS) {
+            const u32 dK = sK_lane + stage * STAGE_BYTES, dV = sV_lane + stage * STAGE_BYTES;
+            const int v0 = v_begin + it * BN;
+            if (affine(it)) {
+                const int key = (v0 < n_sink ? v0 : v0 + key_off) + my_row;
+                const T* srcK = gK_lane + key * p.k_row_stride;
+                const T* srcV = gV_lane + key * p.v_row_stride;
+                const int left = v_end - v0 - my_row;  // pass i's row is in the chunk while i * RPP < left
+#pragma unroll
+                for (int i = 0; i < PASSES; ++i) {
+                    const bool ok = i * RPP < left;
+                    cp_async_16_l2<PREFETCH>(dK + i * RPP * PITCH * 2, ok ? srcK : gK_lane, ok ? 16 : 0);
+                    cp_async_16_l2<PREFETCH>(dV + i * RPP * PITCH * 2, ok ? srcV : gV_lane, ok ? 16 : 0);
+                    srcK += k_pass;
+                    srcV += v_pass;
+                }
+            } else {
+                const T* gKc = gK + my_col;
+                const T* gVc = gV + my_col;
+#pragma unroll
+                for (int i = 0; i < PASSES; ++i) {
+                    const i64 ko = s_off[stage][0][my_row + i * RPP], vo = s_off[stage][1][my_row + i * RPP];
+                    cp_async_16_l2<PREFETCH>(dK + i * RPP * PITCH * 2, gKc + (ko < 0 ? 0 : ko), ko < 0 ? 0 : 16);
+                    cp_async_16_l2<PREFETCH>(dV + i * RPP * PITCH * 2, gVc + (vo < 0 ? 0 : vo), vo < 0 ? 0 : 16);
+                }
+            }
+        } else {
+            T* dK = sK + stage * Tr::SKV_ELEMS;
+            T* dV = sV + stage * Tr::SKV_ELEMS;
 #if __CUDA_ARCH__ >= 900
 #pragma unroll 4
 #else
 #pragma unroll 2  // sm_80's ptxas keeps head_dim 64 at 128 registers and spills with 4
 #endif
-        for (int i = 0; i < (BN * CHUNKS + THREADS - 1) / THREADS; ++i) {
-            const int c = tid + i * THREADS;
-            if ((BN * CHUNKS) % THREADS == 0 || c < BN * CHUNKS) {
-                const int row = c / CHUNKS, col = (c % CHUNKS) * 8;
-                const i64 ko = s_off[stage][0][row], vo = s_off[stage][1][row];
-                // Keys past the chunk land as zeros (their P is 0, and 0 * V must not meet garbage).
-                cp_async_16(smem_addr(dK + row * PITCH + col), gK + (ko < 0 ? 0 : ko) + col, ko < 0 ? 0 : 16);
-                cp_async_16(smem_addr(dV + row * PITCH + col), gV + (vo < 0 ? 0 : vo) + col, vo < 0 ? 0 : 16);
+            for (int i = 0; i < (BN * CHUNKS + THREADS - 1) / THREADS; ++i) {
+                const int c = tid + i * THREADS;
+                if ((BN * CHUNKS) % THREADS == 0 || c < BN * CHUNKS) {
+                    const int row = c / CHUNKS, col = (c % CHUNKS) * 8;
+                    const i64 ko = s_off[stage][0][row], vo = s_off[stage][1][row];
+                    cp_async_16(smem_addr(dK + row * PITCH + col), gK + (ko < 0 ? 0 : ko) + col, ko < 0 ? 0 : 16);
+                    cp_async_16(smem_addr(dV + row * PITCH + col), gV + (vo < 0 ? 0 : vo) + col, vo < 0 ? 0 : 16);
+                }
             }
         }
     };
 
     for (int st = 0; st < STAGES; ++st)
-        if (st < n_tiles) tile_offsets(st);
+        if (st < n_tiles && !affine(st)) tile_offsets(st);
     __syncthreads();
 #pragma unroll
     for (int st = 0; st < STAGES - 1; ++st) {
@@ -426,7 +482,7 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
         __syncthreads();
         if (it + STAGES - 1 < n_tiles) load_tile(it + STAGES - 1);
         cp_async_commit();
-        if (it + STAGES < n_tiles) tile_offsets(it + STAGES);  // its slot's table was read above
+        if (it + STAGES < n_tiles && !affine(it + STAGES)) tile_offsets(it + STAGES);  // its slot's table was read above
 
         const int stage = it % STAGES;
         const T* sKw = sK + stage * Tr::SKV_ELEMS + warp * WN * PITCH;

@@ -688,24 +688,40 @@ def decode_num_splits(blocks: int, keys: int, sm_count: int, blocks_per_sm: int,
                       host_bound_rule: bool = True) -> int:
     """How many chunks the keys of each (entry, kv head, row tile) are split into (flash-decoding).
     blocks: thread blocks without splitting; keys: the most keys one block may see. Splitting pays
-    when `blocks` cannot fill the GPU. Modelled time: waves(s) * (ceil(tiles / s) + 2) tiles, the 2
-    tiles standing for a block's fixed cost (start, pipeline fill, merge, its share of the combine).
-    A split walks whole tiles (the kernel's chunk is ceil(keys / s) rounded up to a tile), so 61
-    splits of 128 tiles take 3 tiles each, as 43 would, where 64 take 2. Each split keeps at least 2
-    tiles of keys (1 without host_bound_rule). Returns the smallest s within 1 % of the best.
-    Measured on an H100 (bench/dev/decode_splits.py, GPU time): the model picks the fastest forced
-    count at batch 1, 8k and 128k keys, GQA 8 (64 splits: 16.4 and 111.9 µs; its earlier form, keys / s
-    with 3 % slack, chose 61 and 63: 18.5 and 115.4), batch 16, 8k (4) and batch 4, 32k (16).
-    host_bound_rule: blocks of at most 16 tiles are not split, for eager calls: such a call is
-    host-bound, and a split adds a launch and an allocation (measured on an H100 at 512 keys: 33
-    against 50 µs per call at batch 1, 39 against 62 at batch 16). A call captured in a CUDA graph
-    has no host time to save: there the GPU time alone decides (host_bound_rule=False; measured at
-    batch 1, 512 keys, GQA 8: 20.2 µs with 1 split, 10.8 with the 8 chosen)."""
+    when `blocks` cannot fill the GPU. Modelled time, in tiles of keys, for s splits (n = blocks * s
+    blocks; a split walks whole tiles, ceil(tiles / s) of them, so 61 splits of 128 tiles take 3
+    tiles each, as 43 would, where 64 take 2):
+      - each SM streams ceil(n / sm_count) blocks' tiles: an SM's share of the memory bandwidth is
+        what a tile's time stands for, so blocks beyond one per SM add no bandwidth; where two or
+        more share an SM (blocks_per_sm >= 2), they hide each other's latencies: x 0.8;
+      - 2 tiles per wave of n over the sm_count * blocks_per_sm resident blocks (a block's start:
+        its first copies' latency, the pipeline's fill, the merge of its warps);
+      - 2 more tiles when s > 1: the combine of the splits, serialized after them.
+    Each split keeps at least 2 tiles of keys (1 without host_bound_rule). Returns the smallest s
+    within 1 % of the best. The fastest forced counts measured on an H100 (bench/dev/decode_splits.py,
+    GPU time), which the model picks: batch 1, 8k and 128k keys, GQA 8 (4 blocks): 64 splits (16.4
+    and 111.9 us); batch 16, 8k, GQA 8 (64 blocks): 4; batch 4, 32k (16 blocks): 16; and 128 blocks
+    of 512 keys (batch 16 GQA 4, batch 4 GQA 1): 1 (14.2 and 14.3 us, against 16.4 and 16.9 with the
+    2 splits that the model without the SM's bandwidth share chose; session 10).
+    host_bound_rule: blocks of at most 16 tiles are not split, for eager calls without the fused
+    combine: such a call is host-bound, and a split adds a launch and an allocation (measured on an
+    H100 at 512 keys: 33 against 50 us per call at batch 1, 39 against 62 at batch 16). A call
+    captured in a CUDA graph has no host time to save: there the GPU time alone decides
+    (host_bound_rule=False; measured at batch 1, 512 keys, GQA 8: 20.2 us with 1 split, 10.8 with
+    the 8 chosen)."""
     slots = max(1, sm_count * blocks_per_sm)
     cap = max(1, min(max_splits, keys // ((2 if host_bound_rule else 1) * DECODE_BLOCK_N)))
     if blocks >= slots or cap == 1 or (host_bound_rule and keys <= 16 * DECODE_BLOCK_N):
         return 1
     tiles = -(-keys // DECODE_BLOCK_N)
-    cost = {s: -(-blocks * s // slots) * (-(-tiles // s) + 2) for s in range(1, cap + 1)}
-    best = min(cost.values())
-    return min(s for s, c in cost.items() if c <= best * 1.01)
+    sms = max(1, sm_count)
+
+    def cost(s: int) -> float:
+        n = blocks * s
+        per_sm = -(-n // sms)
+        streamed = per_sm * -(-tiles // s) * (0.8 if per_sm >= 2 and blocks_per_sm >= 2 else 1.0)
+        return streamed + 2 * -(-n // slots) + (2 if s > 1 else 0)
+
+    costs = {s: cost(s) for s in range(1, cap + 1)}
+    best = min(costs.values())
+    return min(s for s, c in costs.items() if c <= best * 1.01)
