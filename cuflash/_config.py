@@ -685,7 +685,7 @@ def decode_fused_combine() -> bool:
 
 
 def decode_num_splits(blocks: int, keys: int, sm_count: int, blocks_per_sm: int, max_splits: int = 64,
-                      host_bound_rule: bool = True) -> int:
+                      host_bound_rule: bool = True, paged: bool = False) -> int:
     """How many chunks the keys of each (entry, kv head, row tile) are split into (flash-decoding).
     blocks: thread blocks without splitting; keys: the most keys one block may see. Splitting pays
     when `blocks` cannot fill the GPU. Modelled time, in tiles of keys, for s splits (n = blocks * s
@@ -693,7 +693,9 @@ def decode_num_splits(blocks: int, keys: int, sm_count: int, blocks_per_sm: int,
     tiles each, as 43 would, where 64 take 2):
       - each SM streams ceil(n / sm_count) blocks' tiles: an SM's share of the memory bandwidth is
         what a tile's time stands for, so blocks beyond one per SM add no bandwidth; where two or
-        more share an SM (blocks_per_sm >= 2), they hide each other's latencies: x 0.8;
+        more share an SM (blocks_per_sm >= 2), they hide each other's latencies: x 0.94 for a
+        contiguous cache, x 0.8 for a paged one, whose copies (an offset table per tile) leave more
+        latency to hide;
       - 2 tiles per wave of n over the sm_count * blocks_per_sm resident blocks (a block's start:
         its first copies' latency, the pipeline's fill, the merge of its warps);
       - 2 more tiles when s > 1: the combine of the splits, serialized after them.
@@ -702,7 +704,9 @@ def decode_num_splits(blocks: int, keys: int, sm_count: int, blocks_per_sm: int,
     GPU time), which the model picks: batch 1, 8k and 128k keys, GQA 8 (4 blocks): 64 splits (16.4
     and 111.9 us); batch 16, 8k, GQA 8 (64 blocks): 4; batch 4, 32k (16 blocks): 16; and 128 blocks
     of 512 keys (batch 16 GQA 4, batch 4 GQA 1): 1 (14.2 and 14.3 us, against 16.4 and 16.9 with the
-    2 splits that the model without the SM's bandwidth share chose; session 10).
+    2 splits that the model without the SM's bandwidth share chose; session 10); 128 blocks of 2048
+    keys (batch 16 GQA 4, batch 4 GQA 1): contiguous 1 (53.3 / 52.0 against 56.3 / 56.4 with 2),
+    paged 2 (59.8 / 58.9 against 65.4 / 65.1 unsplit).
     host_bound_rule: blocks of at most 16 tiles are not split, for eager calls without the fused
     combine: such a call is host-bound, and a split adds a launch and an allocation (measured on an
     H100 at 512 keys: 33 against 50 us per call at batch 1, 39 against 62 at batch 16). A call
@@ -719,7 +723,7 @@ def decode_num_splits(blocks: int, keys: int, sm_count: int, blocks_per_sm: int,
     def cost(s: int) -> float:
         n = blocks * s
         per_sm = -(-n // sms)
-        streamed = per_sm * -(-tiles // s) * (0.8 if per_sm >= 2 and blocks_per_sm >= 2 else 1.0)
+        streamed = per_sm * -(-tiles // s) * ((0.8 if paged else 0.94) if per_sm >= 2 and blocks_per_sm >= 2 else 1.0)
         return streamed + 2 * -(-n // slots) + (2 if s > 1 else 0)
 
     costs = {s: cost(s) for s in range(1, cap + 1)}

@@ -552,9 +552,12 @@ class DecodePlan:
             # call and one captured in a CUDA graph may get different counts (decode_num_splits'
             # host_bound_rule): run() picks by the stream's capture state. With the fused combine a
             # split costs an eager call no extra launch, and GPU time decides there too.
-            graph_splits = _config.decode_num_splits(blocks, keys, _sm_count(dev), 2, host_bound_rule=False)
+            paged = infos.get("block_table") is not None
+            graph_splits = _config.decode_num_splits(blocks, keys, _sm_count(dev), 2, host_bound_rule=False,
+                                                     paged=paged)
             num_splits = (graph_splits if self._fusable(graph_splits)
-                          else _config.decode_num_splits(blocks, keys, _sm_count(dev), 2, host_bound_rule=True))
+                          else _config.decode_num_splits(blocks, keys, _sm_count(dev), 2, host_bound_rule=True,
+                                                         paged=paged))
         else:
             graph_splits = num_splits
         table = infos.get("block_table")

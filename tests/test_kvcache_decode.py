@@ -203,6 +203,9 @@ def test_split_heuristic():
     # 128 blocks of 8 tiles already hold an SM each: 2 splits measured 16.4 against 14.2 us unsplit
     # (H100, session 10), the combine's cost with no bandwidth gained.
     assert decode_num_splits(128, 512, 132, 2, host_bound_rule=False) == 1
+    # 128 blocks of 2048 keys: unsplit measured best for a contiguous cache, 2 splits for a paged one.
+    assert decode_num_splits(128, 2048, 132, 2, host_bound_rule=False) == 1
+    assert decode_num_splits(128, 2048, 132, 2, host_bound_rule=False, paged=True) == 2
 
 
 @pytest.mark.gpu
