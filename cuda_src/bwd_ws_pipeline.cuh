@@ -80,6 +80,38 @@ __device__ __forceinline__ WsTile ws_tile(const BwdTmaParams& p, int tile) {
     return w;
 }
 
+// FEAT, one consumer warp's step over keys [key0, key0 + 16) and queries [q0, q0 + rows): whether a
+// mask bound crosses that tile (edge: the element-wise mask is needed), the queries that see the
+// thread's two keys key0 + g and key0 + g + 8 (qs), and with ALiBi the slope of the step's query head
+// (set in mi) and the key distances of query q0 + 2 t (d0; the element's adds 8 j + e % 2). Formed at
+// each step, not held across the products (registers).
+struct WsFeatStep {
+    bool edge, alibi;
+    QuerySpan qs[2];
+    float d0[2];
+};
+
+template <bool FEAT>
+__device__ __forceinline__ WsFeatStep ws_feat_step(const BwdTmaParams& p, MaskInfo& mi, int q0, int rows, int key0,
+                                                   int g, int t, int b, int head) {
+    WsFeatStep f;
+    f.edge = f.alibi = false;
+    f.d0[0] = f.d0[1] = 0.f;
+    if constexpr (FEAT) {
+        f.edge = mi.needs_mask(p.mask, q0, rows, key0, 16);
+        f.qs[0] = mi.query_span(p.mask, key0 + g);
+        f.qs[1] = mi.query_span(p.mask, key0 + g + 8);
+        f.alibi = p.mask.alibi_slopes != nullptr;
+        if (f.alibi) {
+            mi.set_head(p.mask, b, head);
+            const int d = q0 + 2 * t + mi.shift - (key0 + g);
+            f.d0[0] = (float)d;
+            f.d0[1] = (float)(d - 8);
+        }
+    }
+    return f;
+}
+
 // SEQS: rows [valid, ROWS) of two SW128 tiles (K and V, or Q and dO) set to zero by one consumer's
 // 128 threads (tw = the thread's index in it), fenced for the async proxy and synchronized on the
 // consumer's named barrier `bar`. Rows past a sequence arrive as they are in memory (another

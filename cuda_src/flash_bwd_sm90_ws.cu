@@ -236,24 +236,10 @@ flash_bwd_sm90_ws_kernel(const __grid_constant__ BwdTmaParams p) {
                     return ld_shared_f32x2(base + 32 * j);
                 }
             };
-            // FEAT: whether a bound crosses this warp's tile; ALiBi's slope of this iteration's query
-            // head and the key distances of query m0 + 2 t (the element's adds 8 j + e % 2).
-            bool edge = false, alibi = false;
-            float d0[2] = {0.f, 0.f};
-            QuerySpan qs[2];  // FEAT: the queries that see this thread's two keys (formed here, not held
-                              // across the products: registers)
-            if constexpr (FEAT) {
-                edge = mi.needs_mask(p.mask, m0, BLOCK_M, n0 + key_row0, 16);
-                qs[0] = mi.query_span(p.mask, n0 + key_row0 + g);
-                qs[1] = mi.query_span(p.mask, n0 + key_row0 + g + 8);
-                alibi = p.mask.alibi_slopes != nullptr;
-                if (alibi) {
-                    mi.set_head(p.mask, b, h_kv * p.head_group + it / m_iters);
-                    const int d = m0 + 2 * t + mi.shift - (n0 + key_row0 + g);
-                    d0[0] = (float)d;
-                    d0[1] = (float)(d - 8);
-                }
-            }
+            // FEAT: the mask and ALiBi facts of this warp's (16 keys x BLOCK_M queries) step.
+            const WsFeatStep fs = ws_feat_step<FEAT>(p, mi, m0, BLOCK_M, n0 + key_row0, g, t, b,
+                                                     h_kv * p.head_group + it / m_iters);
+            const bool edge = fs.edge, alibi = fs.alibi;
             if (FEAT && (edge || alibi)) {
                 // The options' loop, taken only by tiles a bound crosses or with ALiBi; the others run
                 // the plain loop below at its own cost. ALiBi's exponent: fma(s, scale, -fma(A, |d|,
@@ -261,7 +247,7 @@ flash_bwd_sm90_ws_kernel(const __grid_constant__ BwdTmaParams p) {
                 // (tested per element on every ALiBi tile, it cost the kernel 0.85 -> 0.99 of Flex
                 // in flash_bwd_sm90.cu).
                 auto p_of = [&](int i, int j, int e, float l2) {
-                    const float r = alibi ? fmaf(mi.alibi_log2, fabsf(d0[e / 2] + (float)(8 * j + e % 2)), l2) : l2;
+                    const float r = alibi ? fmaf(mi.alibi_log2, fabsf(fs.d0[e / 2] + (float)(8 * j + e % 2)), l2) : l2;
                     return fast_exp2(fminf(fmaf(sc[i], p.scale_log2, -r), 0.f));  // P <= 1
                 };
                 // (One loop with the test under a runtime flag where BLOCK_M = 128: two spilled there.)
@@ -275,7 +261,7 @@ flash_bwd_sm90_ws_kernel(const __grid_constant__ BwdTmaParams p) {
                         for (int e = 0; e < 4; ++e) {
                             const int i = 4 * j + e;
                             const float pv = p_of(i, j, e, e % 2 ? l2.y : l2.x);
-                            sc[i] = !edge || qs[e / 2].has(m0 + 8 * j + 2 * t + e % 2) ? pv : 0.f;
+                            sc[i] = !edge || fs.qs[e / 2].has(m0 + 8 * j + 2 * t + e % 2) ? pv : 0.f;
                         }
                     }
                 } else {

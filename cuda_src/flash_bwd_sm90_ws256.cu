@@ -193,25 +193,11 @@ flash_bwd_sm90_ws256_kernel(const __grid_constant__ BwdTmaParams p) {
             const int diag_lim = m0 + diag_base;
             const u32 lse_s = bars.lse_row(s) + (32 * cw + 2 * t) * 4;
             const u32 dlt_s = bars.dlt_row(s) + (32 * cw + 2 * t) * 4;
-            // FEAT (as flash_bwd_sm90_ws.cu): the element-wise mask only where a bound crosses this
-            // warp's (16 keys x 32 queries) tile; ALiBi's slope of this iteration's query head, and the
-            // key distances of query m0 + 32 cw + 2 t (the element's adds 8 j + e % 2).
-            bool edge = false, alibi = false;
-            float d0[2] = {0.f, 0.f};
-            QuerySpan qs[2];
-            if constexpr (FEAT) {
-                const int q0 = m0 + 32 * cw;
-                edge = mi.needs_mask(p.mask, q0, 32, n0 + key_row0, 16);
-                qs[0] = mi.query_span(p.mask, n0 + key_row0 + g);
-                qs[1] = mi.query_span(p.mask, n0 + key_row0 + g + 8);
-                alibi = p.mask.alibi_slopes != nullptr;
-                if (alibi) {
-                    mi.set_head(p.mask, b, h_kv * p.head_group + it / m_iters);
-                    const int d = q0 + 2 * t + mi.shift - (n0 + key_row0 + g);
-                    d0[0] = (float)d;
-                    d0[1] = (float)(d - 8);
-                }
-            }
+            // FEAT: the mask and ALiBi facts of this warp's (16 keys x 32 queries) step: the element-wise
+            // mask only where a bound crosses it.
+            const WsFeatStep fs = ws_feat_step<FEAT>(p, mi, m0 + 32 * cw, 32, n0 + key_row0, g, t, b,
+                                                     h_kv * p.head_group + it / m_iters);
+            const bool edge = fs.edge, alibi = fs.alibi;
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 // lse -> lse * log2(e); see flash_bwd_sm90.cu for rows with lse = -inf or past seqlen_q.
@@ -222,10 +208,10 @@ flash_bwd_sm90_ws256_kernel(const __grid_constant__ BwdTmaParams p) {
                 for (int e = 0; e < 4; ++e) {
                     const int i = 4 * j + e;
                     float r = e % 2 ? l2.y : l2.x;
-                    if (FEAT && alibi) r = fmaf(mi.alibi_log2, fabsf(d0[e / 2] + (float)(8 * j + e % 2)), r);
+                    if (FEAT && alibi) r = fmaf(mi.alibi_log2, fabsf(fs.d0[e / 2] + (float)(8 * j + e % 2)), r);
                     float pv = fast_exp2(fminf(fmaf(sc[i], p.scale_log2, -r), 0.f));  // P <= 1
                     if (IS_CAUSAL && diag && (e / 2) * 8 - 8 * j - (e % 2) > diag_lim) pv = 0.f;
-                    if (FEAT && edge && !qs[e / 2].has(m0 + 32 * cw + 8 * j + 2 * t + e % 2)) pv = 0.f;
+                    if (FEAT && edge && !fs.qs[e / 2].has(m0 + 32 * cw + 8 * j + 2 * t + e % 2)) pv = 0.f;
                     sc[i] = pv;
                 }
             }
