@@ -179,3 +179,30 @@ def test_padded_options_on_their_slots(torch_dev):
                 m = L["p"]["mask"]
                 for name in ("q_lengths", "kv_lengths", "alibi_slopes", "sink_logits", "cu_seqlens_q"):
                     assert int(m[name]) == (kw[name].data_ptr() if name in kw else 0), (L["name"], name)
+
+
+def test_padded_lengths_same_tensor_marker(torch_dev):
+    """The options key marks kv_lengths as "the previous option array" when it is the very tensor
+    q_lengths is: calls alternating between one tensor for both and two tensors (of the same or of
+    another signature) each put their own pointers on the slots, and a kv_lengths that differs from
+    q_lengths in dtype, shape or device still raises on a repeat signature, launching nothing."""
+    torch, launched = torch_dev
+    q, k, v = (torch.randn(2, 40, H, D, dtype=torch.bfloat16) for _ in range(3))
+    for i in range(6):
+        ql = torch.tensor([40, 9 + i], dtype=torch.int32)
+        kl = ql if i % 2 == 0 else torch.tensor([31, 40], dtype=torch.int32)
+        n = len(launched)
+        cuflash.attention(q, k, v, causal=True, q_lengths=ql, kv_lengths=kl)
+        assert len(launched) > n
+        for L in launched[n:]:
+            m = L["p"]["mask"]
+            assert int(m["q_lengths"]) == ql.data_ptr() and int(m["kv_lengths"]) == kl.data_ptr(), L["name"]
+    ql = torch.tensor([40, 9], dtype=torch.int32)
+    n = len(launched)
+    for bad, err, text in ((ql.long(), TypeError, "kv_lengths: expected dtype int32"),
+                           (torch.tensor([40, 9, 3], dtype=torch.int32), ValueError, "kv_lengths"),
+                           (ql[:1], ValueError, "kv_lengths")):
+        for _ in range(2):
+            with pytest.raises(err, match=text):
+                cuflash.attention(q, k, v, causal=True, q_lengths=ql, kv_lengths=bad)
+    assert len(launched) == n

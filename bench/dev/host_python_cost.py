@@ -18,6 +18,11 @@ Rows (bench_host's shape by default: bf16, 2 heads, head_dim 64, 128 tokens):
   plain_grad, varlen_grad   the same with q, k, v requiring grad (the autograd node is recorded)
   lengths           attention with q_lengths = kv_lengths (batch,) int32, no grad (another option
                     with arrays, for comparison)
+  alibi, sink_logits, window, softcap   bench_host's other option rows: alibi_slopes / sink_logits
+                    float32 (heads,), window=(32, 0), softcap=30.0; no grad
+  fwdbwd            out = attention(q, k, v, causal=True) on inputs that require grad, then
+                    torch.autograd.grad(out, (q, k, v), dout) (on CPU tensors the engine runs the
+                    backward on the calling thread: a GPU host adds its device-thread hand-off)
 
 Method: a warm-up, then --rounds rounds of --calls back-to-back calls per row, round-robin over the
 rows; us/call = median over the rounds (min beside it). Also the kernel launches each call makes (a
@@ -122,13 +127,26 @@ def make_rows(args):
     qpg, kpg, vpg = (mk(total, h, d, grad=True) for _ in range(3))
     cu = torch.arange(0, total + 1, s, dtype=torch.int32)
     lengths = torch.full((1,), total, dtype=torch.int32)
+    slopes = torch.rand(h, generator=g)
+    sinks = torch.randn(h, generator=g)
+    dout = mk(1, total, h, d)
     att, attv = cuflash.attention, cuflash.attention_varlen
+
+    def fwdbwd():
+        out = att(qg, kg, vg, causal=True)
+        return torch.autograd.grad(out, (qg, kg, vg), dout)
+
     return {
         "plain": lambda: att(q, k, v, causal=True),
         "varlen": lambda: attv(qp, kp, vp, cu, cu, s, s, causal=True),
         "plain_grad": lambda: att(qg, kg, vg, causal=True),
         "varlen_grad": lambda: attv(qpg, kpg, vpg, cu, cu, s, s, causal=True),
         "lengths": lambda: att(q, k, v, causal=True, q_lengths=lengths, kv_lengths=lengths),
+        "alibi": lambda: att(q, k, v, causal=True, alibi_slopes=slopes),
+        "sink_logits": lambda: att(q, k, v, causal=True, sink_logits=sinks),
+        "window": lambda: att(q, k, v, causal=True, window=(32, 0)),
+        "softcap": lambda: att(q, k, v, causal=True, softcap=30.0),
+        "fwdbwd": fwdbwd,
     }
 
 
@@ -174,7 +192,7 @@ def main(argv=None):
     for name in rows:
         med, lo = statistics.median(times[name]), min(times[name])
         res[name] = dict(us_median=med, us_min=lo, launches=launches[name], rounds=times[name])
-        ref = "plain_grad" if name.endswith("_grad") else "plain"
+        ref = "plain_grad" if name.endswith("_grad") else None if name == "fwdbwd" else "plain"
         extra = ""
         if name != ref and ref in times:
             rm = statistics.median(times[ref])

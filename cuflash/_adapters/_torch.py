@@ -25,7 +25,7 @@ from .. import _call
 from .._call import ArrayInfo
 from .._features import ARRAY_OPTIONS
 from .._plan import CACHE, NO_OPTIONS, Plan
-from ._base import Adapter, info_of, options_key
+from ._base import _ARRAY_SET, Adapter, info_of
 
 _empty = torch.empty
 _empty_like = torch.empty_like
@@ -280,7 +280,38 @@ def _forward_key(q, k, v, causal, softmax_scale, deterministic, return_lse, opts
            causal.__class__, causal, softmax_scale.__class__, softmax_scale,
            deterministic.__class__, deterministic, return_lse.__class__, return_lse)
     if opts:
-        key += options_key(opts, _sig)
+        key += _options_key(opts)
+    return key
+
+
+_SAME_ARRAY = "the previous option array"   # in an options key: that array's signature, not built twice
+
+
+def _options_key(opts: dict) -> tuple:
+    """The base adapter's options_key, written out for torch tensors and flat: per option its name,
+    then for an array its class, dtype, shape, strides, device and pointer alignment (or a marker
+    when it is the very tensor of the option before it: q_lengths = kv_lengths, self-attention's
+    usual call), for the window its parts with their types, for another scalar its type and value.
+    Flat is unambiguous: names are strings, and each kind of entry has a fixed length."""
+    key = ()
+    last = None
+    for n, x in opts.items():
+        if n in _ARRAY_SET:
+            if x is None:
+                key += (n, None)
+            elif x is last:
+                key += (n, _SAME_ARRAY)
+            else:
+                key += (n, x.__class__, x.dtype, x.shape, x.stride(), x.device, x.data_ptr() & 15)
+            last = x
+        elif n == "window":
+            if x is None:
+                key += (n, None)
+            else:
+                a, b = x  # anything but a pair: no key (the slow path raises the error)
+                key += (n, x.__class__, a.__class__, a, b.__class__, b)
+        else:
+            key += (n, x.__class__, x)
     return key
 
 
@@ -303,7 +334,7 @@ def _varlen_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
            causal.__class__, causal, softmax_scale.__class__, softmax_scale,
            deterministic.__class__, deterministic, return_lse.__class__, return_lse)
     if opts:
-        key += options_key(opts, _sig)
+        key += _options_key(opts)
     return key
 
 
