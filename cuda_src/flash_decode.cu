@@ -34,7 +34,9 @@
 // last merges all the tile's rows at once (merge_tile) and sets the counter back to 0. The
 // counters are zero before the first call (the host clears them once) and after every call.
 //
-// Inside a block. 4 warps split each BN = 64-key tile: warp w takes keys [16w, 16w + 16), keeps
+// Inside a block. WARPS warps (4, or 8 where the grid leaves SMs with a single block: twice the
+// warps to hide latencies and twice the bytes in flight) split each BN = 16 * WARPS-key tile
+// (64 or 128 keys): warp w takes keys [16w, 16w + 16), keeps
 // its own online softmax (m, l) and O accumulator for all 16 rows, and never waits for the others
 // inside the loop. K/V tiles come through a STAGES-deep cp.async pipeline (tile it + STAGES - 1 is
 // issued while tile it computes). At the end the warps' (m, l, O) are merged through shared memory
@@ -44,10 +46,19 @@
 // mask only where a bound crosses its 16 keys or a score modification applies, and for the rescale
 // of O only where a row's maximum moved (warp votes keep both branches uniform).
 //
+// Copies. cp.async (every layout and target): the block's threads copy the K/V tile's rows into
+// padded rows (load_tile below). TMA (TMA = true: sm_90a, a contiguous cache, head_dim 64 or 128, no
+// sink tokens beside a window, so that every tile is BN consecutive cache rows): thread 0 issues one
+// tensor-map box per 64-column panel of K and of V, completing on the stage's mbarrier, and the
+// tiles are dense SW128 panels that the warps read with ldmatrix at swizzled addresses. The TMA unit
+// reads a cache faster than the threads' 16-byte copies: H200, batch 64, 8k keys, 32 kv heads,
+// reads alone (bench/dev/decode_read_bw.py) 4.66 TB/s against 4.26-4.31, the copy 4.23.
+//
 // Grid. 1-D: block = ((b * nheads_kv + h_kv) * num_row_tiles + row_tile) * num_splits + split.
 #include "common.cuh"
 #include "mask.cuh"
 #include "softmax.cuh"
+#include "tma.cuh"
 #include "warp_gemm.cuh"
 
 namespace cuflash {
@@ -95,9 +106,26 @@ struct DecodeParams {
     MaskParams mask;    // window, sink tokens, sink logits, ALiBi, softcap (the rest unused)
 };
 
-template <int HEAD_DIM, int STAGES>
+// The TMA kernel's Params (sm_90a; contiguous caches): DecodeParams, then the tensor maps of the K
+// and V caches, (cache_rows, capacity, nheads_kv, head_dim) described as 4-D (head_dim, capacity,
+// nheads_kv, cache_rows) with a {64, BN, 1, 1} box and the 128-byte swizzle (cuflash/_tma.py kv_map).
+struct DecodeTmaParams : DecodeParams {
+    TmaDesc map_k;
+    TmaDesc map_v;
+};
+template <bool TMA> struct DecodeParamsOf { using type = DecodeParams; };
+template <> struct DecodeParamsOf<true> { using type = DecodeTmaParams; };
+
+// Byte offset of 16-byte chunk c of row r in a tile of ROWS rows stored as SW128 panels (64 columns,
+// 128 bytes a row, chunk c % 8 of row r at position (c % 8) ^ (r % 8); panel c / 8 after the others).
+template <int ROWS>
+__device__ __forceinline__ u32 decode_sw128(int r, int c) {
+    return (u32)((c >> 3) * ROWS * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4));
+}
+
+template <int HEAD_DIM, int STAGES, int WARPS_ = 4, bool TMA = false>
 struct DecodeTraits {
-    static constexpr int WARPS = 4;
+    static constexpr int WARPS = WARPS_;
     static constexpr int THREADS = WARPS * 32;
     static constexpr int WN = 16;               // keys per warp per tile
     static constexpr int BN = WARPS * WN;       // keys per tile
@@ -106,14 +134,19 @@ struct DecodeTraits {
     static constexpr int CHUNKS = HEAD_DIM / 8;
     static constexpr int D_TILES = HEAD_DIM / 8;
     static constexpr int SQ_ELEMS = ROWS * PITCH;
-    static constexpr int SKV_ELEMS = BN * PITCH;
+    // A K or V tile: padded rows (cp.async), or dense SW128 panels (TMA: HEAD_DIM / 64 panels of BN
+    // rows x 128 bytes, 16-byte chunk c of row r at chunk c ^ (r % 8)).
+    static constexpr int SKV_ELEMS = TMA ? BN * HEAD_DIM : BN * PITCH;
     static constexpr int KV_BYTES = 2 * STAGES * SKV_ELEMS * 2;
     static constexpr int MERGE_BYTES = WARPS * ROWS * HEAD_DIM * 4;  // the warps' O, reusing the K/V stages
-    // sQ, then sK[STAGES], sV[STAGES]. Must equal cuflash/_config.py:decode_smem_bytes.
-    static constexpr int SMEM_BYTES = SQ_ELEMS * 2 + KV_BYTES;
+    // cp.async: sQ, then sK[STAGES], sV[STAGES]. TMA: up to 1023 bytes of alignment, sK[STAGES],
+    // sV[STAGES] (each 1024-byte aligned), then sQ. Must equal cuflash/_config.py:decode_smem_bytes.
+    static constexpr int SMEM_BYTES = SQ_ELEMS * 2 + KV_BYTES + (TMA ? 1024 : 0);
+    static_assert(!TMA || HEAD_DIM % 64 == 0, "TMA tiles are whole 64-column panels");
 
     static_assert(HEAD_DIM % 8 == 0 && HEAD_DIM >= 8 && HEAD_DIM <= 256, "head_dim: multiple of 8 in [8, 256]");
     static_assert(STAGES >= 2, "a pipeline needs two stages");
+    static_assert(WARPS == 4 || WARPS == 8, "4 warps (64-key tiles) or 8 (128-key tiles)");
     static_assert(MERGE_BYTES <= KV_BYTES, "the merge buffer lives in the K/V stages");
 };
 
@@ -228,12 +261,12 @@ __device__ __forceinline__ i64 merge_row_index(const DecodeParams& p, int b, int
     return ((i64)b * p.nheads + h_kv * p.head_group + r % p.head_group) * p.seqlen_q + r / p.head_group;
 }
 
-template <typename T, int HEAD_DIM>
+template <typename T, int HEAD_DIM, int THREADS>
 __device__ __forceinline__ void merge_tile(const DecodeParams& p, int b, int h_kv, int r0, int r_end, float* w) {
     constexpr int CQ = HEAD_DIM / 4;
     const int tid = threadIdx.x, G = p.head_group, S = p.num_splits, R = r_end - r0;
     const i64 total = (i64)p.batch * p.nheads * p.seqlen_q;
-    for (int i = tid; i < R * S; i += 128) w[i] = p.lse_part[(i64)(i % S) * total + merge_row_index(p, b, h_kv, r0 + i / S)];
+    for (int i = tid; i < R * S; i += THREADS) w[i] = p.lse_part[(i64)(i % S) * total + merge_row_index(p, b, h_kv, r0 + i / S)];
     __syncthreads();
     if (tid < R) {
         const int head = h_kv * G + (r0 + tid) % G;
@@ -254,7 +287,7 @@ __device__ __forceinline__ void merge_tile(const DecodeParams& p, int b, int h_k
         if (p.lse != nullptr) p.lse[merge_row_index(p, b, h_kv, r0 + tid)] = empty ? -CUFLASH_INF : (base + fast_log2(lt)) * 0.6931471805599453f;
     }
     __syncthreads();
-    for (int i = tid; i < R * CQ; i += 128) {
+    for (int i = tid; i < R * CQ; i += THREADS) {
         const int rr = i / CQ, c = i % CQ;
         const i64 row = merge_row_index(p, b, h_kv, r0 + rr);
         const float* src = p.o_part + row * HEAD_DIM + 4 * c;
@@ -276,19 +309,30 @@ __device__ __forceinline__ void merge_tile(const DecodeParams& p, int b, int h_k
     }
 }
 
-template <typename T, int HEAD_DIM, int STAGES>
-__global__ void __launch_bounds__(128)
-flash_decode_kernel(const __grid_constant__ DecodeParams p) {
-    using Tr = DecodeTraits<HEAD_DIM, STAGES>;
+template <typename T, int HEAD_DIM, int STAGES, int WARPS, bool TMA>
+__global__ void __launch_bounds__(WARPS * 32)
+flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p) {
+    using Tr = DecodeTraits<HEAD_DIM, STAGES, WARPS, TMA>;
     using Ops = ElemOps<T>;
     constexpr int THREADS = Tr::THREADS, WN = Tr::WN, BN = Tr::BN, PITCH = Tr::PITCH, CHUNKS = Tr::CHUNKS;
     constexpr int D_TILES = Tr::D_TILES, N_TILES = WN / 8;
 
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    T* sQ = reinterpret_cast<T*>(smem_raw);   // (16, PITCH)
-    T* sK = sQ + Tr::SQ_ELEMS;                 // STAGES x (BN, PITCH)
-    T* sV = sK + STAGES * Tr::SKV_ELEMS;       // STAGES x (BN, PITCH)
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    T* sQ;  // (16, PITCH)
+    T* sK;  // STAGES x a tile
+    T* sV;  // STAGES x a tile
+    if constexpr (TMA) {
+        T* base = reinterpret_cast<T*>(smem_raw + (((smem_addr(smem_raw) + 1023u) & ~1023u) - smem_addr(smem_raw)));
+        sK = base;
+        sV = sK + STAGES * Tr::SKV_ELEMS;
+        sQ = sV + STAGES * Tr::SKV_ELEMS;
+    } else {
+        sQ = reinterpret_cast<T*>(smem_raw);
+        sK = sQ + Tr::SQ_ELEMS;
+        sV = sK + STAGES * Tr::SKV_ELEMS;
+    }
     __shared__ float s_m[Tr::WARPS][16], s_l[Tr::WARPS][16];
+    __shared__ alignas(8) unsigned long long s_full[TMA ? STAGES : 1];  // TMA: stage s's tile landed
 
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, t4 = lane % 4;
     const int split = (int)(blockIdx.x % (unsigned)p.num_splits);
@@ -349,7 +393,7 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
     //   STAGES offset tables (-1: past the chunk, zero-filled); tile j's table is written in iteration
     //   j - STAGES and read (after the next block barrier) when tile j's copy is issued.
     // Keys past the chunk land as zeros either way (their P is 0, and 0 * V must not meet garbage).
-    __shared__ i64 s_off[STAGES][2][BN];
+    __shared__ i64 s_off[TMA ? 1 : STAGES][2][BN];
     static_assert(THREADS == 2 * BN, "one thread per (key row, K or V)");
     // (Not above head_dim 128, whose kernel is at 255 registers: ptxas spilled there on sm_90a.)
     constexpr bool LANE_ROWS = THREADS % CHUNKS == 0 && THREADS / CHUNKS <= BN && HEAD_DIM <= 128;
@@ -431,13 +475,48 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
         }
     };
 
-    for (int st = 0; st < STAGES; ++st)
-        if (st < n_tiles && !affine(st)) tile_offsets(st);
-    __syncthreads();
+    // TMA (contiguous caches without a sink boundary: every tile is affine): thread 0 issues one box
+    // per 64-column panel of K and of V for the tile's BN keys from key v0 + key_off, completing on
+    // stage's s_full barrier, at the same points where the cp.async path issues its copies. Cache
+    // rows past the capacity land as zeros; rows past the chunk but inside the capacity (the cache
+    // beyond an entry's length) are garbage, so the last tile's V rows past the chunk are zeroed in
+    // shared memory before use (its K rows only give scores that the mask drops).
+    auto tma_tile = [&](int it) {
+        if constexpr (TMA) {
+            const int stage = it % STAGES;
+            const u32 bar = smem_addr(&s_full[stage]);
+            const int key = v_begin + it * BN + key_off;
+            const u32 dK = smem_addr(sK + stage * Tr::SKV_ELEMS), dV = smem_addr(sV + stage * Tr::SKV_ELEMS);
+            mbar_arrive_expect_tx(bar, 2u * Tr::SKV_ELEMS * sizeof(T));
 #pragma unroll
-    for (int st = 0; st < STAGES - 1; ++st) {
-        if (st < n_tiles) load_tile(st);
-        cp_async_commit();
+            for (int c = 0; c < HEAD_DIM / 64; ++c) {
+                tma_load_4d(dK + c * BN * 128, &p.map_k, bar, 64 * c, key, h_kv, cache_row);
+                tma_load_4d(dV + c * BN * 128, &p.map_v, bar, 64 * c, key, h_kv, cache_row);
+            }
+        }
+    };
+
+    if constexpr (TMA) {
+        if (tid == 0) {
+            tma_prefetch_desc(&p.map_k);
+            tma_prefetch_desc(&p.map_v);
+#pragma unroll
+            for (int st = 0; st < STAGES; ++st) mbar_init(smem_addr(&s_full[st]), 1);
+            fence_mbar_init();
+        }
+        __syncthreads();
+        if (tid == 0)
+            for (int st = 0; st < STAGES - 1 && st < n_tiles; ++st) tma_tile(st);
+        cp_async_commit();  // Q's group
+    } else {
+        for (int st = 0; st < STAGES; ++st)
+            if (st < n_tiles && !affine(st)) tile_offsets(st);
+        __syncthreads();
+#pragma unroll
+        for (int st = 0; st < STAGES - 1; ++st) {
+            if (st < n_tiles) load_tile(st);
+            cp_async_commit();
+        }
     }
 
     // ---- per-row facts of this thread's two rows (g, g + 8): key span, ALiBi slope ----
@@ -477,16 +556,33 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc_o[dt][e] = 0.f;
 
+    if constexpr (TMA) cp_async_wait<0>();  // Q (visible to all after the loop's first barrier)
     for (int it = 0; it < n_tiles; ++it) {
-        cp_async_wait<STAGES - 2>();
-        __syncthreads();
-        if (it + STAGES - 1 < n_tiles) load_tile(it + STAGES - 1);
-        cp_async_commit();
-        if (it + STAGES < n_tiles && !affine(it + STAGES)) tile_offsets(it + STAGES);  // its slot's table was read above
-
         const int stage = it % STAGES;
+        if constexpr (TMA) {
+            __syncthreads();  // every warp is done with tile it - 1, whose stage tile it + STAGES - 1 takes
+            if (tid == 0 && it + STAGES - 1 < n_tiles) tma_tile(it + STAGES - 1);
+            mbar_wait(smem_addr(&s_full[stage]), (it / STAGES) & 1);
+            const int valid = v_end - (v_begin + it * BN);
+            if (valid < BN) {  // the chunk's last tile (block-uniform)
+                const u32 tV = smem_addr(sV + stage * Tr::SKV_ELEMS);
+                for (int c = tid; c < (BN - valid) * CHUNKS; c += THREADS)
+                    asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};"
+                                 :: "r"(tV + decode_sw128<BN>(valid + c / CHUNKS, c % CHUNKS)), "r"(0u) : "memory");
+                __syncthreads();
+            }
+        } else {
+            cp_async_wait<STAGES - 2>();
+            __syncthreads();
+            if (it + STAGES - 1 < n_tiles) load_tile(it + STAGES - 1);
+            cp_async_commit();
+            if (it + STAGES < n_tiles && !affine(it + STAGES)) tile_offsets(it + STAGES);  // its slot's table was read above
+        }
+
         const T* sKw = sK + stage * Tr::SKV_ELEMS + warp * WN * PITCH;
         const T* sVw = sV + stage * Tr::SKV_ELEMS + warp * WN * PITCH;
+        const u32 sKt = smem_addr(sK + stage * Tr::SKV_ELEMS), sVt = smem_addr(sV + stage * Tr::SKV_ELEMS);
+        const int lrow = warp * WN + lane % 8, li = lane / 8;  // (TMA) this lane's ldmatrix row, matrix
 
         // ---- S = Q K^T for this warp's 16 keys ----
         float s[1][N_TILES][4];
@@ -503,11 +599,15 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
 #pragma unroll
             for (int kc = 0; kc < HEAD_DIM / 16; ++kc) {
                 u32 bk[4];
-                load_b_pair_k16<false>(bk, sKw, PITCH, kc * 16, 0, lane);
+                if constexpr (TMA)  // load_b_pair_k16<false>'s rows and columns, in the SW128 panels
+                    ldmatrix_x4(bk, sKt + decode_sw128<BN>(lrow + (li / 2) * 8, 2 * kc + li % 2));
+                else
+                    load_b_pair_k16<false>(bk, sKw, PITCH, kc * 16, 0, lane);
                 Ops::mma16816(s[0][0], qa[kc], bk[0], bk[1]);
                 Ops::mma16816(s[0][1], qa[kc], bk[2], bk[3]);
             }
         } else {
+            static_assert(!TMA, "the TMA kernel keeps Q in registers");
             warp_mma<T, HEAD_DIM, N_TILES, false, false>(s[0], sQ, PITCH, sKw, PITCH, N_TILES, lane);
         }
 
@@ -570,18 +670,21 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
 #pragma unroll
         for (int dp = 0; dp < D_TILES / 2; ++dp) {
             u32 bv[4];
-            load_b_pair_k16<true>(bv, sVw, PITCH, 0, dp * 16, lane);
+            if constexpr (TMA)  // load_b_pair_k16<true>'s rows and columns, in the SW128 panels
+                ldmatrix_x4_trans(bv, sVt + decode_sw128<BN>(lrow + (li % 2) * 8, 2 * dp + li / 2));
+            else
+                load_b_pair_k16<true>(bv, sVw, PITCH, 0, dp * 16, lane);
             Ops::mma16816(acc_o[2 * dp], pa, bv[0], bv[1]);
             Ops::mma16816(acc_o[2 * dp + 1], pa, bv[2], bv[3]);
         }
-        if (D_TILES % 2) {
+        if (!TMA && D_TILES % 2) {
             u32 b0, b1;
             load_b_one_k16<true>(b0, b1, sVw, PITCH, 0, (D_TILES - 1) * 8, lane);
             Ops::mma16816(acc_o[D_TILES - 1], pa, b0, b1);
         }
     }
 
-    // ---- merge the 4 warps: (m, l) per row, then O in a fixed order through shared memory ----
+    // ---- merge the warps: (m, l) per row, then O in a fixed order through shared memory ----
     cp_async_wait<0>();
     __syncthreads();  // every warp is done with the K/V stages, which now hold the merge buffer
 #pragma unroll
@@ -672,7 +775,7 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
         __threadfence();  // the other splits' partials, counted before this block's, are visible
         // The pipeline's shared memory is free: the combine's scratch goes where the K tiles were.
         static_assert(Tr::KV_BYTES >= TILE_MERGE_MAX * 4, "the merge's weights fit in the K/V stages");
-        merge_tile<T, HEAD_DIM>(p, b, h_kv, r0, r_end, reinterpret_cast<float*>(sK));
+        merge_tile<T, HEAD_DIM, THREADS>(p, b, h_kv, r0, r_end, reinterpret_cast<float*>(sK));
         if (tid == 0) p.split_counters[rest] = 0;  // zero again for the next call
     }
 }

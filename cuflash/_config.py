@@ -617,15 +617,83 @@ def feat_dq_config(target: str, head_dim: int, dtype: str) -> TileConfig:
 
 
 # ---- decoding against a KV cache (cuda_src/flash_decode.cu) ----
-DECODE_BLOCK_N = 64   # keys per tile: 4 warps x 16
+DECODE_BLOCK_N = 64   # keys per tile of the 4-warp kernel: 4 warps x 16 (16 * warps in general)
 DECODE_ROWS = 16      # packed query rows (query heads of a kv head x positions) per thread block
 
 
-def decode_smem_bytes(head_dim: int, stages: int) -> int:
-    """Dynamic shared memory of the decode kernel: sQ (16 rows) and `stages` stages of sK and sV
-    (cuda_src/flash_decode.cu: DecodeTraits::SMEM_BYTES)."""
+def decode_smem_bytes(head_dim: int, stages: int, warps: int = 4, tma: bool = False) -> int:
+    """Dynamic shared memory of the decode kernel: sQ (16 rows) and `stages` stages of sK and sV,
+    16 * warps keys each: rows padded to padded_pitch (cp.async), or dense SW128 panels after up to
+    1 KB of alignment (TMA) (cuda_src/flash_decode.cu: DecodeTraits::SMEM_BYTES)."""
     pitch = padded_pitch(head_dim)
-    return DECODE_ROWS * pitch * 2 + 2 * stages * DECODE_BLOCK_N * pitch * 2
+    return DECODE_ROWS * pitch * 2 + 2 * stages * 16 * warps * (head_dim if tma else pitch) * 2 + (1024 if tma else 0)
+
+
+def decode_static_smem_bytes(stages: int, warps: int, tma: bool = False) -> int:
+    """The decode kernel's static shared memory, rounded up: the offset tables s_off (stages x 2 x
+    16 * warps int64; one stage's with TMA), the warps' (m, l), the TMA barriers and a flag."""
+    return (1 if tma else stages) * 2 * 16 * warps * 8 + 2 * warps * 16 * 4 + 8 * stages + 64
+
+
+# Head dims of the TMA decode kernel (sm_90a): whole 64-column panels, Q in registers.
+DECODE_TMA_HEAD_DIMS = (64, 128)
+
+
+def decode_tma_enabled() -> bool:
+    """Whether decodes of contiguous caches may read them through TMA (cuda_src/flash_decode.cu, TMA):
+    yes unless CUFLASH_DECODE_TMA=0. Read when a decode plan is made."""
+    import os
+
+    return os.environ.get("CUFLASH_DECODE_TMA") != "0"
+
+
+def decode_wide_supported(head_dim: int) -> bool:
+    """Whether the 8-warp decode kernel (128-key tiles) is built for head_dim: multiples of 16 from
+    64 to 128 (its Q stays in registers; above 128 the 4-warp kernel is already at the register
+    limit)."""
+    return 64 <= head_dim <= 128 and head_dim % 16 == 0
+
+
+def decode_wide_stages(target: str, head_dim: int) -> int | None:
+    """Pipeline stages of the 8-warp decode kernel (one block per SM by design: it serves grids that
+    leave an SM a single block): 3 where they fit the target's shared memory, else 2; None when
+    not built (decode_wide_supported) or 2 do not fit."""
+    if not decode_wide_supported(head_dim):
+        return None
+    fam = family_of_target(target)
+    for stages in (3, 2):
+        if decode_smem_bytes(head_dim, stages, 8) + decode_static_smem_bytes(stages, 8) <= SMEM_LIMIT[fam]:
+            return stages
+    return None
+
+
+def decode_warps_forced() -> int:
+    """CUFLASH_DECODE_WARPS: 4 or 8 forces the decode kernel's warp count where that kernel exists
+    (A/B measurements, tests; the split count is then the 4-warp kernel's); unset or 0: chosen per
+    call (decode_warps_and_splits). Read when a decode plan is made."""
+    import os
+
+    v = os.environ.get("CUFLASH_DECODE_WARPS", "0")
+    return int(v) if v in ("4", "8") else 0
+
+
+def decode_warps_and_splits(blocks: int, splits: int, sm_count: int, forced: bool) -> tuple[int, int]:
+    """(warps, num_splits) of a decode whose 4-warp kernel would take `splits` splits (decode_num_splits'
+    choice, or the caller's forced count): the 8-warp kernel where its grid gives no SM a second block,
+    so that each SM runs 8 warps instead of a lone block's 4 (one per scheduler, nothing to hide its
+    latencies) and keeps twice the bytes in flight. Its tiles are 128 keys, so it takes half the
+    splits: ceil(splits / 2), used where splits <= 4 and blocks x that <= sm_count. A forced count is
+    kept: the 8-warp kernel where splits <= 2 and blocks x splits <= sm_count.
+    Measured on an H200 (bench/dev/decode_splits.py --warps 4 8, batch x cache 512-8k x GQA 1/4/8, 32
+    query heads, head_dim 128, session 11): at the same split count the 8-warp kernel was faster
+    wherever blocks x splits <= 132 (splits 1 and 2 tried), and slower past it; against the 4-warp
+    kernel's choice, 128 blocks unsplit: 0.93-0.98x (4x512x1 13.1 against 13.9 us, 16x8192x4 134.5
+    against 138.7); 64 blocks, 4 splits against 8 warps x 2: 0.97-1.01x; 32 blocks and fewer (8 splits
+    or more chosen): the 4-warp kernel's choice was the fastest of those tried, so it is kept there."""
+    if forced:
+        return (8, splits) if splits <= 2 and blocks * splits <= sm_count else (4, splits)
+    wide = max(1, -(-splits // 2))
+    return (8, wide) if splits <= 4 and blocks * wide <= sm_count else (4, splits)
 
 
 def decode_stages(target: str, head_dim: int) -> int | None:

@@ -546,7 +546,8 @@ class DecodePlan:
         self.tile_rows = min(rows, _config.DECODE_ROWS)
         self.counter_count = blocks
         self.counters = {}  # stream -> the fused combine's counters (cupy memory, zeroed once)
-        if num_splits == 0:
+        forced = num_splits != 0
+        if not forced:
             # Two blocks per SM: one alone keeps too few bytes in flight to draw the SM's share of
             # the memory bandwidth (measured: 48 % of the copy bandwidth at 1 block per SM). An eager
             # call and one captured in a CUDA graph may get different counts (decode_num_splits'
@@ -555,9 +556,19 @@ class DecodePlan:
             paged = infos.get("block_table") is not None
             graph_splits = _config.decode_num_splits(blocks, keys, _sm_count(dev), 2, host_bound_rule=False,
                                                      paged=paged)
-            num_splits = (graph_splits if self._fusable(graph_splits)
-                          else _config.decode_num_splits(blocks, keys, _sm_count(dev), 2, host_bound_rule=True,
-                                                         paged=paged))
+            if self._fusable(graph_splits):
+                num_splits = graph_splits
+            else:
+                num_splits = _config.decode_num_splits(blocks, keys, _sm_count(dev), 2, host_bound_rule=True,
+                                                       paged=paged)
+                fusable_max = _config.DECODE_FUSED_MAX_PARTS // self.tile_rows
+                if num_splits == 1 and self.fused and fusable_max >= 2:
+                    # The count GPU time asks for is past the fused combine's limit, and the eager
+                    # rule would not split at all (a combine kernel's launch): the best count the
+                    # fused combine serves instead. H200, session 11: batch 1, 1024 keys, GQA 8 ran
+                    # unsplit at 21.4 us, where 8 splits of 512 keys took 9.7.
+                    num_splits = _config.decode_num_splits(blocks, keys, _sm_count(dev), 2, host_bound_rule=False,
+                                                           paged=paged, max_splits=fusable_max)
         else:
             graph_splits = num_splits
         table = infos.get("block_table")
@@ -591,21 +602,39 @@ class DecodePlan:
         self.input_slots = tuple((i, n) for i, n in enumerate(_D_ARRAYS)
                                  if n in used and n not in ("out", "lse", "scratch"))
 
+        target = _config.compile_arch(*cc)
+        wide_ok = _config.decode_wide_stages(target, d) is not None
+        forced_warps = _config.decode_warps_forced()
+        self.tma = _launch.use_decode_tma(tensor("k_cache", _D_KC), tensor("v_cache", _D_VC), c.dtype, target, c.paged,
+                                          f.num_sink_tokens, f.window_left)
+
+        def warps_and_splits(splits):
+            """The decode kernel's warps and split count for the 4-warp kernel's split count: 8 warps
+            where that kernel is built and the grid leaves each SM one block
+            (_config.decode_warps_and_splits), or as CUFLASH_DECODE_WARPS forces."""
+            if not wide_ok:
+                return 4, splits
+            if forced_warps:
+                return forced_warps, splits
+            return _config.decode_warps_and_splits(blocks, splits, _sm_count(dev), forced)
+
         def variant(splits):
-            """(num_splits, scratch floats, launches, launches with the fused combine or None) of one
-            split count."""
+            """(num_splits, scratch floats, launches, launches with the fused combine or None) of the
+            4-warp kernel's split count `splits` (the 8-warp kernel's own count where it runs)."""
             out_t = DeviceTensor(Slot(_D_OUT), self.out_shape, contiguous_strides(self.out_shape))
+            warps, splits = warps_and_splits(splits)
+            self.warps = warps
 
             def launches(counters):
                 return _launch.decode_launches(tensor("q", _D_Q), tensor("k_cache", _D_KC), tensor("v_cache", _D_VC),
                                                out_t, dataclasses.replace(args0, num_splits=splits,
                                                                           split_counters=counters),
-                                               c.dtype, c.scale, mask, dev, cc)
+                                               c.dtype, c.scale, mask, dev, cc, warps, self.tma)
             fused = launches(Slot(_D_COUNTERS)) if self._fusable(splits) else None
             return splits, _launch.decode_scratch_floats(b, h, sq, d, splits), launches(0), fused
 
-        self.eager = variant(num_splits)
-        self.graph = self.eager if graph_splits == num_splits else variant(graph_splits)
+        self.graph = variant(graph_splits)
+        self.eager = self.graph if graph_splits == num_splits else variant(num_splits)  # (self.warps: eager's)
         self.num_splits, self.scratch_floats, self.launches = self.eager[:3]  # the eager variant's
 
     def _fusable(self, splits: int) -> bool:

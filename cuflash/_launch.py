@@ -115,6 +115,12 @@ DECODE_PARAMS = np.dtype(
 
 _DECODE_CHECKS_PARAMS = _compile.params_layout_checks("cuflash", "DecodeParams", DECODE_PARAMS)
 
+# Mirror of cuflash::DecodeTmaParams (cuda_src/flash_decode.cu): DecodeParams, then the maps of the K
+# and V caches.
+DECODE_TMA_PARAMS = _with_maps(DECODE_PARAMS, ("map_k", "map_v"))
+_DECODE_TMA_CHECKS_PARAMS = (_compile.params_layout_checks("cuflash", "DecodeTmaParams", DECODE_TMA_PARAMS) + "\n"
+                             + _DECODE_CHECKS_PARAMS)
+
 # Mirror of cuflash::GatherParams (cuda_src/paged_gather.cu).
 GATHER_PARAMS = np.dtype(
     [(n, np.uint64) for n in ("src", "dst", "block_table", "cu_seqlens_k", "cu_out")]
@@ -876,6 +882,22 @@ def _use_tma(k: DeviceTensor, v: DeviceTensor, block_n: int, dtype: str, pad: bo
     return all(_tma.layout_patch(t.shape, t.strides, block_n, dtype) is not None for t in (k, v))
 
 
+def use_decode_tma(k: DeviceTensor, v: DeviceTensor, dtype: str, target: str, paged: bool, num_sink_tokens: int,
+                   window_left: int) -> bool:
+    """Whether a decode reads its caches through TMA (cuda_src/flash_decode.cu, TMA): sm_90a, a
+    contiguous cache (paged tiles span blocks), head_dim 64 or 128, no sink tokens beside a window
+    (their tiles are not one box), maps with the one-word pointer patch for both tile heights (so a
+    call costs no encode), and CUFLASH_DECODE_TMA not 0. Never where the driver cannot be loaded."""
+    from . import _tma
+
+    if (target != "sm_90a" or paged or k.shape[3] not in _config.DECODE_TMA_HEAD_DIMS
+            or (num_sink_tokens > 0 and window_left >= 0) or not _config.decode_tma_enabled()):
+        return False
+    if not (_tma_ok(k) and _tma_ok(v)) or not _tma.available():
+        return False
+    return all(_tma.layout_patch(t.shape, t.strides, rows, dtype) is not None for t in (k, v) for rows in (64, 128))
+
+
 def _use_bwd_ws(q: DeviceTensor, dout: DeviceTensor, k: DeviceTensor, v: DeviceTensor, dtype: str,
                 block_m: int, block_n: int = 128, pad: bool = False) -> bool:
     """Whether the warp-specialized backward may run (cuflash/_config.py bwd_ws_mode): Q and dO
@@ -1113,16 +1135,19 @@ def default_scale(head_dim: int) -> float:
 
 # ---- decoding against a KV cache (cuda_src/flash_decode.cu) ----
 
-def decode_specialization(dtype: str, head_dim: int, stages: int):
+def decode_specialization(dtype: str, head_dim: int, stages: int, warps: int = 4, tma: bool = False):
     short, ctype = _DTYPE_TAG[dtype]
-    smem = _config.decode_smem_bytes(head_dim, stages)
+    smem = _config.decode_smem_bytes(head_dim, stages, warps, tma)
+    flag = "true" if tma else "false"
     checks = "\n".join([
-        _DECODE_CHECKS_PARAMS,
-        f"static_assert(cuflash::DecodeTraits<{head_dim}, {stages}>::SMEM_BYTES == {smem},"
+        _DECODE_TMA_CHECKS_PARAMS if tma else _DECODE_CHECKS_PARAMS,
+        f"static_assert(cuflash::DecodeTraits<{head_dim}, {stages}, {warps}, {flag}>::SMEM_BYTES == {smem},"
         f' "shared memory size differs from cuflash/_config.py:decode_smem_bytes");',
     ])
-    return _compile.Specialization("flash_decode.cu", f"cuflash::flash_decode_kernel<{ctype}, {head_dim}, {stages}>",
-                                   f"decode_{short}_d{head_dim}_s{stages}", checks), smem
+    tag = ("" if warps == 4 else f"_w{warps}") + ("_tma" if tma else "")
+    return _compile.Specialization("flash_decode.cu",
+                                   f"cuflash::flash_decode_kernel<{ctype}, {head_dim}, {stages}, {warps}, {flag}>",
+                                   f"decode_{short}_d{head_dim}_s{stages}{tag}", checks), smem
 
 
 def decode_combine_specialization(dtype: str, head_dim: int):
@@ -1137,15 +1162,22 @@ def decode_append_specialization():
 
 
 def all_decode_specializations(target: str, head_dims=None, dtypes=None):
-    """The decode kernel and the split combine per (dtype, head_dim) the target serves, the append, and
-    the paged prefill's gather."""
+    """The decode kernel (4 warps; and 8 where built; each also reading through TMA on sm_90a at
+    _config.DECODE_TMA_HEAD_DIMS) and the split combine per (dtype, head_dim) the target serves, the
+    append, and the paged prefill's gather."""
     out = []
     for dtype in dtypes or _config.DTYPES:
         for d in head_dims or _config.HEAD_DIMS:
             stages = _config.decode_stages(target, d)
             if stages is not None:
-                out.append(decode_specialization(dtype, d, stages))
+                tmas = (False, True) if target == "sm_90a" and d in _config.DECODE_TMA_HEAD_DIMS else (False,)
+                for tma in tmas:
+                    out.append(decode_specialization(dtype, d, stages, 4, tma))
                 out.append((decode_combine_specialization(dtype, d), 0))
+                wide = _config.decode_wide_stages(target, d)
+                if wide is not None:
+                    for tma in tmas:
+                        out.append(decode_specialization(dtype, d, wide, 8, tma))
     out.append((decode_append_specialization(), 0))
     out.append((gather_specialization(), 0))
     return out
@@ -1180,15 +1212,18 @@ def decode_scratch_floats(batch: int, nheads: int, seqlen_q: int, head_dim: int,
 
 
 def decode_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTensor, a: DecodeArgs, dtype: str,
-                    softmax_scale: float, mask: MaskArgs, device_id: int, cc: tuple[int, int]) -> list[Launch]:
+                    softmax_scale: float, mask: MaskArgs, device_id: int, cc: tuple[int, int],
+                    warps: int = 4, tma: bool = False) -> list[Launch]:
     """The launches of one attention_with_kvcache call on the GPU: the append (when k_new is given),
-    the decode kernel, and the combine of the splits (num_splits > 1). k / v: the caches, with the
-    strides of a cache row (contiguous) or a block (paged) first."""
+    the decode kernel (with `warps` warps: 4, or 8 where _config.decode_wide_stages builds it;
+    tma: reading a contiguous cache through tensor maps, use_decode_tma), and the combine of the
+    splits (num_splits > 1). k / v: the caches, with the strides of a cache row (contiguous) or a
+    block (paged) first."""
     batch, seqlen_q, nheads, head_dim = q.shape
     nheads_kv = k.shape[2]
     target = _config.compile_arch(*cc)
-    stages = _config.decode_stages(target, head_dim)
-    assert stages is not None, (target, head_dim)
+    stages = _config.decode_stages(target, head_dim) if warps == 4 else _config.decode_wide_stages(target, head_dim)
+    assert stages is not None, (target, head_dim, warps)
     group = nheads // nheads_kv
     rows = seqlen_q * group
     row_tiles = _cdiv(rows, _config.DECODE_ROWS)
@@ -1196,7 +1231,7 @@ def decode_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: Device
     if grid > MAX_GRID_X:
         raise ValueError(f"batch * nheads_kv * ceil(seqlen_q * nheads / nheads_kv / 16) * num_splits = {grid} thread "
                          f"blocks exceeds the grid limit {MAX_GRID_X}; split the batch")
-    p = np.zeros((), dtype=DECODE_PARAMS)
+    p = np.zeros((), dtype=DECODE_TMA_PARAMS if tma else DECODE_PARAMS)
     named = [("q", q), ("k", k), ("v", v), ("o", o)]
     ptrs = _tensor_ptrs(named)
     _set_strides(p, named)
@@ -1230,9 +1265,16 @@ def decode_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: Device
         fn = _compile.get_function(spec, target, device_id, 0)
         count = batch * seqlen_new * nheads_kv * head_dim
         launches.append(Launch(spec.name, fn.ptr, max(1, min(_cdiv(count, 256), 1024)), 256, 0, p, ptrs, device_id))
-    spec, smem = decode_specialization(dtype, head_dim, stages)
+    spec, smem = decode_specialization(dtype, head_dim, stages, warps, tma)
     fn = _compile.get_function(spec, target, device_id, smem)
-    launches.append(Launch(spec.name, fn.ptr, grid, 128, smem, p, ptrs, device_id))
+    if tma:
+        from . import _tma
+
+        maps = [(name, t.ptr, _tma.MapCache(t.shape, t.strides, 16 * warps, dtype)) for name, t in
+                (("map_k", k), ("map_v", v))]
+        launches.append(TmaLaunch(spec.name, fn.ptr, grid, 32 * warps, smem, p, ptrs, device_id, maps))
+    else:
+        launches.append(Launch(spec.name, fn.ptr, grid, 32 * warps, smem, p, ptrs, device_id))
     if a.num_splits > 1 and not a.split_counters:  # (fused: the decode kernel's last split block combines)
         spec = decode_combine_specialization(dtype, head_dim)
         fn = _compile.get_function(spec, target, device_id, 0)

@@ -1017,15 +1017,21 @@ def test_kvcache_prefill_path_wiring(dev, seqlens_kind):
 
 @pytest.mark.parametrize("layout", ["contig", "contig_idx", "paged"])
 @pytest.mark.parametrize("splits", [1, 5])
-def test_kvcache_decode_wiring(dev, monkeypatch, layout, splits):
+@pytest.mark.parametrize("warps", ["", "4", "8"])
+def test_kvcache_decode_wiring(dev, monkeypatch, layout, splits, warps):
     """attention_with_kvcache on a GPU through the decode kernels (cuda_src/flash_decode.cu): the
     append, decode and combine launches read the caller's caches, index arrays and new tokens in place,
     with their strides; the split scratch holds o_part then lse_part; the heuristic is not asked when
-    num_splits is forced."""
+    num_splits is forced. The decode kernel has 8 warps (256 threads, 3 stages at head_dim 64) where
+    the grid leaves SMs one block at most and the call is unsplit (6 blocks here), or as
+    CUFLASH_DECODE_WARPS forces; else 4."""
     from cuflash import _kvcache
 
     monkeypatch.setattr(_kvcache, "_sm_count", lambda device_id: 132)
     monkeypatch.setenv("CUFLASH_DECODE_FUSED_COMBINE", "0")  # the combine kernel's path
+    monkeypatch.setenv("CUFLASH_DECODE_WARPS", warps)
+    monkeypatch.setattr(_kvcache, "_DECODE_PLANS", {})  # plans made here read the settings above
+    monkeypatch.setattr(_kvcache, "_FAST_PLANS", {})
     ad, launched = dev
     rng = np.random.default_rng()
     b, h, hkv, d, n, sq = 3, 8, 2, 64, 2, 2
@@ -1043,7 +1049,9 @@ def test_kvcache_decode_wiring(dev, monkeypatch, layout, splits):
     cuflash.attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, seqlens, causal=True, num_splits=splits,
                                    softcap=5.0, **extra)
     names = [L["name"] for L in launched]
-    assert names == ["decode_append", "decode_f16_d64_s4"] + (["decode_combine_f16_d64"] if splits > 1 else [])
+    wide = warps == "8" or (warps == "" and splits == 1)
+    kernel = "decode_f16_d64_s3_w8" if wide else "decode_f16_d64_s4"
+    assert names == ["decode_append", kernel] + (["decode_combine_f16_d64"] if splits > 1 else [])
     for L in launched:
         p = L["p"]
         assert int(p["k"]) == addr(k_cache) and int(p["v"]) == addr(v_cache), "the caches, in place"
@@ -1069,7 +1077,7 @@ def test_kvcache_decode_wiring(dev, monkeypatch, layout, splits):
             assert int(p["lse_part"]) == addr(scratch) + 4 * splits * b * h * sq * d
         else:
             assert int(p["o_part"]) == 0 and int(p["lse_part"]) == 0
-    assert launched[1]["grid"] == b * hkv * 1 * splits and launched[1]["threads"] == 128
+    assert launched[1]["grid"] == b * hkv * 1 * splits and launched[1]["threads"] == (256 if wide else 128)
 
 
 @pytest.mark.parametrize("counters", [0xABC000, 0])
@@ -1097,7 +1105,8 @@ def test_kvcache_fused_combine_wiring(dev, monkeypatch, counters):
         names = [L["name"] for L in launched[n0:]]
         # 4 rows a tile x 40 splits is past _config.DECODE_FUSED_MAX_PARTS: the combine kernel.
         fused = splits > 1 and counters != 0 and 4 * splits <= 64
-        assert names == ["decode_f16_d64_s4"] + (["decode_combine_f16_d64"] if splits > 1 and not fused else []), names
+        kernel = "decode_f16_d64_s4" if splits > 1 else "decode_f16_d64_s3_w8"  # (unsplit: 6 blocks, 8 warps)
+        assert names == [kernel] + (["decode_combine_f16_d64"] if splits > 1 and not fused else []), names
         assert int(launched[n0]["p"]["split_counters"]) == (counters if fused else 0)
 
 
@@ -1158,10 +1167,35 @@ def test_kvcache_graph_capture_takes_its_own_split_count(dev, monkeypatch, fused
         cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens, causal=True, num_splits=forced)
         names = [L["name"] for L in launched]
         combine = want > 1 and not fused  # (the fixture's plans always have counters for the stream)
-        assert names == ["decode_f16_d64_s4"] + (["decode_combine_f16_d64"] if combine else []), (capture, names)
+        kernel = "decode_f16_d64_s4" if want > 1 else "decode_f16_d64_s3_w8"  # (unsplit: 1 block, 8 warps)
+        assert names == [kernel] + (["decode_combine_f16_d64"] if combine else []), (capture, names)
         assert int(launched[0]["p"]["num_splits"]) == want and launched[0]["grid"] == want, (capture, forced)
         if want > 1:
             assert int(launched[0]["p"]["o_part"]) != 0
+
+
+def test_kvcache_fused_cap_instead_of_no_split(dev, monkeypatch):
+    """Where the split count GPU time asks for is past the fused combine's limit (rows x splits >
+    DECODE_FUSED_MAX_PARTS) and the eager rule would not split (a short cache), an eager call takes the
+    best count the fused combine serves: batch 1, GQA 8 (8 rows), 1024 keys -> 8 splits, 4 warps, no
+    combine kernel; with the combine kernel (CUFLASH_DECODE_FUSED_COMBINE=0) it stays unsplit (8 warps)."""
+    from cuflash import _kvcache
+
+    monkeypatch.setattr(_kvcache, "_sm_count", lambda device_id: 132)
+    monkeypatch.setattr(_kvcache, "stream_capturing", lambda stream: False)
+    ad, launched = dev
+    rng = np.random.default_rng()
+    q = arr(rng, (1, 1, 8, 64))
+    kc, vc = arr(rng, (1, 1024, 1, 64)), arr(rng, (1, 1024, 1, 64))
+    seqlens = np.array([1000], np.int32).view(Dev)
+    for fused, want in (("1", ["decode_f16_d64_s4"]), ("0", ["decode_f16_d64_s3_w8"])):
+        monkeypatch.setenv("CUFLASH_DECODE_FUSED_COMBINE", fused)
+        monkeypatch.setattr(_kvcache, "_DECODE_PLANS", {})
+        monkeypatch.setattr(_kvcache, "_FAST_PLANS", {})
+        del launched[:]
+        cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens)
+        assert [L["name"] for L in launched] == want
+        assert int(launched[0]["p"]["num_splits"]) == (8 if fused == "1" else 1)
 
 
 def test_paged_prefill_gpu_wiring(dev):

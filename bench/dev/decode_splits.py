@@ -4,7 +4,8 @@
 For each shape (batch, cache length, GQA group; 32 query heads, head_dim 128, bf16, contiguous cache,
 no append; --paged: also a 16-row paged view of it) and each num_splits in --splits (0 = the
 heuristic's choice, printed) and each pipeline depth in --stages (0 = the library's choice,
-cuflash/_config.py decode_stages; others are compiled on the spot), the median over rounds of CUDA-event time around N back-to-back calls
+cuflash/_config.py decode_stages; others are compiled on the spot; 4-warp kernel only) and each warp
+count in --warps (0 = the library's choice, 4 or 8: CUFLASH_DECODE_WARPS), the median over rounds of CUDA-event time around N back-to-back calls
 / N, with a sleep kernel queued first so that the host runs ahead: the GPU's time per call, not the
 host's. Prints one table; --json writes it.
 """
@@ -16,6 +17,25 @@ import json
 import statistics
 
 
+def gpu_ms_per_call(torch, fn, calls: int, rounds: int, warmup: int = 3) -> float:
+    """GPU time of one call of fn: median over `rounds` of CUDA-event time around `calls` back-to-back
+    calls / calls, with a sleep kernel queued first so that the host runs ahead."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(int(calls * 200_000))  # ~0.1 ms per call queued: the host runs ahead
+        e0.record()
+        for _ in range(calls):
+            fn()
+        e1.record()
+        torch.cuda.synchronize()
+        times.append(e0.elapsed_time(e1) / calls)
+    return statistics.median(times)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", nargs="+", default=["1x512x8", "1x8192x8", "1x8192x1", "16x512x8", "16x8192x8",
@@ -25,10 +45,14 @@ def main():
     ap.add_argument("--paged", action="store_true", help="also time a 16-row paged layout of the same cache")
     ap.add_argument("--stages", type=int, nargs="+", default=[0],
                     help="cp.async pipeline stages of the decode kernel (0: the library's choice)")
+    ap.add_argument("--warps", type=int, nargs="+", default=[0], choices=[0, 4, 8],
+                    help="the decode kernel's warps (0: the library's choice; CUFLASH_DECODE_WARPS)")
     ap.add_argument("--calls", type=int, default=50)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json")
     args = ap.parse_args()
+
+    import os
 
     import torch
 
@@ -55,37 +79,25 @@ def main():
             layouts.append(("paged16", dict(k_cache=kc.view(nblk, page, hk, d), v_cache=vc.view(nblk, page, hk, d),
                                              block_table=table)))
         kv_bytes = 2 * b * L * hk * d * 2
-        for lname, kw, st in [(lname, kw, st) for lname, kw in layouts for st in args.stages]:
-            # A forced depth: every plan is made anew with it (the stage count is part of the kernel's name).
+        for lname, kw, st, w in [(lname, kw, st, w) for lname, kw in layouts for st in args.stages
+                                 for w in args.warps]:
+            # A forced depth or warp count: every plan is made anew with it (both are in the kernel's name).
             _config.decode_stages = library_stages if st == 0 else (lambda target, head_dim, st=st: st)
+            os.environ["CUFLASH_DECODE_WARPS"] = str(w)
             _kvcache._FAST_PLANS.clear()
             _kvcache._DECODE_PLANS.clear()
             for s in args.splits:
                 fn = lambda: cuflash.attention_with_kvcache(q, cache_seqlens=seqlens, num_splits=s, **kw)  # noqa: E731
-                for _ in range(3):
-                    fn()
-                torch.cuda.synchronize()
-                times = []
-                for _ in range(args.rounds):
-                    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    torch.cuda._sleep(int(args.calls * 200_000))  # ~0.1 ms per call queued: the host runs ahead
-                    e0.record()
-                    for _ in range(args.calls):
-                        fn()
-                    e1.record()
-                    torch.cuda.synchronize()
-                    times.append(e0.elapsed_time(e1) / args.calls)
-                ms = statistics.median(times)
-                chosen = s
-                if s == 0:
-                    plan = next(p for p in _kvcache._FAST_PLANS.values()
-                                if p.out_shape == (b, 1, h, d) and p.call.capacity == L and p.call.nheads_kv == hk
-                                and p.call.paged == (lname != "contig"))
-                    chosen = plan.num_splits
-                stages = st or library_stages(_config.compile_arch(*torch.cuda.get_device_capability()), d)
-                rows.append(dict(shape=shape, layout=lname, stages=stages, splits=s, chosen=chosen, ms=ms,
+                ms = gpu_ms_per_call(torch, fn, args.calls, args.rounds)
+                plan = next(p for p in _kvcache._FAST_PLANS.values()
+                            if p.out_shape == (b, 1, h, d) and p.call.capacity == L and p.call.nheads_kv == hk
+                            and p.call.paged == (lname != "contig") and p.num_splits == (s or p.num_splits))
+                chosen = plan.num_splits
+                kernel = next(L_.name for L_ in plan.launches if L_.name.startswith("decode_") and "combine" not in
+                              L_.name and "append" not in L_.name)
+                rows.append(dict(shape=shape, layout=lname, kernel=kernel, splits=s, chosen=chosen, ms=ms,
                                  gbps=kv_bytes / ms / 1e6))
-                print(f"{shape:>12} {lname:8} stages {stages} splits {s:3d} ({chosen:3d})  {ms * 1e3:9.1f} us  "
+                print(f"{shape:>12} {lname:8} {kernel:22} splits {s:3d} ({chosen:3d})  {ms * 1e3:9.1f} us  "
                       f"{kv_bytes / ms / 1e6:7.0f} GB/s", flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -1,0 +1,122 @@
+// decode_read_bw.cu: how fast can a decode-shaped kernel read a KV cache? (bench/dev/decode_read_bw.py)
+//
+// Algorithm: no attention, only the decode kernel's reads. Block (b, h) streams keys [0, seqlen) of
+// kv head h of entry b from K and V, tile by tile, through a STAGES-deep ring in shared memory, and
+// touches one element of each tile (so the copies cannot be dropped); the sum goes to sink[block].
+//   read_cpasync: the decode kernel's copies (cuda_src/flash_decode.cu, LANE_ROWS): 128 threads; a
+//                 thread keeps one 16-byte column chunk and walks rows tid / CHUNKS + 8 i of each
+//                 BN-key tile; cp.async.cg with the L2::256B hint; tile it + STAGES - 1 issued after
+//                 the barrier of tile it.
+//   read_tma:     the same ring filled by the TMA unit: thread 0 issues, per tile, one 4-D box
+//                 {64 columns, BN rows, 1, 1} per 64-column panel of K and of V (SW128 maps,
+//                 cuflash/_tma.py kv_map) completing on the stage's mbarrier; every thread waits on it.
+// Layout: K, V (batch, seqlen, heads_kv, 128) 16-bit, element strides (batch_stride, row_stride,
+// 128, 1). Grid: 1-D, block = b * heads_kv + h; 128 threads.
+#include "common.cuh"
+#include "tma.cuh"
+
+namespace cuflash {
+
+struct ReadBwParams {
+    TmaDesc kmap;  // offset 0
+    TmaDesc vmap;  // offset 128
+    const u16* k;
+    const u16* v;
+    float* sink;
+    i64 batch_stride;
+    i64 row_stride;
+    int seqlen;
+    int heads_kv;
+};
+
+constexpr int RB_D = 128;
+constexpr int RB_PITCH = RB_D + 8;
+
+template <int BN, int STAGES>
+__global__ void __launch_bounds__(128) read_cpasync(const __grid_constant__ ReadBwParams p) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    u16* sK = reinterpret_cast<u16*>(smem_raw);
+    u16* sV = sK + STAGES * BN * RB_PITCH;
+    const int tid = threadIdx.x;
+    const int b = blockIdx.x / p.heads_kv, h = blockIdx.x % p.heads_kv;
+    constexpr int CHUNKS = RB_D / 8, RPP = 128 / CHUNKS, PASSES = BN / RPP;
+    const int my_row = tid / CHUNKS, my_col = (tid % CHUNKS) * 8;
+    const u16* gK = p.k + b * p.batch_stride + h * RB_D + my_col + my_row * p.row_stride;
+    const u16* gV = p.v + b * p.batch_stride + h * RB_D + my_col + my_row * p.row_stride;
+    const u32 dK0 = smem_addr(sK + my_row * RB_PITCH + my_col), dV0 = smem_addr(sV + my_row * RB_PITCH + my_col);
+    const int n_tiles = p.seqlen / BN;
+    auto load = [&](int it) {
+        const int st = it % STAGES;
+        const u16* k = gK + (i64)it * BN * p.row_stride;
+        const u16* v = gV + (i64)it * BN * p.row_stride;
+#pragma unroll
+        for (int i = 0; i < PASSES; ++i) {
+            cp_async_16_l2<256>(dK0 + 2u * (st * BN * RB_PITCH + i * RPP * RB_PITCH), k, 16);
+            cp_async_16_l2<256>(dV0 + 2u * (st * BN * RB_PITCH + i * RPP * RB_PITCH), v, 16);
+            k += RPP * p.row_stride;
+            v += RPP * p.row_stride;
+        }
+    };
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < n_tiles) load(s);
+        cp_async_commit();
+    }
+    float acc = 0.f;
+    for (int it = 0; it < n_tiles; ++it) {
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();
+        if (it + STAGES - 1 < n_tiles) load(it + STAGES - 1);
+        cp_async_commit();
+        const int st = it % STAGES;
+        acc += (float)sK[st * BN * RB_PITCH + (tid % BN) * RB_PITCH + tid % 64]
+             + (float)sV[st * BN * RB_PITCH + (tid % BN) * RB_PITCH + tid % 64];
+    }
+    cp_async_wait<0>();
+    if (tid == 0) p.sink[blockIdx.x] = acc;
+}
+
+template <int BN, int STAGES>
+__global__ void __launch_bounds__(128) read_tma(const __grid_constant__ ReadBwParams p) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    __shared__ alignas(8) unsigned long long bars[STAGES];
+    constexpr u32 PANEL = BN * 128;                // bytes of one 64-column panel of a tile
+    constexpr u32 TILE = 2 * PANEL;                // one tensor's tile (128 columns)
+    constexpr u32 STAGE_BYTES = 2 * TILE;          // K and V
+    const u32 base = (smem_addr(smem_raw) + 1023u) & ~1023u;
+    const int tid = threadIdx.x;
+    const int b = blockIdx.x / p.heads_kv, h = blockIdx.x % p.heads_kv;
+    const int n_tiles = p.seqlen / BN;
+    if (tid == 0) {
+        tma_prefetch_desc(&p.kmap);
+        tma_prefetch_desc(&p.vmap);
+        for (int s = 0; s < STAGES; ++s) mbar_init(smem_addr(&bars[s]), 1);
+        fence_mbar_init();
+    }
+    __syncthreads();
+    auto load = [&](int it) {
+        const int st = it % STAGES;
+        const u32 bar = smem_addr(&bars[st]);
+        const u32 dst = base + st * STAGE_BYTES;
+        mbar_arrive_expect_tx(bar, STAGE_BYTES);
+        tma_load_4d(dst, &p.kmap, bar, 0, it * BN, h, b);
+        tma_load_4d(dst + PANEL, &p.kmap, bar, 64, it * BN, h, b);
+        tma_load_4d(dst + TILE, &p.vmap, bar, 0, it * BN, h, b);
+        tma_load_4d(dst + TILE + PANEL, &p.vmap, bar, 64, it * BN, h, b);
+    };
+    if (tid == 0)
+        for (int s = 0; s < STAGES - 1 && s < n_tiles; ++s) load(s);
+    float acc = 0.f;
+    for (int it = 0; it < n_tiles; ++it) {
+        __syncthreads();  // every thread is done with tile it - 1, whose stage tile it + STAGES - 1 takes
+        if (tid == 0 && it + STAGES - 1 < n_tiles) load(it + STAGES - 1);
+        const int st = it % STAGES;
+        mbar_wait(smem_addr(&bars[st]), (it / STAGES) & 1);
+        u32 x;
+        asm volatile("ld.shared.b32 %0, [%1];" : "=r"(x) : "r"(base + st * STAGE_BYTES + 4 * (tid * 33 % (STAGE_BYTES / 4))));
+        acc += __uint_as_float(x);
+    }
+    if (tid == 0) p.sink[blockIdx.x] = acc;
+}
+
+}  // namespace cuflash

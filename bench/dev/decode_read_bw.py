@@ -1,0 +1,148 @@
+#!/usr/bin/env python3
+"""Read bandwidth of decode-shaped kernels that only read the KV cache (bench/dev/decode_read_bw.cu):
+the decode kernel's cp.async copies against TMA box copies, beside cuflash's decode, cuDNN's (SDPA)
+and a device-to-device copy, at one shape (issue 13: cuflash's decode reads at ~96 % of the copy
+bandwidth at batch 64, where cuDNN's reads at 102-107 %).
+
+Shape: K, V (batch, seqlen, heads_kv, 128) bf16 (default 64 x 8192 x 32: 2048 blocks); block (b, h)
+streams its kv head. Variants: read_cpasync<BN, STAGES> and read_tma<BN, STAGES> for BN 64 / 128.
+Method: decode_splits.gpu_ms_per_call (CUDA events around --reps launches queued behind a sleep
+kernel, after warm-up; median of --rounds); GB/s = K+V bytes / time;
+the copy's figure counts the bytes read and written (as bench_decode.py's copy bandwidth). Needs sm_90 (TMA).
+
+Usage: python bench/dev/decode_read_bw.py [--cubin PATH] [--batch 64 --seqlen 8192 --heads-kv 32]
+  --cubin: a cubin of decode_read_bw.cu built elsewhere (with PATH.json: expression -> lowered name);
+  otherwise it is compiled here with NVRTC.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import struct
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+for _p in (ROOT, HERE):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+VARIANTS = [("cpasync", 64, 3), ("cpasync", 64, 4), ("cpasync", 128, 2), ("cpasync", 128, 3),
+            ("tma", 64, 3), ("tma", 64, 4), ("tma", 128, 2), ("tma", 128, 3)]
+
+
+def expression(kind, bn, stages):
+    return f"cuflash::read_{kind}<{bn}, {stages}>"
+
+
+def build(path):
+    """The cubin and the lowered names, compiled with NVRTC into `path` (and path.json)."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    from cuflash import _compile
+
+    files, _ = _compile.sources()
+    headers = {n: t for n, t in files.items() if n.endswith(".cuh")}
+    code = open(os.path.join(HERE, "decode_read_bw.cu")).read()
+    prog = nvrtc.createProgram(code, "decode_read_bw.cu", [t.encode() for t in headers.values()],
+                               [n.encode() for n in headers])
+    exprs = [expression(*v) for v in VARIANTS]
+    for e in exprs:
+        nvrtc.addNameExpression(prog, e)
+    nvrtc.compileProgram(prog, _compile.base_options("sm_90a"))
+    names = {e: nvrtc.getLoweredName(prog, e) for e in exprs}
+    with open(path, "wb") as f:
+        f.write(bytes(nvrtc.getCUBIN(prog)))
+    with open(path + ".json", "w") as f:
+        json.dump(names, f)
+
+
+def smem_bytes(kind, bn, stages):
+    return 2 * stages * bn * 136 * 2 if kind == "cpasync" else stages * 4 * bn * 128 + 1024
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cubin")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--seqlen", type=int, default=8192)
+    ap.add_argument("--heads-kv", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+
+    import cupy
+    import numpy as np
+    import torch
+    from cupy_backends.cuda.api import driver
+
+    import cuflash
+    from cuflash import _tma
+
+    path = args.cubin
+    if path is None:
+        path = "/tmp/decode_read_bw.cubin"
+        build(path)
+    names = json.load(open(path + ".json"))
+    module = cupy.RawModule(path=path)
+
+    b, L, hk, d = args.batch, args.seqlen, args.heads_kv, 128
+    dev = torch.device("cuda")
+    k = torch.randn(b, L, hk, d, device=dev, dtype=torch.bfloat16)
+    v = torch.randn(b, L, hk, d, device=dev, dtype=torch.bfloat16)
+    sink = torch.zeros(b * hk, device=dev, dtype=torch.float32)
+    kv_bytes = 2 * k.numel() * 2
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def params(bn):
+        buf = np.zeros(320, dtype=np.uint8)
+        shape, strides = tuple(k.shape), tuple(k.stride())
+        buf[0:128] = np.frombuffer(_tma.kv_map(k.data_ptr(), shape, strides, bn, "bfloat16"), np.uint8)
+        buf[128:256] = np.frombuffer(_tma.kv_map(v.data_ptr(), shape, strides, bn, "bfloat16"), np.uint8)
+        struct.pack_into("<QQQqqii", buf, 256, k.data_ptr(), v.data_ptr(), sink.data_ptr(), k.stride(0), k.stride(1),
+                         L, hk)
+        return buf
+
+    from decode_splits import gpu_ms_per_call
+
+    def timed(fn):
+        return gpu_ms_per_call(torch, fn, args.reps, args.rounds, warmup=2)
+
+    rows = []
+
+    def report(name, ms, nbytes=kv_bytes):
+        gbps = nbytes / ms / 1e6
+        rows.append(dict(name=name, us=ms * 1e3, gbps=gbps))
+        print(f"{name:28} {ms * 1e3:10.1f} us  {gbps:7.0f} GB/s", flush=True)
+
+    dst = torch.empty_like(k)
+    report("copy (bytes read + written)", timed(lambda: dst.copy_(k)), 2 * k.numel() * 2)
+    for kind, bn, stages in VARIANTS:
+        fn = module.get_function(names[expression(kind, bn, stages)])
+        smem = smem_bytes(kind, bn, stages)
+        fn.max_dynamic_shared_size_bytes = smem
+        buf = params(bn)
+        argv = np.array([buf.ctypes.data], dtype=np.uint64)
+
+        def launch(fn=fn, smem=smem, argv=argv):
+            driver.launchKernel(fn.kernel.ptr, b * hk, 1, 1, 128, 1, 1, smem, stream, int(argv.ctypes.data), 0)
+
+        report(f"read_{kind}<{bn}, {stages}>", timed(launch))
+    q = torch.randn(b, 1, hk * 1, d, device=dev, dtype=torch.bfloat16)
+    seqlens = torch.full((b,), L, device=dev, dtype=torch.int32)
+    report("cuflash decode (GQA 1)", timed(lambda: cuflash.attention_with_kvcache(q, k, v, cache_seqlens=seqlens)))
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        report("cuDNN SDPA (GQA 1)", timed(lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt)))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), shape=[b, L, hk, d], rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
