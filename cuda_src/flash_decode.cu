@@ -47,12 +47,13 @@
 // of O only where a row's maximum moved (warp votes keep both branches uniform).
 //
 // Copies. cp.async (every layout and target): the block's threads copy the K/V tile's rows into
-// padded rows (load_tile below). TMA (TMA = true: sm_90a, a contiguous cache, head_dim 64 or 128, no
-// sink tokens beside a window, so that every tile is BN consecutive cache rows): thread 0 issues one
-// tensor-map box per 64-column panel of K and of V, completing on the stage's mbarrier, and the
-// tiles are dense SW128 panels that the warps read with ldmatrix at swizzled addresses. The TMA unit
-// reads a cache faster than the threads' 16-byte copies: H200, batch 64, 8k keys, 32 kv heads,
-// reads alone (bench/dev/decode_read_bw.py) 4.66 TB/s against 4.26-4.31, the copy 4.23.
+// padded rows (load_tile below). TMA (TMA = true: sm_90a, head_dim 64 or 128, no sink tokens beside
+// a window, so that a tile's keys are consecutive): warp 0 issues tensor-map boxes, completing on
+// the stage's mbarrier: one per 64-column panel of K and of V (a contiguous cache), or one per
+// 16-key group and panel (a paged one: a group never straddles a page); the tiles are dense SW128
+// panels that the warps read with ldmatrix at swizzled addresses. The TMA unit reads a cache faster
+// than the threads' 16-byte copies: H200, batch 64, 8k keys, 32 kv heads, reads alone
+// (bench/dev/decode_read_bw.py) 4.66 TB/s against 4.26-4.31, the copy 4.23.
 //
 // Grid. 1-D: block = ((b * nheads_kv + h_kv) * num_row_tiles + row_tile) * num_splits + split.
 #include "common.cuh"
@@ -354,6 +355,10 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
     const int qi0 = r0 / G, qi1 = (r_end - 1) / G;
     const int hi = mi.key_hi(p.mask, qi1);
     int lo = mi.key_lo(p.mask, qi0);
+    // A paged cache read through TMA loads 16-key groups, one box each, which must not straddle a
+    // page (page_size is a multiple of 16): the keys start at a multiple of 16 (the ones added in
+    // front are before every row's window, and the mask drops them).
+    if (TMA && p.page_size != 0) lo &= ~15;
     const int sink_hi = p.mask.window_left < 0 ? 0 : min(p.mask.num_sink_tokens, hi);
     int n_sink = 0;  // virtual keys [0, n_sink) are keys [0, n_sink); the rest map to lo + (v - n_sink)
     if (lo <= sink_hi) lo = 0; else n_sink = sink_hi;
@@ -481,17 +486,48 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
     // rows past the capacity land as zeros; rows past the chunk but inside the capacity (the cache
     // beyond an entry's length) are garbage, so the last tile's V rows past the chunk are zeroed in
     // shared memory before use (its K rows only give scores that the mask drops).
-    auto tma_tile = [&](int it) {
+    //   A paged cache: the maps describe (num_blocks, page_size, nheads_kv, head_dim) with 16-row
+    //   boxes, and a tile is BN / 16 boxes per panel, group g's from block table_row[key / page_size]
+    //   (clamped), row key % page_size. Those (block, row) pairs are looked up STAGES tiles ahead
+    //   into the ring s_blk (tile j's in iteration j - STAGES, read after the next block barrier),
+    //   so the table's latency stays off the issuing warp's path. Warp 0 issues: lane 0 arms the
+    //   barrier, then lane g < BN / 16 copies group g.
+    constexpr int GROUPS = BN / 16;
+    __shared__ int2 s_blk[TMA ? STAGES : 1][GROUPS];
+    const bool paged = p.page_size != 0;
+    auto tma_lookup = [&](int it) {
+        if constexpr (TMA) {
+            if (tid < GROUPS) {
+                const int key = min(v_begin + it * BN + key_off + 16 * tid, p.capacity - 1);
+                const int blk = min(max(table_row[key / p.page_size], 0), p.cache_rows - 1);
+                s_blk[it % STAGES][tid] = make_int2(blk, key % p.page_size);
+            }
+        }
+    };
+    auto tma_tile = [&](int it) {  // by warp 0
         if constexpr (TMA) {
             const int stage = it % STAGES;
             const u32 bar = smem_addr(&s_full[stage]);
-            const int key = v_begin + it * BN + key_off;
             const u32 dK = smem_addr(sK + stage * Tr::SKV_ELEMS), dV = smem_addr(sV + stage * Tr::SKV_ELEMS);
-            mbar_arrive_expect_tx(bar, 2u * Tr::SKV_ELEMS * sizeof(T));
+            if (lane == 0) mbar_arrive_expect_tx(bar, 2u * Tr::SKV_ELEMS * sizeof(T));
+            __syncwarp();
+            if (!paged) {
+                if (lane == 0) {
+                    const int key = v_begin + it * BN + key_off;
 #pragma unroll
-            for (int c = 0; c < HEAD_DIM / 64; ++c) {
-                tma_load_4d(dK + c * BN * 128, &p.map_k, bar, 64 * c, key, h_kv, cache_row);
-                tma_load_4d(dV + c * BN * 128, &p.map_v, bar, 64 * c, key, h_kv, cache_row);
+                    for (int c = 0; c < HEAD_DIM / 64; ++c) {
+                        tma_load_4d(dK + c * BN * 128, &p.map_k, bar, 64 * c, key, h_kv, cache_row);
+                        tma_load_4d(dV + c * BN * 128, &p.map_v, bar, 64 * c, key, h_kv, cache_row);
+                    }
+                }
+            } else if (lane < GROUPS) {
+                const int2 br = s_blk[stage][lane];
+#pragma unroll
+                for (int c = 0; c < HEAD_DIM / 64; ++c) {
+                    const u32 off = c * BN * 128 + lane * 16 * 128;
+                    tma_load_4d(dK + off, &p.map_k, bar, 64 * c, br.y, h_kv, br.x);
+                    tma_load_4d(dV + off, &p.map_v, bar, 64 * c, br.y, h_kv, br.x);
+                }
             }
         }
     };
@@ -504,8 +540,10 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
             for (int st = 0; st < STAGES; ++st) mbar_init(smem_addr(&s_full[st]), 1);
             fence_mbar_init();
         }
+        if (paged)
+            for (int st = 0; st < STAGES && st < n_tiles; ++st) tma_lookup(st);
         __syncthreads();
-        if (tid == 0)
+        if (warp == 0)
             for (int st = 0; st < STAGES - 1 && st < n_tiles; ++st) tma_tile(st);
         cp_async_commit();  // Q's group
     } else {
@@ -561,7 +599,8 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
         const int stage = it % STAGES;
         if constexpr (TMA) {
             __syncthreads();  // every warp is done with tile it - 1, whose stage tile it + STAGES - 1 takes
-            if (tid == 0 && it + STAGES - 1 < n_tiles) tma_tile(it + STAGES - 1);
+            if (warp == 0 && it + STAGES - 1 < n_tiles) tma_tile(it + STAGES - 1);
+            if (paged && it + STAGES < n_tiles) tma_lookup(it + STAGES);  // its slot's pairs were read above
             mbar_wait(smem_addr(&s_full[stage]), (it / STAGES) & 1);
             const int valid = v_end - (v_begin + it * BN);
             if (valid < BN) {  // the chunk's last tile (block-uniform)

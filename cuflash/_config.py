@@ -677,7 +677,8 @@ def decode_warps_forced() -> int:
     return int(v) if v in ("4", "8") else 0
 
 
-def decode_warps_and_splits(blocks: int, splits: int, sm_count: int, forced: bool) -> tuple[int, int]:
+def decode_warps_and_splits(blocks: int, splits: int, sm_count: int, forced: bool,
+                            paged: bool = False) -> tuple[int, int]:
     """(warps, num_splits) of a decode whose 4-warp kernel would take `splits` splits (decode_num_splits'
     choice, or the caller's forced count): the 8-warp kernel where its grid gives no SM a second block,
     so that each SM runs 8 warps instead of a lone block's 4 (one per scheduler, nothing to hide its
@@ -689,9 +690,16 @@ def decode_warps_and_splits(blocks: int, splits: int, sm_count: int, forced: boo
     wherever blocks x splits <= 132 (splits 1 and 2 tried), and slower past it; against the 4-warp
     kernel's choice, 128 blocks unsplit: 0.93-0.98x (4x512x1 13.1 against 13.9 us, 16x8192x4 134.5
     against 138.7); 64 blocks, 4 splits against 8 warps x 2: 0.97-1.01x; 32 blocks and fewer (8 splits
-    or more chosen): the 4-warp kernel's choice was the fastest of those tried, so it is kept there."""
+    or more chosen): the 4-warp kernel's choice was the fastest of those tried, so it is kept there.
+    A paged cache (its TMA boxes are 16-key groups, a tile's block numbers looked up ahead) takes 8
+    warps only where the 4-warp kernel would not split: H200, session 11, 16-row pages, 128 blocks:
+    512 keys 8 warps unsplit 14.3 us against 15.5 with 4 warps in 2 splits; 2048 and 8192 keys 4
+    warps in 2 splits 42.8 / 135.7-138.0 against 48.0 / 164.5-166.2 with 8 warps; 64 blocks of 2048
+    keys, 4 warps x 4 splits 28.2 against 30.2 with 8 warps x 2."""
     if forced:
         return (8, splits) if splits <= 2 and blocks * splits <= sm_count else (4, splits)
+    if paged and splits > 1:
+        return 4, splits
     wide = max(1, -(-splits // 2))
     return (8, wide) if splits <= 4 and blocks * wide <= sm_count else (4, splits)
 

@@ -616,7 +616,7 @@ class DecodePlan:
                 return 4, splits
             if forced_warps:
                 return forced_warps, splits
-            return _config.decode_warps_and_splits(blocks, splits, _sm_count(dev), forced)
+            return _config.decode_warps_and_splits(blocks, splits, _sm_count(dev), forced, c.paged)
 
         def variant(splits):
             """(num_splits, scratch floats, launches, launches with the fused combine or None) of the

@@ -882,20 +882,28 @@ def _use_tma(k: DeviceTensor, v: DeviceTensor, block_n: int, dtype: str, pad: bo
     return all(_tma.layout_patch(t.shape, t.strides, block_n, dtype) is not None for t in (k, v))
 
 
+def decode_tma_rows(paged: bool, warps: int) -> int:
+    """The rows of a decode tensor map's box: a tile (16 * warps keys) of a contiguous cache, a 16-key
+    group of a paged one (cuda_src/flash_decode.cu, TMA)."""
+    return 16 if paged else 16 * warps
+
+
 def use_decode_tma(k: DeviceTensor, v: DeviceTensor, dtype: str, target: str, paged: bool, num_sink_tokens: int,
                    window_left: int) -> bool:
-    """Whether a decode reads its caches through TMA (cuda_src/flash_decode.cu, TMA): sm_90a, a
-    contiguous cache (paged tiles span blocks), head_dim 64 or 128, no sink tokens beside a window
-    (their tiles are not one box), maps with the one-word pointer patch for both tile heights (so a
-    call costs no encode), and CUFLASH_DECODE_TMA not 0. Never where the driver cannot be loaded."""
+    """Whether a decode reads its caches through TMA (cuda_src/flash_decode.cu, TMA): sm_90a, head_dim
+    64 or 128, no sink tokens beside a window (a tile across their boundary is not consecutive keys),
+    maps with the one-word pointer patch for the boxes it uses (so a call costs no encode), and
+    CUFLASH_DECODE_TMA not 0. Never where the driver cannot be loaded. k, v: the caches as 4-D
+    (rows or blocks, capacity or page_size, nheads_kv, head_dim)."""
     from . import _tma
 
-    if (target != "sm_90a" or paged or k.shape[3] not in _config.DECODE_TMA_HEAD_DIMS
+    if (target != "sm_90a" or k.shape[3] not in _config.DECODE_TMA_HEAD_DIMS
             or (num_sink_tokens > 0 and window_left >= 0) or not _config.decode_tma_enabled()):
         return False
     if not (_tma_ok(k) and _tma_ok(v)) or not _tma.available():
         return False
-    return all(_tma.layout_patch(t.shape, t.strides, rows, dtype) is not None for t in (k, v) for rows in (64, 128))
+    rows = {decode_tma_rows(paged, w) for w in (4, 8)}
+    return all(_tma.layout_patch(t.shape, t.strides, r, dtype) is not None for t in (k, v) for r in rows)
 
 
 def _use_bwd_ws(q: DeviceTensor, dout: DeviceTensor, k: DeviceTensor, v: DeviceTensor, dtype: str,
@@ -1270,8 +1278,8 @@ def decode_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: Device
     if tma:
         from . import _tma
 
-        maps = [(name, t.ptr, _tma.MapCache(t.shape, t.strides, 16 * warps, dtype)) for name, t in
-                (("map_k", k), ("map_v", v))]
+        rows = decode_tma_rows(a.page_size != 0, warps)
+        maps = [(name, t.ptr, _tma.MapCache(t.shape, t.strides, rows, dtype)) for name, t in (("map_k", k), ("map_v", v))]
         launches.append(TmaLaunch(spec.name, fn.ptr, grid, 32 * warps, smem, p, ptrs, device_id, maps))
     else:
         launches.append(Launch(spec.name, fn.ptr, grid, 32 * warps, smem, p, ptrs, device_id))

@@ -253,16 +253,18 @@ def test_fused_combine(monkeypatch, layout, splits, sq, gqa, opts):
 @pytest.mark.parametrize("layout,splits,fused,d,gqa,option", [
     ("contig", 1, True, 128, 8, None), ("paged16", 1, True, 64, 4, "all"), ("contig_idx", 1, True, 64, 1, "win20_0"),
     ("paged64", 3, True, 128, 2, "sinklogit"), ("contig", 40, True, 64, 8, None), ("paged256", 7, False, 96, 4, "alibi_bh"),
-    ("contig", 0, True, 128, 4, "softcap"), ("paged48", 2, False, 128, 1, "sinktok"),
-    ("contig", 2, False, 128, 1, "sinktok")])
+    ("contig", 0, True, 128, 4, "softcap"), ("paged48", 2, False, 128, 1, None), ("contig", 2, False, 128, 1, "sinktok"),
+    ("paged16", 0, True, 128, 4, "win20_0"), ("paged48", 1, True, 64, 2, "sinktok")])
 def test_decode_warps(monkeypatch, tma, warps, layout, splits, fused, d, gqa, option):
     """The 8-warp decode kernel (128-key tiles; head_dim 64 to 128, multiples of 16), which unsplit calls
     whose grid leaves an SM one block take, forced on every path (CUFLASH_DECODE_WARPS=8): split or not,
     the fused combine (merge_tile with 256 threads) or the combine kernel, each layout, the options;
-    the 4-warp kernel on the same cases. Each with the TMA copies where they serve (sm_90a, contiguous
-    caches, head_dim 64 / 128, no sink tokens beside a window) and with CUFLASH_DECODE_TMA=0. The
-    cache slots past each entry's length hold NaN (make_case), which the TMA kernel loads with the last
-    tile and must zero. Three calls per plan (the fused counters go back to zero). torch CUDA."""
+    the 4-warp kernel on the same cases. Each with the TMA copies where they serve (sm_90a, head_dim
+    64 / 128, no sink tokens beside a window; a paged cache by 16-key groups, whose first key a window
+    moves down to a multiple of 16) and with CUFLASH_DECODE_TMA=0. The cache slots past each entry's
+    length hold NaN and a paged table's unused entries garbage (make_case), which the TMA kernel
+    loads with the last tile and must zero or clamp. Three calls per plan (the fused counters go back
+    to zero). torch CUDA."""
     from cuflash import _kvcache
 
     if not torch.cuda.is_available():
@@ -285,15 +287,15 @@ def test_decode_warps(monkeypatch, tma, warps, layout, splits, fused, d, gqa, op
     names = {L.name for pl in _kvcache._DECODE_PLANS.values() for L in pl.launches}
     assert any("_w8" in n for n in names) == (warps == "8"), names
     sm90 = torch.cuda.get_device_capability() == (9, 0)
-    tma_expected = (tma == "1" and sm90 and not layout.startswith("paged") and d in (64, 128)
-                    and option not in ("sinktok", "all"))
+    tma_expected = tma == "1" and sm90 and d in (64, 128) and option not in ("sinktok", "all")
     assert any(n.endswith("_tma") for n in names) == tma_expected, names
 
 
 def test_warps_and_splits_rule():
     """_config.decode_warps_and_splits (CPU): the 8-warp kernel takes half the 4-warp kernel's splits
-    where that count is at most 4 and the grid then gives no SM a second block; forced counts are
-    kept, with 8 warps only at 1 or 2 splits that fit one block per SM."""
+    where that count is at most 4 and the grid then gives no SM a second block (a paged cache: only
+    where the 4-warp kernel would not split); forced counts are kept, with 8 warps only at 1 or 2
+    splits that fit one block per SM."""
     from cuflash._config import decode_warps_and_splits as rule
 
     assert rule(128, 1, 132, False) == (8, 1)
@@ -304,6 +306,9 @@ def test_warps_and_splits_rule():
     assert rule(32, 8, 132, False) == (4, 8) and rule(4, 64, 132, False) == (4, 64)
     assert rule(64, 1, 132, True) == (8, 1) and rule(64, 2, 132, True) == (8, 2)
     assert rule(64, 3, 132, True) == (4, 3) and rule(100, 2, 132, True) == (4, 2)
+    # A paged cache: 8 warps only where the 4-warp kernel would not split.
+    assert rule(128, 1, 132, False, True) == (8, 1) and rule(128, 2, 132, False, True) == (4, 2)
+    assert rule(64, 4, 132, False, True) == (4, 4) and rule(64, 2, 132, True, True) == (8, 2)
     for blocks in range(1, 300):
         for s in range(1, 65):
             w, s2 = rule(blocks, s, 132, False)
