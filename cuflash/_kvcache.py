@@ -546,6 +546,7 @@ class DecodePlan:
         self.tile_rows = min(rows, _config.DECODE_ROWS)
         self.counter_count = blocks
         self.counters = {}  # stream -> the fused combine's counters (cupy memory, zeroed once)
+        self.templates = {}  # adapter lib -> its empty_from cache
         forced = num_splits != 0
         if not forced:
             # Two blocks per SM: one alone keeps too few bytes in flight to draw the SM's share of
@@ -677,12 +678,15 @@ class DecodePlan:
             arrays = dict(arrays)
             for n in self.copy:
                 arrays[n] = ad.contiguous(arrays[n], dev, keep)
-        out = ad.empty(self.out_shape, c.dtype, dev)
+        tmpl = self.templates.get(ad.lib)
+        if tmpl is None:
+            tmpl = self.templates[ad.lib] = {}
+        out = ad.empty_from(tmpl, self.out_shape, c.dtype, dev)
         ptrs = self.zero_ptrs.copy()
         ptrs[_D_OUT] = ad.ptr(out, keep)
         lse = None
         if c.return_lse:
-            lse = ad.empty(self.lse_shape, "float32", dev)
+            lse = ad.empty_from(tmpl, self.lse_shape, "float32", dev)
             ptrs[_D_LSE] = ad.ptr(lse, keep)
         stream = ad.stream(dev)
         splits, scratch_floats, launches, fused = self.eager
@@ -694,7 +698,7 @@ class DecodePlan:
                 launches = fused
                 ptrs[_D_COUNTERS] = counters
         if scratch_floats:
-            scratch = ad.empty((scratch_floats,), "float32", dev)
+            scratch = ad.empty_from(tmpl, (scratch_floats,), "float32", dev)
             ptrs[_D_SCRATCH] = ad.ptr(scratch, keep)
         for i, n in self.input_slots:
             ptrs[i] = ad.ptr(arrays[n], keep)
@@ -771,32 +775,38 @@ def _fast_key(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_t
     """The signature of a call: equal for two calls only when validation and planning give the same
     result (the arrays' signatures from q's adapter, every scalar with its type). Raises (so that the
     call takes the full path) for anything it cannot key, e.g. arrays of another type than q's."""
-    global _key_parts
-    if _key_parts is None:
+    t = q.__class__
+    sig = _SIGS.get(t)
+    if sig is None:
         from ._adapters import adapter_for
-        from ._adapters._base import window_key
 
-        _key_parts = adapter_for, window_key
-    adapter_for, window_key = _key_parts
-    t = type(q)
-    sig = adapter_for(q).sig
-
-    def s(x):
+        sig = _SIGS[t] = adapter_for(q).sig
+    # Optional arrays: None, or q's type (anything else raises: the full path names the argument).
+    opt = []
+    for x in (k, v, cache_batch_idx, block_table, sink_logits, alibi_slopes):
         if x is None:
-            return None
-        if type(x) is not t:
+            opt.append(None)
+        elif x.__class__ is t:
+            opt.append(sig(x))
+        else:
             raise TypeError("mixed array types")
-        return sig(x)
-
-    seqlens = (cache_seqlens.__class__, cache_seqlens) if cache_seqlens is None or cache_seqlens.__class__ is int \
-        else s(cache_seqlens)
-    return (t, sig(q), sig(k_cache), sig(v_cache), s(k), s(v), seqlens, s(cache_batch_idx), s(block_table),
-            causal.__class__, causal, softmax_scale.__class__, softmax_scale, return_lse.__class__, return_lse,
-            window_key(window), num_sink_tokens.__class__, num_sink_tokens, s(sink_logits), s(alibi_slopes),
+    if cache_seqlens is None or cache_seqlens.__class__ is int:
+        seqlens = (cache_seqlens.__class__, cache_seqlens)
+    elif cache_seqlens.__class__ is t:
+        seqlens = sig(cache_seqlens)
+    else:
+        raise TypeError("mixed array types")
+    if window is None:
+        wkey = None
+    else:
+        a, b = window  # anything but a pair: no key (the full path raises the error)
+        wkey = (window.__class__, a.__class__, a, b.__class__, b)
+    return (t, sig(q), sig(k_cache), sig(v_cache), seqlens, *opt, causal.__class__, causal, softmax_scale.__class__,
+            softmax_scale, return_lse.__class__, return_lse, wkey, num_sink_tokens.__class__, num_sink_tokens,
             softcap.__class__, softcap, num_splits.__class__, num_splits)
 
 
-_key_parts = None
+_SIGS: dict = {}  # array type -> its adapter's sig
 
 
 def _check_caches_apart(infos: dict, names: dict, ad) -> None:
@@ -888,8 +898,6 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
     num_splits: 0 (the default) lets a heuristic choose how many chunks the keys are split into
     (split-KV, from the shape and the SM count); n in [1, 128] forces n. The CPU path ignores it.
     """
-    from ._adapters import adapter_for, info_of
-
     # A repeated signature (decoding calls the same shapes again and again) goes straight to its GPU
     # plan: every check that depends only on the signature passed when the plan was made.
     try:
@@ -903,6 +911,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
         return plan.run_call(dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=cache_seqlens,
                                   cache_batch_idx=cache_batch_idx, block_table=block_table, sink_logits=sink_logits,
                                   alibi_slopes=alibi_slopes))
+
+    from ._adapters import adapter_for, info_of
 
     names = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_batch_idx=cache_batch_idx,
                  block_table=block_table, sink_logits=sink_logits, alibi_slopes=alibi_slopes)

@@ -116,6 +116,11 @@ class Adapter:
     def empty(self, shape, dtype: str, device_id: int):
         raise NotImplementedError
 
+    def empty_from(self, cache: dict, shape, dtype: str, device_id: int):
+        """empty(shape, dtype, device_id) for a caller that allocates the same output on every call:
+        `cache` (the caller's, per adapter) may keep what makes the next allocation cheaper."""
+        return self.empty(shape, dtype, device_id)
+
     def contiguous(self, x, device_id: int, keep: list):
         raise NotImplementedError
 

@@ -380,6 +380,14 @@ class TorchAdapter(Adapter):
     def empty(self, shape, dtype: str, device_id: int):
         return _empty(shape, dtype=getattr(torch, dtype), device=torch.device("cuda", device_id))
 
+    def empty_from(self, cache: dict, shape, dtype: str, device_id: int):
+        # torch.empty_like of a stride-0 template: no dtype / device arguments to parse per call (_like).
+        key = (shape, dtype, device_id)
+        t = cache.get(key)
+        if t is None:
+            t = cache[key] = _like(shape, getattr(torch, dtype), torch.device("cuda", device_id))
+        return _empty_like(t)
+
     def contiguous(self, x, device_id, keep):
         return x.clone(memory_format=torch.contiguous_format)  # a new, aligned allocation (see _copies)
 
