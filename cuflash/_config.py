@@ -640,8 +640,8 @@ DECODE_TMA_HEAD_DIMS = (64, 128)
 
 
 def decode_tma_enabled() -> bool:
-    """Whether decodes of contiguous caches may read them through TMA (cuda_src/flash_decode.cu, TMA):
-    yes unless CUFLASH_DECODE_TMA=0. Read when a decode plan is made."""
+    """Whether decodes may read their caches through TMA where it serves (cuda_src/flash_decode.cu, TMA;
+    _launch.use_decode_tma): yes unless CUFLASH_DECODE_TMA=0. Read when a decode plan is made."""
     import os
 
     return os.environ.get("CUFLASH_DECODE_TMA") != "0"

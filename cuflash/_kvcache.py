@@ -624,7 +624,6 @@ class DecodePlan:
             4-warp kernel's split count `splits` (the 8-warp kernel's own count where it runs)."""
             out_t = DeviceTensor(Slot(_D_OUT), self.out_shape, contiguous_strides(self.out_shape))
             warps, splits = warps_and_splits(splits)
-            self.warps = warps
 
             def launches(counters):
                 return _launch.decode_launches(tensor("q", _D_Q), tensor("k_cache", _D_KC), tensor("v_cache", _D_VC),
@@ -635,7 +634,7 @@ class DecodePlan:
             return splits, _launch.decode_scratch_floats(b, h, sq, d, splits), launches(0), fused
 
         self.graph = variant(graph_splits)
-        self.eager = self.graph if graph_splits == num_splits else variant(num_splits)  # (self.warps: eager's)
+        self.eager = self.graph if graph_splits == num_splits else variant(num_splits)
         self.num_splits, self.scratch_floats, self.launches = self.eager[:3]  # the eager variant's
 
     def _fusable(self, splits: int) -> bool:
@@ -775,12 +774,15 @@ def _fast_key(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_t
     """The signature of a call: equal for two calls only when validation and planning give the same
     result (the arrays' signatures from q's adapter, every scalar with its type). Raises (so that the
     call takes the full path) for anything it cannot key, e.g. arrays of another type than q's."""
+    global _window_key
     t = q.__class__
     sig = _SIGS.get(t)
     if sig is None:
         from ._adapters import adapter_for
+        from ._adapters._base import window_key
 
         sig = _SIGS[t] = adapter_for(q).sig
+        _window_key = window_key
     # Optional arrays: None, or q's type (anything else raises: the full path names the argument).
     opt = []
     for x in (k, v, cache_batch_idx, block_table, sink_logits, alibi_slopes):
@@ -796,17 +798,13 @@ def _fast_key(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_t
         seqlens = sig(cache_seqlens)
     else:
         raise TypeError("mixed array types")
-    if window is None:
-        wkey = None
-    else:
-        a, b = window  # anything but a pair: no key (the full path raises the error)
-        wkey = (window.__class__, a.__class__, a, b.__class__, b)
     return (t, sig(q), sig(k_cache), sig(v_cache), seqlens, *opt, causal.__class__, causal, softmax_scale.__class__,
-            softmax_scale, return_lse.__class__, return_lse, wkey, num_sink_tokens.__class__, num_sink_tokens,
-            softcap.__class__, softcap, num_splits.__class__, num_splits)
+            softmax_scale, return_lse.__class__, return_lse, _window_key(window), num_sink_tokens.__class__,
+            num_sink_tokens, softcap.__class__, softcap, num_splits.__class__, num_splits)
 
 
 _SIGS: dict = {}  # array type -> its adapter's sig
+_window_key = None  # _adapters._base.window_key, imported with the first sig
 
 
 def _check_caches_apart(infos: dict, names: dict, ad) -> None:

@@ -1224,7 +1224,7 @@ def decode_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: Device
                     warps: int = 4, tma: bool = False) -> list[Launch]:
     """The launches of one attention_with_kvcache call on the GPU: the append (when k_new is given),
     the decode kernel (with `warps` warps: 4, or 8 where _config.decode_wide_stages builds it;
-    tma: reading a contiguous cache through tensor maps, use_decode_tma), and the combine of the
+    tma: reading the caches through tensor maps, use_decode_tma), and the combine of the
     splits (num_splits > 1). k / v: the caches, with the strides of a cache row (contiguous) or a
     block (paged) first."""
     batch, seqlen_q, nheads, head_dim = q.shape

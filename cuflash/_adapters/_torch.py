@@ -25,7 +25,7 @@ from .. import _call
 from .._call import ArrayInfo
 from .._features import ARRAY_OPTIONS
 from .._plan import CACHE, NO_OPTIONS, Plan
-from ._base import _ARRAY_SET, Adapter, info_of
+from ._base import _ARRAY_SET, Adapter, info_of, window_key
 
 _empty = torch.empty
 _empty_like = torch.empty_like
@@ -291,8 +291,8 @@ def _options_key(opts: dict) -> tuple:
     """The base adapter's options_key, written out for torch tensors and flat: per option its name,
     then for an array its class, dtype, shape, strides, device and pointer alignment (or a marker
     when it is the very tensor of the option before it: q_lengths = kv_lengths, self-attention's
-    usual call), for the window its parts with their types, for another scalar its type and value.
-    Flat is unambiguous: names are strings, and each kind of entry has a fixed length."""
+    usual call), for the window window_key's tuple, for another scalar its type and value. Flat is
+    unambiguous: names are strings, and each kind of entry has a fixed length."""
     key = ()
     last = None
     for n, x in opts.items():
@@ -305,11 +305,7 @@ def _options_key(opts: dict) -> tuple:
                 key += (n, x.__class__, x.dtype, x.shape, x.stride(), x.device, x.data_ptr() & 15)
             last = x
         elif n == "window":
-            if x is None:
-                key += (n, None)
-            else:
-                a, b = x  # anything but a pair: no key (the slow path raises the error)
-                key += (n, x.__class__, a.__class__, a, b.__class__, b)
+            key += (n, window_key(x))
         else:
             key += (n, x.__class__, x)
     return key
