@@ -18,7 +18,10 @@ must only be finite, or a ValueError). Then, for every call:
   * a returned result is checked against the float64 reference computed from the arrays that were
     passed (the accuracy rules of tests/test_cpu_features.py, or tests/test_gpu_features.py on the
     GPU), whenever every input is finite; with a NaN or Inf input only its shapes and dtypes are
-    checked (NaN rows are acceptable there); a finite input never gives NaN;
+    checked (NaN rows are acceptable there); a finite input never gives NaN. A call whose lengths
+    leave fewer than MIN_POOLED_ROWS query rows that see a key is repeated on fresh values (the same
+    shapes, options and mutations) and the calls are checked as one batch, since a max error over a
+    row or two is not a stable statistic;
   * no input is modified: every array passed (options, out, lse and dout included, and the array a
     view was cut from) is compared byte for byte with a copy taken before the call.
 
@@ -394,8 +397,9 @@ def _form_torch(x, form: str, rng):
     return _form_numpy(x, form, rng)  # list, none, float, str, object
 
 
-def _build(call: Call, backend: str):
-    """(function name, args, kwargs, the numpy values behind them) for one call."""
+def _build(call: Call, backend: str, rep: int = 0):
+    """(function name, args, kwargs, the numpy values behind them) for one call. Repeat `rep` draws other
+    values for q, k, v, dout (and per-batch options) with the same shapes, options and mutations."""
     import cuflash
     from test_property_cpu import in_layout, make_arrays, varlen_arrays
 
@@ -405,11 +409,11 @@ def _build(call: Call, backend: str):
     varlen = "varlen" in call.fn
     vals, forms = {}, {}
     if varlen:
-        (q, k, v, dout), cq, ck, _, api, _, _ = varlen_arrays(p)
+        (q, k, v, dout), cq, ck, _, api, _, _ = varlen_arrays(p, rep)
         vals.update(cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=p.seqlen_q + p.max_extra[0],
                     max_seqlen_k=p.seqlen_k + p.max_extra[1])
     else:
-        q, k, v, dout, api, _ = make_arrays(p)
+        q, k, v, dout, api, _ = make_arrays(p, rep)
         if backend == "cpu":
             q, k, v, dout = (in_layout(x, lay) for x, lay in zip((q, k, v, dout), p.layouts))
     vals.update(q=q, k=k, v=v, causal=p.causal, softmax_scale=p.scale, **api)
@@ -706,7 +710,9 @@ def _finite(*xs):
     return True
 
 
-def _check_result(call: Call, a, result, backend, category):
+def _prepare(call: Call, a, result, backend, category):
+    """Every check of a returned result but the accuracy rule; returns what that rule needs, (pp, q, k, v,
+    dout, ref options, out, lse, grads) in the padded layout, or None when the values are not checked."""
     ctx = call.ctx()
     pp, q, k, v, dout, ref, cu = _interpret(call, a)
     grads = None
@@ -768,6 +774,63 @@ def _check_result(call: Call, a, result, backend, category):
                         f"a finite input gave NaN where the naive computation in the input dtype does not; {ctx}"
         COUNTS["returned (extreme values: no NaN, |out| <= max|v|)"] += 1
         return
+    return pp, q, k, v, dout, ref, out, lse, grads
+
+
+def _valid_rows(item) -> int:
+    """Query rows that see at least one key position (rows past q_lengths / a sequence do not)."""
+    pp, q, ref = item[0], item[1], item[5]
+    b, sq = q.shape[:2]
+    lq = np.clip(np.asarray(ref.get("q_lengths", np.full(b, sq))), 0, sq)
+    return int(lq.sum())
+
+
+# The accuracy rule compares max errors, a statistic that needs many rows to be stable: a call whose
+# lengths leave it a row or two (seed 609, float16, batch 16, q_lengths all 0 but one, seqlen_k 3,
+# sink logits: cuflash's one row rounded an element to the neighbouring float16, 3.5e-4 off, where
+# the naive computation's 16 elements all happened to land within 1.4e-4) is repeated on fresh values,
+# as tests/test_property_cpu.py's pool() does, and the calls are checked as one batch.
+MIN_POOLED_ROWS = 16
+MAX_REPEATS = 16
+PER_BATCH = ("q_lengths", "kv_lengths")
+
+
+def _poolable(items) -> bool:
+    ref0 = items[0][5]
+    for it in items[1:]:
+        ref = it[5]
+        if set(ref) != set(ref0) or any(x.shape != y.shape for x, y in zip(it[1:5], items[0][1:5]) if x is not None):
+            return False
+        for n in ref0:
+            if n in PER_BATCH or (n == "alibi_slopes" and np.ndim(ref0[n]) == 2):
+                continue
+            if not np.array_equal(np.asarray(ref[n]), np.asarray(ref0[n])):
+                return False
+    return True
+
+
+def _pooled(items):
+    """The calls of `items` as one batch (see tests/test_property_cpu.py pool())."""
+    if len(items) == 1:
+        return items[0]
+    pp = items[0][0]
+    cat = [None if items[0][i] is None else np.concatenate([it[i] for it in items]) for i in (1, 2, 3, 4)]
+    ref = dict(items[0][5])
+    for n in ref:
+        if n in PER_BATCH or (n == "alibi_slopes" and np.ndim(ref[n]) == 2):
+            ref[n] = np.concatenate([it[5][n] for it in items])
+    out = np.concatenate([it[6] for it in items])
+    lse = None if items[0][7] is None else np.concatenate([it[7] for it in items])
+    grads = None
+    if items[0][8] is not None:
+        grads = [np.concatenate([it[8][i] for it in items]) for i in range(3)]
+        if len(items[0][8]) == 4:  # d sink_logits (nheads,): the batch's sum
+            grads.append(np.sum([it[8][3] for it in items], axis=0, dtype=np.float64).astype(np.float32))
+    return (replace(pp, batch=cat[0].shape[0]), *cat, ref, out, lse, grads)
+
+
+def _check_accuracy(item, backend, ctx):
+    pp, q, k, v, dout, ref, out, lse, grads = item
     if lse is None:
         from cuflash._reference import attention_reference, check_close
 
@@ -778,7 +841,6 @@ def _check_result(call: Call, a, result, backend, category):
     else:
         with np.errstate(all="ignore"):
             check_forward_backward(pp, q, k, v, dout, ref, out, lse, grads, backend=backend, ctx=ctx)
-    COUNTS["returned (checked against the reference)"] += 1
 
 
 EXTREME = {"huge", 1e4, 1e30}
@@ -799,9 +861,11 @@ def _category(call: Call, stale: bool) -> str:
 # The fuzzer
 
 
-def run_call(call: Call, backend: str):
-    ctx = call.ctx()
-    args, stale = _build(call, backend)
+def _call_once(call: Call, backend: str, rep: int = 0):
+    """One call through the public API: (args, result, stale), or None when it raised an allowed
+    ValueError / TypeError."""
+    ctx = call.ctx() + (f" repeat={rep}" if rep else "")
+    args, stale = _build(call, backend, rep)
     snap = _snapshot(args)
     tags = set(call.tags)
     COUNTS["calls"] += 1
@@ -820,7 +884,7 @@ def run_call(call: Call, backend: str):
         assert tags & {"invalid", "either", "unchecked"}, f"valid input rejected: {type(err).__name__}: {err}; {ctx}"
         assert str(err), f"{type(err).__name__} without a message; {ctx}"
         COUNTS["raised ValueError/TypeError"] += 1
-        return
+        return None
     except Hang as err:
         raise AssertionError(f"hang: {err}; {ctx}") from None
     except Exception as err:
@@ -828,7 +892,34 @@ def run_call(call: Call, backend: str):
                              f"are allowed): {err}; {ctx}") from err
     _assert_untouched(snap, ctx)
     assert "invalid" not in tags, f"invalid input accepted; {ctx}"
-    _check_result(call, args, result, backend, _category(call, stale))
+    return args, result, stale
+
+
+def run_call(call: Call, backend: str):
+    first = _call_once(call, backend)
+    if first is None:
+        return
+    args, result, stale = first
+    category = _category(call, stale)
+    item = _prepare(call, args, result, backend, category)
+    if item is None:
+        return
+    items = [item]
+    rows = _valid_rows(item)
+    # Repeats on fresh values until the rows make a stable statistic (none when no row sees a key).
+    while 0 < rows * len(items) < MIN_POOLED_ROWS and len(items) < MAX_REPEATS:
+        again = _call_once(call, backend, rep=len(items))
+        assert again is not None, f"repeat {len(items)} raised where the first call returned; {call.ctx()}"
+        a2, r2, stale2 = again
+        item2 = _prepare(call, a2, r2, backend, _category(call, stale2))
+        if item2 is None or _valid_rows(item2) != rows:
+            break
+        items.append(item2)
+    if len(items) > 1 and not _poolable(items):
+        items = items[:1]
+    ctx = call.ctx() + (f" repeats={len(items)}" if len(items) > 1 else "")
+    _check_accuracy(_pooled(items), backend, ctx)
+    COUNTS["returned (checked against the reference)"] += 1
 
 
 @prop_settings(1500)
@@ -937,6 +1028,43 @@ def test_every_mutation_builds():
                 call = Call(fn, p, ((slot, kind, variant),), (_tag(slot, kind, variant, tag, "cpu", Call(fn, p)),))
                 args, _ = _build(call, "cpu")
                 assert set(args) >= {"q", "k", "v", "causal"}, (fn, slot, variant)
+
+
+# A call with one valid query row (the CI failure of 2026-11-26, hypothesis blob
+# AXicc2RwYkp0ZHQUAGJmRyYgycjgCIeMjI4MWCB2URyQgRGiAwDb3Q01): checked alone, the max-error rule read one
+# row's rounding luck; pooled, 16 calls are checked as one batch.
+ONE_ROW = Call("attention",
+               Problem(seed=609, dtype="float16", batch=16, seqlen_q=1, seqlen_k=3, nheads_kv=2, group=1, head_dim=8,
+                       causal=False, scale=None, layouts=("contiguous",) * 4,
+                       q_lengths=[0, 0, 0, 0, 1] + [0] * 11, sink_logits=True))
+
+
+def test_few_rows_are_pooled():
+    before = COUNTS["calls"]
+    run_call(ONE_ROW, "cpu")
+    assert COUNTS["calls"] - before == MIN_POOLED_ROWS  # one valid row per call
+
+
+@pytest.mark.parametrize("rep", [0, 9])
+@pytest.mark.parametrize("fn", ["attention", "attention_backward"])
+def test_pooled_check_sees_a_wrong_element(monkeypatch, fn, rep):
+    """One element of one of the pooled calls off by 4 float16 ulps (of out, or of dq): the check fails."""
+    import cuflash
+
+    real = getattr(cuflash, fn)
+    calls = []
+
+    def skewed(*args, **kw):
+        res = real(*args, **kw)
+        calls.append(None)
+        if len(calls) - 1 == rep:
+            x = res[0]
+            x[4, 0, 1, 3] = x[4, 0, 1, 3] + np.float16(4 * 2.0 ** -10) * max(1.0, abs(float(x[4, 0, 1, 3])))
+        return res
+
+    monkeypatch.setattr(cuflash, fn, skewed)
+    with pytest.raises(AssertionError, match="out:" if fn == "attention" else "dq:"):
+        run_call(replace(ONE_ROW, fn=fn), "cpu")
 
 
 def test_time_bound_fires():
