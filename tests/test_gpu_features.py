@@ -444,7 +444,25 @@ def dsink_from_definition(dout, out, lse, sink, layout):
         return terms.sum(axis=1), np.abs(terms).sum(axis=1)
 
 
-def check_dsink(dsink, ref, naive, self_val, self_abs, nheads, msg):
+def dsink_out_shift(dout, out, ref_out, ref_lse, sink, layout):
+    """How far d sink_logits moves from the exact gradient because of the out the backward was handed: the
+    definition's change, -sum over rows of exp(sink[h] - lse) * sum_d dout * (out - ref_out), in float64 at the
+    reference lse (the definition is linear in out). Layouts as dsink_from_definition's."""
+    return dsink_from_definition(dout, out.astype(np.float64) - ref_out, ref_lse, sink, layout)[0]
+
+
+def check_dsink(dsink, ref, naive, self_val, self_abs, nheads, msg, shift):
+    """d sink_logits: (b) against its definition from the out and lse the backward received (tight: how the
+    kernels summed it), then (a) against the float64 gradient, after taking out `shift` (dsink_out_shift).
+
+    Every backward forms d sink as FlashAttention forms D, from the forward's out rounded to the input dtype
+    (D = rowsum(dout * out)), so d sink carries out's rounding, summed over every row of the batch; the
+    naive autograd's d sink does not (it comes from P and dP), and its error is small by luck now and then.
+    Checked as it was (3 x that error), the NumPy backward, exact for its inputs, failed in 3 of 120 draws;
+    the GPU's seeds 3188955339975619768 (session 9) and 2287796830739956395 (session 12, head_dim 256
+    sink logits) failed the same way, and the NumPy path reproduces both (0.0101 and 0.0033 off, of which
+    all but 5e-7 and 6e-8 is the shift). out's own accuracy is checked by check_out; here the rule is
+    applied to what d sink adds to it."""
     assert dsink.shape == (nheads,), f"{msg}: dsink shape {dsink.shape} != {(nheads,)}"
     assert dsink.dtype == np.float32, f"{msg}: dsink dtype {dsink.dtype} != float32 (sink_logits' dtype)"
     _finite_report("dsink", dsink, msg)
@@ -456,12 +474,14 @@ def check_dsink(dsink, ref, naive, self_val, self_abs, nheads, msg):
     assert (serr <= stol).all(), (f"{msg}: dsink differs from -sum exp(sink - lse) * rowsum(dout * out) computed "
                                   f"from the backward's own out / lse: |diff| {serr.tolist()} > {stol.tolist()}; "
                                   f"dsink={dsink.tolist()}, from definition={self_val.tolist()}")
-    err = float(np.abs(d64 - ref).max())
+    raw = float(np.abs(d64 - ref).max())
+    err = float(np.abs(d64 - ref - shift).max())
     err_naive = float(np.abs(naive.astype(np.float64) - ref).max())
     bound = BWD_FACTOR * err_naive + BWD_FLOOR + DSINK_REL * float(np.abs(ref).max())
-    assert err <= bound, (f"{msg}: max|dsink - ref64| = {err:.4g} > {bound:.4g} (3 * naive {err_naive:.4g} + 1e-4 "
-                          f"+ {DSINK_REL:g} * max|ref| {np.abs(ref).max():.4g}); dsink={dsink.tolist()}, "
-                          f"ref={ref.tolist()}; within (b) of its definition: |diff| {serr.tolist()}")
+    assert err <= bound, (f"{msg}: max|dsink - ref64 - shift| = {err:.4g} > {bound:.4g} (3 * naive {err_naive:.4g} "
+                          f"+ 1e-4 + {DSINK_REL:g} * max|ref| {np.abs(ref).max():.4g}); max|dsink - ref64| {raw:.4g}, "
+                          f"out's shift {shift.tolist()}; dsink={dsink.tolist()}, ref={ref.tolist()}; within (b) of "
+                          f"its definition: |diff| {serr.tolist()}")
 
 
 def check_padding_forward(out, lse, vis, feat, msg):
@@ -590,7 +610,8 @@ def run_padded_case(cf, *, seed, dtype, batch, sq, sk, h, hkv, d, causal, determ
     check_padding_backward(gh[0], gh[1], gh[2], vis, msg)
     if has_sink:
         sv, sa = dsink_from_definition(dout, out, lse, feat["sink_logits"], "padded")
-        check_dsink(gh[3], np.asarray(ref_g[3], dtype=np.float64), np.asarray(naive_g[3]), sv, sa, h, msg)
+        shift = dsink_out_shift(dout, out, ref, ref_lse, feat["sink_logits"], "padded")
+        check_dsink(gh[3], np.asarray(ref_g[3], dtype=np.float64), np.asarray(naive_g[3]), sv, sa, h, msg, shift)
     # the backward's inputs are untouched
     for name, dev_arr, host_arr in (("q", qd, q), ("k", kd, k), ("v", vd, v), ("dout", doutd, dout),
                                     ("out", out_d, out), ("lse", lse_d, lse)):
@@ -909,7 +930,8 @@ def test_varlen(cf, feature, dtype, causal, head_dim, nheads, nheads_kv, cross, 
                          f"past the end")
     if has_sink:
         sv, sa = dsink_from_definition(dout, out, lse, feat["sink_logits"], "varlen")
-        check_dsink(gh[3], np.asarray(ref_g[3], dtype=np.float64), np.asarray(naive_g[3]), sv, sa, h, msg)
+        shift = dsink_out_shift(dout, out, ref, ref_lse, feat["sink_logits"], "varlen")
+        check_dsink(gh[3], np.asarray(ref_g[3], dtype=np.float64), np.asarray(naive_g[3]), sv, sa, h, msg, shift)
 
 
 @gpu
@@ -1185,10 +1207,11 @@ def test_torch_autograd(cf, torch_cuda, feature, dtype, causal, head_dim, heads,
                 out2, lse2 = cf.attention(qt.detach(), kt.detach(), vt.detach(), causal=causal, return_lse=True,
                                           **{key: (val.detach() if isinstance(val, torch.Tensor) else val)
                                              for key, val in kw.items()})
-            sv, sa = dsink_from_definition(w, _torch_to_np(torch, out2), _torch_to_np(torch, lse2),
-                                           feat["sink_logits"], "padded")
+            out2 = _torch_to_np(torch, out2)
+            sv, sa = dsink_from_definition(w, out2, _torch_to_np(torch, lse2), feat["sink_logits"], "padded")
+            shift = dsink_out_shift(w, out2, ref, ref_lse, feat["sink_logits"], "padded")
             check_dsink(_torch_to_np(torch, sink_t.grad), np.asarray(ref_g[3], np.float64), np.asarray(naive_g[3]),
-                        sv, sa, h, msg)
+                        sv, sa, h, msg, shift)
 
 
 @gpu
@@ -1233,9 +1256,12 @@ def test_torch_varlen_autograd(cf, torch_cuda, dtype, causal):
                                          causal=causal, return_lse=True,
                                          **{key: (val.detach() if isinstance(val, torch.Tensor) else val)
                                             for key, val in kw.items()})
-    sv, sa = dsink_from_definition(w, _torch_to_np(torch, out2), _torch_to_np(torch, lse2), feat["sink_logits"],
-                                   "varlen")
-    check_dsink(_torch_to_np(torch, sg), np.asarray(ref_g[3], np.float64), np.asarray(naive_g[3]), sv, sa, h, msg)
+    out2 = _torch_to_np(torch, out2)
+    sv, sa = dsink_from_definition(w, out2, _torch_to_np(torch, lse2), feat["sink_logits"], "varlen")
+    ref_p, ref_lse_p, _ = forward_refs(qp, kp, vp, causal, 1 / math.sqrt(d), pfeat)
+    shift = dsink_out_shift(wp, pack_to_padded(out2, cq, max(lq)), ref_p, ref_lse_p, feat["sink_logits"], "padded")
+    check_dsink(_torch_to_np(torch, sg), np.asarray(ref_g[3], np.float64), np.asarray(naive_g[3]), sv, sa, h, msg,
+                shift)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1288,8 +1314,9 @@ def test_jax_grad_features(cf, jax_gpu, dtype, causal):
     check_grad("dq", np.asarray(gq), q.shape, q.dtype, np.asarray(ref_g[0], np.float64), np.asarray(naive_g[0]), msg)
     out, lse = cf.attention(qj, kj, vj, causal=causal, return_lse=True, sink_logits=sink, **kw)
     sv, sa = dsink_from_definition(w, np.asarray(out), np.asarray(lse), feat["sink_logits"], "padded")
-    check_dsink(np.asarray(gs), np.asarray(ref_g[3], np.float64), np.asarray(naive_g[3]), sv, sa, h, msg)
     ref, ref_lse, naive = forward_refs(q, k, v, causal, scale, feat)
+    shift = dsink_out_shift(w, np.asarray(out), ref, ref_lse, feat["sink_logits"], "padded")
+    check_dsink(np.asarray(gs), np.asarray(ref_g[3], np.float64), np.asarray(naive_g[3]), sv, sa, h, msg, shift)
     check_out(np.asarray(out), ref, naive, msg)
     check_lse(np.asarray(lse), ref_lse, msg, (b, h, sq))
 
