@@ -597,16 +597,26 @@ def run_padded_case(cf, *, seed, dtype, batch, sq, sk, h, hkv, d, causal, determ
         assert isinstance(g, cp.ndarray), f"{msg}: a gradient is {type(g)}, expected cupy.ndarray"
     gh = [_host(g) for g in grads]
     ref_g, naive_g = grad_refs(dout, q, k, v, causal, scale, feat)
-    try:
-        for name, g, x, r, n in zip(("dq", "dk", "dv"), gh, (q, k, v), ref_g, naive_g):
+    given = None
+    for i, (name, g, x, r, n) in enumerate(zip(("dq", "dk", "dv"), gh, (q, k, v), ref_g, naive_g)):
+        try:
             check_grad(name, g, x.shape, x.dtype, np.asarray(r, dtype=np.float64), np.asarray(n), msg)
-    except AssertionError as e:
-        # Diagnosis only (the verdict stands): the error against the exact gradients of the out this
-        # backward was handed (D = rowsum(dO * out) from the rounded out, as FlashAttention forms it),
-        # which tells a kernel fault from the rounding of out that D inherits.
-        fa = _ref_grads(dout, q, k, v, causal, scale, None, delta_out=out, **ref_kwargs(feat))
-        errs = [float(np.abs(g.astype(np.float64) - np.asarray(r, dtype=np.float64)).max()) for g, r in zip(gh, fa)]
-        raise AssertionError(f"{e}; against the exact gradients of the given out: max errors dq dk dv {errs}") from None
+        except AssertionError as e:
+            if name == "dv":  # dv = P^T dout does not involve D
+                raise
+            # dq and dk go through dS = P (dP - D), and every backward forms D = rowsum(dout * out) from the
+            # out it is handed, rounded to the input dtype (FlashAttention's D); the naive autograd's D does
+            # not pass through out. Where one row's D error is the largest term (a row with one query and a
+            # sink logit or a steep ALiBi slope) that rounding alone can exceed the rule: sessions 8 and 9
+            # recorded five such GPU seeds (5749519082516743148, 127345327228258926, 2675218138546244751,
+            # 196078417100779651, 6481226003996618711), and the NumPy path, exact for its inputs, reproduces
+            # each (tests/test_grad_rule_cpu.py). So a gradient outside the rule is held, with the same
+            # bound, against the exact gradients of the given out (D from it, in float64); out's own accuracy
+            # is check_out's.
+            if given is None:
+                given = _ref_grads(dout, q, k, v, causal, scale, None, delta_out=out, **ref_kwargs(feat))
+            check_grad(name, g, x.shape, x.dtype, np.asarray(given[i], dtype=np.float64), np.asarray(n),
+                       f"{e}; and against the exact gradients of the given out")
     check_padding_backward(gh[0], gh[1], gh[2], vis, msg)
     if has_sink:
         sv, sa = dsink_from_definition(dout, out, lse, feat["sink_logits"], "padded")
