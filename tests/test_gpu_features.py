@@ -610,7 +610,7 @@ def run_padded_case(cf, *, seed, dtype, batch, sq, sk, h, hkv, d, causal, determ
             # sink logit or a steep ALiBi slope) that rounding alone can exceed the rule: sessions 8 and 9
             # recorded five such GPU seeds (5749519082516743148, 127345327228258926, 2675218138546244751,
             # 196078417100779651, 6481226003996618711), and the NumPy path, exact for its inputs, reproduces
-            # each (tests/test_grad_rule_cpu.py). So a gradient outside the rule is held, with the same
+            # each (tests/test_gpu_rules_cpu.py). So a gradient outside the rule is held, with the same
             # bound, against the exact gradients of the given out (D from it, in float64); out's own accuracy
             # is check_out's.
             if given is None:
