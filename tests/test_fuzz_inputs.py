@@ -778,11 +778,16 @@ def _prepare(call: Call, a, result, backend, category):
 
 
 def _valid_rows(item) -> int:
-    """Query rows that see at least one key position (rows past q_lengths / a sequence do not)."""
-    pp, q, ref = item[0], item[1], item[5]
+    """Query rows that see at least one key (rows past q_lengths or a sequence, and rows that a causal
+    mask, a window or kv_lengths 0 leave without keys, do not)."""
+    from cuflash._reference import feature_mask_bias
+
+    pp, q, k, ref = item[0], item[1], item[2], item[5]
     b, sq = q.shape[:2]
-    lq = np.clip(np.asarray(ref.get("q_lengths", np.full(b, sq))), 0, sq)
-    return int(lq.sum())
+    window = ref.get("window", (-1, -1))
+    vis, _ = feature_mask_bias(b, 1, sq, k.shape[1], pp.causal, ref.get("q_lengths"), ref.get("kv_lengths"),
+                               window if window is not None else (-1, -1), ref.get("num_sink_tokens", 0))
+    return int(vis.any(axis=-1).sum())
 
 
 # The accuracy rule compares max errors, a statistic that needs many rows to be stable: a call whose
