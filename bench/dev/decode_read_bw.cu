@@ -10,6 +10,15 @@
 //   read_tma:     the same ring filled by the TMA unit: thread 0 issues, per tile, one 4-D box
 //                 {64 columns, BN rows, 1, 1} per 64-column panel of K and of V (SW128 maps,
 //                 cuflash/_tma.py kv_map) completing on the stage's mbarrier; every thread waits on it.
+//   read_tma_rows: boxes of ROWS rows instead of BN, as the paged decode issues them (one box per
+//                 16-key group and panel: a group never straddles a page): lane g < BN / ROWS of warp 0
+//                 issues group g's boxes, after lane 0 armed the barrier. MODE 0: one 4-D box per
+//                 panel. MODE 1 and 2: one 5-D box for both panels (the map sees head_dim as 2 x 64),
+//                 half the boxes, the tile group-major: MODE 1 dims (64, seqlen, 2, heads_kv, batch),
+//                 box {64, ROWS, 2, 1, 1}: [group][panel][ROWS rows][64] (strides not increasing);
+//                 MODE 2 dims (64, 2, heads_kv, seqlen, batch), box {64, 2, 1, ROWS, 1}: [group][ROWS
+//                 rows][panel][64] (increasing strides; the panels of a row interleave). Rows are
+//                 consecutive (no page table): the question is what the box count costs.
 // Layout: K, V (batch, seqlen, heads_kv, 128) 16-bit, element strides (batch_stride, row_stride,
 // 128, 1). Grid: 1-D, block = b * heads_kv + h; 128 threads.
 #include "common.cuh"
@@ -110,6 +119,77 @@ __global__ void __launch_bounds__(128) read_tma(const __grid_constant__ ReadBwPa
     for (int it = 0; it < n_tiles; ++it) {
         __syncthreads();  // every thread is done with tile it - 1, whose stage tile it + STAGES - 1 takes
         if (tid == 0 && it + STAGES - 1 < n_tiles) load(it + STAGES - 1);
+        const int st = it % STAGES;
+        mbar_wait(smem_addr(&bars[st]), (it / STAGES) & 1);
+        u32 x;
+        asm volatile("ld.shared.b32 %0, [%1];" : "=r"(x) : "r"(base + st * STAGE_BYTES + 4 * (tid * 33 % (STAGE_BYTES / 4))));
+        acc += __uint_as_float(x);
+    }
+    if (tid == 0) p.sink[blockIdx.x] = acc;
+}
+
+// Box at coordinates (c0 innermost .. c4) of a 5-D map (tma.cuh's tma_load_4d with one more).
+__device__ __forceinline__ void tma_load_5d(u32 dst, const TmaDesc* map, u32 bar, int c0, int c1, int c2, int c3,
+                                            int c4) {
+    asm volatile(
+        "cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6, %7}], [%2];"
+        :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4)
+        : "memory");
+}
+
+template <int BN, int STAGES, int ROWS, int MODE>
+__global__ void __launch_bounds__(128) read_tma_rows(const __grid_constant__ ReadBwParams p) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    __shared__ alignas(8) unsigned long long bars[STAGES];
+    constexpr int GROUPS = BN / ROWS;
+    static_assert(GROUPS <= 32 && BN % ROWS == 0, "a lane per group");
+    static_assert(ROWS * 128 % 1024 == 0, "SW128 panels of whole 8-row atoms");
+    constexpr u32 PANEL = BN * 128;
+    constexpr u32 TILE = 2 * PANEL;
+    constexpr u32 STAGE_BYTES = 2 * TILE;
+    const u32 base = (smem_addr(smem_raw) + 1023u) & ~1023u;
+    const int tid = threadIdx.x, lane = tid % 32;
+    const int b = blockIdx.x / p.heads_kv, h = blockIdx.x % p.heads_kv;
+    const int n_tiles = p.seqlen / BN;
+    if (tid == 0) {
+        tma_prefetch_desc(&p.kmap);
+        tma_prefetch_desc(&p.vmap);
+        for (int s = 0; s < STAGES; ++s) mbar_init(smem_addr(&bars[s]), 1);
+        fence_mbar_init();
+    }
+    __syncthreads();
+    auto load = [&](int it) {  // by warp 0
+        const int st = it % STAGES;
+        const u32 bar = smem_addr(&bars[st]);
+        const u32 dst = base + st * STAGE_BYTES;
+        if (lane == 0) mbar_arrive_expect_tx(bar, STAGE_BYTES);
+        __syncwarp();
+        if (lane < GROUPS) {
+            const int row = it * BN + lane * ROWS;
+            if constexpr (MODE == 1) {
+                const u32 off = lane * ROWS * 256;
+                tma_load_5d(dst + off, &p.kmap, bar, 0, row, 0, h, b);
+                tma_load_5d(dst + TILE + off, &p.vmap, bar, 0, row, 0, h, b);
+            } else if constexpr (MODE == 2) {
+                const u32 off = lane * ROWS * 256;
+                tma_load_5d(dst + off, &p.kmap, bar, 0, 0, h, row, b);
+                tma_load_5d(dst + TILE + off, &p.vmap, bar, 0, 0, h, row, b);
+            } else {
+                const u32 off = lane * ROWS * 128;
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    tma_load_4d(dst + c * PANEL + off, &p.kmap, bar, 64 * c, row, h, b);
+                    tma_load_4d(dst + TILE + c * PANEL + off, &p.vmap, bar, 64 * c, row, h, b);
+                }
+            }
+        }
+    };
+    if (tid < 32)
+        for (int s = 0; s < STAGES - 1 && s < n_tiles; ++s) load(s);
+    float acc = 0.f;
+    for (int it = 0; it < n_tiles; ++it) {
+        __syncthreads();
+        if (tid < 32 && it + STAGES - 1 < n_tiles) load(it + STAGES - 1);
         const int st = it % STAGES;
         mbar_wait(smem_addr(&bars[st]), (it / STAGES) & 1);
         u32 x;

@@ -5,7 +5,12 @@ and a device-to-device copy, at one shape (issue 13: cuflash's decode reads at ~
 bandwidth at batch 64, where cuDNN's reads at 102-107 %).
 
 Shape: K, V (batch, seqlen, heads_kv, 128) bf16 (default 64 x 8192 x 32: 2048 blocks); block (b, h)
-streams its kv head. Variants: read_cpasync<BN, STAGES> and read_tma<BN, STAGES> for BN 64 / 128.
+streams its kv head. Variants: read_cpasync<BN, STAGES> and read_tma<BN, STAGES> for BN 64 / 128, and
+read_tma_rows<128, STAGES, ROWS, MODE>: 128-key tiles in boxes of ROWS = 16 / 32 / 64 / 128 rows, one box per
+64-column panel (MODE 0) or one 5-D box for both (MODE 1: panel-major, strides not increasing; MODE 2:
+row-major, the panels of a row interleaved), as the paged decode issues its 16-key groups
+(does the box count cost what paged caches lose at small shapes? --batch 4 --seqlen 512 is 128 blocks of 512
+keys, where paged decode read 1.34x the contiguous time in session 11).
 Method: decode_splits.gpu_ms_per_call (CUDA events around --reps launches queued behind a sleep
 kernel, after warm-up; median of --rounds); GB/s = K+V bytes / time;
 the copy's figure counts the bytes read and written (as bench_decode.py's copy bandwidth). Needs sm_90 (TMA).
@@ -31,10 +36,20 @@ for _p in (ROOT, HERE):
 
 VARIANTS = [("cpasync", 64, 3), ("cpasync", 64, 4), ("cpasync", 128, 2), ("cpasync", 128, 3),
             ("tma", 64, 3), ("tma", 64, 4), ("tma", 128, 2), ("tma", 128, 3)]
+# read_tma_rows: (kind, BN, STAGES, ROWS, MODE)
+VARIANTS += [("tma_rows", 128, st, rows, mode) for st in (2, 3) for rows in (16, 32, 64, 128) for mode in (0, 1, 2)]
 
 
-def expression(kind, bn, stages):
+def expression(kind, bn, stages, rows=None, mode=None):
+    if kind == "tma_rows":
+        return f"cuflash::read_tma_rows<{bn}, {stages}, {rows}, {mode}>"
     return f"cuflash::read_{kind}<{bn}, {stages}>"
+
+
+def label(kind, bn, stages, rows=None, mode=None):
+    if kind == "tma_rows":
+        return f"read_tma_rows<{bn}, {stages}, {rows}, mode {mode}>"
+    return f"read_{kind}<{bn}, {stages}>"
 
 
 def build(path):
@@ -59,7 +74,7 @@ def build(path):
         json.dump(names, f)
 
 
-def smem_bytes(kind, bn, stages):
+def smem_bytes(kind, bn, stages, *_):
     return 2 * stages * bn * 136 * 2 if kind == "cpasync" else stages * 4 * bn * 128 + 1024
 
 
@@ -97,11 +112,20 @@ def main():
     kv_bytes = 2 * k.numel() * 2
     stream = torch.cuda.current_stream().cuda_stream
 
-    def params(bn):
+    def tensor_map(x, rows, mode):
+        bs, rs, hs, _ = x.stride()
+        if mode == 1:  # head_dim as 2 panels of 64: dims (64, seqlen, 2, heads_kv, batch), box {64, rows, 2, 1, 1}
+            return _tma.encode_tiled(x.data_ptr(), "bfloat16", (64, L, 2, hk, b), (2 * rs, 128, 2 * hs, 2 * bs),
+                                     (64, rows, 2, 1, 1))
+        if mode == 2:  # dims (64, 2, heads_kv, seqlen, batch), box {64, 2, 1, rows, 1}
+            return _tma.encode_tiled(x.data_ptr(), "bfloat16", (64, 2, hk, L, b), (128, 2 * hs, 2 * rs, 2 * bs),
+                                     (64, 2, 1, rows, 1))
+        return _tma.kv_map(x.data_ptr(), tuple(x.shape), tuple(x.stride()), rows, "bfloat16")
+
+    def params(bn, rows=None, mode=0):
         buf = np.zeros(320, dtype=np.uint8)
-        shape, strides = tuple(k.shape), tuple(k.stride())
-        buf[0:128] = np.frombuffer(_tma.kv_map(k.data_ptr(), shape, strides, bn, "bfloat16"), np.uint8)
-        buf[128:256] = np.frombuffer(_tma.kv_map(v.data_ptr(), shape, strides, bn, "bfloat16"), np.uint8)
+        buf[0:128] = np.frombuffer(tensor_map(k, rows or bn, mode), np.uint8)
+        buf[128:256] = np.frombuffer(tensor_map(v, rows or bn, mode), np.uint8)
         struct.pack_into("<QQQqqii", buf, 256, k.data_ptr(), v.data_ptr(), sink.data_ptr(), k.stride(0), k.stride(1),
                          L, hk)
         return buf
@@ -120,20 +144,32 @@ def main():
 
     dst = torch.empty_like(k)
     report("copy (bytes read + written)", timed(lambda: dst.copy_(k)), 2 * k.numel() * 2)
-    for kind, bn, stages in VARIANTS:
-        fn = module.get_function(names[expression(kind, bn, stages)])
-        smem = smem_bytes(kind, bn, stages)
+    for var in VARIANTS:
+        kind, bn, stages = var[:3]
+        fn = module.get_function(names[expression(*var)])
+        smem = smem_bytes(*var)
         fn.max_dynamic_shared_size_bytes = smem
-        buf = params(bn)
+        try:
+            buf = params(*var[1:2], *var[3:])
+        except _tma.TmaError as e:  # a layout the driver refuses: say so, time the rest
+            print(f"{label(*var):28} not encodable: {e}", flush=True)
+            rows.append(dict(name=label(*var), error=str(e)))
+            continue
         argv = np.array([buf.ctypes.data], dtype=np.uint64)
 
         def launch(fn=fn, smem=smem, argv=argv):
             driver.launchKernel(fn.kernel.ptr, b * hk, 1, 1, 128, 1, 1, smem, stream, int(argv.ctypes.data), 0)
 
-        report(f"read_{kind}<{bn}, {stages}>", timed(launch))
+        report(label(*var), timed(launch))
     q = torch.randn(b, 1, hk * 1, d, device=dev, dtype=torch.bfloat16)
     seqlens = torch.full((b,), L, device=dev, dtype=torch.int32)
     report("cuflash decode (GQA 1)", timed(lambda: cuflash.attention_with_kvcache(q, k, v, cache_seqlens=seqlens)))
+    # the same storage as 16-row pages in a random order (bench_decode.py's paged layout)
+    nb = b * L // 16
+    table = torch.randperm(nb, device=dev).view(b, L // 16).to(torch.int32)
+    kp, vp = k.view(nb, 16, hk, d), v.view(nb, 16, hk, d)
+    report("cuflash decode, 16-row pages", timed(
+        lambda: cuflash.attention_with_kvcache(q, kp, vp, cache_seqlens=seqlens, block_table=table)))
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
