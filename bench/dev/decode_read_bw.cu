@@ -7,12 +7,13 @@
 //                 thread keeps one 16-byte column chunk and walks rows tid / CHUNKS + 8 i of each
 //                 BN-key tile; cp.async.cg with the L2::256B hint; tile it + STAGES - 1 issued after
 //                 the barrier of tile it.
-//   read_tma:     the same ring filled by the TMA unit: thread 0 issues, per tile, one 4-D box
-//                 {64 columns, BN rows, 1, 1} per 64-column panel of K and of V (SW128 maps,
-//                 cuflash/_tma.py kv_map) completing on the stage's mbarrier; every thread waits on it.
-//   read_tma_rows: boxes of ROWS rows instead of BN, as the paged decode issues them (one box per
-//                 16-key group and panel: a group never straddles a page): lane g < BN / ROWS of warp 0
-//                 issues group g's boxes, after lane 0 armed the barrier. MODE 0: one 4-D box per
+//   read_tma_rows: the same ring filled by the TMA unit, completing on the stage's mbarrier (every
+//                 thread waits on it); SW128 maps (cuflash/_tma.py kv_map). With ROWS = BN and MODE 0
+//                 ("read_tma"), lane 0 issues, per tile, one 4-D box {64 columns, BN rows, 1, 1} per
+//                 64-column panel of K and of V. Otherwise boxes of ROWS rows, as the paged decode
+//                 issues them (one box per 16-key group and panel: a group never straddles a page):
+//                 lane g < BN / ROWS of warp 0 issues group g's boxes, after lane 0 armed the
+//                 barrier. MODE 0: one 4-D box per
 //                 panel. MODE 1 and 2: one 5-D box for both panels (the map sees head_dim as 2 x 64),
 //                 half the boxes, the tile group-major: MODE 1 dims (64, seqlen, 2, heads_kv, batch),
 //                 box {64, ROWS, 2, 1, 1}: [group][panel][ROWS rows][64] (strides not increasing);
@@ -82,49 +83,6 @@ __global__ void __launch_bounds__(128) read_cpasync(const __grid_constant__ Read
              + (float)sV[st * BN * RB_PITCH + (tid % BN) * RB_PITCH + tid % 64];
     }
     cp_async_wait<0>();
-    if (tid == 0) p.sink[blockIdx.x] = acc;
-}
-
-template <int BN, int STAGES>
-__global__ void __launch_bounds__(128) read_tma(const __grid_constant__ ReadBwParams p) {
-    extern __shared__ __align__(1024) unsigned char smem_raw[];
-    __shared__ alignas(8) unsigned long long bars[STAGES];
-    constexpr u32 PANEL = BN * 128;                // bytes of one 64-column panel of a tile
-    constexpr u32 TILE = 2 * PANEL;                // one tensor's tile (128 columns)
-    constexpr u32 STAGE_BYTES = 2 * TILE;          // K and V
-    const u32 base = (smem_addr(smem_raw) + 1023u) & ~1023u;
-    const int tid = threadIdx.x;
-    const int b = blockIdx.x / p.heads_kv, h = blockIdx.x % p.heads_kv;
-    const int n_tiles = p.seqlen / BN;
-    if (tid == 0) {
-        tma_prefetch_desc(&p.kmap);
-        tma_prefetch_desc(&p.vmap);
-        for (int s = 0; s < STAGES; ++s) mbar_init(smem_addr(&bars[s]), 1);
-        fence_mbar_init();
-    }
-    __syncthreads();
-    auto load = [&](int it) {
-        const int st = it % STAGES;
-        const u32 bar = smem_addr(&bars[st]);
-        const u32 dst = base + st * STAGE_BYTES;
-        mbar_arrive_expect_tx(bar, STAGE_BYTES);
-        tma_load_4d(dst, &p.kmap, bar, 0, it * BN, h, b);
-        tma_load_4d(dst + PANEL, &p.kmap, bar, 64, it * BN, h, b);
-        tma_load_4d(dst + TILE, &p.vmap, bar, 0, it * BN, h, b);
-        tma_load_4d(dst + TILE + PANEL, &p.vmap, bar, 64, it * BN, h, b);
-    };
-    if (tid == 0)
-        for (int s = 0; s < STAGES - 1 && s < n_tiles; ++s) load(s);
-    float acc = 0.f;
-    for (int it = 0; it < n_tiles; ++it) {
-        __syncthreads();  // every thread is done with tile it - 1, whose stage tile it + STAGES - 1 takes
-        if (tid == 0 && it + STAGES - 1 < n_tiles) load(it + STAGES - 1);
-        const int st = it % STAGES;
-        mbar_wait(smem_addr(&bars[st]), (it / STAGES) & 1);
-        u32 x;
-        asm volatile("ld.shared.b32 %0, [%1];" : "=r"(x) : "r"(base + st * STAGE_BYTES + 4 * (tid * 33 % (STAGE_BYTES / 4))));
-        acc += __uint_as_float(x);
-    }
     if (tid == 0) p.sink[blockIdx.x] = acc;
 }
 
