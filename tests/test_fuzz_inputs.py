@@ -40,6 +40,7 @@ import os
 import signal
 import threading
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import ml_dtypes
 import numpy as np
@@ -710,6 +711,19 @@ def _finite(*xs):
     return True
 
 
+class Returned(NamedTuple):
+    """A returned call as the accuracy rule takes it, in the padded layout (numpy)."""
+    pp: object  # the Problem the passed arguments describe
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    dout: np.ndarray | None
+    ref: dict   # the reference's options
+    out: np.ndarray
+    lse: np.ndarray | None
+    grads: list | None
+
+
 def _prepare(call: Call, a, result, backend, category):
     """Every check of a returned result but the accuracy rule; returns what that rule needs, (pp, q, k, v,
     dout, ref options, out, lse, grads) in the padded layout, or None when the values are not checked."""
@@ -774,19 +788,18 @@ def _prepare(call: Call, a, result, backend, category):
                         f"a finite input gave NaN where the naive computation in the input dtype does not; {ctx}"
         COUNTS["returned (extreme values: no NaN, |out| <= max|v|)"] += 1
         return
-    return pp, q, k, v, dout, ref, out, lse, grads
+    return Returned(pp, q, k, v, dout, ref, out, lse, grads)
 
 
-def _valid_rows(item) -> int:
+def _valid_rows(item: "Returned") -> int:
     """Query rows that see at least one key (rows past q_lengths or a sequence, and rows that a causal
     mask, a window or kv_lengths 0 leave without keys, do not)."""
     from cuflash._reference import feature_mask_bias
 
-    pp, q, k, ref = item[0], item[1], item[2], item[5]
-    b, sq = q.shape[:2]
-    window = ref.get("window", (-1, -1))
-    vis, _ = feature_mask_bias(b, 1, sq, k.shape[1], pp.causal, ref.get("q_lengths"), ref.get("kv_lengths"),
-                               window if window is not None else (-1, -1), ref.get("num_sink_tokens", 0))
+    ref = item.ref
+    b, sq = item.q.shape[:2]
+    vis, _ = feature_mask_bias(b, 1, sq, item.k.shape[1], item.pp.causal, ref.get("q_lengths"), ref.get("kv_lengths"),
+                               ref.get("window", (-1, -1)), ref.get("num_sink_tokens", 0))
     return int(vis.any(axis=-1).sum())
 
 
@@ -800,40 +813,45 @@ MAX_REPEATS = 16
 PER_BATCH = ("q_lengths", "kv_lengths")
 
 
+def _per_batch(name, value) -> bool:
+    """An option that pools by concatenation along the batch."""
+    return name in PER_BATCH or (name == "alibi_slopes" and np.ndim(value) == 2)
+
+
 def _poolable(items) -> bool:
     """Whether the calls differ in their values only: the same shapes, and the same options except the
     per-batch ones (lengths, (batch, nheads) ALiBi slopes), which pool by concatenation."""
-    ref0 = items[0][5]
+    first = items[0]
     for it in items[1:]:
-        ref = it[5]
-        if set(ref) != set(ref0) or any(x.shape != y.shape for x, y in zip(it[1:5], items[0][1:5]) if x is not None):
+        if set(it.ref) != set(first.ref):
             return False
-        for n in ref0:
-            if n in PER_BATCH or (n == "alibi_slopes" and np.ndim(ref0[n]) == 2):
-                continue
-            if not np.array_equal(np.asarray(ref[n]), np.asarray(ref0[n])):
-                return False
+        if any(x.shape != y.shape for x, y in zip((it.q, it.k, it.v, it.dout), (first.q, first.k, first.v, first.dout))
+               if x is not None):
+            return False
+        if any(not np.array_equal(np.asarray(it.ref[n]), np.asarray(v)) for n, v in first.ref.items()
+               if not _per_batch(n, v)):
+            return False
     return True
 
 
-def _pooled(items):
+def _pooled(items) -> "Returned":
     """The calls of `items` as one batch (see tests/test_property_cpu.py pool())."""
     if len(items) == 1:
         return items[0]
-    pp = items[0][0]
-    cat = [None if items[0][i] is None else np.concatenate([it[i] for it in items]) for i in (1, 2, 3, 4)]
-    ref = dict(items[0][5])
-    for n in ref:
-        if n in PER_BATCH or (n == "alibi_slopes" and np.ndim(ref[n]) == 2):
-            ref[n] = np.concatenate([it[5][n] for it in items])
-    out = np.concatenate([it[6] for it in items])
-    lse = None if items[0][7] is None else np.concatenate([it[7] for it in items])
+    first = items[0]
+
+    def cat(name):
+        return None if getattr(first, name) is None else np.concatenate([getattr(it, name) for it in items])
+
+    ref = {n: np.concatenate([it.ref[n] for it in items]) if _per_batch(n, v) else v for n, v in first.ref.items()}
     grads = None
-    if items[0][8] is not None:
-        grads = [np.concatenate([it[8][i] for it in items]) for i in range(3)]
-        if len(items[0][8]) == 4:  # d sink_logits (nheads,): the batch's sum
-            grads.append(np.sum([it[8][3] for it in items], axis=0, dtype=np.float64).astype(np.float32))
-    return (replace(pp, batch=cat[0].shape[0]), *cat, ref, out, lse, grads)
+    if first.grads is not None:
+        grads = [np.concatenate([it.grads[i] for it in items]) for i in range(3)]
+        if len(first.grads) == 4:  # d sink_logits (nheads,): the batch's sum
+            grads.append(np.sum([it.grads[3] for it in items], axis=0, dtype=np.float64).astype(np.float32))
+    q = cat("q")
+    return Returned(replace(first.pp, batch=q.shape[0]), q, cat("k"), cat("v"), cat("dout"), ref, cat("out"),
+                    cat("lse"), grads)
 
 
 def _check_accuracy(item, backend, ctx):
