@@ -677,8 +677,15 @@ def decode_warps_forced() -> int:
     return int(v) if v in ("4", "8") else 0
 
 
+# The 8-warp decode kernel runs unsplit where its blocks leave no SM a second one, there are at least
+# DECODE_WIDE_UNSPLIT_MIN_BLOCKS of them, and a block sees at most DECODE_WIDE_UNSPLIT_KEYS keys
+# (decode_warps_and_splits).
+DECODE_WIDE_UNSPLIT_KEYS = 2048
+DECODE_WIDE_UNSPLIT_MIN_BLOCKS = 16
+
+
 def decode_warps_and_splits(blocks: int, splits: int, sm_count: int, forced: bool,
-                            paged: bool = False) -> tuple[int, int]:
+                            paged: bool = False, keys: int | None = None) -> tuple[int, int]:
     """(warps, num_splits) of a decode whose 4-warp kernel would take `splits` splits (decode_num_splits'
     choice, or the caller's forced count): the 8-warp kernel where its grid gives no SM a second block,
     so that each SM runs 8 warps instead of a lone block's 4 (one per scheduler, nothing to hide its
@@ -691,15 +698,28 @@ def decode_warps_and_splits(blocks: int, splits: int, sm_count: int, forced: boo
     kernel's choice, 128 blocks unsplit: 0.93-0.98x (4x512x1 13.1 against 13.9 us, 16x8192x4 134.5
     against 138.7); 64 blocks, 4 splits against 8 warps x 2: 0.97-1.01x; 32 blocks and fewer (8 splits
     or more chosen): the 4-warp kernel's choice was the fastest of those tried, so it is kept there.
-    A paged cache (its TMA boxes are 16-key groups, a tile's block numbers looked up ahead) takes 8
-    warps only where the 4-warp kernel would not split: H200, session 11, 16-row pages, 128 blocks:
-    512 keys 8 warps unsplit 14.3 us against 15.5 with 4 warps in 2 splits; 2048 and 8192 keys 4
-    warps in 2 splits 42.8 / 135.7-138.0 against 48.0 / 164.5-166.2 with 8 warps; 64 blocks of 2048
-    keys, 4 warps x 4 splits 28.2 against 30.2 with 8 warps x 2."""
+    paged: a paged cache read by the cp.async kernel (per-tile offset tables) takes 8 warps only where
+    the 4-warp kernel would not split, the rule measured in session 11 when paged TMA tiles were
+    issued by warp 0 alone (H200, 16-row pages, 128 blocks: 512 keys 8 warps unsplit 14.3 us against
+    15.5 with 4 warps in 2 splits; 2048 and 8192 keys 4 warps in 2 splits 42.8 / 135.7-138.0 against
+    48.0 / 164.5-166.2 with 8 warps). A paged cache read through TMA, each warp issuing its own
+    group's boxes (session 13), takes the contiguous rule (paged=False): H100, 16-row pages, 128
+    blocks of 2048 keys: 4 warps unsplit 51.0 us, 8 warps unsplit 53.9, 4 warps x 2 splits 56.2
+    (the old rule's choice); of 8192 keys (16x8192x4) 187.3 / 193.2 / 193.4.
+    keys (the most keys a block sees; None: not known): where DECODE_WIDE_UNSPLIT_MIN_BLOCKS <= blocks <=
+    sm_count and keys <= DECODE_WIDE_UNSPLIT_KEYS, the 8-warp kernel unsplit, whatever split count the
+    4-warp model asked for. H100, session 13 (bench/dev/decode_splits.py --warps 4 8, GQA 8, 32 query
+    heads, head_dim 128; us per step): 512 keys, 16 / 32 / 64 blocks: 9.7 / 9.9 / 10.0 unsplit against
+    10.7 / 12.1 / 12.6 for the old choice (8, 8 and 4-warp x 2 splits) and 10.7 / 11.1 / 12.6 for the
+    best split count; 64 blocks of 1024 and 2048 keys: 13.9 and 32.1 against 14.6 and 34.8 (8 warps x
+    2). Below 16 blocks and past 2048 keys splits were not measured to lose (1 x 8192 x 8, 4 blocks:
+    63.3 unsplit against 14.7 with 64 splits)."""
     if forced:
         return (8, splits) if splits <= 2 and blocks * splits <= sm_count else (4, splits)
     if paged and splits > 1:
         return 4, splits
+    if keys is not None and keys <= DECODE_WIDE_UNSPLIT_KEYS and DECODE_WIDE_UNSPLIT_MIN_BLOCKS <= blocks <= sm_count:
+        return 8, 1
     wide = max(1, -(-splits // 2))
     return (8, wide) if splits <= 4 and blocks * wide <= sm_count else (4, splits)
 
@@ -770,8 +790,9 @@ def decode_num_splits(blocks: int, keys: int, sm_count: int, blocks_per_sm: int,
       - each SM streams ceil(n / sm_count) blocks' tiles: an SM's share of the memory bandwidth is
         what a tile's time stands for, so blocks beyond one per SM add no bandwidth; where two or
         more share an SM (blocks_per_sm >= 2), they hide each other's latencies: x 0.94 for a
-        contiguous cache, x 0.8 for a paged one, whose copies (an offset table per tile) leave more
-        latency to hide;
+        contiguous cache (and a paged one read through TMA), x 0.8 for a paged one read by the
+        cp.async kernel (paged=True), whose copies (an offset table per tile) leave more latency to
+        hide;
       - 2 tiles per wave of n over the sm_count * blocks_per_sm resident blocks (a block's start:
         its first copies' latency, the pipeline's fill, the merge of its warps);
       - 2 more tiles when s > 1: the combine of the splits, serialized after them.
@@ -782,7 +803,7 @@ def decode_num_splits(blocks: int, keys: int, sm_count: int, blocks_per_sm: int,
     of 512 keys (batch 16 GQA 4, batch 4 GQA 1): 1 (14.2 and 14.3 us, against 16.4 and 16.9 with the
     2 splits that the model without the SM's bandwidth share chose; session 10); 128 blocks of 2048
     keys (batch 16 GQA 4, batch 4 GQA 1): contiguous 1 (53.3 / 52.0 against 56.3 / 56.4 with 2),
-    paged 2 (59.8 / 58.9 against 65.4 / 65.1 unsplit).
+    paged, the cp.async kernel (session 10) 2 (59.8 / 58.9 against 65.4 / 65.1 unsplit).
     host_bound_rule: blocks of at most 16 tiles are not split, for eager calls without the fused
     combine: such a call is host-bound, and a split adds a launch and an allocation (measured on an
     H100 at 512 keys: 33 against 50 us per call at batch 1, 39 against 62 at batch 16). A call

@@ -548,13 +548,19 @@ class DecodePlan:
         self.counters = {}  # stream -> the fused combine's counters (cupy memory, zeroed once)
         self.templates = {}  # adapter lib -> its empty_from cache
         forced = num_splits != 0
+        target = _config.compile_arch(*cc)
+        self.tma = _launch.use_decode_tma(tensor("k_cache", _D_KC), tensor("v_cache", _D_VC), c.dtype, target, c.paged,
+                                          f.num_sink_tokens, f.window_left)
+        # A paged cache read through TMA splits as a contiguous one does (_config.decode_num_splits);
+        # the cp.async kernel's per-tile offset tables give paged calls their own rule.
+        paged_copies = c.paged and not self.tma
         if not forced:
             # Two blocks per SM: one alone keeps too few bytes in flight to draw the SM's share of
             # the memory bandwidth (measured: 48 % of the copy bandwidth at 1 block per SM). An eager
             # call and one captured in a CUDA graph may get different counts (decode_num_splits'
             # host_bound_rule): run() picks by the stream's capture state. With the fused combine a
             # split costs an eager call no extra launch, and GPU time decides there too.
-            paged = infos.get("block_table") is not None
+            paged = paged_copies
             graph_splits = _config.decode_num_splits(blocks, keys, _sm_count(dev), 2, host_bound_rule=False,
                                                      paged=paged)
             if self._fusable(graph_splits):
@@ -603,11 +609,8 @@ class DecodePlan:
         self.input_slots = tuple((i, n) for i, n in enumerate(_D_ARRAYS)
                                  if n in used and n not in ("out", "lse", "scratch"))
 
-        target = _config.compile_arch(*cc)
         wide_ok = _config.decode_wide_stages(target, d) is not None
         forced_warps = _config.decode_warps_forced()
-        self.tma = _launch.use_decode_tma(tensor("k_cache", _D_KC), tensor("v_cache", _D_VC), c.dtype, target, c.paged,
-                                          f.num_sink_tokens, f.window_left)
 
         def warps_and_splits(splits):
             """The decode kernel's warps and split count for the 4-warp kernel's split count: 8 warps
@@ -617,7 +620,7 @@ class DecodePlan:
                 return 4, splits
             if forced_warps:
                 return forced_warps, splits
-            return _config.decode_warps_and_splits(blocks, splits, _sm_count(dev), forced, c.paged)
+            return _config.decode_warps_and_splits(blocks, splits, _sm_count(dev), forced, paged_copies, keys)
 
         def variant(splits):
             """(num_splits, scratch floats, launches, launches with the fused combine or None) of the

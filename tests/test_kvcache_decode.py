@@ -203,7 +203,8 @@ def test_split_heuristic():
     # 128 blocks of 8 tiles already hold an SM each: 2 splits measured 16.4 against 14.2 us unsplit
     # (H100, session 10), the combine's cost with no bandwidth gained.
     assert decode_num_splits(128, 512, 132, 2, host_bound_rule=False) == 1
-    # 128 blocks of 2048 keys: unsplit measured best for a contiguous cache, 2 splits for a paged one.
+    # 128 blocks of 2048 keys: unsplit measured best for a contiguous cache (and, since session 13, a
+    # paged one read through TMA), 2 splits for a paged one read by the cp.async kernel (paged=True).
     assert decode_num_splits(128, 2048, 132, 2, host_bound_rule=False) == 1
     assert decode_num_splits(128, 2048, 132, 2, host_bound_rule=False, paged=True) == 2
 
@@ -295,7 +296,8 @@ def test_warps_and_splits_rule():
     """_config.decode_warps_and_splits (CPU): the 8-warp kernel takes half the 4-warp kernel's splits
     where that count is at most 4 and the grid then gives no SM a second block (a paged cache: only
     where the 4-warp kernel would not split); forced counts are kept, with 8 warps only at 1 or 2
-    splits that fit one block per SM."""
+    splits that fit one block per SM; a caller that knows a block's keys gets 8 warps unsplit for
+    short caches on grids of 16 to sm_count blocks."""
     from cuflash._config import decode_warps_and_splits as rule
 
     assert rule(128, 1, 132, False) == (8, 1)
@@ -313,3 +315,10 @@ def test_warps_and_splits_rule():
         for s in range(1, 65):
             w, s2 = rule(blocks, s, 132, False)
             assert (w, s2) == (4, s) or (w == 8 and blocks * s2 <= 132 and s2 == -(-s // 2)), (blocks, s, w, s2)
+    # Known short caches (keys): 8 warps unsplit from 16 blocks up to one per SM, at most 2048 keys;
+    # elsewhere the rule above. Forced counts and the cp.async paged rule are not overridden.
+    assert rule(64, 4, 132, False, keys=512) == (8, 1) and rule(16, 8, 132, False, keys=2048) == (8, 1)
+    assert rule(132, 2, 132, False, keys=1024) == (8, 1) and rule(133, 2, 132, False, keys=1024) == (4, 2)
+    assert rule(15, 8, 132, False, keys=512) == (4, 8) and rule(64, 4, 132, False, keys=2049) == (8, 2)
+    assert rule(64, 4, 132, True, keys=512) == (4, 4) and rule(64, 4, 132, False, True, keys=512) == (4, 4)
+    assert rule(64, 4, 132, False, keys=None) == (8, 2)

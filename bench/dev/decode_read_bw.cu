@@ -37,6 +37,7 @@ struct ReadBwParams {
     i64 row_stride;
     int seqlen;
     int heads_kv;
+    const int* table;  // MODE 3: (batch, seqlen / 16) 16-row pages of (num_blocks, 16, heads_kv, 128)
 };
 
 constexpr int RB_D = 128;
@@ -132,6 +133,15 @@ __global__ void __launch_bounds__(128) read_tma_rows(const __grid_constant__ Rea
                 const u32 off = lane * ROWS * 256;
                 tma_load_5d(dst + off, &p.kmap, bar, 0, 0, h, row, b);
                 tma_load_5d(dst + TILE + off, &p.vmap, bar, 0, 0, h, row, b);
+            } else if constexpr (MODE == 3) {  // 16-row pages through the table, one box per panel
+                static_assert(ROWS == 16, "a box per page");
+                const u32 off = lane * ROWS * 128;
+                const int blk = p.table[b * (p.seqlen / 16) + row / 16];
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    tma_load_4d(dst + c * PANEL + off, &p.kmap, bar, 64 * c, 0, h, blk);
+                    tma_load_4d(dst + TILE + c * PANEL + off, &p.vmap, bar, 64 * c, 0, h, blk);
+                }
             } else {
                 const u32 off = lane * ROWS * 128;
 #pragma unroll

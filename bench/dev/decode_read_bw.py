@@ -39,6 +39,8 @@ VARIANTS = [("cpasync", 64, 3), ("cpasync", 64, 4), ("cpasync", 128, 2), ("cpasy
 # read_tma_rows: (kind, BN, STAGES, ROWS, MODE)
 VARIANTS += [("tma_rows", 128, st, rows, mode) for st in (2, 3) for rows in (16, 32, 64, 128) for mode in (0, 1, 2)
              if (rows, mode) != (128, 0)]  # that one is ("tma", 128, st)
+# MODE 3: 16-row pages through a block table (timed with a random and an in-order table)
+PAGED = [("tma_rows", 128, st, 16, 3) for st in (2, 3)]
 
 
 def expression(kind, bn, stages, rows=None, mode=None):
@@ -66,7 +68,7 @@ def build(path):
     code = open(os.path.join(HERE, "decode_read_bw.cu")).read()
     prog = nvrtc.createProgram(code, "decode_read_bw.cu", [t.encode() for t in headers.values()],
                                [n.encode() for n in headers])
-    exprs = [expression(*v) for v in VARIANTS]
+    exprs = [expression(*v) for v in VARIANTS + PAGED]
     for e in exprs:
         nvrtc.addNameExpression(prog, e)
     nvrtc.compileProgram(prog, _compile.base_options("sm_90a"))
@@ -90,6 +92,7 @@ def main():
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--json")
+    ap.add_argument("--no-rows", action="store_true", help="skip the read_tma_rows box-size variants (not the paged ones)")
     args = ap.parse_args()
 
     import cupy
@@ -125,12 +128,21 @@ def main():
                                      (64, 2, 1, rows, 1))
         return _tma.kv_map(x.data_ptr(), tuple(x.shape), tuple(x.stride()), rows, "bfloat16")
 
-    def params(bn, rows=None, mode=0):
+    nb = b * L // 16
+    kp, vp = k.view(nb, 16, hk, d), v.view(nb, 16, hk, d)
+    tables = {"random": torch.randperm(nb, device=dev).view(b, L // 16).to(torch.int32),
+              "in order": torch.arange(nb, device=dev, dtype=torch.int32).view(b, L // 16)}
+
+    def params(bn, rows=None, mode=0, table=None):
         buf = np.zeros(320, dtype=np.uint8)
-        buf[0:128] = np.frombuffer(tensor_map(k, rows or bn, mode), np.uint8)
-        buf[128:256] = np.frombuffer(tensor_map(v, rows or bn, mode), np.uint8)
-        struct.pack_into("<QQQqqii", buf, 256, k.data_ptr(), v.data_ptr(), sink.data_ptr(), k.stride(0), k.stride(1),
-                         L, hk)
+        if mode == 3:
+            maps = [_tma.kv_map(x.data_ptr(), tuple(x.shape), tuple(x.stride()), 16, "bfloat16") for x in (kp, vp)]
+        else:
+            maps = [tensor_map(x, rows or bn, mode) for x in (k, v)]
+        buf[0:128] = np.frombuffer(maps[0], np.uint8)
+        buf[128:256] = np.frombuffer(maps[1], np.uint8)
+        struct.pack_into("<QQQqqiiQ", buf, 256, k.data_ptr(), v.data_ptr(), sink.data_ptr(), k.stride(0), k.stride(1),
+                         L, hk, table.data_ptr() if table is not None else 0)
         return buf
 
     from decode_splits import gpu_ms_per_call
@@ -147,32 +159,39 @@ def main():
 
     dst = torch.empty_like(k)
     report("copy (bytes read + written)", timed(lambda: dst.copy_(k)), 2 * k.numel() * 2)
-    for var in VARIANTS:
+    runs = [(var, None, label(*var)) for var in VARIANTS if not (args.no_rows and var[0] == "tma_rows")]
+    runs += [(var, t, f"{label(*var)} pages {name}") for var in PAGED for name, t in tables.items()]
+    for var, table, name in runs:
         kind, bn, stages = var[:3]
         fn = module.get_function(names[expression(*var)])
         smem = smem_bytes(*var)
         fn.max_dynamic_shared_size_bytes = smem
         try:
-            buf = params(*var[1:2], *var[3:])
+            buf = params(*var[1:2], *var[3:], table=table)
         except _tma.TmaError as e:  # a layout the driver refuses: say so, time the rest
-            print(f"{label(*var):28} not encodable: {e}", flush=True)
-            rows.append(dict(name=label(*var), error=str(e)))
+            print(f"{name:28} not encodable: {e}", flush=True)
+            rows.append(dict(name=name, error=str(e)))
             continue
         argv = np.array([buf.ctypes.data], dtype=np.uint64)
 
         def launch(fn=fn, smem=smem, argv=argv):
             driver.launchKernel(fn.kernel.ptr, b * hk, 1, 1, 128, 1, 1, smem, stream, int(argv.ctypes.data), 0)
 
-        report(label(*var), timed(launch))
+        report(name, timed(launch))
     q = torch.randn(b, 1, hk * 1, d, device=dev, dtype=torch.bfloat16)
     seqlens = torch.full((b,), L, device=dev, dtype=torch.int32)
     report("cuflash decode (GQA 1)", timed(lambda: cuflash.attention_with_kvcache(q, k, v, cache_seqlens=seqlens)))
-    # the same storage as 16-row pages in a random order (bench_decode.py's paged layout)
-    nb = b * L // 16
-    table = torch.randperm(nb, device=dev).view(b, L // 16).to(torch.int32)
-    kp, vp = k.view(nb, 16, hk, d), v.view(nb, 16, hk, d)
-    report("cuflash decode, 16-row pages", timed(
-        lambda: cuflash.attention_with_kvcache(q, kp, vp, cache_seqlens=seqlens, block_table=table)))
+    # the same storage as 16-row pages in a random order (bench_decode.py's paged layout), and in order
+    for name, table in tables.items():
+        report(f"cuflash decode, 16-row pages {name}", timed(
+            lambda t=table: cuflash.attention_with_kvcache(q, kp, vp, cache_seqlens=seqlens, block_table=t)))
+    # pages of 64 and 256 rows, random order
+    for page in (64, 256):
+        nbp = b * L // page
+        tp = torch.randperm(nbp, device=dev).view(b, L // page).to(torch.int32)
+        report(f"cuflash decode, {page}-row pages random", timed(
+            lambda t=tp, pg=page, n=nbp: cuflash.attention_with_kvcache(
+                q, k.view(n, pg, hk, d), v.view(n, pg, hk, d), cache_seqlens=seqlens, block_table=t)))
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
