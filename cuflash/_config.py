@@ -677,11 +677,10 @@ def decode_warps_forced() -> int:
     return int(v) if v in ("4", "8") else 0
 
 
-# The 8-warp decode kernel runs unsplit where its blocks leave no SM a second one, there are at least
-# DECODE_WIDE_UNSPLIT_MIN_BLOCKS of them, and a block sees at most DECODE_WIDE_UNSPLIT_KEYS keys
-# (decode_warps_and_splits).
-DECODE_WIDE_UNSPLIT_KEYS = 2048
-DECODE_WIDE_UNSPLIT_MIN_BLOCKS = 16
+# The 8-warp decode kernel runs unsplit where its blocks leave no SM a second one and, for some
+# (min_blocks, max_keys) here, there are at least min_blocks of them and a block sees at most max_keys
+# keys (decode_warps_and_splits): the regions where that was measured to win.
+DECODE_WIDE_UNSPLIT = ((16, 512), (64, 2048))
 
 
 def decode_warps_and_splits(blocks: int, splits: int, sm_count: int, forced: bool,
@@ -706,19 +705,21 @@ def decode_warps_and_splits(blocks: int, splits: int, sm_count: int, forced: boo
     group's boxes (session 13), takes the contiguous rule (paged=False): H100, 16-row pages, 128
     blocks of 2048 keys: 4 warps unsplit 51.0 us, 8 warps unsplit 53.9, 4 warps x 2 splits 56.2
     (the old rule's choice); of 8192 keys (16x8192x4) 187.3 / 193.2 / 193.4.
-    keys (the most keys a block sees; None: not known): where DECODE_WIDE_UNSPLIT_MIN_BLOCKS <= blocks <=
-    sm_count and keys <= DECODE_WIDE_UNSPLIT_KEYS, the 8-warp kernel unsplit, whatever split count the
-    4-warp model asked for. H100, session 13 (bench/dev/decode_splits.py --warps 4 8, GQA 8, 32 query
-    heads, head_dim 128; us per step): 512 keys, 16 / 32 / 64 blocks: 9.7 / 9.9 / 10.0 unsplit against
-    10.7 / 12.1 / 12.6 for the old choice (8, 8 and 4-warp x 2 splits) and 10.7 / 11.1 / 12.6 for the
-    best split count; 64 blocks of 1024 and 2048 keys: 13.9 and 32.1 against 14.6 and 34.8 (8 warps x
-    2). Below 16 blocks and past 2048 keys splits were not measured to lose (1 x 8192 x 8, 4 blocks:
-    63.3 unsplit against 14.7 with 64 splits)."""
+    keys (the most keys a block sees; None: not known): blocks <= sm_count and, for a (min_blocks,
+    max_keys) of DECODE_WIDE_UNSPLIT, blocks >= min_blocks and keys <= max_keys: the 8-warp kernel
+    unsplit, whatever split count the 4-warp model asked for. H100, session 13 (bench/dev/decode_splits.py
+    --warps 4 8, GQA 8, 32 query heads, head_dim 128; us per step): 512 keys, 16 / 32 / 64 blocks: 9.7
+    / 9.9 / 10.0 unsplit against 10.7 / 12.1 / 12.6 for the old choice (8, 8 and 4-warp x 2 splits)
+    and 10.7 / 11.1 / 12.6 for the best split count; 64 blocks of 1024 and 2048 keys: 13.9 and 32.1
+    against 14.6 and 34.8 (8 warps x 2). Not at 16 or 32 blocks of 2048 keys: there unsplit took 21.0-21.4
+    us (bench_decode, batch 4 GQA 8, batch 1 GQA 1, batch 4 GQA 4), 1.66-1.86x cuDNN's time, where the
+    split counts had run 1.1-1.2x; nor below 16 blocks (1 x 8192 x 8, 4 blocks: 63.3 unsplit against
+    14.7 with 64 splits)."""
     if forced:
         return (8, splits) if splits <= 2 and blocks * splits <= sm_count else (4, splits)
     if paged and splits > 1:
         return 4, splits
-    if keys is not None and keys <= DECODE_WIDE_UNSPLIT_KEYS and DECODE_WIDE_UNSPLIT_MIN_BLOCKS <= blocks <= sm_count:
+    if keys is not None and blocks <= sm_count and any(blocks >= nb and keys <= nk for nb, nk in DECODE_WIDE_UNSPLIT):
         return 8, 1
     wide = max(1, -(-splits // 2))
     return (8, wide) if splits <= 4 and blocks * wide <= sm_count else (4, splits)

@@ -297,7 +297,7 @@ def test_warps_and_splits_rule():
     where that count is at most 4 and the grid then gives no SM a second block (a paged cache: only
     where the 4-warp kernel would not split); forced counts are kept, with 8 warps only at 1 or 2
     splits that fit one block per SM; a caller that knows a block's keys gets 8 warps unsplit for
-    short caches on grids of 16 to sm_count blocks."""
+    short caches on grids of up to sm_count blocks (_config.DECODE_WIDE_UNSPLIT)."""
     from cuflash._config import decode_warps_and_splits as rule
 
     assert rule(128, 1, 132, False) == (8, 1)
@@ -315,9 +315,12 @@ def test_warps_and_splits_rule():
         for s in range(1, 65):
             w, s2 = rule(blocks, s, 132, False)
             assert (w, s2) == (4, s) or (w == 8 and blocks * s2 <= 132 and s2 == -(-s // 2)), (blocks, s, w, s2)
-    # Known short caches (keys): 8 warps unsplit from 16 blocks up to one per SM, at most 2048 keys;
-    # elsewhere the rule above. Forced counts and the cp.async paged rule are not overridden.
-    assert rule(64, 4, 132, False, keys=512) == (8, 1) and rule(16, 8, 132, False, keys=2048) == (8, 1)
+    # Known short caches (keys): 8 warps unsplit up to one block per SM, from 16 blocks at <= 512 keys
+    # and from 64 at <= 2048; elsewhere the rule above. Forced counts and the cp.async paged rule are
+    # not overridden.
+    assert rule(64, 4, 132, False, keys=512) == (8, 1) and rule(16, 8, 132, False, keys=512) == (8, 1)
+    assert rule(16, 8, 132, False, keys=2048) == (4, 8) and rule(32, 8, 132, False, keys=513) == (4, 8)
+    assert rule(64, 4, 132, False, keys=2048) == (8, 1) and rule(63, 4, 132, False, keys=2048) == (8, 2)
     assert rule(132, 2, 132, False, keys=1024) == (8, 1) and rule(133, 2, 132, False, keys=1024) == (4, 2)
     assert rule(15, 8, 132, False, keys=512) == (4, 8) and rule(64, 4, 132, False, keys=2049) == (8, 2)
     assert rule(64, 4, 132, True, keys=512) == (4, 4) and rule(64, 4, 132, False, True, keys=512) == (4, 4)
