@@ -680,7 +680,7 @@ def decode_warps_forced() -> int:
 # The 8-warp decode kernel runs unsplit where its blocks leave no SM a second one and, for some
 # (min_blocks, max_keys) here, there are at least min_blocks of them and a block sees at most max_keys
 # keys (decode_warps_and_splits): the regions where that was measured to win.
-DECODE_WIDE_UNSPLIT = ((16, 512), (64, 2048))
+DECODE_WIDE_UNSPLIT = ((4, 512), (64, 2048))
 
 
 def decode_warps_and_splits(blocks: int, splits: int, sm_count: int, forced: bool,
@@ -710,11 +710,12 @@ def decode_warps_and_splits(blocks: int, splits: int, sm_count: int, forced: boo
     unsplit, whatever split count the 4-warp model asked for. H100, session 13 (bench/dev/decode_splits.py
     --warps 4 8, GQA 8, 32 query heads, head_dim 128; us per step): 512 keys, 16 / 32 / 64 blocks: 9.7
     / 9.9 / 10.0 unsplit against 10.7 / 12.1 / 12.6 for the old choice (8, 8 and 4-warp x 2 splits)
-    and 10.7 / 11.1 / 12.6 for the best split count; 64 blocks of 1024 and 2048 keys: 13.9 and 32.1
+    and 10.7 / 11.1 / 12.6 for the best split count; 4 blocks: 9.8 against 10.5 with the 8 splits
+    chosen (16-row pages: 11.2 against 11.0); 64 blocks of 1024 and 2048 keys: 13.9 and 32.1
     against 14.6 and 34.8 (8 warps x 2). Not at 16 or 32 blocks of 2048 keys: there unsplit took 21.0-21.4
     us (bench_decode, batch 4 GQA 8, batch 1 GQA 1, batch 4 GQA 4), 1.66-1.86x cuDNN's time, where the
-    split counts had run 1.1-1.2x; nor below 16 blocks (1 x 8192 x 8, 4 blocks: 63.3 unsplit against
-    14.7 with 64 splits)."""
+    split counts had run 1.1-1.2x; nor for longer caches on few blocks (1 x 8192 x 8, 4 blocks: 63.3
+    unsplit against 14.7 with 64 splits), nor below 4 blocks (not measured)."""
     if forced:
         return (8, splits) if splits <= 2 and blocks * splits <= sm_count else (4, splits)
     if paged and splits > 1:

@@ -315,13 +315,14 @@ def test_warps_and_splits_rule():
         for s in range(1, 65):
             w, s2 = rule(blocks, s, 132, False)
             assert (w, s2) == (4, s) or (w == 8 and blocks * s2 <= 132 and s2 == -(-s // 2)), (blocks, s, w, s2)
-    # Known short caches (keys): 8 warps unsplit up to one block per SM, from 16 blocks at <= 512 keys
+    # Known short caches (keys): 8 warps unsplit up to one block per SM, from 4 blocks at <= 512 keys
     # and from 64 at <= 2048; elsewhere the rule above. Forced counts and the cp.async paged rule are
     # not overridden.
     assert rule(64, 4, 132, False, keys=512) == (8, 1) and rule(16, 8, 132, False, keys=512) == (8, 1)
+    assert rule(4, 8, 132, False, keys=512) == (8, 1) and rule(3, 8, 132, False, keys=512) == (4, 8)
     assert rule(16, 8, 132, False, keys=2048) == (4, 8) and rule(32, 8, 132, False, keys=513) == (4, 8)
     assert rule(64, 4, 132, False, keys=2048) == (8, 1) and rule(63, 4, 132, False, keys=2048) == (8, 2)
     assert rule(132, 2, 132, False, keys=1024) == (8, 1) and rule(133, 2, 132, False, keys=1024) == (4, 2)
-    assert rule(15, 8, 132, False, keys=512) == (4, 8) and rule(64, 4, 132, False, keys=2049) == (8, 2)
+    assert rule(4, 64, 132, False, keys=8192) == (4, 64) and rule(64, 4, 132, False, keys=2049) == (8, 2)
     assert rule(64, 4, 132, True, keys=512) == (4, 4) and rule(64, 4, 132, False, True, keys=512) == (4, 4)
     assert rule(64, 4, 132, False, keys=None) == (8, 2)
