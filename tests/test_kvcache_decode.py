@@ -122,7 +122,7 @@ def test_cuda_graph_replay(monkeypatch, layout, fused):
     seed = _new_seed()
     rng = np.random.default_rng(seed)
     case = make_case(rng, dtype=FP16, batch=3, seqlen_q=1, nheads=8, nheads_kv=2, head_dim=64, layout=layout,
-                     capacity=256, seqlen_new=1, seqlens=np.array([5, 100, 200], np.int32))
+                     capacity=1024, seqlen_new=1, seqlens=np.array([5, 100, 200], np.int32))
     args = {n: _to(x, "cuda") for n, x in case.args().items()}
     static_seqlens = args["cache_seqlens"]
     for _ in range(2):  # warm-up outside the graph: compile, plan
@@ -132,11 +132,12 @@ def test_cuda_graph_replay(monkeypatch, layout, fused):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = attention_with_kvcache(**args, causal=True)
-    # This short cache is split under capture (GPU time decides there); eager calls split it too with
-    # the fused combine (a split then adds no launch), not without (decode_num_splits'
-    # host_bound_rule). The replays below check the graph's own split count.
+    # This short cache (6 blocks of 1024 keys: past _config.DECODE_WIDE_UNSPLIT, which runs 256 keys
+    # unsplit) is split under capture (GPU time decides there); eager calls split it too with the
+    # fused combine (a split then adds no launch), not without (decode_num_splits' host_bound_rule).
+    # The replays below check the graph's own split count.
     plans = [pl for pl in _kvcache._DECODE_PLANS.values()
-             if pl.out_shape == tuple(case.q.shape) and pl.call.capacity == 256]
+             if pl.out_shape == tuple(case.q.shape) and pl.call.capacity == 1024]
     assert plans and all((pl.eager[0] > 1) == fused and pl.graph[0] > 1 for pl in plans), [
         (pl.eager[0], pl.graph[0]) for pl in plans]
     for step, lengths in enumerate(([5, 100, 200], [6, 101, 201], [7, 102, 3])):
