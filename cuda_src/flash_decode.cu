@@ -360,16 +360,16 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
     // ---- TMA: the barriers, the maps, and (where they are known already) the first tiles' copies ----
     // The tiles start at key 0 wherever the keys begin at 0 and the block is the first split (no
     // window; a contiguous cache: the entry's own cache row): then the pipeline's first STAGES - 1
-    // copies go out before the entry's length is read (a paged cache's after their table entries,
-    // read beside the length, with those of the next two tiles), so the length's latency and the key
-    // arithmetic below overlap them. Tiles the block then does not have are waited for before their
-    // stages are reused (the merge), and rows past the length are treated as those of any tile (the
-    // loop zeroes the last tile's V rows past the chunk). H200, 128 blocks of 512 keys, 16-row
-    // pages: 12.5 us per call with the first tile alone issued early (paged), 10.3 contiguous.
-    // The entry's length is loaded first (used below the early copies): its latency and the table's
-    // overlap. (Issued after the early block, a paged block waited for the table entries, then for
-    // the length: H100, 128 blocks of 512 keys, 16-row pages, 13.2 us against 11.7 without the
-    // early copies.)
+    // copies go out before the mask and key arithmetic below, which need the entry's length (a paged
+    // cache's after their table entries, with those of the next two tiles). Tiles the block then
+    // does not have are waited for before their stages are reused (the merge), and rows past the
+    // length are treated as those of any tile (the loop zeroes the last tile's V rows past the
+    // chunk). H200, 128 blocks of 512 keys, 16-row pages: 12.5 us per call with the first tile alone
+    // issued early (paged), 10.3 contiguous. The length's load is issued first, but ptxas clamps it
+    // right after the load, ahead of the early copies (Nsight Compute source counters, session 13),
+    // so they still wait for its latency: the clamp belongs after them. (Loaded after the early
+    // block, a paged block waited for the table entries, then for the length: H100, 128 blocks of
+    // 512 keys, 16-row pages, 13.2 us against 11.7 without the early copies.)
     const int L = decode_length(p, b);
     const bool paged = p.page_size != 0;
     const int* table_row = p.block_table != nullptr ? p.block_table + b * p.table_stride : nullptr;

@@ -560,14 +560,13 @@ class DecodePlan:
             # call and one captured in a CUDA graph may get different counts (decode_num_splits'
             # host_bound_rule): run() picks by the stream's capture state. With the fused combine a
             # split costs an eager call no extra launch, and GPU time decides there too.
-            paged = paged_copies
             graph_splits = _config.decode_num_splits(blocks, keys, _sm_count(dev), 2, host_bound_rule=False,
-                                                     paged=paged)
+                                                     paged=paged_copies)
             if self._fusable(graph_splits):
                 num_splits = graph_splits
             else:
                 num_splits = _config.decode_num_splits(blocks, keys, _sm_count(dev), 2, host_bound_rule=True,
-                                                       paged=paged)
+                                                       paged=paged_copies)
                 fusable_max = _config.DECODE_FUSED_MAX_PARTS // self.tile_rows
                 if num_splits == 1 and self.fused and fusable_max >= 2:
                     # The count GPU time asks for is past the fused combine's limit, and the eager
@@ -575,7 +574,7 @@ class DecodePlan:
                     # fused combine serves instead. H200, session 11: batch 1, 1024 keys, GQA 8 ran
                     # unsplit at 21.4 us, where 8 splits of 512 keys took 9.7.
                     num_splits = _config.decode_num_splits(blocks, keys, _sm_count(dev), 2, host_bound_rule=False,
-                                                           paged=paged, max_splits=fusable_max)
+                                                           paged=paged_copies, max_splits=fusable_max)
         else:
             graph_splits = num_splits
         table = infos.get("block_table")
