@@ -682,9 +682,14 @@ def decode_warps_forced() -> int:
 # keys (decode_warps_and_splits): the regions where that was measured to win.
 DECODE_WIDE_UNSPLIT = ((4, 512), (64, 2048))
 
+# Head dims where the TMA decode kernel takes the one-block-per-SM rule (decode_num_splits and
+# decode_warps_and_splits, one_per_sm=True): where it was measured (H100, session 14, head_dim 128).
+DECODE_ONE_PER_SM_HEAD_DIMS = (128,)
+
 
 def decode_warps_and_splits(blocks: int, splits: int, sm_count: int, forced: bool,
-                            paged: bool = False, keys: int | None = None) -> tuple[int, int]:
+                            paged: bool = False, keys: int | None = None,
+                            one_per_sm: bool = False) -> tuple[int, int]:
     """(warps, num_splits) of a decode whose 4-warp kernel would take `splits` splits (decode_num_splits'
     choice, or the caller's forced count): the 8-warp kernel where its grid gives no SM a second block,
     so that each SM runs 8 warps instead of a lone block's 4 (one per scheduler, nothing to hide its
@@ -715,13 +720,30 @@ def decode_warps_and_splits(blocks: int, splits: int, sm_count: int, forced: boo
     against 14.6 and 34.8 (8 warps x 2). Not at 16 or 32 blocks of 2048 keys: there unsplit took 21.0-21.4
     us (bench_decode, batch 4 GQA 8, batch 1 GQA 1, batch 4 GQA 4), 1.66-1.86x cuDNN's time, where the
     split counts had run 1.1-1.2x; nor for longer caches on few blocks (1 x 8192 x 8, 4 blocks: 63.3
-    unsplit against 14.7 with 64 splits), nor below 4 blocks (not measured)."""
+    unsplit against 14.7 with 64 splits), nor below 4 blocks (not measured).
+    one_per_sm (the TMA kernel at DECODE_ONE_PER_SM_HEAD_DIMS, whose `splits` come from
+    decode_num_splits(one_per_sm=True): at most one block per SM where the grid allows): the split
+    count is kept, and the 8-warp kernel runs where each split sees 257 to 512 keys (three or four
+    of its tiles) and blocks x splits <= sm_count; the unsplit region (64, 2048) holds only up to
+    sm_count // 2 blocks. H100, session 14 (bench/dev/decode_splits.py, GQA 1 / 4 / 8, 32 query
+    heads, head_dim 128, GPU us per step, 8 against 4 warps at the same count): 32 blocks of 2048
+    keys x 4 splits (512 keys each) 14.0 against 15.1; at 256 keys a split, a tie: 16 x 2048 x 8
+    splits 12.9 against 13.1, 4 x 8192 x 32 13.6 against 13.5; 128 blocks unsplit: 1024 keys 29.9 / 30.8 against 29.0 / 29.6, 2048 keys 51.6 /
+    52.5 against 50.2 / 50.6, 8192 keys 182.6 / 185.4 against 180.3 / 179.3; 512 keys 10.5 against
+    12.0 (the (4, 512) region). 64 blocks of 2048 keys: 8 warps unsplit 31.4 against 33.2-33.3 for
+    4 warps at 1 or 2 splits."""
     if forced:
         return (8, splits) if splits <= 2 and blocks * splits <= sm_count else (4, splits)
     if paged and splits > 1:
         return 4, splits
-    if keys is not None and blocks <= sm_count and any(blocks >= nb and keys <= nk for nb, nk in DECODE_WIDE_UNSPLIT):
+    if keys is not None and blocks <= sm_count and any(
+            blocks >= nb and keys <= nk and (not one_per_sm or nk <= 512 or 2 * blocks <= sm_count)
+            for nb, nk in DECODE_WIDE_UNSPLIT):
         return 8, 1
+    if one_per_sm:
+        per_split = -(-keys // splits) if keys is not None else 0
+        wide = blocks * splits <= sm_count and 4 * DECODE_BLOCK_N < per_split <= 8 * DECODE_BLOCK_N
+        return (8 if wide else 4), splits
     wide = max(1, -(-splits // 2))
     return (8, wide) if splits <= 4 and blocks * wide <= sm_count else (4, splits)
 
@@ -783,7 +805,7 @@ def decode_fused_combine() -> bool:
 
 
 def decode_num_splits(blocks: int, keys: int, sm_count: int, blocks_per_sm: int, max_splits: int = 64,
-                      host_bound_rule: bool = True, paged: bool = False) -> int:
+                      host_bound_rule: bool = True, paged: bool = False, one_per_sm: bool = False) -> int:
     """How many chunks the keys of each (entry, kv head, row tile) are split into (flash-decoding).
     blocks: thread blocks without splitting; keys: the most keys one block may see. Splitting pays
     when `blocks` cannot fill the GPU. Modelled time, in tiles of keys, for s splits (n = blocks * s
@@ -811,11 +833,26 @@ def decode_num_splits(blocks: int, keys: int, sm_count: int, blocks_per_sm: int,
     H100 at 512 keys: 33 against 50 us per call at batch 1, 39 against 62 at batch 16). A call
     captured in a CUDA graph has no host time to save: there the GPU time alone decides
     (host_bound_rule=False; measured at batch 1, 512 keys, GQA 8: 20.2 us with 1 split, 10.8 with
-    the 8 chosen)."""
+    the 8 chosen).
+    one_per_sm (the TMA kernel at DECODE_ONE_PER_SM_HEAD_DIMS): where blocks < sm_count, the most
+    splits that keep one block per SM, sm_count // blocks (within the cap above; then the fewest
+    that give each split as many whole tiles, so none is left empty): the TMA kernel's
+    4-warp block keeps enough bytes in flight alone, and a second block per SM cost more than it
+    hid. H100, session 14 (bench/dev/decode_splits.py, GQA 1 / 4 / 8, 32 query heads, head_dim 128,
+    GPU us per step, the one-per-SM count against the model's): batch 1, 8192 keys, GQA 8 (4
+    blocks): 32 splits 13.5 against 64 splits 14.8; 1 x 32768 x 4 (8 blocks): 16 splits 54.3 against
+    32 57.5; 4 x 8192 x 8 (16 blocks): 8 33.5 against 16 35.2; 4 x 32768 x 8: 8 98.8 against 16
+    102.5; 1 x 8192 x 1 (32 blocks): 4 53.3 against 8 56.2; 16 x 8192 x 8 (64 blocks): 2 98.4
+    against 4 (8 warps x 2: 100.2). At 32 blocks of 2048 keys 4 splits took 15.1 against 14.3 with
+    8; decode_warps_and_splits gives those 4 splits 8 warps (14.0)."""
     slots = max(1, sm_count * blocks_per_sm)
     cap = max(1, min(max_splits, keys // ((2 if host_bound_rule else 1) * DECODE_BLOCK_N)))
     if blocks >= slots or cap == 1 or (host_bound_rule and keys <= 16 * DECODE_BLOCK_N):
         return 1
+    if one_per_sm and blocks < sm_count:
+        s = max(1, min(cap, sm_count // max(1, blocks)))
+        tiles = -(-keys // DECODE_BLOCK_N)
+        return -(-tiles // -(-tiles // s))  # no split left without tiles: 33 of 128 tiles -> 32
     tiles = -(-keys // DECODE_BLOCK_N)
     sms = max(1, sm_count)
 

@@ -554,6 +554,9 @@ class DecodePlan:
         # A paged cache read through TMA splits as a contiguous one does (_config.decode_num_splits);
         # the cp.async kernel's per-tile offset tables give paged calls their own rule.
         paged_copies = c.paged and not self.tma
+        # The TMA kernel at the head dims where it was measured: at most one block per SM
+        # (_config.decode_num_splits, decode_warps_and_splits: one_per_sm).
+        one = self.tma and d in _config.DECODE_ONE_PER_SM_HEAD_DIMS
         if not forced:
             # Two blocks per SM: one alone keeps too few bytes in flight to draw the SM's share of
             # the memory bandwidth (measured: 48 % of the copy bandwidth at 1 block per SM). An eager
@@ -561,12 +564,12 @@ class DecodePlan:
             # host_bound_rule): run() picks by the stream's capture state. With the fused combine a
             # split costs an eager call no extra launch, and GPU time decides there too.
             graph_splits = _config.decode_num_splits(blocks, keys, _sm_count(dev), 2, host_bound_rule=False,
-                                                     paged=paged_copies)
+                                                     paged=paged_copies, one_per_sm=one)
             if self._fusable(graph_splits):
                 num_splits = graph_splits
             else:
                 num_splits = _config.decode_num_splits(blocks, keys, _sm_count(dev), 2, host_bound_rule=True,
-                                                       paged=paged_copies)
+                                                       paged=paged_copies, one_per_sm=one)
                 fusable_max = _config.DECODE_FUSED_MAX_PARTS // self.tile_rows
                 if num_splits == 1 and self.fused and fusable_max >= 2:
                     # The count GPU time asks for is past the fused combine's limit, and the eager
@@ -574,7 +577,8 @@ class DecodePlan:
                     # fused combine serves instead. H200, session 11: batch 1, 1024 keys, GQA 8 ran
                     # unsplit at 21.4 us, where 8 splits of 512 keys took 9.7.
                     num_splits = _config.decode_num_splits(blocks, keys, _sm_count(dev), 2, host_bound_rule=False,
-                                                           paged=paged_copies, max_splits=fusable_max)
+                                                           paged=paged_copies, max_splits=fusable_max,
+                                                           one_per_sm=one)
         else:
             graph_splits = num_splits
         table = infos.get("block_table")
@@ -619,7 +623,8 @@ class DecodePlan:
                 return 4, splits
             if forced_warps:
                 return forced_warps, splits
-            return _config.decode_warps_and_splits(blocks, splits, _sm_count(dev), forced, paged_copies, keys)
+            return _config.decode_warps_and_splits(blocks, splits, _sm_count(dev), forced, paged_copies, keys,
+                                                   one_per_sm=one)
 
         def variant(splits):
             """(num_splits, scratch floats, launches, launches with the fused combine or None) of the

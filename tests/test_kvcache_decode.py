@@ -327,3 +327,56 @@ def test_warps_and_splits_rule():
     assert rule(4, 64, 132, False, keys=8192) == (4, 64) and rule(64, 4, 132, False, keys=2049) == (8, 2)
     assert rule(64, 4, 132, True, keys=512) == (4, 4) and rule(64, 4, 132, False, True, keys=512) == (4, 4)
     assert rule(64, 4, 132, False, keys=None) == (8, 2)
+
+
+def test_one_per_sm_rule():
+    """_config.decode_num_splits / decode_warps_and_splits with one_per_sm (the TMA kernel at head_dim
+    128, session 14): below sm_count blocks, the most splits that keep one block per SM, none left
+    without tiles; the counts measured fastest on an H100; 8 warps where a split sees 257-512 keys,
+    unsplit 8 warps at 2048 keys only up to sm_count // 2 blocks."""
+    from cuflash._config import DECODE_BLOCK_N, decode_num_splits, decode_warps_and_splits as rule
+
+    for sms in (108, 132):
+        for keys in (64, 512, 1000, 2048, 8192, 131072):
+            tiles = -(-keys // DECODE_BLOCK_N)
+            for blocks in (1, 3, 4, 8, 16, 32, 64, 100, 128, 131, 132, 200, 264, 1000):
+                for hb in (False, True):
+                    s = decode_num_splits(blocks, keys, sms, 2, host_bound_rule=hb, one_per_sm=True)
+                    old = decode_num_splits(blocks, keys, sms, 2, host_bound_rule=hb)
+                    assert 1 <= s <= 64, (sms, keys, blocks, s)
+                    per = -(-tiles // s)
+                    assert (s - 1) * per < tiles, (sms, keys, blocks, s)  # no empty split
+                    if blocks < sms:
+                        assert blocks * s <= sms or s == 1, (sms, keys, blocks, s)
+                        if old > 1:  # where the model splits at all, as many as one block per SM allows
+                            assert s == -(-tiles // -(-tiles // min(64, sms // blocks,
+                                                                    keys // ((2 if hb else 1) * DECODE_BLOCK_N)))), (
+                                sms, keys, blocks, s)
+                    else:
+                        assert s == old, (sms, keys, blocks, s)
+    # Measured fastest (H100, session 14; bench/dev/decode_splits.py): (blocks, keys) -> splits.
+    for (blocks, keys), want in {(4, 8192): 32, (8, 32768): 16, (16, 8192): 8, (16, 32768): 8, (32, 8192): 4,
+                                 (64, 8192): 2, (128, 2048): 1, (128, 8192): 1, (4, 2048): 32}.items():
+        assert decode_num_splits(blocks, keys, 132, 2, host_bound_rule=False, one_per_sm=True) == want, (blocks, keys)
+    assert decode_num_splits(4, 8192, 132, 2, host_bound_rule=False) == 64  # the model without it
+    # Warps: 4 unsplit at 128 blocks past 512 keys; 8 unsplit at 512 keys, and at 2048 keys only up to
+    # sm_count // 2 blocks; 8 where a split sees 257-512 keys and the grid fits one block per SM.
+    assert rule(128, 1, 132, False, keys=2048, one_per_sm=True) == (4, 1)
+    assert rule(128, 1, 132, False, keys=1024, one_per_sm=True) == (4, 1)
+    assert rule(128, 1, 132, False, keys=512, one_per_sm=True) == (8, 1)
+    assert rule(4, 8, 132, False, keys=512, one_per_sm=True) == (8, 1)
+    assert rule(64, 2, 132, False, keys=2048, one_per_sm=True) == (8, 1)
+    assert rule(66, 2, 132, False, keys=2048, one_per_sm=True) == (8, 1)
+    assert rule(67, 1, 132, False, keys=2048, one_per_sm=True) == (4, 1)
+    assert rule(32, 4, 132, False, keys=2048, one_per_sm=True) == (8, 4)  # 512 keys a split
+    assert rule(16, 8, 132, False, keys=2048, one_per_sm=True) == (4, 8)  # 256
+    assert rule(34, 4, 132, False, keys=2048, one_per_sm=True) == (4, 4)  # 132 < 34 x 4
+    assert rule(4, 32, 132, False, keys=8192, one_per_sm=True) == (4, 32)
+    assert rule(8, 16, 132, False, keys=8192, one_per_sm=True) == (8, 16)
+    assert rule(64, 2, 132, False, keys=8192, one_per_sm=True) == (4, 2)
+    # Forced counts and the cp.async paged rule are not overridden.
+    assert rule(32, 4, 132, True, keys=2048, one_per_sm=True) == (4, 4)
+    assert rule(64, 2, 132, True, keys=8192, one_per_sm=True) == (8, 2)
+    assert rule(32, 4, 132, False, True, keys=2048, one_per_sm=True) == (4, 4)
+    # Without one_per_sm the rule is unchanged.
+    assert rule(128, 1, 132, False, keys=2048) == (8, 1) and rule(32, 8, 132, False, keys=2048) == (4, 8)
