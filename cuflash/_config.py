@@ -728,10 +728,10 @@ def decode_warps_and_splits(blocks: int, splits: int, sm_count: int, forced: boo
     sm_count // 2 blocks. H100, session 14 (bench/dev/decode_splits.py, GQA 1 / 4 / 8, 32 query
     heads, head_dim 128, GPU us per step, 8 against 4 warps at the same count): 32 blocks of 2048
     keys x 4 splits (512 keys each) 14.0 against 15.1; at 256 keys a split, a tie: 16 x 2048 x 8
-    splits 12.9 against 13.1, 4 x 8192 x 32 13.6 against 13.5; 128 blocks unsplit: 1024 keys 29.9 / 30.8 against 29.0 / 29.6, 2048 keys 51.6 /
-    52.5 against 50.2 / 50.6, 8192 keys 182.6 / 185.4 against 180.3 / 179.3; 512 keys 10.5 against
-    12.0 (the (4, 512) region). 64 blocks of 2048 keys: 8 warps unsplit 31.4 against 33.2-33.3 for
-    4 warps at 1 or 2 splits."""
+    splits 12.9 against 13.1, 4 x 8192 x 32 13.6 against 13.5; 128 blocks unsplit: 1024 keys 29.9 /
+    30.8 against 29.0 / 29.6, 2048 keys 51.6 / 52.5 against 50.2 / 50.6, 8192 keys 182.6 / 185.4
+    against 180.3 / 179.3; 512 keys 10.5 against 12.0 (the (4, 512) region). 64 blocks of 2048
+    keys: 8 warps unsplit 31.4 against 33.2-33.3 for 4 warps at 1 or 2 splits."""
     if forced:
         return (8, splits) if splits <= 2 and blocks * splits <= sm_count else (4, splits)
     if paged and splits > 1:

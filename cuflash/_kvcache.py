@@ -558,8 +558,9 @@ class DecodePlan:
         # (_config.decode_num_splits, decode_warps_and_splits: one_per_sm).
         one = self.tma and d in _config.DECODE_ONE_PER_SM_HEAD_DIMS
         if not forced:
-            # Two blocks per SM: one alone keeps too few bytes in flight to draw the SM's share of
-            # the memory bandwidth (measured: 48 % of the copy bandwidth at 1 block per SM). An eager
+            # Two blocks per SM for the cp.async kernel: one alone keeps too few bytes in flight to
+            # draw the SM's share of the memory bandwidth (measured: 48 % of the copy bandwidth at 1
+            # block per SM); the TMA kernel at head_dim 128 keeps one (one_per_sm). An eager
             # call and one captured in a CUDA graph may get different counts (decode_num_splits'
             # host_bound_rule): run() picks by the stream's capture state. With the fused combine a
             # split costs an eager call no extra launch, and GPU time decides there too.
