@@ -151,10 +151,31 @@ struct DecodeTraits {
     static_assert(MERGE_BYTES <= KV_BYTES, "the merge buffer lives in the K/V stages");
 };
 
-// Keys an entry sees: min(cache_seqlens[b] + seqlen_new, capacity), every value clamped.
-__device__ __forceinline__ int decode_length(const DecodeParams& p, int b) {
-    const int s = p.cache_seqlens != nullptr ? p.cache_seqlens[b] : p.fixed_seqlen;
+// Keys an entry sees: min(cache_seqlens[b] + seqlen_new, capacity), every value clamped. Split in
+// two so that the kernel can issue the load early and clamp late.
+__device__ __forceinline__ int decode_length_raw(const DecodeParams& p, int b) {
+    return p.cache_seqlens != nullptr ? p.cache_seqlens[b] : p.fixed_seqlen;
+}
+__device__ __forceinline__ int decode_length_clamp(const DecodeParams& p, int s) {
     return min(min(max(s, 0), p.capacity) + p.seqlen_new, p.capacity);
+}
+
+// (n / d, n % d) for n >= 0, d >= 1 by a runtime divisor: trunc((n + 0.5) / d) through the
+// approximate float reciprocal (right while n < 2^20: (n + 0.5) / d lies at least 0.5 / d from an
+// integer, farther than the float error), checked by the remainder, with the exact int division
+// where the check fails: exact for every n. An int division by a runtime value compiles to about 20
+// dependent instructions, and the kernel's prologue had several ahead of its first copies (the
+// block's indices; the query position and head of a Q row by the GQA group).
+__device__ __forceinline__ int2 divmod_rt(int n, int d) {
+    float rcp;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(rcp) : "f"((float)d));
+    int q = __float2int_rz(((float)n + 0.5f) * rcp);
+    int m = n - q * d;
+    if (m < 0 || m >= d) {  // n past 2^20 or so
+        q = n / d;
+        m = n - q * d;
+    }
+    return make_int2(q, m);
 }
 
 // Element offset of (entry b, key position t) in a cache, without the head and column: a row of a
@@ -336,24 +357,34 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
     __shared__ alignas(8) unsigned long long s_full[TMA ? STAGES : 1];  // TMA: stage s's tile landed
 
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, t4 = lane % 4;
-    const int split = (int)(blockIdx.x % (unsigned)p.num_splits);
-    const unsigned rest = blockIdx.x / (unsigned)p.num_splits;
-    const int row_tile = (int)(rest % (unsigned)p.num_row_tiles);
-    const int bh = (int)(rest / (unsigned)p.num_row_tiles);
-    const int h_kv = bh % p.nheads_kv, b = bh / p.nheads_kv;
+    const int2 split_rest = divmod_rt((int)blockIdx.x, p.num_splits);
+    const int2 tile_bh = divmod_rt(split_rest.x, p.num_row_tiles);
+    const int2 b_h = divmod_rt(tile_bh.x, p.nheads_kv);
+    const int split = split_rest.y, row_tile = tile_bh.y, h_kv = b_h.y, b = b_h.x;
+    const int rest = split_rest.x;  // the row tile's index: its counter in the fused combine
     const int G = p.head_group;
     const int r0 = row_tile * 16;
     const int r_end = min(r0 + 16, p.rows);
+    // The entry's length, loaded now and clamped below the early copies (which do not need it).
+    const int L_raw = decode_length_raw(p, b);
+    const bool paged = p.page_size != 0;
+    const int* table_row = p.block_table != nullptr ? p.block_table + b * p.table_stride : nullptr;
+    const bool early = TMA && split == 0 && p.mask.window_left < 0 && p.cache_batch_idx == nullptr;
 
     // ---- Q: the 16 packed rows (zeros past the last), in the first cp.async group ----
     {
         const T* gQ = static_cast<const T*>(p.q) + b * p.q_batch_stride;
-        for (int c = tid; c < 16 * CHUNKS; c += THREADS) {
-            const int rr = c / CHUNKS, col = (c % CHUNKS) * 8, r = r0 + rr;
-            const bool ok = r < r_end;
-            const int qi = ok ? r / G : 0, head = h_kv * G + (ok ? r % G : 0);
-            cp_async_16(smem_addr(sQ + rr * PITCH + col), gQ + qi * p.q_row_stride + head * p.q_head_stride + col,
-                        ok ? 16 : 0);
+        constexpr int Q_STEPS = (16 * CHUNKS + THREADS - 1) / THREADS;
+#pragma unroll
+        for (int i = 0; i < Q_STEPS; ++i) {
+            const int c = tid + i * THREADS;
+            if ((16 * CHUNKS) % THREADS == 0 || c < 16 * CHUNKS) {
+                const int rr = c / CHUNKS, col = (c % CHUNKS) * 8, r = r0 + rr;
+                const bool ok = r < r_end;
+                const int2 qh = divmod_rt(ok ? r : 0, G);
+                cp_async_16(smem_addr(sQ + rr * PITCH + col),
+                            gQ + qh.x * p.q_row_stride + (h_kv * G + qh.y) * p.q_head_stride + col, ok ? 16 : 0);
+            }
         }
     }
 
@@ -365,14 +396,16 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
     // does not have are waited for before their stages are reused (the merge), and rows past the
     // length are treated as those of any tile (the loop zeroes the last tile's V rows past the
     // chunk). H200, 128 blocks of 512 keys, 16-row pages: 12.5 us per call with the first tile alone
-    // issued early (paged), 10.3 contiguous. The length's load is issued first, but ptxas clamps it
-    // right after the load, ahead of the early copies (Nsight Compute source counters, session 13),
-    // so they still wait for its latency: the clamp belongs after them. (Loaded after the early
-    // block, a paged block waited for the table entries, then for the length: H100, 128 blocks of
-    // 512 keys, 16-row pages, 13.2 us against 11.7 without the early copies.)
-    const int L = decode_length(p, b);
-    const bool paged = p.page_size != 0;
-    const int* table_row = p.block_table != nullptr ? p.block_table + b * p.table_stride : nullptr;
+    // issued early (paged), 10.3 contiguous. The length is loaded at the top, ahead of Q's copies,
+    // and clamped only after this block, and Q's rows take no int division (divmod_rt), so the
+    // early copies wait for neither the length nor Q's address arithmetic (session 13's source
+    // counters found them waiting for both: ptxas had clamped the length right after its load, and
+    // the Q loop's runtime divisions came first). A paged block's first table entries are loaded
+    // here, after Q's copies: loaded ahead of them, they read 0.2-0.4 us faster at latency-bound
+    // shapes but 2 % slower at bandwidth-bound paged ones (H200, session 14; the 8-warp kernel took
+    // 192 registers instead of 165). (Loaded after the early block, a paged block waited for the
+    // table entries, then for the length: H100, 128 blocks of 512 keys, 16-row pages, 13.2 us
+    // against 11.7 without the early copies.)
     const u32 tile_bytes = 2u * Tr::SKV_ELEMS * sizeof(T);
     auto tma_contig = [&](int stage, int key, int row) {  // a contiguous cache's tile, by one thread
         if constexpr (TMA) {
@@ -401,7 +434,6 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
             }
         }
     };
-    const bool early = TMA && split == 0 && p.mask.window_left < 0 && p.cache_batch_idx == nullptr;
     constexpr int EARLY = STAGES - 1;  // tiles issued early
     constexpr int GROUPS = BN / 16;   // a paged tile's 16-key groups: warp g's keys
     static_assert(GROUPS == WARPS && STAGES <= 32, "a group per warp; a lane per first tile");
@@ -439,12 +471,13 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
     }
 
     // ---- the entry, its mask, and the keys this block's rows may see ----
+    const int L = decode_length_clamp(p, L_raw);
     MaskInfo mi;
     mi.sq = p.seqlen_q;
     mi.sk = L;
     mi.shift = L - p.seqlen_q;
     mi.alibi_log2 = 0.f;
-    const int qi0 = r0 / G, qi1 = (r_end - 1) / G;
+    const int qi0 = divmod_rt(r0, G).x, qi1 = divmod_rt(r_end - 1, G).x;
     const int hi = mi.key_hi(p.mask, qi1);
     int lo = mi.key_lo(p.mask, qi0);
     // A paged cache read through TMA loads 16-key groups, one box each, which must not straddle a
@@ -632,8 +665,9 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
     for (int r = 0; r < 2; ++r) {
         const int row = r0 + g + 8 * r;
         if (row < r_end) {
-            span[r] = mi.key_span(p.mask, row / G);
-            const int head = h_kv * G + row % G;
+            const int2 qh = divmod_rt(row, G);
+            span[r] = mi.key_span(p.mask, qh.x);
+            const int head = h_kv * G + qh.y;
             alibi[r] = p.mask.alibi_slopes != nullptr
                            ? p.mask.alibi_slopes[(i64)b * p.mask.alibi_batch_stride + head] * CUFLASH_LOG2E : 0.f;
         } else {
@@ -827,7 +861,8 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
     for (int c = tid; c < 16 * CHUNKS; c += THREADS) {
         const int rr = c / CHUNKS, col = (c % CHUNKS) * 8, r = r0 + rr;
         if (r >= r_end) continue;
-        const int qi = r / G, head = h_kv * G + r % G;
+        const int2 qh = divmod_rt(r, G);
+        const int qi = qh.x, head = h_kv * G + qh.y;
         float mx = -CUFLASH_INF;
 #pragma unroll
         for (int w = 0; w < Tr::WARPS; ++w) mx = fmaxf(mx, s_m[w][rr]);
