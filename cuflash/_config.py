@@ -849,11 +849,10 @@ def decode_num_splits(blocks: int, keys: int, sm_count: int, blocks_per_sm: int,
     cap = max(1, min(max_splits, keys // ((2 if host_bound_rule else 1) * DECODE_BLOCK_N)))
     if blocks >= slots or cap == 1 or (host_bound_rule and keys <= 16 * DECODE_BLOCK_N):
         return 1
+    tiles = -(-keys // DECODE_BLOCK_N)
     if one_per_sm and blocks < sm_count:
         s = max(1, min(cap, sm_count // max(1, blocks)))
-        tiles = -(-keys // DECODE_BLOCK_N)
         return -(-tiles // -(-tiles // s))  # no split left without tiles: 33 of 128 tiles -> 32
-    tiles = -(-keys // DECODE_BLOCK_N)
     sms = max(1, sm_count)
 
     def cost(s: int) -> float:
