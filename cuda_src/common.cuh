@@ -175,4 +175,21 @@ __device__ __forceinline__ u32 dynamic_smem_bytes() {
     return r;
 }
 
+// Programmatic dependent launch (sm_90; no-ops before it). A kernel launched with the programmatic
+// stream-serialization attribute (cuflash/_launch.py) may start while the kernel before it in the
+// stream still runs, once that one has called pdl_launch_dependents in every block (or finished):
+// it must call pdl_wait, which returns when the previous grid has completed and its writes are
+// visible, before any global read of what an earlier kernel wrote and before any global write.
+// Launched without the attribute, pdl_wait returns at once and the stream orders kernels as always.
+__device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+
 }  // namespace cuflash

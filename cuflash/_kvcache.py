@@ -643,6 +643,7 @@ class DecodePlan:
 
         self.graph = variant(graph_splits)
         self.eager = self.graph if graph_splits == num_splits else variant(num_splits)
+        self.pdl = any(L.pdl is not None for L in self.graph[2])  # (_launch.as_pdl)
         self.num_splits, self.scratch_floats, self.launches = self.eager[:3]  # the eager variant's
 
     def _fusable(self, splits: int) -> bool:
@@ -697,8 +698,16 @@ class DecodePlan:
             ptrs[_D_LSE] = ad.ptr(lse, keep)
         stream = ad.stream(dev)
         splits, scratch_floats, launches, fused = self.eager
-        if self.graph is not self.eager and stream_capturing(stream):
+        capturing = (self.pdl or self.graph is not self.eager) and stream_capturing(stream)
+        if self.graph is not self.eager and capturing:
             splits, scratch_floats, launches, fused = self.graph
+        # Programmatic dependent launch (_launch.PdlConfig) in a CUDA graph only: there each kernel
+        # starts while the one before it finishes (H100, session 15: a replay 0.3-1.6 us faster where
+        # a call has two or three kernels, the same elsewhere). Eager calls launch plainly: back to
+        # back they ran 1.2-4 us faster with PDL, but a single call on an idle GPU 2-5 us slower,
+        # and launching PDL only where the stream had work queued (cudaStreamQuery) did not recover
+        # it (bench/NOTES.md, session 15).
+        pdl = self.pdl and capturing
         if fused is not None:
             counters = self._counters(stream)
             if counters:  # (none yet while a capture is running: the combine kernel then)
@@ -709,7 +718,7 @@ class DecodePlan:
             ptrs[_D_SCRATCH] = ad.ptr(scratch, keep)
         for i, n in self.input_slots:
             ptrs[i] = ad.ptr(arrays[n], keep)
-        run_launches(self, stream, ptrs, launches, lambda: self._what(splits))
+        run_launches(self, stream, ptrs, launches, lambda: self._what(splits), pdl)
         return ad.export(out), (None if lse is None else ad.export(lse))
 
 

@@ -623,7 +623,7 @@ class Launch:
     holds a lock around its launches)."""
 
     __slots__ = ("name", "fn", "grid", "threads", "smem", "words", "ints", "argv", "argv_ptr", "patches", "sets",
-                 "device_id")
+                 "device_id", "pdl")
 
     def __init__(self, name: str, fn_ptr: int, grid: int, threads: int, smem: int, params: np.ndarray,
                  pointers: dict, device_id: int):
@@ -643,8 +643,10 @@ class Launch:
         self.argv_ptr = int(self.argv.ctypes.data)
         self.patches = tuple(patches)
         self.sets = ()
+        self.pdl = None  # a PdlConfig: launched through cuLaunchKernelEx as a programmatic dependent
 
-    def fire(self, stream: int, ptrs) -> None:
+    def fire(self, stream: int, ptrs, pdl: bool = True) -> None:
+        """pdl=False: the plain launch even where the launch has a PdlConfig."""
         if self.sets:
             ints = self.ints
             for i, value in self.sets:
@@ -652,7 +654,93 @@ class Launch:
         words = self.words
         for word, slot, add in self.patches:
             words[word] = ptrs[slot] + add
-        _launch_kernel(self.fn, self.grid, 1, 1, self.threads, 1, 1, self.smem, stream, self.argv_ptr, 0)
+        if pdl and self.pdl is not None:
+            self.pdl.launch(stream)
+        else:
+            _launch_kernel(self.fn, self.grid, 1, 1, self.threads, 1, 1, self.smem, stream, self.argv_ptr, 0)
+
+
+class PdlConfig:
+    """A CUlaunchConfig with one attribute, CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h),
+    for cuLaunchKernelEx through ctypes on libcuda: the kernel may start while the kernel before it in
+    the stream finishes, once that one's blocks have all called pdl_launch_dependents
+    (cuda_src/common.cuh), and waits for it with pdl_wait before it reads what that one wrote. Saves
+    the gap between a kernel's end and the next one's start (launch, block scheduling, prologue).
+    Layout (64-bit): gridDim x/y/z, blockDim x/y/z, sharedMemBytes (7 x u32 at byte 0), hStream
+    (byte 32), attrs (40), numAttrs (48); the attribute at byte 56: id (u32), 4 bytes of padding,
+    the 64-byte value union (programmaticStreamSerializationAllowed: u32 at byte 64)."""
+
+    __slots__ = ("buf", "args")
+
+    def __init__(self, grid: int, threads: int, smem: int, fn: int, argv_ptr: int):
+        import ctypes
+
+        buf = np.zeros(16, dtype=np.uint64)  # 56 bytes of config + a 72-byte attribute
+        u32 = buf.view(np.uint32)
+        u32[0:7] = (grid, 1, 1, threads, 1, 1, smem)
+        buf[5] = buf.ctypes.data + 56  # attrs
+        u32[12] = 1                    # numAttrs
+        u32[14] = _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        u32[16] = 1                    # allowed
+        self.buf = buf
+        # cuLaunchKernelEx's arguments, fixed for the launch (the stream goes into the config): made
+        # once as ctypes objects, which the call passes without converting.
+        self.args = (ctypes.c_void_p(int(buf.ctypes.data)), ctypes.c_void_p(fn), ctypes.c_void_p(argv_ptr), None)
+
+    def launch(self, stream: int) -> None:
+        self.buf[4] = stream
+        rc = _launch_ex(*self.args)
+        if rc:
+            raise RuntimeError(f"cuLaunchKernelEx: {_error_name(rc)}")
+
+
+def _error_name(rc: int) -> str:
+    """The driver's name of a CUresult (cuGetErrorName), or its number."""
+    import ctypes
+
+    try:
+        name = ctypes.c_char_p()
+        if ctypes.CDLL("libcuda.so.1").cuGetErrorName(rc, ctypes.byref(name)) == 0 and name.value:
+            return f"{name.value.decode()} ({rc})"
+    except (OSError, AttributeError):
+        pass
+    return f"CUresult {rc}"
+
+
+_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+_launch_ex = None  # libcuda's cuLaunchKernelEx (ctypes), loaded by pdl_available
+
+
+def pdl_available(cc: tuple[int, int]) -> bool:
+    """Whether launches on a device of compute capability `cc` may be programmatic dependents
+    (PdlConfig): sm_90 or later, the driver exports cuLaunchKernelEx, and CUFLASH_PDL is not 0."""
+    global _launch_ex
+    import os
+
+    if cc < (9, 0) or os.environ.get("CUFLASH_PDL") == "0":
+        return False
+    if _launch_ex is None:
+        import ctypes
+
+        try:
+            fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+        except (OSError, AttributeError):
+            _launch_ex = False
+            return False
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+        _launch_ex = fn
+    return bool(_launch_ex)
+
+
+def as_pdl(launches: list, cc: tuple[int, int]) -> list:
+    """Sets every launch of the list to launch as a programmatic dependent, where pdl_available.
+    Only for kernels that call pdl_wait before their first read of an earlier kernel's output and
+    before their first global write (cuda_src/common.cuh)."""
+    if pdl_available(cc):
+        for L in launches:
+            L.pdl = PdlConfig(L.grid, L.threads, L.smem, L.fn, L.argv_ptr)
+    return launches
 
 
 class TmaLaunch(Launch):
@@ -679,13 +767,13 @@ class TmaLaunch(Launch):
                 self.maps.append((word, ptr.index, ptr.add, cache))
         self.maps, self.patched = tuple(self.maps), tuple(self.patched)
 
-    def fire(self, stream: int, ptrs) -> None:
+    def fire(self, stream: int, ptrs, pdl: bool = True) -> None:
         words = self.words
         for word, slot, add, const, shift in self.patched:
             words[word] = (const + ((ptrs[slot] + add) >> shift)) & 0xFFFFFFFFFFFFFFFF
         for word, slot, add, cache in self.maps:
             words[word:word + 16] = np.frombuffer(cache.get(ptrs[slot] + add), dtype=np.uint64)
-        super().fire(stream, ptrs)
+        super().fire(stream, ptrs, pdl)
 
 
 def share_params(launches: list) -> list:
@@ -1287,7 +1375,9 @@ def decode_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: Device
         spec = decode_combine_specialization(dtype, head_dim)
         fn = _compile.get_function(spec, target, device_id, 0)
         launches.append(Launch(spec.name, fn.ptr, batch * nheads * seqlen_q, 128, 0, p, ptrs, device_id))
-    return launches
+    # Every decode kernel waits for the grid before it (pdl_wait) ahead of its first global read and
+    # write: each may start while the one before it finishes.
+    return as_pdl(launches, cc)
 
 
 def gather_specialization():

@@ -343,24 +343,24 @@ class LaunchError(RuntimeError):
     """A kernel launch the driver refused: names the specialization, its launch shape and the call."""
 
 
-def run_launches(plan, stream: int, ptrs, launches, what=None) -> None:
+def run_launches(plan, stream: int, ptrs, launches, what=None, pdl: bool = True) -> None:
     """Fires launches of a plan on the stream, under the plan's lock, with its device current (switched
     only when it is not: the switch costs more than the launch). A launch the driver refuses raises
     LaunchError naming the kernel and the call (the outputs the caller allocated are then its to
     drop). what: a function giving the call's description for that message (default: the attention
-    call of plan.call); only called on an error."""
+    call of plan.call); only called on an error. pdl=False: plain launches only (Launch.fire)."""
     launch = None
     try:
         with plan._lock:
             if _current_device() == plan.device_id:
                 for launch in launches:
-                    launch.fire(stream, ptrs)
+                    launch.fire(stream, ptrs, pdl)
             else:
                 import cupy
 
                 with cupy.cuda.Device(plan.device_id):
                     for launch in launches:
-                        launch.fire(stream, ptrs)
+                        launch.fire(stream, ptrs, pdl)
     except Exception as e:
         if launch is None:
             raise

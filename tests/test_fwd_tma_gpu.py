@@ -34,9 +34,9 @@ def record_tma_launches(monkeypatch, **env):
     names = []
     real = _launch.TmaLaunch.fire
 
-    def fire(self, stream, ptrs):
+    def fire(self, stream, ptrs, pdl=True):
         names.append(self.name)
-        return real(self, stream, ptrs)
+        return real(self, stream, ptrs, pdl)
 
     monkeypatch.setattr(_launch.TmaLaunch, "fire", fire)
     return names

@@ -140,6 +140,8 @@ def test_cuda_graph_replay(monkeypatch, layout, fused):
              if pl.out_shape == tuple(case.q.shape) and pl.call.capacity == 1024]
     assert plans and all((pl.eager[0] > 1) == fused and pl.graph[0] > 1 for pl in plans), [
         (pl.eager[0], pl.graph[0]) for pl in plans]
+    # sm_90: the captured kernels are programmatic dependents (each waits for the one before it)
+    assert all(pl.pdl == (torch.cuda.get_device_capability() >= (9, 0)) for pl in plans)
     for step, lengths in enumerate(([5, 100, 200], [6, 101, 201], [7, 102, 3])):
         # the caches as the reference sees them: what the device holds now (earlier replays appended)
         kc, vc = _back(args["k_cache"]).copy(), _back(args["v_cache"]).copy()
@@ -153,6 +155,56 @@ def test_cuda_graph_replay(monkeypatch, layout, fused):
         ok, msg = check_close(_back(out), ref.out, ref.naive_out, factor=FWD_FACTOR, floor=FWD_FLOOR)
         assert ok, f"replay {step} (lengths {lengths}): {msg}; {_ctx(seed, layout=layout)}"
         assert _diff_count(_back(args["k_cache"]), ref.k_cache) == 0, f"replay {step}: cache; {_ctx(seed)}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [0, 7])
+def test_cuda_graph_two_steps(monkeypatch, splits):
+    """Two decode steps (append a token, attend) captured in one CUDA graph: the second step's append
+    writes the cache while, without the ordering of the stream, the first step's kernels could still
+    read it, and its decode reads the token the first appended. On sm_90 the captured kernels are
+    programmatic dependents, started while the kernel before them finishes: each must wait for it
+    (cuda_src/flash_decode.cu, pdl_wait). Both outputs and the cache match the reference; splits 7
+    runs the combine kernel (CUFLASH_DECODE_FUSED_COMBINE=0), 0 the library's choice."""
+    from cuflash import _kvcache
+
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device")
+    monkeypatch.setenv("CUFLASH_DECODE_FUSED_COMBINE", "0" if splits else "1")
+    monkeypatch.setattr(_kvcache, "_DECODE_PLANS", {})
+    monkeypatch.setattr(_kvcache, "_FAST_PLANS", {})
+    seed = _new_seed()
+    rng = np.random.default_rng(seed)
+    lengths = np.array([300, 17, 900], np.int32)
+    case = make_case(rng, dtype=BF16, batch=3, seqlen_q=1, nheads=16, nheads_kv=2, head_dim=128, layout="contig",
+                     capacity=1024, seqlen_new=1, seqlens=lengths)
+    args = {n: _to(x, "cuda") for n, x in case.args().items()}
+    k2 = _to((case.k * 0.5).astype(case.k.dtype), "cuda")
+    v2 = _to((case.v * -1.0).astype(case.v.dtype), "cuda")
+    seqlens2 = _to(lengths + 1, "cuda")
+    kc0, vc0 = _back(args["k_cache"]).copy(), _back(args["v_cache"]).copy()
+    for _ in range(2):  # warm-up outside the graph: compile, plan (on copies of the caches)
+        for kk, vv, sl in ((args["k"], args["v"], args["cache_seqlens"]), (k2, v2, seqlens2)):
+            attention_with_kvcache(**dict(args, k_cache=args["k_cache"].clone(), v_cache=args["v_cache"].clone(),
+                                          k=kk, v=vv, cache_seqlens=sl), causal=True, num_splits=splits)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out1 = attention_with_kvcache(**args, causal=True, num_splits=splits)
+        out2 = attention_with_kvcache(**dict(args, k=k2, v=v2, cache_seqlens=seqlens2), causal=True,
+                                      num_splits=splits)
+    graph.replay()
+    torch.cuda.synchronize()
+    plans = [pl for pl in _kvcache._DECODE_PLANS.values() if pl.out_shape == tuple(case.q.shape)]
+    assert plans and all(pl.pdl == (torch.cuda.get_device_capability() >= (9, 0)) for pl in plans)
+    ref1 = kvcache_reference(case.q, kc0, vc0, case.k, case.v, lengths, None, None, True, None)
+    ref2 = kvcache_reference(case.q, ref1.k_cache, ref1.v_cache, _back(k2), _back(v2), lengths + 1, None, None, True,
+                             None)
+    for name, out, ref in (("step 1", out1, ref1), ("step 2", out2, ref2)):
+        ok, msg = check_close(_back(out), ref.out, ref.naive_out, factor=FWD_FACTOR, floor=FWD_FLOOR)
+        assert ok, f"{name}: {msg}; {_ctx(seed, splits=splits)}"
+    assert _diff_count(_back(args["k_cache"]), ref2.k_cache) == 0, f"the cache; {_ctx(seed)}"
+    assert _diff_count(_back(args["v_cache"]), ref2.v_cache) == 0, f"the cache; {_ctx(seed)}"
 
 
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=pytest.mark.gpu), "cpu"])

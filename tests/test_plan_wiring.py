@@ -83,6 +83,20 @@ class FakeCuda(NumpyAdapter):
         return a
 
 
+class LaunchConfig(ctypes.Structure):
+    """cuda.h's CUlaunchConfig, written out here to check _launch.PdlConfig's offsets against."""
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_uint64), ("attrs", ctypes.c_uint64),
+                ("numAttrs", ctypes.c_uint)]
+
+
+class LaunchAttribute(ctypes.Structure):
+    """cuda.h's CUlaunchAttribute: the id, padding to 8 bytes, a 64-byte value union (its first word)."""
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("allowed", ctypes.c_uint),
+                ("rest", ctypes.c_char * 60)]
+
+
 SIZES = {"fwd": _launch.FWD_PARAMS, "bwd": _launch.BWD_PARAMS, "varlen": _launch.TAIL_PARAMS,
          "decode": _launch.DECODE_PARAMS, "paged_gather": _launch.GATHER_PARAMS}
 
@@ -115,11 +129,25 @@ def dev(monkeypatch):
         params_ptr = ctypes.c_uint64.from_address(argv_ptr).value
         raw = ctypes.string_at(params_ptr, dtype.itemsize)
         launched.append(dict(name=name, grid=gx, threads=bx, smem=smem, stream=stream,
-                             p=np.frombuffer(raw, dtype=dtype)[0]))
+                             p=np.frombuffer(raw, dtype=dtype)[0], pdl=False))
+
+    def launch_ex(cfg_ptr, fn, argv_ptr, extra):
+        """cuLaunchKernelEx: the CUlaunchConfig read at cuda.h's offsets (LaunchConfig below)."""
+        cfg_ptr, fn, argv_ptr = (x.value for x in (cfg_ptr, fn, argv_ptr))  # (ctypes.c_void_p, as ctypes passes)
+        cfg = LaunchConfig.from_address(cfg_ptr)
+        assert cfg.numAttrs == 1 and extra is None
+        attr = LaunchAttribute.from_address(cfg.attrs)
+        assert attr.id == 6 and attr.allowed == 1, "CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, on"
+        assert (cfg.gridDimY, cfg.gridDimZ, cfg.blockDimY, cfg.blockDimZ) == (1, 1, 1, 1)
+        launch_kernel(fn, cfg.gridDimX, 1, 1, cfg.blockDimX, 1, 1, cfg.sharedMemBytes, cfg.hStream, argv_ptr, 0)
+        launched[-1]["pdl"] = True
+        return 0
 
     monkeypatch.setattr(_gpu, "compute_capability", lambda device_id: (9, 0))
     monkeypatch.setattr(_compile, "get_function", get_function)
     monkeypatch.setattr(_launch, "_launch_kernel", launch_kernel)
+    monkeypatch.setattr(_launch, "_launch_ex", launch_ex)  # (pdl_available: True on "sm_90")
+    monkeypatch.delenv("CUFLASH_PDL", raising=False)
     monkeypatch.setattr(_plan, "_current_device", lambda: 0)
     monkeypatch.setattr(_kvcache, "_sm_count", lambda device_id: 132)  # an H100's (persistent grids)
     monkeypatch.setitem(_adapters._BY_TYPE, Dev, ad)
@@ -781,6 +809,7 @@ def _refuse_launches(monkeypatch):
         raise RuntimeError("CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES: too many resources requested for launch")
 
     monkeypatch.setattr(_launch, "_launch_kernel", refuse)
+    monkeypatch.setattr(_launch, "_launch_ex", refuse)  # (PDL launches: cuLaunchKernelEx)
     return record
 
 
@@ -1078,6 +1107,47 @@ def test_kvcache_decode_wiring(dev, monkeypatch, layout, splits, warps):
         else:
             assert int(p["o_part"]) == 0 and int(p["lse_part"]) == 0
     assert launched[1]["grid"] == b * hkv * 1 * splits and launched[1]["threads"] == (256 if wide else 128)
+    # an eager call: plain launches (PDL only in a graph capture: test_decode_pdl_launches)
+    assert not any(L["pdl"] for L in launched) and all(L["stream"] == 77 for L in launched)
+
+
+@pytest.mark.parametrize("case", ["capturing", "eager", "off", "sm_80"])
+def test_decode_pdl_launches(dev, monkeypatch, case):
+    """Programmatic dependent launch: on sm_90, in a stream that is being captured into a CUDA graph,
+    the decode kernels (append, decode, combine: each calls pdl_wait before its first read and write,
+    cuda_src/flash_decode.cu) launch through cuLaunchKernelEx with the attribute, with the grid,
+    block and shared memory of the plain launch (DecodePlan.run); eager calls, CUFLASH_PDL=0 and
+    devices before sm_90 keep cuLaunchKernel; the forward's kernels (no pdl_wait) never take it.
+    The config's bytes are read back through ctypes structures written from cuda.h (the fake
+    cuLaunchKernelEx of the fixture)."""
+    from cuflash import _kvcache
+
+    assert ctypes.sizeof(LaunchConfig) == 56 and LaunchConfig.hStream.offset == 32
+    assert LaunchConfig.attrs.offset == 40 and LaunchConfig.numAttrs.offset == 48
+    assert ctypes.sizeof(LaunchAttribute) == 72 and LaunchAttribute.allowed.offset == 8
+    if case == "off":
+        monkeypatch.setenv("CUFLASH_PDL", "0")
+    if case == "sm_80":
+        monkeypatch.setattr(_gpu, "compute_capability", lambda device_id: (8, 0))
+    monkeypatch.setattr(_kvcache, "stream_capturing", lambda stream: case != "eager")
+    monkeypatch.setattr(_kvcache, "_DECODE_PLANS", {})
+    monkeypatch.setattr(_kvcache, "_FAST_PLANS", {})
+    monkeypatch.setenv("CUFLASH_DECODE_FUSED_COMBINE", "0")
+    ad, launched = dev
+    rng = np.random.default_rng()
+    b, h, hkv, d = 2, 8, 2, 64
+    q = arr(rng, (b, 1, h, d))
+    k_cache, v_cache = arr(rng, (b, 64, hkv, d)), arr(rng, (b, 64, hkv, d))
+    k_new, v_new = arr(rng, (b, 1, hkv, d)), arr(rng, (b, 1, hkv, d))
+    seqlens = np.array([3, 40], np.int32).view(Dev)
+    cuflash.attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, seqlens, num_splits=3)
+    assert [L["name"].split("_")[1] for L in launched] == ["append", "f16", "combine"]
+    assert [L["pdl"] for L in launched] == [case == "capturing"] * 3
+    assert launched[1]["grid"] == b * hkv * 3 and launched[2]["grid"] == b * h
+    assert [L["threads"] for L in launched] == [256, 128, 128] and launched[1]["smem"] > 0
+    n0 = len(launched)
+    cuflash.attention(arr(rng, (1, 64, 2, 64)), arr(rng, (1, 64, 2, 64)), arr(rng, (1, 64, 2, 64)))
+    assert launched[n0:] and not any(L["pdl"] for L in launched[n0:])
 
 
 @pytest.mark.parametrize("counters", [0xABC000, 0])
@@ -1269,12 +1339,14 @@ def test_kvcache_launch_failure_names_kernel_and_call(dev, monkeypatch):
     q, kc, vc = arr(rng, (2, 1, 8, 64)), arr(rng, (2, 64, 2, 64)), arr(rng, (2, 64, 2, 64))
     seqlens = np.array([3, 9], np.int32).view(Dev)
     cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens, num_splits=3)
+    ex = _launch._launch_ex
     record = _refuse_launches(monkeypatch)
     with pytest.raises(cuflash.LaunchError, match=r"launching decode_f16_d64_s4 failed \(grid 12, 128 threads.*"
                                                   r"attention_with_kvcache float16 q \(2, 1, 8, 64\), cache capacity "
                                                   r"64, paged=False, num_splits 3.*LAUNCH_OUT_OF_RESOURCES"):
         cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens, num_splits=3)
     monkeypatch.setattr(_launch, "_launch_kernel", record)
+    monkeypatch.setattr(_launch, "_launch_ex", ex)
     n = len(launched)
     cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens, num_splits=3)
     assert len(launched) == n + 2  # decode and combine
