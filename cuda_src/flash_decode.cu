@@ -56,6 +56,11 @@
 // (bench/dev/decode_read_bw.py) 4.66 TB/s against 4.26-4.31, the copy 4.23.
 //
 // Grid. 1-D: block = ((b * nheads_kv + h_kv) * num_row_tiles + row_tile) * num_splits + split.
+//
+// Launch order. A call runs append -> decode -> combine (each where it applies). Each kernel waits
+// for the grid before it (pdl_wait, common.cuh) ahead of its first global read and write, so that
+// on sm_90, in a CUDA graph, the host launches the kernels after the first as programmatic
+// dependents (cuflash/_launch.py PdlConfig): they start while the one before them finishes.
 #include "common.cuh"
 #include "mask.cuh"
 #include "softmax.cuh"

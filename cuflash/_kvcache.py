@@ -643,7 +643,7 @@ class DecodePlan:
 
         self.graph = variant(graph_splits)
         self.eager = self.graph if graph_splits == num_splits else variant(num_splits)
-        self.pdl = any(L.pdl is not None for L in self.graph[2])  # (_launch.as_pdl)
+        self.pdl = any(L.pdl is not None for L in self.graph[2])  # (_launch.as_pdl: calls of 2-3 kernels)
         self.num_splits, self.scratch_floats, self.launches = self.eager[:3]  # the eager variant's
 
     def _fusable(self, splits: int) -> bool:
@@ -701,12 +701,12 @@ class DecodePlan:
         capturing = (self.pdl or self.graph is not self.eager) and stream_capturing(stream)
         if self.graph is not self.eager and capturing:
             splits, scratch_floats, launches, fused = self.graph
-        # Programmatic dependent launch (_launch.PdlConfig) in a CUDA graph only: there each kernel
-        # starts while the one before it finishes (H100, session 15: a replay 0.3-1.6 us faster where
-        # a call has two or three kernels, the same elsewhere). Eager calls launch plainly: back to
-        # back they ran 1.2-4 us faster with PDL, but a single call on an idle GPU 2-5 us slower,
-        # and launching PDL only where the stream had work queued (cudaStreamQuery) did not recover
-        # it (bench/NOTES.md, session 15).
+        # Programmatic dependent launch (_launch.PdlConfig) between the call's own kernels (append ->
+        # decode -> combine), in a CUDA graph only: there each starts while the one before it
+        # finishes (H100, session 15: a replay 0.5-1.8 us faster where a call has two or three
+        # kernels). Eager calls launch plainly: back to back they ran 1.2-4 us faster with PDL, but a
+        # single call on an idle GPU 1-6 us slower, and launching PDL only where the stream had work
+        # queued (cudaStreamQuery) did not recover it (bench/NOTES.md, session 15).
         pdl = self.pdl and capturing
         if fused is not None:
             counters = self._counters(stream)

@@ -1376,8 +1376,11 @@ def decode_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: Device
         fn = _compile.get_function(spec, target, device_id, 0)
         launches.append(Launch(spec.name, fn.ptr, batch * nheads * seqlen_q, 128, 0, p, ptrs, device_id))
     # Every decode kernel waits for the grid before it (pdl_wait) ahead of its first global read and
-    # write: each may start while the one before it finishes.
-    return as_pdl(launches, cc)
+    # write; the kernels after the call's first are programmatic dependents (DecodePlan.run launches
+    # them so in a graph capture): each may start while the one before it finishes. Not the first:
+    # after a kernel of the caller's, in a graph, it gained nothing (H100, session 15: 10.8 -> 11.0 us
+    # per replay after a copy kernel, one decode kernel; bench/NOTES.md).
+    return launches[:1] + as_pdl(launches[1:], cc)
 
 
 def gather_specialization():

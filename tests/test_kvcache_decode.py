@@ -140,7 +140,8 @@ def test_cuda_graph_replay(monkeypatch, layout, fused):
              if pl.out_shape == tuple(case.q.shape) and pl.call.capacity == 1024]
     assert plans and all((pl.eager[0] > 1) == fused and pl.graph[0] > 1 for pl in plans), [
         (pl.eager[0], pl.graph[0]) for pl in plans]
-    # sm_90: the captured kernels are programmatic dependents (each waits for the one before it)
+    # sm_90: the captured kernels after the append are programmatic dependents (each waits for the one
+    # before it)
     assert all(pl.pdl == (torch.cuda.get_device_capability() >= (9, 0)) for pl in plans)
     for step, lengths in enumerate(([5, 100, 200], [6, 101, 201], [7, 102, 3])):
         # the caches as the reference sees them: what the device holds now (earlier replays appended)
@@ -162,9 +163,9 @@ def test_cuda_graph_replay(monkeypatch, layout, fused):
 def test_cuda_graph_two_steps(monkeypatch, splits):
     """Two decode steps (append a token, attend) captured in one CUDA graph: the second step's append
     writes the cache while, without the ordering of the stream, the first step's kernels could still
-    read it, and its decode reads the token the first appended. On sm_90 the captured kernels are
-    programmatic dependents, started while the kernel before them finishes: each must wait for it
-    (cuda_src/flash_decode.cu, pdl_wait). Both outputs and the cache match the reference; splits 7
+    read it, and its decode reads the token the first appended. On sm_90 a call's kernels after its
+    append are programmatic dependents, started while the kernel before them finishes: each must
+    wait for it (cuda_src/flash_decode.cu, pdl_wait). Both outputs and the cache match the reference; splits 7
     runs the combine kernel (CUFLASH_DECODE_FUSED_COMBINE=0), 0 the library's choice."""
     from cuflash import _kvcache
 
