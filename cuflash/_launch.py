@@ -736,7 +736,9 @@ def pdl_available(cc: tuple[int, int]) -> bool:
 def as_pdl(launches: list, cc: tuple[int, int]) -> list:
     """Sets every launch of the list to launch as a programmatic dependent, where pdl_available.
     Only for kernels that call pdl_wait before their first read of an earlier kernel's output and
-    before their first global write (cuda_src/common.cuh)."""
+    before their first global write (cuda_src/common.cuh). After share_params, if at all: the
+    config keeps the launch's argument pointer. The plan chooses per call whether the config is
+    used (run_launches' pdl; DecodePlan.run: in a graph capture)."""
     if pdl_available(cc):
         for L in launches:
             L.pdl = PdlConfig(L.grid, L.threads, L.smem, L.fn, L.argv_ptr)
