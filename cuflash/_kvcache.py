@@ -703,7 +703,7 @@ class DecodePlan:
             splits, scratch_floats, launches, fused = self.graph
         # Programmatic dependent launch (_launch.PdlConfig) between the call's own kernels (append ->
         # decode -> combine), in a CUDA graph only: there each starts while the one before it
-        # finishes (H100, session 15: a replay 0.5-1.8 us faster where a call has two or three
+        # finishes (H100, session 15: a replay 0.3-1.8 us faster where a call has two or three
         # kernels). Eager calls launch plainly: back to back they ran 1.2-4 us faster with PDL, but a
         # single call on an idle GPU 1-6 us slower, and launching PDL only where the stream had work
         # queued (cudaStreamQuery) did not recover it (bench/NOTES.md, session 15).
