@@ -704,8 +704,8 @@ class DecodePlan:
         # Programmatic dependent launch (_launch.PdlConfig) between the call's own kernels (append ->
         # decode -> combine), in a CUDA graph only: there each starts while the one before it
         # finishes (H100, session 15: a replay 0.3-1.8 us faster where a call has two or three
-        # kernels). Eager calls launch plainly: back to back they ran 1.2-4 us faster with PDL, but a
-        # single call on an idle GPU 1-6 us slower, and launching PDL only where the stream had work
+        # kernels). Eager calls launch plainly: back to back they ran 1.2-4.4 us faster with PDL, but
+        # a single call on an idle GPU 1.0-5.9 us slower, and launching PDL only where the stream had work
         # queued (cudaStreamQuery) did not recover it (bench/NOTES.md, session 15).
         pdl = self.pdl and capturing
         if fused is not None:

@@ -664,7 +664,7 @@ class PdlConfig:
     """A CUlaunchConfig with one attribute, CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h),
     for cuLaunchKernelEx through ctypes on libcuda: the kernel may start while the kernel before it in
     the stream finishes, once that one's blocks have all called pdl_launch_dependents
-    (cuda_src/common.cuh), and waits for it with pdl_wait before it reads what that one wrote. Saves
+    (cuda_src/common.cuh) or exited, and waits for it with pdl_wait before it reads what that one wrote. Saves
     the gap between a kernel's end and the next one's start (launch, block scheduling, prologue).
     Layout (64-bit): gridDim x/y/z, blockDim x/y/z, sharedMemBytes (7 x u32 at byte 0), hStream
     (byte 32), attrs (40), numAttrs (48); the attribute at byte 56: id (u32), 4 bytes of padding,
