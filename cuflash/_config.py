@@ -765,11 +765,30 @@ def decode_stages(target: str, head_dim: int) -> int | None:
     return None
 
 
+def decode_deep_tma(target: str, head_dim: int, grid: int, keys: int, sm_count: int, paged: bool) -> bool:
+    """Whether the 4-warp TMA decode kernel runs 4 stages (128 KB of tiles, one block per SM)
+    instead of decode_stages' 3: sm_90a, head_dim 128, a contiguous cache, more than two blocks per
+    SM (grid) and at least 2048 keys a block. H100 (bench/NOTES.md): in session 15 every TMA decode
+    on 4 stages read 1-4 % faster there (64 x 8192 x 1 2862 -> 2747 us, one card), 3-5 % slower at
+    512-key caches on 256-512 blocks, and paged caches 2 % slower on average; in session 16 this
+    rule against 3 stages (the bench_decode grid twice on one card): the 20 grid points it takes
+    0.959-0.992x the time (geomean 0.975), the 21 others above 100 us 0.998. CUFLASH_DECODE_DEEP=0:
+    never (A/B)."""
+    import os
+
+    if os.environ.get("CUFLASH_DECODE_DEEP") == "0":
+        return False
+    return (target == "sm_90a" and head_dim == 128 and not paged and grid > 2 * sm_count and keys >= 2048
+            and decode_smem_bytes(128, 4, 4, tma=True) + decode_static_smem_bytes(4, 4, tma=True)
+            <= SMEM_LIMIT[family_of_target(target)])
+
+
 # The fused combine serves a split decode only where (valid rows of a row tile) x splits is at most
 # this: its last block reads all of the tile's partial outputs alone (rows x splits x head_dim x 4
 # bytes), where the combine kernel spreads them over a block per row. H200, session 7: with no limit,
 # batch 1, 8192 keys, GQA 8 (8 rows, 64 splits) took 24.8 us per step against 14.5 with the limit.
-DECODE_FUSED_MAX_PARTS = 64
+# CUFLASH_DECODE_FUSED_MAX_PARTS sets it at import (measurements).
+DECODE_FUSED_MAX_PARTS = int(__import__("os").environ.get("CUFLASH_DECODE_FUSED_MAX_PARTS", "64"))
 
 
 def bwd_ws_seqs_enabled() -> bool:

@@ -632,12 +632,15 @@ class DecodePlan:
             4-warp kernel's split count `splits` (the 8-warp kernel's own count where it runs)."""
             out_t = DeviceTensor(Slot(_D_OUT), self.out_shape, contiguous_strides(self.out_shape))
             warps, splits = warps_and_splits(splits)
+            deep = (self.tma and warps == 4 and not forced_warps
+                    and _config.decode_deep_tma(target, d, blocks * splits, -(-keys // splits), _sm_count(dev),
+                                                    c.paged))
 
             def launches(counters):
                 return _launch.decode_launches(tensor("q", _D_Q), tensor("k_cache", _D_KC), tensor("v_cache", _D_VC),
                                                out_t, dataclasses.replace(args0, num_splits=splits,
                                                                           split_counters=counters),
-                                               c.dtype, c.scale, mask, dev, cc, warps, self.tma)
+                                               c.dtype, c.scale, mask, dev, cc, warps, self.tma, deep)
             fused = launches(Slot(_D_COUNTERS)) if self._fusable(splits) else None
             return splits, _launch.decode_scratch_floats(b, h, sq, d, splits), launches(0), fused
 

@@ -1271,6 +1271,8 @@ def all_decode_specializations(target: str, head_dims=None, dtypes=None):
                 tmas = (False, True) if target == "sm_90a" and d in _config.DECODE_TMA_HEAD_DIMS else (False,)
                 for tma in tmas:
                     out.append(decode_specialization(dtype, d, stages, 4, tma))
+                if True in tmas and _config.decode_deep_tma(target, d, 1 << 30, 1 << 30, 1, False):
+                    out.append(decode_specialization(dtype, d, 4, 4, True))
                 out.append((decode_combine_specialization(dtype, d), 0))
                 wide = _config.decode_wide_stages(target, d)
                 if wide is not None:
@@ -1311,7 +1313,7 @@ def decode_scratch_floats(batch: int, nheads: int, seqlen_q: int, head_dim: int,
 
 def decode_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTensor, a: DecodeArgs, dtype: str,
                     softmax_scale: float, mask: MaskArgs, device_id: int, cc: tuple[int, int],
-                    warps: int = 4, tma: bool = False) -> list[Launch]:
+                    warps: int = 4, tma: bool = False, deep: bool = False) -> list[Launch]:
     """The launches of one attention_with_kvcache call on the GPU: the append (when k_new is given),
     the decode kernel (with `warps` warps: 4, or 8 where _config.decode_wide_stages builds it;
     tma: reading the caches through tensor maps, use_decode_tma), and the combine of the
@@ -1320,7 +1322,10 @@ def decode_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: Device
     batch, seqlen_q, nheads, head_dim = q.shape
     nheads_kv = k.shape[2]
     target = _config.compile_arch(*cc)
-    stages = _config.decode_stages(target, head_dim) if warps == 4 else _config.decode_wide_stages(target, head_dim)
+    if warps == 4:
+        stages = 4 if deep else _config.decode_stages(target, head_dim)  # deep: _config.decode_deep_tma
+    else:
+        stages = _config.decode_wide_stages(target, head_dim)
     assert stages is not None, (target, head_dim, warps)
     group = nheads // nheads_kv
     rows = seqlen_q * group

@@ -221,6 +221,25 @@ def test_bad_num_splits(device):
     assert _diff_count(_back(args["k_cache"]), before) == 0
 
 
+def test_decode_deep_tma_rule(monkeypatch):
+    """cuflash/_config.py decode_deep_tma: 4 stages for the TMA kernel at head_dim 128 on sm_90a only
+    for contiguous caches on more than two blocks per SM with at least 2048 keys; the 4-stage
+    specialization is built (compile-gated) beside the 3-stage one."""
+    from cuflash import _config, _launch
+
+    f = _config.decode_deep_tma
+    assert f("sm_90a", 128, 2048, 8192, 132, False) and f("sm_90a", 128, 265, 2048, 132, False)
+    assert not f("sm_90a", 128, 264, 8192, 132, False)   # two blocks per SM or fewer
+    assert not f("sm_90a", 128, 2048, 2047, 132, False)  # short caches
+    assert not f("sm_90a", 128, 2048, 8192, 132, True)   # paged
+    assert not f("sm_90a", 64, 2048, 8192, 132, False) and not f("sm_80", 128, 2048, 8192, 108, False)
+    monkeypatch.setenv("CUFLASH_DECODE_DEEP", "0")
+    assert not f("sm_90a", 128, 2048, 8192, 132, False)
+    monkeypatch.delenv("CUFLASH_DECODE_DEEP")
+    names = {spec.name for spec, _ in _launch.all_decode_specializations("sm_90a", head_dims=[128], dtypes=["bfloat16"])}
+    assert {"decode_bf16_d128_s4_tma", "decode_bf16_d128_s3_tma", "decode_bf16_d128_s3"} <= names, sorted(names)
+
+
 def test_split_heuristic():
     """cuflash/_config.py decode_num_splits: no split when the blocks fill the GPU or a block has at
     most 16 tiles of keys; otherwise at least 2 tiles per split and at most max_splits; a single
@@ -268,13 +287,16 @@ def test_split_heuristic():
                                                       ("contig_idx", 40, 3, 2, {}), ("paged16", 128, 1, 1, {}),
                                                       ("contig", 5, 1, 4, {"sinklogit": True}),
                                                       ("contig", 0, 1, 8, {}),
-                                                      ("contig", 40, 1, 8, {"default_limit": True})])
+                                                      ("contig", 40, 1, 8, {"default_limit": True}),
+                                                      ("contig", 19, 2, 4, {"d": 256}),
+                                                      ("paged16", 33, 1, 8, {"d": 40})])
 def test_fused_combine(monkeypatch, layout, splits, sq, gqa, opts):
     """CUFLASH_DECODE_FUSED_COMBINE=1 (cuda_src/flash_decode.cu's fused combine): the last split block of
     each row tile merges the splits, through per-stream counters that go back to zero, so that
     calls in a row (the same plan, the same counters) keep matching the reference: forced split
-    counts (also more splits than key tiles, and rows with no key), several row tiles, GQA, a sink
-    logit, the heuristic's count (splits 0). The limit on rows x splits (_config.DECODE_FUSED_MAX_PARTS)
+    counts (also more splits than key tiles, and rows with no key; counts that are not a multiple of
+    merge_tile's loads in flight), several row tiles, GQA, a sink logit, the heuristic's count (splits
+    0), head_dim 128 and also 256 and 40. The limit on rows x splits (_config.DECODE_FUSED_MAX_PARTS)
     is lifted so that every count fuses, except in the last case, which must then take the combine
     kernel. torch CUDA."""
     from cuflash import _config, _kvcache
@@ -290,8 +312,8 @@ def test_fused_combine(monkeypatch, layout, splits, sq, gqa, opts):
     seed = _new_seed()
     for call in range(3):
         rng = np.random.default_rng([seed, call])
-        case = make_case(rng, dtype=FP16, batch=3, seqlen_q=sq, nheads=4 * gqa, nheads_kv=4, head_dim=128,
-                         layout=layout, capacity=700, seqlen_new=1)
+        case = make_case(rng, dtype=FP16, batch=3, seqlen_q=sq, nheads=4 * gqa, nheads_kv=4,
+                         head_dim=opts.get("d", 128), layout=layout, capacity=700, seqlen_new=1)
         kw = _features(rng, "sinklogit", 3, 4 * gqa)[0] if opts.get("sinklogit") else {}
         _check(case, "cuda", True, kw, _ctx(seed, call=call, layout=layout, splits=splits), num_splits=splits)
     plans = list(_kvcache._DECODE_PLANS.values())
