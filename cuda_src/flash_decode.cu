@@ -218,6 +218,18 @@ __device__ __forceinline__ void combine_row(const DecodeParams& p, i64 row, Comb
     const int S = p.num_splits;
     const float sk2 = p.mask.sink_logits != nullptr ? p.mask.sink_logits[head] * CUFLASH_LOG2E : -CUFLASH_INF;
 
+    // This thread's first U splits' partial outputs, loaded with lse_s, ahead of the weights they
+    // are summed with (one memory round trip fewer than loading them after).
+    constexpr int U = HEAD_DIM > 128 ? 2 : 8;  // (4 spilled on sm_80 at head_dim 184 and 224 to 248)
+    const int c = tid % CQ, ph = tid / CQ;
+    const float* src = p.o_part + row * HEAD_DIM + 4 * c;
+    float4 v[U];
+#pragma unroll
+    for (int j = 0; j < U; ++j) {
+        const int s = ph + j * P;
+        v[j] = ph < P && s < S ? *reinterpret_cast<const float4*>(src + (i64)s * total * HEAD_DIM)
+                               : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
     const float l2 = tid < S ? p.lse_part[tid * total + row] : -CUFLASH_INF;
     float mx = l2;
 #pragma unroll
@@ -239,20 +251,26 @@ __device__ __forceinline__ void combine_row(const DecodeParams& p, i64 row, Comb
     sm.w[tid] = w * inv;
     __syncthreads();
 
-    const int c = tid % CQ, ph = tid / CQ;
     if (ph < P) {
         float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-        const float* src = p.o_part + row * HEAD_DIM + 4 * c;
-        // (Four in flight at head_dim 256, where the fused combine inlined into the decode kernel
-        // spilled with eight.)
+#pragma unroll
+        for (int j = 0; j < U; ++j) {
+            const int s = ph + j * P;
+            const float ws = s < S ? sm.w[s] : 0.f;
+            acc.x += ws * v[j].x;
+            acc.y += ws * v[j].y;
+            acc.z += ws * v[j].z;
+            acc.w += ws * v[j].w;
+        }
+        // The rest, eight in flight (four at head_dim 256).
 #pragma unroll(HEAD_DIM > 128 ? 4 : 8)
-        for (int s = ph; s < S; s += P) {
-            const float4 v = *reinterpret_cast<const float4*>(src + (i64)s * total * HEAD_DIM);
+        for (int s = ph + U * P; s < S; s += P) {
+            const float4 x = *reinterpret_cast<const float4*>(src + (i64)s * total * HEAD_DIM);
             const float ws = sm.w[s];
-            acc.x += ws * v.x;
-            acc.y += ws * v.y;
-            acc.z += ws * v.z;
-            acc.w += ws * v.w;
+            acc.x += ws * x.x;
+            acc.y += ws * x.y;
+            acc.z += ws * x.z;
+            acc.w += ws * x.w;
         }
         sm.acc[ph][c] = acc;
     }
@@ -944,8 +962,10 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
 // exp(lse_s - lse) o_s. One block of 128 threads per row (b, head, i), rows in (batch, nheads,
 // seqlen_q) order: thread s < num_splits (<= 128) reads lse_s, the weights go to shared memory; then
 // thread t sums columns 4c .. 4c + 3 (c = t % (HEAD_DIM / 4)) over the splits s = ph, ph + P, ...
-// (ph = t / (HEAD_DIM / 4), P phases), 16-byte loads, eight in flight (four at head_dim 256), and the phases are added in a
-// fixed order (deterministic). The block's memory round trips: ~num_splits / (8 P), not num_splits.
+// (ph = t / (HEAD_DIM / 4), P phases), 16-byte loads, eight in flight (four at head_dim 256), the
+// first eight issued with the lse_s loads, before the weights; the phases are added in a fixed order
+// (deterministic). The block's memory round trips: one up to 8 P splits (32 at head_dim 128), then
+// one per 8 P more.
 template <typename T, int HEAD_DIM>
 __global__ void __launch_bounds__(128)
 decode_combine_kernel(const __grid_constant__ DecodeParams p) {
