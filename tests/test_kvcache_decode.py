@@ -240,6 +240,31 @@ def test_decode_deep_tma_rule(monkeypatch):
     assert {"decode_bf16_d128_s4_tma", "decode_bf16_d128_s3_tma", "decode_bf16_d128_s3"} <= names, sorted(names)
 
 
+@pytest.mark.gpu
+def test_decode_deep_tma_plan(monkeypatch):
+    """A decode the 4-stage rule takes on sm_90a (_config.decode_deep_tma: contiguous, head_dim 128,
+    more than two blocks per SM, >= 2048 keys): batch x kv heads just past 2 x the SM count, a
+    2048-key cache with an append and ragged lengths (cuda_src/flash_decode.cu with STAGES = 4 reads
+    the same tiles in a deeper ring). Matches the float64 reference; on sm_90a the plan runs the
+    4-stage kernel, elsewhere the rule does not apply. torch CUDA."""
+    from cuflash import _kvcache
+
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device")
+    monkeypatch.setattr(_kvcache, "_DECODE_PLANS", {})
+    monkeypatch.setattr(_kvcache, "_FAST_PLANS", {})
+    sm = torch.cuda.get_device_properties(0).multi_processor_count
+    batch = (2 * sm) // 8 + 1  # 8 kv heads: batch * 8 > 2 * sm blocks
+    seed = _new_seed()
+    rng = np.random.default_rng(seed)
+    case = make_case(rng, dtype=BF16, batch=batch, seqlen_q=1, nheads=32, nheads_kv=8, head_dim=128,
+                     layout="contig", capacity=2048, seqlen_new=1)
+    _check(case, "cuda", True, {}, _ctx(seed, batch=batch, sm=sm))
+    names = [L.name for pl in _kvcache._DECODE_PLANS.values() for L in pl.launches]
+    tma_90 = torch.cuda.get_device_capability() >= (9, 0) and any(n.endswith("_tma") for n in names)
+    assert any("_s4_tma" in n for n in names) == tma_90, names
+
+
 def test_split_heuristic():
     """cuflash/_config.py decode_num_splits: no split when the blocks fill the GPU or a block has at
     most 16 tiles of keys; otherwise at least 2 tiles per split and at most max_splits; a single
