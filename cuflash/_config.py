@@ -778,7 +778,13 @@ def decode_deep_tma(target: str, head_dim: int, grid: int, keys: int, sm_count: 
 
     if os.environ.get("CUFLASH_DECODE_DEEP") == "0":
         return False
-    return (target == "sm_90a" and head_dim == 128 and not paged and grid > 2 * sm_count and keys >= 2048
+    return decode_deep_supported(target, head_dim) and not paged and grid > 2 * sm_count and keys >= 2048
+
+
+def decode_deep_supported(target: str, head_dim: int) -> bool:
+    """Whether the 4-stage 4-warp TMA decode kernel is built for (target, head_dim): sm_90a, head_dim
+    128, where its shared memory fits (decode_deep_tma chooses it per call)."""
+    return (target == "sm_90a" and head_dim == 128
             and decode_smem_bytes(128, 4, 4, tma=True) + decode_static_smem_bytes(4, 4, tma=True)
             <= SMEM_LIMIT[family_of_target(target)])
 

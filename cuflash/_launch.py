@@ -1271,7 +1271,7 @@ def all_decode_specializations(target: str, head_dims=None, dtypes=None):
                 tmas = (False, True) if target == "sm_90a" and d in _config.DECODE_TMA_HEAD_DIMS else (False,)
                 for tma in tmas:
                     out.append(decode_specialization(dtype, d, stages, 4, tma))
-                if True in tmas and _config.decode_deep_tma(target, d, 1 << 30, 1 << 30, 1, False):
+                if True in tmas and _config.decode_deep_supported(target, d):
                     out.append(decode_specialization(dtype, d, 4, 4, True))
                 out.append((decode_combine_specialization(dtype, d), 0))
                 wide = _config.decode_wide_stages(target, d)

@@ -34,3 +34,12 @@ def _no_key_rows(seqlen_q, seqlen_k, causal):
 def _ctx(seed, **kw):
     parts = ", ".join(f"{key}={val}" for key, val in kw.items())
     return f"seed={seed} ({parts})"
+
+
+def _fresh_decode_plans(monkeypatch):
+    """Empties cuflash's decode plan caches for one test (restored after it), so that the plans made
+    in it read the test's settings (environment switches, patched limits)."""
+    from cuflash import _kvcache
+
+    monkeypatch.setattr(_kvcache, "_DECODE_PLANS", {})
+    monkeypatch.setattr(_kvcache, "_FAST_PLANS", {})

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from _cpu_helpers import _ctx, _new_seed
+from _cpu_helpers import _ctx, _fresh_decode_plans, _new_seed
 from _kvcache_reference import kvcache_reference
 from cuflash._kvcache import attention_with_kvcache
 from cuflash._reference import check_close
@@ -117,8 +117,7 @@ def test_cuda_graph_replay(monkeypatch, layout, fused):
     if not torch.cuda.is_available():
         pytest.skip("torch has no CUDA device")
     monkeypatch.setenv("CUFLASH_DECODE_FUSED_COMBINE", "1" if fused else "0")
-    monkeypatch.setattr(_kvcache, "_DECODE_PLANS", {})
-    monkeypatch.setattr(_kvcache, "_FAST_PLANS", {})
+    _fresh_decode_plans(monkeypatch)
     seed = _new_seed()
     rng = np.random.default_rng(seed)
     case = make_case(rng, dtype=FP16, batch=3, seqlen_q=1, nheads=8, nheads_kv=2, head_dim=64, layout=layout,
@@ -172,8 +171,7 @@ def test_cuda_graph_two_steps(monkeypatch, splits):
     if not torch.cuda.is_available():
         pytest.skip("torch has no CUDA device")
     monkeypatch.setenv("CUFLASH_DECODE_FUSED_COMBINE", "0" if splits else "1")
-    monkeypatch.setattr(_kvcache, "_DECODE_PLANS", {})
-    monkeypatch.setattr(_kvcache, "_FAST_PLANS", {})
+    _fresh_decode_plans(monkeypatch)
     seed = _new_seed()
     rng = np.random.default_rng(seed)
     lengths = np.array([300, 17, 900], np.int32)
@@ -235,9 +233,11 @@ def test_decode_deep_tma_rule(monkeypatch):
     assert not f("sm_90a", 64, 2048, 8192, 132, False) and not f("sm_80", 128, 2048, 8192, 108, False)
     monkeypatch.setenv("CUFLASH_DECODE_DEEP", "0")
     assert not f("sm_90a", 128, 2048, 8192, 132, False)
-    monkeypatch.delenv("CUFLASH_DECODE_DEEP")
+    # The switch picks per call; the specialization is built (and compile-gated) either way.
     names = {spec.name for spec, _ in _launch.all_decode_specializations("sm_90a", head_dims=[128], dtypes=["bfloat16"])}
     assert {"decode_bf16_d128_s4_tma", "decode_bf16_d128_s3_tma", "decode_bf16_d128_s3"} <= names, sorted(names)
+    assert _config.decode_deep_supported("sm_90a", 128)
+    assert not _config.decode_deep_supported("sm_90a", 64) and not _config.decode_deep_supported("sm_80", 128)
 
 
 @pytest.mark.gpu
@@ -251,8 +251,7 @@ def test_decode_deep_tma_plan(monkeypatch):
 
     if not torch.cuda.is_available():
         pytest.skip("torch has no CUDA device")
-    monkeypatch.setattr(_kvcache, "_DECODE_PLANS", {})
-    monkeypatch.setattr(_kvcache, "_FAST_PLANS", {})
+    _fresh_decode_plans(monkeypatch)
     sm = torch.cuda.get_device_properties(0).multi_processor_count
     batch = (2 * sm) // 8 + 1  # 8 kv heads: batch * 8 > 2 * sm blocks
     seed = _new_seed()
@@ -332,8 +331,7 @@ def test_fused_combine(monkeypatch, layout, splits, sq, gqa, opts):
     default_limit = opts.get("default_limit", False)
     if not default_limit:
         monkeypatch.setattr(_config, "DECODE_FUSED_MAX_PARTS", 1 << 30)
-    monkeypatch.setattr(_kvcache, "_DECODE_PLANS", {})
-    monkeypatch.setattr(_kvcache, "_FAST_PLANS", {})
+    _fresh_decode_plans(monkeypatch)
     seed = _new_seed()
     for call in range(3):
         rng = np.random.default_rng([seed, call])
@@ -374,8 +372,7 @@ def test_decode_warps(monkeypatch, tma, warps, layout, splits, fused, d, gqa, op
     monkeypatch.setenv("CUFLASH_DECODE_WARPS", warps)
     monkeypatch.setenv("CUFLASH_DECODE_TMA", tma)
     monkeypatch.setenv("CUFLASH_DECODE_FUSED_COMBINE", "1" if fused else "0")
-    monkeypatch.setattr(_kvcache, "_DECODE_PLANS", {})
-    monkeypatch.setattr(_kvcache, "_FAST_PLANS", {})
+    _fresh_decode_plans(monkeypatch)
     seed = _new_seed()
     for call in range(3):
         rng = np.random.default_rng([seed, call])

@@ -18,6 +18,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from _cpu_helpers import _fresh_decode_plans
+
 import cuflash
 from cuflash import _adapters, _compile, _gpu, _kvcache, _launch, _plan
 from cuflash._adapters._numpy import NumpyAdapter
@@ -1059,8 +1061,7 @@ def test_kvcache_decode_wiring(dev, monkeypatch, layout, splits, warps):
     monkeypatch.setattr(_kvcache, "_sm_count", lambda device_id: 132)
     monkeypatch.setenv("CUFLASH_DECODE_FUSED_COMBINE", "0")  # the combine kernel's path
     monkeypatch.setenv("CUFLASH_DECODE_WARPS", warps)
-    monkeypatch.setattr(_kvcache, "_DECODE_PLANS", {})  # plans made here read the settings above
-    monkeypatch.setattr(_kvcache, "_FAST_PLANS", {})
+    _fresh_decode_plans(monkeypatch)  # plans made here read the settings above
     ad, launched = dev
     rng = np.random.default_rng()
     b, h, hkv, d, n, sq = 3, 8, 2, 64, 2, 2
@@ -1131,8 +1132,7 @@ def test_decode_pdl_launches(dev, monkeypatch, case):
     if case == "sm_80":
         monkeypatch.setattr(_gpu, "compute_capability", lambda device_id: (8, 0))
     monkeypatch.setattr(_kvcache, "stream_capturing", lambda stream: case != "eager")
-    monkeypatch.setattr(_kvcache, "_DECODE_PLANS", {})
-    monkeypatch.setattr(_kvcache, "_FAST_PLANS", {})
+    _fresh_decode_plans(monkeypatch)
     monkeypatch.setenv("CUFLASH_DECODE_FUSED_COMBINE", "0")
     ad, launched = dev
     rng = np.random.default_rng()
@@ -1161,8 +1161,7 @@ def test_kvcache_fused_combine_wiring(dev, monkeypatch, counters):
 
     monkeypatch.setattr(_kvcache, "_sm_count", lambda device_id: 132)
     monkeypatch.setattr(_kvcache.DecodePlan, "_counters", lambda self, stream: counters)
-    monkeypatch.setattr(_kvcache, "_DECODE_PLANS", {})  # plans made here read the setting below
-    monkeypatch.setattr(_kvcache, "_FAST_PLANS", {})
+    _fresh_decode_plans(monkeypatch)  # plans made here read the setting below
     monkeypatch.setenv("CUFLASH_DECODE_FUSED_COMBINE", "1")
     ad, launched = dev
     rng = np.random.default_rng()
@@ -1222,8 +1221,7 @@ def test_kvcache_graph_capture_takes_its_own_split_count(dev, monkeypatch, fused
 
     monkeypatch.setattr(_kvcache, "_sm_count", lambda device_id: 132)
     monkeypatch.setenv("CUFLASH_DECODE_FUSED_COMBINE", "1" if fused else "0")
-    monkeypatch.setattr(_kvcache, "_DECODE_PLANS", {})
-    monkeypatch.setattr(_kvcache, "_FAST_PLANS", {})
+    _fresh_decode_plans(monkeypatch)
     ad, launched = dev
     rng = np.random.default_rng()
     q = arr(rng, (1, 1, 8, 64))
@@ -1261,8 +1259,7 @@ def test_kvcache_fused_cap_instead_of_no_split(dev, monkeypatch):
     seqlens = np.array([1000], np.int32).view(Dev)
     for fused, want in (("1", ["decode_f16_d64_s4"]), ("0", ["decode_f16_d64_s3_w8"])):
         monkeypatch.setenv("CUFLASH_DECODE_FUSED_COMBINE", fused)
-        monkeypatch.setattr(_kvcache, "_DECODE_PLANS", {})
-        monkeypatch.setattr(_kvcache, "_FAST_PLANS", {})
+        _fresh_decode_plans(monkeypatch)
         del launched[:]
         cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens)
         assert [L["name"] for L in launched] == want
