@@ -30,6 +30,16 @@
 //      dQ = dS K in registers; no atomics, so dq is bitwise reproducible. It redoes Q K^T and dO V^T
 //      (two of the five products) on top of the dK/dV kernel.
 //
+// Below head_dim 32 (DS_SPLIT_BELOW) the dQ kernel feeds dS to its MMAs as two 16-bit operands, its
+// rounding (hi) and the rounding of the residual (lo): dS K = hi K + lo K with float32 accumulation,
+// so dS keeps about 16 bits instead of bf16's 8. dQ of a query row is a sum over keys that cancels
+// (sum_j dS_j = 0); with a peaked softmax a few large terms dominate it, and their rounding was
+// measured at 4.3x the naive bf16 computation's error (head_dim 8, one query, 300 keys, seed
+// 10361418856339468297; the naive computation rounds dS too). Below head_dim 32 the extra MMA costs
+// 7-9 % of the backward on an H100 (bench/NOTES.md, session 17). dK keeps the rounded dS (as the naive
+// computation does): the same split in the dK/dV kernel, through a second dS^T tile, cost 24-55 %.
+// The dK/dV kernel's atomic dQ (a tuning switch, _config.BWD_ATOMIC_DQ) uses the rounded dS too.
+//
 // Features (FEAT = true; mask.cuh). Each kernel finds its sequence (seq_info) and walks only the
 // tiles the mask leaves visible: the dK/dV kernel the query blocks of query_range, the dQ kernel the
 // key tiles of key_tiles. Scores become log2-unit logits as in the forward (softcap, ALiBi), and
@@ -51,6 +61,9 @@
 #include "warp_gemm.cuh"
 
 namespace cuflash {
+
+// dS as hi + lo in the dQ kernel below this head_dim; see the file comment.
+constexpr int DS_SPLIT_BELOW = 32;
 
 // ------------------------------------------------------------------------------------------------
 // 1. preprocess
@@ -677,25 +690,39 @@ flash_bwd_dq_kernel(const __grid_constant__ BwdParams p) {
             }
         }
 
-        // dQ += dS K: dS from registers as the A operand, K (BLOCK_N, HEAD_DIM) as B (k = key)
+        // dQ += dS K: dS from registers as the A operand, K (BLOCK_N, HEAD_DIM) as B (k = key); below
+        // DS_SPLIT_BELOW dS as hi + lo, two MMAs on one B fragment.
+        constexpr bool DS_SPLIT = HEAD_DIM < DS_SPLIT_BELOW;
 #pragma unroll
         for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-            u32 a[4];
-            a[0] = Ops::pack(dp[2 * kk][0], dp[2 * kk][1]);
-            a[1] = Ops::pack(dp[2 * kk][2], dp[2 * kk][3]);
-            a[2] = Ops::pack(dp[2 * kk + 1][0], dp[2 * kk + 1][1]);
-            a[3] = Ops::pack(dp[2 * kk + 1][2], dp[2 * kk + 1][3]);
+            u32 a[4], al[4];
+            if constexpr (DS_SPLIT) {
+                a[0] = pack_hi_lo<T>(dp[2 * kk][0], dp[2 * kk][1], al[0]);
+                a[1] = pack_hi_lo<T>(dp[2 * kk][2], dp[2 * kk][3], al[1]);
+                a[2] = pack_hi_lo<T>(dp[2 * kk + 1][0], dp[2 * kk + 1][1], al[2]);
+                a[3] = pack_hi_lo<T>(dp[2 * kk + 1][2], dp[2 * kk + 1][3], al[3]);
+            } else {
+                a[0] = Ops::pack(dp[2 * kk][0], dp[2 * kk][1]);
+                a[1] = Ops::pack(dp[2 * kk][2], dp[2 * kk][3]);
+                a[2] = Ops::pack(dp[2 * kk + 1][0], dp[2 * kk + 1][1]);
+                a[3] = Ops::pack(dp[2 * kk + 1][2], dp[2 * kk + 1][3]);
+            }
 #pragma unroll
             for (int dp2 = 0; dp2 < D_TILES / 2; ++dp2) {
                 u32 bk[4];
                 load_b_pair_k16<true>(bk, sKj, PITCH, kk * 16, dp2 * 16, lane);
                 Ops::mma16816(acc_dq[2 * dp2], a, bk[0], bk[1]);
                 Ops::mma16816(acc_dq[2 * dp2 + 1], a, bk[2], bk[3]);
+                if constexpr (DS_SPLIT) {
+                    Ops::mma16816(acc_dq[2 * dp2], al, bk[0], bk[1]);
+                    Ops::mma16816(acc_dq[2 * dp2 + 1], al, bk[2], bk[3]);
+                }
             }
             if (D_TILES % 2) {
                 u32 b0, b1;
                 load_b_one_k16<true>(b0, b1, sKj, PITCH, kk * 16, (D_TILES - 1) * 8, lane);
                 Ops::mma16816(acc_dq[D_TILES - 1], a, b0, b1);
+                if constexpr (DS_SPLIT) Ops::mma16816(acc_dq[D_TILES - 1], al, b0, b1);
             }
         }
     }

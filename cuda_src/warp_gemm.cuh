@@ -169,6 +169,20 @@ __device__ __forceinline__ void zero_acc(float (&acc)[TILES][4]) {
         for (int e = 0; e < 4; ++e) acc[i][e] = 0.f;
 }
 
+// x rounded to T (nearest even) and back to float.
+template <typename T>
+__device__ __forceinline__ float round_trip(float x) {
+    return ElemOps<T>::to_float((u16)(ElemOps<T>::pack(x, 0.f) & 0xffffu));
+}
+
+// Two floats as a 16-bit pair (hi, returned) and the pair of their rounding residuals (lo): hi + lo
+// carries x and y to about twice T's precision through two MMAs that share the B fragment.
+template <typename T>
+__device__ __forceinline__ u32 pack_hi_lo(float x, float y, u32& lo) {
+    lo = ElemOps<T>::pack(x - round_trip<T>(x), y - round_trip<T>(y));
+    return ElemOps<T>::pack(x, y);
+}
+
 // Stores a warp's C fragments (16 x 8*TILES, first `count` tiles) to shared memory as T.
 template <typename T, int TILES>
 __device__ __forceinline__ void store_acc_smem(T* s, int pitch, const float (&acc)[TILES][4], int count, int lane) {

@@ -45,16 +45,19 @@ Algorithm
                dS  = P * (dP - D_i)                                     float32 P, as the GPU
                dV_j += round(P)^T dO_i                                  P^T stored as 16-bit
                dK_j += round(dS)^T Q_i                                  dS^T stored as 16-bit
-               dQ_i += round(dS) K_j                                    float32 accumulator
+               dQ_i += round2(dS) K_j                                   float32 accumulator; round2 below
        dk_j = round(scale * dK_j), dv_j = round(dV_j)
 
 3. dq = round(scale * dQ) (``flash_bwd_convert_dq_kernel``).
 
 ``round`` is rounding to the input dtype (float16 or bfloat16, round to nearest even): the GPU writes
 P^T and dS^T to shared memory as 16-bit values and feeds them (and dS, for dQ) to 16-bit tensor-core
-MMAs that accumulate in float32. The deterministic dQ kernel (``flash_bwd_dq_kernel``) computes the
-same products in the forward's partition (one query block, looping over key blocks); it differs from
-step 2's dQ only in the float32 summation order.
+MMAs that accumulate in float32. dQ mirrors the GPU's dQ kernel (``flash_bwd_dq_kernel``, the default
+dQ path), which computes the same products in the forward's partition (one query block, looping over
+key blocks) and differs from step 2's dQ only in the float32 summation order. ``round2(dS)`` is
+round(dS) at head_dim 32 and above, and below (``DS_SPLIT_BELOW``, as cuda_src/flash_bwd.cu) the two
+16-bit operands round(dS) + round(dS - round(dS)) that kernel feeds to two MMAs, about twice the input
+dtype's precision; dK keeps round(dS).
 
 Features
 --------
@@ -90,6 +93,9 @@ from ._cpu import _alibi_distance, _Feat, _query_tiles, _tile_needs_mask, _tile_
 __all__ = ["attention_backward_numpy"]
 
 _LOG2E = math.log2(math.e)
+
+# dS as hi + lo in dQ below this head_dim (cuda_src/flash_bwd.cu: DS_SPLIT_BELOW).
+DS_SPLIT_BELOW = 32
 
 
 def _heads_first_f32(x, nheads_kv):
@@ -243,14 +249,17 @@ def _dkdv_tiles(qf, dof, kf, vf, delta, lse_log2, dq_accum, dk, dv, sq, sk, feat
                     ds *= 1 - t * t
 
                 # P^T and dS^T go through 16-bit shared memory into the MMAs: round them to the input dtype.
+                # Below head_dim DS_SPLIT_BELOW the dQ kernel takes dS as hi + lo, two 16-bit operands (see
+                # the module docstring).
                 p_r = p.astype(dtype).astype(np.float32)
                 ds_r = ds.astype(dtype).astype(np.float32)
+                ds_q = ds_r + (ds - ds_r).astype(dtype).astype(np.float32) if kf.shape[-1] < DS_SPLIT_BELOW else ds_r
 
                 # dV += P^T dO, dK += dS^T Q (float32 accumulators of this key block).
                 acc_dv += np.matmul(p_r.swapaxes(-1, -2), do_blk)
                 acc_dk += np.matmul(ds_r.swapaxes(-1, -2), q_blk)
                 # dQ += dS K, into the float32 scratch (the kernel's atomics into dq_accum).
-                dq_accum[:, :, g, m_start:m_end] += np.matmul(ds_r, k_blk)
+                dq_accum[:, :, g, m_start:m_end] += np.matmul(ds_q, k_blk)
 
         # dK, dV of this key block are written once, complete: the group sum happened in the accumulators.
         dk[:, :, n_start:n_end] = acc_dk * scale

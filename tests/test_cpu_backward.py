@@ -19,7 +19,7 @@ from _grad_reference import attention_grad_reference
 from cuflash._cpu import attention_forward_numpy
 from cuflash._cpu_backward import attention_backward_numpy
 from cuflash._reference import attention_reference, check_close, max_abs_err
-from _cpu_helpers import _batch_for, _ctx, _new_seed, _no_key_rows, _randn
+from _cpu_helpers import DQ_SPLIT_RMS_LIMIT, _batch_for, _ctx, _new_seed, _no_key_rows, _randn, dq_split_rms_ratio
 
 # Any numpy floating-point warning (divide by zero, invalid value, overflow) is a test failure.
 pytestmark = pytest.mark.filterwarnings("error")
@@ -242,6 +242,25 @@ def test_p_and_ds_rounded_to_input_dtype(dtype):
         ctx = _ctx(seed, dtype=dtype.name, grad=name, miss_rounded=miss_rounded, miss_unrounded=miss_unrounded)
         assert miss_rounded < 0.01, ctx
         assert miss_unrounded > 0.05, ctx
+
+
+@pytest.mark.parametrize("seqlens", [(1, 300), (64, 1024)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("head_dim", [8, 16, 24])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dq_small_head_dim_keeps_ds_precision(dtype, head_dim, seqlens):
+    """Below head_dim 32 dQ takes dS as hi + lo, so dq's error is close to the rounding of the exact dq alone
+    (DQ_SPLIT_RMS_LIMIT); with dS rounded once to the dtype it is about 1.5x that. GQA 4:1, full attention."""
+    seed = _new_seed()
+    rng = np.random.default_rng(seed)
+    sq, sk = seqlens
+    dqs, refs = [], []
+    for _ in range(16 if sq == 1 else 4):
+        q, k, v, dout = _make_inputs(rng, dtype, 2, sq, sk, 4, 1, head_dim)
+        scale = 1.0 / math.sqrt(head_dim)
+        dqs.append(_forward_backward(q, k, v, dout, False, scale, 64, 128)[0])
+        refs.append(attention_grad_reference(dout, q, k, v, False, scale)[0])
+    ratio = dq_split_rms_ratio(np.concatenate(dqs), np.concatenate(refs), dtype)
+    assert ratio <= DQ_SPLIT_RMS_LIMIT, _ctx(seed, dtype=dtype.name, head_dim=head_dim, seqlens=seqlens, ratio=ratio)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
