@@ -796,6 +796,18 @@ def decode_deep_supported(target: str, head_dim: int) -> bool:
 # CUFLASH_DECODE_FUSED_MAX_PARTS sets it at import (measurements).
 DECODE_FUSED_MAX_PARTS = int(__import__("os").environ.get("CUFLASH_DECODE_FUSED_MAX_PARTS", "64"))
 
+# In a CUDA graph (no launch to save) the fused combine serves at most this many rows x splits; past
+# it the graph runs the combine kernel, whose blocks spread the merge. (A capture uses the fused merge
+# only on a stream that ran an eager decode before, where its counters exist; torch.cuda.graph's own
+# capture stream takes the combine kernel anyway.) H100, session 17 (bench/dev/graph_fused_ab.py,
+# capture on the warmed stream, limit 64 / 32 alternated twice, replay µs per step): 1 x 2048 x 4 (4
+# rows x 16 splits) 10.1-10.3 -> 8.4-8.5, 4 x 2048 x 8 (8 x 8) 11.9-12.0 -> 10.1, 1 x 8192 x 4
+# 14.0-14.3 -> 12.7-12.8, 4 x 8192 x 8 31.4-31.8 -> 29.6-29.8; 1 x 512 / 1024 / 2048 x 8 unchanged.
+# Eager calls keep DECODE_FUSED_MAX_PARTS: there the fused merge saves a launch of host time.
+# CUFLASH_DECODE_GRAPH_FUSED_MAX_PARTS sets it at import (measurements).
+DECODE_GRAPH_FUSED_MAX_PARTS = min(DECODE_FUSED_MAX_PARTS, int(__import__("os").environ.get(
+    "CUFLASH_DECODE_GRAPH_FUSED_MAX_PARTS", "32")))
+
 
 def bwd_ws_seqs_enabled() -> bool:
     """The warp-specialized FEAT backward for calls with per-sequence lengths (padded or packed

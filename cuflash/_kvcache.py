@@ -627,9 +627,10 @@ class DecodePlan:
             return _config.decode_warps_and_splits(blocks, splits, _sm_count(dev), forced, paged_copies, keys,
                                                    one_per_sm=one)
 
-        def variant(splits):
+        def variant(splits, fused_max_parts):
             """(num_splits, scratch floats, launches, launches with the fused combine or None) of the
-            4-warp kernel's split count `splits` (the 8-warp kernel's own count where it runs)."""
+            4-warp kernel's split count `splits` (the 8-warp kernel's own count where it runs); the
+            fused combine where rows x splits <= fused_max_parts."""
             out_t = DeviceTensor(Slot(_D_OUT), self.out_shape, contiguous_strides(self.out_shape))
             warps, splits = warps_and_splits(splits)
             deep = (self.tma and warps == 4 and not forced_warps
@@ -641,20 +642,25 @@ class DecodePlan:
                                                out_t, dataclasses.replace(args0, num_splits=splits,
                                                                           split_counters=counters),
                                                c.dtype, c.scale, mask, dev, cc, warps, self.tma, deep)
-            fused = launches(Slot(_D_COUNTERS)) if self._fusable(splits) else None
+            fused = launches(Slot(_D_COUNTERS)) if self._fusable(splits, fused_max_parts) else None
             return splits, _launch.decode_scratch_floats(b, h, sq, d, splits), launches(0), fused
 
-        self.graph = variant(graph_splits)
-        self.eager = self.graph if graph_splits == num_splits else variant(num_splits)
+        # A CUDA graph fuses fewer parts than an eager call (_config.DECODE_GRAPH_FUSED_MAX_PARTS).
+        graph_max = _config.DECODE_GRAPH_FUSED_MAX_PARTS
+        self.eager = variant(num_splits, _config.DECODE_FUSED_MAX_PARTS)
+        same = graph_splits == num_splits and self._fusable(num_splits) == self._fusable(num_splits, graph_max)
+        self.graph = self.eager if same else variant(graph_splits, graph_max)
         self.pdl = any(L.pdl is not None for L in self.graph[2])  # (_launch.as_pdl: calls of 2-3 kernels)
         self.num_splits, self.scratch_floats, self.launches = self.eager[:3]  # the eager variant's
 
-    def _fusable(self, splits: int) -> bool:
-        """Whether the fused combine serves `splits` (_config.DECODE_FUSED_MAX_PARTS): one block merges
-        a row tile's splits alone, so only where they are few."""
+    def _fusable(self, splits: int, max_parts: int | None = None) -> bool:
+        """Whether the fused combine serves `splits` (rows x splits <= max_parts, by default
+        _config.DECODE_FUSED_MAX_PARTS): one block merges a row tile's splits alone, so only where
+        they are few."""
         from . import _config
 
-        return self.fused and splits > 1 and self.tile_rows * splits <= _config.DECODE_FUSED_MAX_PARTS
+        limit = _config.DECODE_FUSED_MAX_PARTS if max_parts is None else max_parts
+        return self.fused and splits > 1 and self.tile_rows * splits <= limit
 
     def run_call(self, names: dict):
         """One call: the checks that depend on the arrays' values or identity (a torch cache that

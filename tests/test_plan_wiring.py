@@ -1216,8 +1216,12 @@ def test_kvcache_graph_capture_takes_its_own_split_count(dev, monkeypatch, fused
     into a CUDA graph, where GPU time alone counts (cuflash/_config.py decode_num_splits,
     host_bound_rule); the plan holds both and asks the stream. With the fused combine (the default;
     8 rows x 8 splits is within DECODE_FUSED_MAX_PARTS) a split adds no launch, and eager calls split
-    too. A forced count is the same in both."""
-    from cuflash import _kvcache
+    too, fused; the captured call runs the same 8 splits with the combine kernel (64 parts are past
+    DECODE_GRAPH_FUSED_MAX_PARTS, 32). A forced count is the same in both (3 splits: 24 parts, fused
+    in both)."""
+    from cuflash import _config, _kvcache
+
+    assert _config.DECODE_GRAPH_FUSED_MAX_PARTS < 8 * 8 <= _config.DECODE_FUSED_MAX_PARTS
 
     monkeypatch.setattr(_kvcache, "_sm_count", lambda device_id: 132)
     monkeypatch.setenv("CUFLASH_DECODE_FUSED_COMBINE", "1" if fused else "0")
@@ -1235,7 +1239,9 @@ def test_kvcache_graph_capture_takes_its_own_split_count(dev, monkeypatch, fused
         del launched[:]
         cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens, causal=True, num_splits=forced)
         names = [L["name"] for L in launched]
-        combine = want > 1 and not fused  # (the fixture's plans always have counters for the stream)
+        # (the fixture's plans always have counters for the stream)
+        combine = want > 1 and (not fused or 8 * want > (_config.DECODE_GRAPH_FUSED_MAX_PARTS if capture
+                                                        else _config.DECODE_FUSED_MAX_PARTS))
         kernel = "decode_f16_d64_s4" if want > 1 else "decode_f16_d64_s3_w8"  # (unsplit: 1 block, 8 warps)
         assert names == [kernel] + (["decode_combine_f16_d64"] if combine else []), (capture, names)
         assert int(launched[0]["p"]["num_splits"]) == want and launched[0]["grid"] == want, (capture, forced)
