@@ -30,15 +30,21 @@
 //      dQ = dS K in registers; no atomics, so dq is bitwise reproducible. It redoes Q K^T and dO V^T
 //      (two of the five products) on top of the dK/dV kernel.
 //
-// Below head_dim 32 (DS_SPLIT_BELOW) the dQ kernel feeds dS to its MMAs as two 16-bit operands, its
-// rounding (hi) and the rounding of the residual (lo): dS K = hi K + lo K with float32 accumulation,
-// so dS keeps about 16 bits instead of bf16's 8. dQ of a query row is a sum over keys that cancels
-// (sum_j dS_j = 0); with a peaked softmax a few large terms dominate it, and their rounding was
-// measured at 4.3x the naive bf16 computation's error (head_dim 8, one query, 300 keys, seed
-// 10361418856339468297; the naive computation rounds dS too). Below head_dim 32 the extra MMA costs
-// 7-9 % of the backward on an H100 (bench/NOTES.md, session 17). dK keeps the rounded dS (as the naive
-// computation does): the same split in the dK/dV kernel, through a second dS^T tile, cost 24-55 %.
-// The dK/dV kernel's atomic dQ (a tuning switch, _config.BWD_ATOMIC_DQ) uses the rounded dS too.
+// Below head_dim 32 (DS_SPLIT_BELOW) the dQ kernel computes dQ to about the input dtype's rounding:
+//   - it feeds dS to its MMAs as two 16-bit operands, its rounding (hi) and the rounding of the
+//     residual (lo): dS K = hi K + lo K with float32 accumulation, so dS keeps about 16 bits instead of
+//     bf16's 8;
+//   - it corrects D, which the preprocess forms from the stored (rounded) O: with the exact
+//     D* = sum_j P_j dP_j (a row's float32 sum over the keys it sees), dS*_j = dS_j - W_j (D* - D), so
+//     dQ* = dS K - (D* - D) B with B = sum_j W_j K_j (W = P, times the softcap's 1 - tanh^2; one more
+//     MMA, W rounded once: D* - D is small). Sink logits add nothing: the sink's value is 0.
+// dQ of a query row is a sum over keys that cancels (sum_j dS_j = 0); with a peaked softmax a few large
+// terms dominate it. Their rounding, then D from the rounded O, made dq 4.3x the naive bf16
+// computation's error (head_dim 8, one query, 300 keys, seed 10361418856339468297; the naive
+// computation rounds dS too, but forms D from its own P and dP). Below head_dim 32 the extra MMAs are
+// cheap (bench/NOTES.md, session 17). dK keeps the rounded dS and D (as the naive computation does):
+// the split in the dK/dV kernel, through a second dS^T tile, cost 24-55 %. The dK/dV kernel's atomic
+// dQ (a tuning switch, _config.BWD_ATOMIC_DQ) uses the rounded dS and D too.
 //
 // Features (FEAT = true; mask.cuh). Each kernel finds its sequence (seq_info) and walks only the
 // tiles the mask leaves visible: the dK/dV kernel the query blocks of query_range, the dQ kernel the
@@ -601,6 +607,12 @@ flash_bwd_dq_kernel(const __grid_constant__ BwdParams p) {
 
     float acc_dq[D_TILES][4];  // (16 rows, HEAD_DIM) per warp
     zero_acc(acc_dq);
+    // DS_SPLIT: D's correction (file comment): B = sum_j W_j K_j in acc_b, and this thread's part of
+    // sum_j P_j dP_j for its two rows in pdp; W_j = P_j (times 1 - tanh^2 with a softcap) in pw.
+    constexpr bool DS_SPLIT = HEAD_DIM < DS_SPLIT_BELOW;
+    float acc_b[D_TILES][4];
+    zero_acc(acc_b);
+    float pdp[2] = {0.f, 0.f};
 
     for (int j = 0; j < n_blocks; ++j) {
         cp_async_wait<0>();
@@ -622,6 +634,15 @@ flash_bwd_dq_kernel(const __grid_constant__ BwdParams p) {
         float s[N_TILES][4], dp[N_TILES][4];
         zero_acc(s);
         zero_acc(dp);
+        float pw[N_TILES][4];  // DS_SPLIT: W_j, the A operand of B's MMA
+        // dS = P (dP - D) w, w = 1 or the softcap's 1 - tanh^2; with DS_SPLIT also W and sum P dP.
+        auto set_ds = [&](int nt, int e, float pv, float w) {
+            if constexpr (DS_SPLIT) {
+                pdp[e / 2] = fmaf(pv, dp[nt][e], pdp[e / 2]);
+                pw[nt][e] = pv * w;
+            }
+            dp[nt][e] = pv * (dp[nt][e] - dlt[e / 2]) * w;
+        };
         warp_mma<T, HEAD_DIM, N_TILES, false, false>(s, sQ + warp * 16 * PITCH, PITCH, sKj, PITCH, N_TILES, lane);
         warp_mma<T, HEAD_DIM, N_TILES, false, false>(dp, sdO + warp * 16 * PITCH, PITCH, sVj, PITCH, N_TILES, lane);
 
@@ -649,7 +670,7 @@ flash_bwd_dq_kernel(const __grid_constant__ BwdParams p) {
                         const int col = n0 + nt * 8 + 2 * t + (e % 2);
                         const float x = qf.mi.alibi_logit_log2(p.scale_log2, s[nt][e], d0[e / 2] - (float)(nt * 8 + e % 2));
                         const float pv = (edge && !ks[e / 2].has(p.mask, col)) ? 0.f : fast_exp2(fminf(x - lse2[e / 2], 0.f));
-                        dp[nt][e] = pv * (dp[nt][e] - dlt[e / 2]);  // dS
+                        set_ds(nt, e, pv, 1.f);
                     }
             } else if (qf.score_mod) {
 #pragma unroll
@@ -661,7 +682,7 @@ flash_bwd_dq_kernel(const __grid_constant__ BwdParams p) {
                         float tanh_s;
                         const float x = qf.mi.logit_log2(p.mask, p.scale_log2, s[nt][e], row, col, tanh_s);
                         const float pv = (edge && !ks[e / 2].has(p.mask, col)) ? 0.f : fast_exp2(fminf(x - lse2[e / 2], 0.f));
-                        dp[nt][e] = pv * (dp[nt][e] - dlt[e / 2]) * (1.f - tanh_s * tanh_s);  // dS
+                        set_ds(nt, e, pv, 1.f - tanh_s * tanh_s);
                     }
             } else {  // an edge tile without softcap / ALiBi
 #pragma unroll
@@ -670,7 +691,7 @@ flash_bwd_dq_kernel(const __grid_constant__ BwdParams p) {
                     for (int e = 0; e < 4; ++e) {
                         const int col = n0 + nt * 8 + 2 * t + (e % 2);
                         const float pv = ks[e / 2].has(p.mask, col) ? fast_exp2(fminf(fmaf(s[nt][e], p.scale_log2, -lse2[e / 2]), 0.f)) : 0.f;
-                        dp[nt][e] = pv * (dp[nt][e] - dlt[e / 2]);  // dS
+                        set_ds(nt, e, pv, 1.f);
                     }
             }
         } else {
@@ -686,21 +707,24 @@ flash_bwd_dq_kernel(const __grid_constant__ BwdParams p) {
                     if (IS_CAUSAL) masked = masked || col > row + sk - sq;
                     if (masked) pv = 0.f;
                 }
-                dp[nt][e] = pv * (dp[nt][e] - dlt[e / 2]);  // dS
+                set_ds(nt, e, pv, 1.f);
             }
         }
 
         // dQ += dS K: dS from registers as the A operand, K (BLOCK_N, HEAD_DIM) as B (k = key); below
-        // DS_SPLIT_BELOW dS as hi + lo, two MMAs on one B fragment.
-        constexpr bool DS_SPLIT = HEAD_DIM < DS_SPLIT_BELOW;
+        // DS_SPLIT_BELOW dS as hi + lo, two MMAs on one B fragment, and B += W K on the same fragment.
 #pragma unroll
         for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-            u32 a[4], al[4];
+            u32 a[4], al[4], aw[4];
             if constexpr (DS_SPLIT) {
                 a[0] = pack_hi_lo<T>(dp[2 * kk][0], dp[2 * kk][1], al[0]);
                 a[1] = pack_hi_lo<T>(dp[2 * kk][2], dp[2 * kk][3], al[1]);
                 a[2] = pack_hi_lo<T>(dp[2 * kk + 1][0], dp[2 * kk + 1][1], al[2]);
                 a[3] = pack_hi_lo<T>(dp[2 * kk + 1][2], dp[2 * kk + 1][3], al[3]);
+                aw[0] = Ops::pack(pw[2 * kk][0], pw[2 * kk][1]);
+                aw[1] = Ops::pack(pw[2 * kk][2], pw[2 * kk][3]);
+                aw[2] = Ops::pack(pw[2 * kk + 1][0], pw[2 * kk + 1][1]);
+                aw[3] = Ops::pack(pw[2 * kk + 1][2], pw[2 * kk + 1][3]);
             } else {
                 a[0] = Ops::pack(dp[2 * kk][0], dp[2 * kk][1]);
                 a[1] = Ops::pack(dp[2 * kk][2], dp[2 * kk][3]);
@@ -716,17 +740,36 @@ flash_bwd_dq_kernel(const __grid_constant__ BwdParams p) {
                 if constexpr (DS_SPLIT) {
                     Ops::mma16816(acc_dq[2 * dp2], al, bk[0], bk[1]);
                     Ops::mma16816(acc_dq[2 * dp2 + 1], al, bk[2], bk[3]);
+                    Ops::mma16816(acc_b[2 * dp2], aw, bk[0], bk[1]);
+                    Ops::mma16816(acc_b[2 * dp2 + 1], aw, bk[2], bk[3]);
                 }
             }
             if (D_TILES % 2) {
                 u32 b0, b1;
                 load_b_one_k16<true>(b0, b1, sKj, PITCH, kk * 16, (D_TILES - 1) * 8, lane);
                 Ops::mma16816(acc_dq[D_TILES - 1], a, b0, b1);
-                if constexpr (DS_SPLIT) Ops::mma16816(acc_dq[D_TILES - 1], al, b0, b1);
+                if constexpr (DS_SPLIT) {
+                    Ops::mma16816(acc_dq[D_TILES - 1], al, b0, b1);
+                    Ops::mma16816(acc_b[D_TILES - 1], aw, b0, b1);
+                }
             }
         }
     }
     cp_async_wait<0>();
+
+    if constexpr (DS_SPLIT) {  // D's correction: dQ -= (sum_j P_j dP_j - D) B, per row (a quad holds a row)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            pdp[r] += __shfl_xor_sync(0xffffffffu, pdp[r], 1);
+            pdp[r] += __shfl_xor_sync(0xffffffffu, pdp[r], 2);
+            const float dd = pdp[r] - dlt[r];
+#pragma unroll
+            for (int i = 0; i < D_TILES; ++i) {
+                acc_dq[i][2 * r] = fmaf(-dd, acc_b[i][2 * r], acc_dq[i][2 * r]);
+                acc_dq[i][2 * r + 1] = fmaf(-dd, acc_b[i][2 * r + 1], acc_dq[i][2 * r + 1]);
+            }
+        }
+    }
 
     T* gdQ = static_cast<T*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride + qf.si.q_row0 * p.dq_row_stride;
     const int q_rows = FEAT ? qf.si.q_rows : sq;  // rows this block writes

@@ -45,7 +45,8 @@ Algorithm
                dS  = P * (dP - D_i)                                     float32 P, as the GPU
                dV_j += round(P)^T dO_i                                  P^T stored as 16-bit
                dK_j += round(dS)^T Q_i                                  dS^T stored as 16-bit
-               dQ_i += round2(dS) K_j                                   float32 accumulator; round2 below
+               dQ_i += round2(dS) K_j                                   float32 accumulator; round2 and
+                                                                        D's correction below
        dk_j = round(scale * dK_j), dv_j = round(dV_j)
 
 3. dq = round(scale * dQ) (``flash_bwd_convert_dq_kernel``).
@@ -57,7 +58,13 @@ dQ path), which computes the same products in the forward's partition (one query
 key blocks) and differs from step 2's dQ only in the float32 summation order. ``round2(dS)`` is
 round(dS) at head_dim 32 and above, and below (``DS_SPLIT_BELOW``, as cuda_src/flash_bwd.cu) the two
 16-bit operands round(dS) + round(dS - round(dS)) that kernel feeds to two MMAs, about twice the input
-dtype's precision; dK keeps round(dS).
+dtype's precision; dK keeps round(dS). Below head_dim 32 dQ also corrects D, which step 1 forms from
+the stored (rounded) O: per query row, with the float32 sum_j P_j dP_j over the keys it sees and
+B = sum_j round(W_j) K_j (W = P, times 1 - t^2 with a softcap)::
+
+       dQ_i -= (sum_j P_ij dP_ij - D_i) * B_i
+
+(dS with the exact D is dS - W (D* - D); a sink logit's value is 0, so it adds nothing to either sum).
 
 Features
 --------
@@ -200,6 +207,13 @@ def _dkdv_tiles(qf, dof, kf, vf, delta, lse_log2, dq_accum, dk, dv, sq, sk, feat
     # Bottom-right alignment (causal, window, ALiBi): query i is aligned with key i + diag_offset.
     diag_offset = sk - sq
 
+    # Below DS_SPLIT_BELOW, per query row: sum_j P_j dP_j (float32) and B = sum_j W_j K_j (W = P, times 1 - t^2
+    # with a softcap; rounded to the dtype), for dQ's correction of D at the end (see the module docstring).
+    split = kf.shape[-1] < DS_SPLIT_BELOW
+    if split:
+        pdp_sum = np.zeros(delta.shape, dtype=np.float32)
+        b_acc = np.zeros(dq_accum.shape, dtype=np.float32)
+
     # One "thread block" per key block of [0, sk): dK, dV accumulate over the group heads and query blocks.
     for n_start in range(0, sk, block_n):
         # The last key block may be partial; the slice simply ends at sk (the kernel masks keys >= sk instead).
@@ -247,6 +261,10 @@ def _dkdv_tiles(qf, dof, kf, vf, delta, lse_log2, dq_accum, dk, dv, sq, sk, feat
                 ds = p * (dp - delta[:, :, g, m_start:m_end, None])
                 if softcap > 0:
                     ds *= 1 - t * t
+                if split:
+                    pdp_sum[:, :, g, m_start:m_end] += (p * dp).sum(axis=-1, dtype=np.float32)
+                    w = p * (1 - t * t) if softcap > 0 else p
+                    b_acc[:, :, g, m_start:m_end] += np.matmul(w.astype(dtype).astype(np.float32), k_blk)
 
                 # P^T and dS^T go through 16-bit shared memory into the MMAs: round them to the input dtype.
                 # Below head_dim DS_SPLIT_BELOW the dQ kernel takes dS as hi + lo, two 16-bit operands (see
@@ -264,3 +282,6 @@ def _dkdv_tiles(qf, dof, kf, vf, delta, lse_log2, dq_accum, dk, dv, sq, sk, feat
         # dK, dV of this key block are written once, complete: the group sum happened in the accumulators.
         dk[:, :, n_start:n_end] = acc_dk * scale
         dv[:, :, n_start:n_end] = acc_dv
+
+    if split:  # dQ's D correction: dq -= (sum_j P_j dP_j - D) * B, per query row
+        dq_accum -= (pdp_sum - delta)[..., None] * b_acc

@@ -38,13 +38,13 @@ for dtype in (torch.bfloat16, torch.float16):
             print(f"{str(dtype)[6:]:8s} d{hd:<3d} sq{sq} off{off}: rms ratio dq {math.sqrt(se['dq'][0] / se['dq'][1]):.3f} "
                   f"dk {math.sqrt(se['dk'][0] / se['dk'][1]):.3f}  worst max-err/bound {worst:.2f}")
 
-for hd in (8, 16, 24):
-    for causal in (False, True):
+for hd in [int(x) for x in os.environ.get("TIME_HDS", "8 16 24").split()]:
+    for causal in [c == "1" for c in os.environ.get("TIME_CAUSAL", "0 1").split()]:
         b, h, s = 8, 16, 4096
         q, k, v = (torch.randn(b, s, h, hd, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         dout = torch.randn_like(q)
         out, lse = cf.attention(q, k, v, causal=causal, return_lse=True)
-        for det in (False, True):
+        for det in [d == "1" for d in os.environ.get("TIME_DET", "0 1").split()]:
             f = lambda: cf.attention_backward(dout, q, k, v, out, lse, causal=causal, deterministic=det)
             for _ in range(3): f()
             torch.cuda.synchronize()
