@@ -27,7 +27,7 @@ per thread block, and the blocks are independent). Scores are kept in log2
 units, so the softmax scale and log2(e) are folded into a single multiply and
 ``exp`` becomes ``exp2``::
 
-    m = -inf, l = 0, O = 0                               float32, per row
+    m = -inf, l = 0, lp = 0, O = 0                       float32, per row
     for each block K_j, V_j of BLOCK_N keys, up to the last block any row
     of the query block can see (later blocks are skipped entirely):
         S  = (Q_i K_j^T) * (softmax_scale * log2 e)      fp32 scores
@@ -35,18 +35,26 @@ units, so the softmax scale and log2(e) are folded into a single multiply and
         m' = max(m, rowmax(S))                           row max
         a  = exp2(m - m')                                rescale factor
         P  = exp2(S - m')
+        Pr = round_to_input_dtype(P)
         l  = a * l + rowsum(P)                           row sum (fp32 P)
-        O  = a * O + round_to_input_dtype(P) @ V_j       PV product, fp32 acc
+        lp = a * lp + rowsum(Pr)                         row sum (rounded P)
+        O  = a * O + Pr @ V_j                            PV product, fp32 acc
         m  = m'
-    O   = O / l                                          finalize
+    O   = O / lp                                         finalize
     lse = (m + log2 l) * ln 2                            natural-log lse
     out = round_to_input_dtype(O)
 
 P is rounded to the input dtype before the PV product because the kernel
-feeds it to a 16-bit tensor-core MMA; the row sum l uses the unrounded
-float32 P, as the kernel does. While a row has seen no visible key its max is
-still -inf, and ``-inf - -inf`` would be NaN, so 0 is used as the subtraction
-base for such rows (then P = 0 and a = 0, and nothing becomes NaN).
+feeds it to a 16-bit tensor-core MMA. O is divided by the sum lp of those
+rounded values, so that its weights are an exact convex combination of them:
+a rounding error of P_j then moves O by its share of (V_j - O), not of V_j,
+which matters where the scores are nearly equal
+(tests/test_near_equal_scores.py). The lse uses the sum l of the unrounded
+float32 P. The GPU kernels still divide O by l: their version of this change
+is on the branch s18-gpu-rounded-sum, waiting for a GPU run. While a row has
+seen no visible key its max is still -inf, and ``-inf - -inf`` would be NaN,
+so 0 is used as the subtraction base for such rows (then P = 0 and a = 0, and
+nothing becomes NaN).
 
 Features
 --------
@@ -80,10 +88,11 @@ right = 0)::
   (the softcap as tanh(S * (scale / c)) * (c * log2 e), all in float32).
 * Sink logits: the sink is an extra key with value 0, joined once the keys
   are done: m' = max(m, sink[h] * log2 e), O and l rescaled by exp2(m - m'),
-  l += exp2(sink[h] * log2 e - m'). It is part of l and of the lse, and a row
-  with no visible key gets out = 0 and lse = sink[h]. Joining it last keeps
-  P relative to the keys' own max, so the largest key's P is exactly 1 before
-  the rounding to the input dtype.
+  l += exp2(sink[h] * log2 e - m'), and lp likewise (the sink's weight is
+  not rounded: its value 0 takes no part in P V). It is part of l and of the
+  lse, and a row with no visible key gets out = 0 and lse = sink[h]. Joining
+  it last keeps P relative to the keys' own max, so the largest key's P is
+  exactly 1 before the rounding to the input dtype.
 * Rows i >= sq of a padded batch entry are not computed: out = 0, lse = -inf.
 """
 
@@ -290,6 +299,7 @@ def _forward_tiles(qf, kf, vf, out_acc, lse, idx, sq, sk, feat, softmax_scale, s
         # Running row max (log2 units) and row sum over the keys (a sink logit joins after the last tile).
         m_i = np.full((nb, nheads_kv, group, rows), -np.inf, dtype=np.float32)
         l_i = np.zeros((nb, nheads_kv, group, rows), dtype=np.float32)
+        lp_i = np.zeros((nb, nheads_kv, group, rows), dtype=np.float32)  # the same of P rounded (O's divisor)
         acc = np.zeros((nb, nheads_kv, group, rows, head_dim), dtype=np.float32)  # unnormalized O
 
         # Only the key tiles that can hold a key visible to a row of this block (causal / window / sinks): the
@@ -325,12 +335,13 @@ def _forward_tiles(qf, kf, vf, out_acc, lse, idx, sq, sk, feat, softmax_scale, s
             alpha = np.exp2(m_i - m_base)
             p = np.exp2(s - m_base[..., None])
 
-            # Row sum with the float32 P.
+            # Row sums: of the float32 P (for lse), and of P rounded to the input dtype (O's divisor).
+            p_rounded = p.astype(dtype).astype(np.float32)
             l_i = l_i * alpha + p.sum(axis=-1)
+            lp_i = lp_i * alpha + p_rounded.sum(axis=-1)
 
             # O = alpha * O + P @ V, with P rounded to the input dtype (as fed to the tensor-core MMA)
             # and accumulated in float32.
-            p_rounded = p.astype(dtype).astype(np.float32)
             acc *= alpha[..., None]
             acc += np.matmul(p_rounded, v_blk)
 
@@ -343,7 +354,9 @@ def _forward_tiles(qf, kf, vf, out_acc, lse, idx, sq, sk, feat, softmax_scale, s
             m_new = np.maximum(m_i, sink)
             m_base = np.where(m_new == -np.inf, np.float32(0.0), m_new)
             alpha = np.exp2(m_i - m_base)
-            l_i = l_i * alpha + np.exp2(sink - m_base)
+            p_sink = np.exp2(sink - m_base)
+            l_i = l_i * alpha + p_sink
+            lp_i = lp_i * alpha + p_sink
             acc *= alpha[..., None]
             m_i = m_new
 
@@ -351,7 +364,7 @@ def _forward_tiles(qf, kf, vf, out_acc, lse, idx, sq, sk, feat, softmax_scale, s
         # acc = 0: they keep out = 0 and lse = -inf (divide by 1 instead of 0 so no warning is raised).
         has_key = l_i > 0
         l_safe = np.where(has_key, l_i, np.float32(1.0))
-        blk_out = acc / l_safe[..., None]
+        blk_out = acc / np.where(has_key, lp_i, np.float32(1.0))[..., None]
         blk_lse = np.where(has_key, (m_i + np.log2(l_safe)) * np.float32(_LN2), -np.inf)
         if isinstance(idx, slice):
             out_acc[..., m_start:m_end, :] = blk_out

@@ -198,7 +198,8 @@ def test_rows_without_keys(dtype):
 
 
 def _single_tile_emulation(q, k, v, softmax_scale, round_p):
-    """The module's algorithm for one query tile and one key tile (non-causal), optionally without P rounding."""
+    """The module's algorithm for one query tile and one key tile (non-causal), optionally without P rounding
+    (with it, O is divided by the sum of the rounded P, as the module does; without, by the float32 sum)."""
     dtype = q.dtype
     group = q.shape[2] // k.shape[2]
     qf = q.transpose(0, 2, 1, 3).astype(np.float32)
@@ -206,10 +207,9 @@ def _single_tile_emulation(q, k, v, softmax_scale, round_p):
     vf = np.repeat(v.transpose(0, 2, 1, 3), group, axis=1).astype(np.float32)
     s = (qf @ kf.swapaxes(-1, -2)) * np.float32(softmax_scale * math.log2(math.e))
     p = np.exp2(s - s.max(axis=-1, keepdims=True))
-    l = p.sum(axis=-1, keepdims=True)
     if round_p:
         p = p.astype(dtype).astype(np.float32)
-    o = (p @ vf) / l
+    o = (p @ vf) / p.sum(axis=-1, keepdims=True)
     return o.astype(dtype).transpose(0, 2, 1, 3)
 
 
