@@ -42,6 +42,9 @@ template <> struct ElemOps<f16> {
         asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
         return f;
     }
+    // The halves of a packed register as floats (exact).
+    static __device__ __forceinline__ float lo(u32 x) { return to_float((u16)(x & 0xffffu)); }
+    static __device__ __forceinline__ float hi(u32 x) { return to_float((u16)(x >> 16)); }
     // D = A * B + D, m16n8k16, float accumulators.
     static __device__ __forceinline__ void mma16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
         asm volatile(
@@ -67,6 +70,8 @@ template <> struct ElemOps<bf16> {
         return r;
     }
     static __device__ __forceinline__ float to_float(u16 x) { return __uint_as_float(((u32)x) << 16); }
+    static __device__ __forceinline__ float lo(u32 x) { return __uint_as_float(x << 16); }
+    static __device__ __forceinline__ float hi(u32 x) { return __uint_as_float(x & 0xffff0000u); }
     static __device__ __forceinline__ void mma16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
         asm volatile(
             "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "

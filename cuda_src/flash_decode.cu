@@ -11,8 +11,9 @@
 //   k_new, v_new:   (batch, seqlen_new, nheads_kv, head_dim), appended at cache_seqlens[b] + i
 //   lse:            (batch, nheads, seqlen_q) float32, natural log (null: not wanted)
 //   o_part:         (num_splits, batch, nheads, seqlen_q, head_dim) float32: each split's output,
-//                   already divided by its own row sum; lse_part (num_splits, batch, nheads,
-//                   seqlen_q) float32 in log2 units. Only when num_splits > 1.
+//                   already divided by its own row sum (of the rounded P, softmax.cuh);
+//                   lse_part (num_splits, batch, nheads, seqlen_q) float32 in log2 units. Only
+//                   when num_splits > 1.
 // Entry b sees keys [0, L_b), L_b = min(cache_seqlens[b] + seqlen_new, capacity) (the lengths stay
 // on the device; out-of-range values are clamped, block numbers too, so a bad table or length can
 // never make a read or write out of bounds). The masks are those of mask.cuh with sq = seqlen_q,
@@ -376,7 +377,7 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
         sK = sQ + Tr::SQ_ELEMS;
         sV = sK + STAGES * Tr::SKV_ELEMS;
     }
-    __shared__ float s_m[Tr::WARPS][16], s_l[Tr::WARPS][16];
+    __shared__ float s_m[Tr::WARPS][16], s_l[Tr::WARPS][16], s_lp[Tr::WARPS][16];
     __shared__ alignas(8) unsigned long long s_full[TMA ? STAGES : 1];  // TMA: stage s's tile landed
 
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, t4 = lane % 4;
@@ -719,7 +720,7 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
     constexpr bool Q_REGS = HEAD_DIM % 16 == 0 && HEAD_DIM >= 64;
     u32 qa[Q_REGS ? HEAD_DIM / 16 : 1][4];
 
-    OnlineSoftmax<1, N_TILES> softmax;
+    OnlineSoftmax<Ops, 1, N_TILES> softmax;
     softmax.init();
     float acc_o[D_TILES][4];
 #pragma unroll
@@ -824,7 +825,8 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
             }
         }
         float alpha[1][2];
-        softmax.update(s, 1.f, alpha);
+        u32 pp[1][N_TILES][2];  // P, rounded and packed (softmax.cuh)
+        softmax.prepare(s, 1.f, alpha, pp);
         // Once the rows' maxima settle, alpha is exactly 1 (exp2(0)) and the rescale can go.
         if (__any_sync(0xffffffffu, alpha[0][0] != 1.f || alpha[0][1] != 1.f)) {
 #pragma unroll
@@ -838,10 +840,10 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
 
         // ---- O += P V: P (16 rows, 16 keys) from registers, V (16 keys, HEAD_DIM) ----
         u32 pa[4];
-        pa[0] = Ops::pack(s[0][0][0], s[0][0][1]);
-        pa[1] = Ops::pack(s[0][0][2], s[0][0][3]);
-        pa[2] = Ops::pack(s[0][1][0], s[0][1][1]);
-        pa[3] = Ops::pack(s[0][1][2], s[0][1][3]);
+        pa[0] = pp[0][0][0];
+        pa[1] = pp[0][0][1];
+        pa[2] = pp[0][1][0];
+        pa[3] = pp[0][1][1];
 #pragma unroll
         for (int dp = 0; dp < D_TILES / 2; ++dp) {
             u32 bv[4];
@@ -857,6 +859,7 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
             load_b_one_k16<true>(b0, b1, sVw, PITCH, 0, (D_TILES - 1) * 8, lane);
             Ops::mma16816(acc_o[D_TILES - 1], pa, b0, b1);
         }
+        softmax.commit(alpha, pp);  // the row sums, once the products are issued (fewer live registers)
     }
 
     // ---- merge the warps: (m, l) per row, then O in a fixed order through shared memory ----
@@ -866,10 +869,12 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
     __syncthreads();  // every warp is done with the K/V stages, which now hold the merge buffer
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        const float l = quad_sum(softmax.row_l[0][r]);
+        const float l = softmax.l_of(0, r);
+        const float lp = softmax.lp_of(0, r);
         if (t4 == 0) {
             s_m[warp][g + 8 * r] = softmax.row_m[0][r];
             s_l[warp][g + 8 * r] = l;
+            s_lp[warp][g + 8 * r] = lp;
         }
     }
     __syncthreads();
@@ -898,9 +903,13 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
 #pragma unroll
         for (int w = 0; w < Tr::WARPS; ++w) mx = fmaxf(mx, s_m[w][rr]);
         const float base = exp_base(mx);
-        float l = 0.f;
+        float l = 0.f, lp = 0.f;  // the sums of p and of p rounded (softmax.cuh: O is divided by lp)
 #pragma unroll
-        for (int w = 0; w < Tr::WARPS; ++w) l += s_l[w][rr] * fast_exp2(s_m[w][rr] - base);
+        for (int w = 0; w < Tr::WARPS; ++w) {
+            const float f = fast_exp2(s_m[w][rr] - base);
+            l += s_l[w][rr] * f;
+            lp += s_lp[w][rr] * f;
+        }
         float o[8];
 #pragma unroll
         for (int e = 0; e < 8; ++e) o[e] = 0.f;
@@ -918,9 +927,10 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
             const float m_new = fmaxf(mx, sk2);
             const float nb = exp_base(m_new);
             const float a = fast_exp2(mx - nb);
-            const float lt = l * a + fast_exp2(sk2 - nb);
+            const float ps = fast_exp2(sk2 - nb);
+            const float lt = l * a + ps;
             const bool empty = lt == 0.f;
-            const float sc = empty ? 0.f : a / lt;
+            const float sc = empty ? 0.f : a / (lp * a + ps);
             uint4 pk;
             pk.x = Ops::pack(o[0] * sc, o[1] * sc);
             pk.y = Ops::pack(o[2] * sc, o[3] * sc);
@@ -932,7 +942,7 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
                 p.lse[row_index] = empty ? -CUFLASH_INF : (m_new + fast_log2(lt)) * 0.6931471805599453f;
         } else {
             const bool empty = l == 0.f;
-            const float sc = empty ? 0.f : 1.f / l;
+            const float sc = empty ? 0.f : 1.f / lp;
             const i64 part = (i64)split * p.batch * p.nheads * p.seqlen_q + row_index;
             float4* dst = reinterpret_cast<float4*>(p.o_part + part * HEAD_DIM + col);
             dst[0] = make_float4(o[0] * sc, o[1] * sc, o[2] * sc, o[3] * sc);

@@ -6,8 +6,9 @@
 //   mask S only on tiles that cross the causal diagonal or the end of the keys
 //   online softmax: running row max / row sum, P = exp2(S * scale_log2 - m), O rescaled by alpha
 //   O += P V                  (P re-packed from the S accumulators as the A operand, no smem trip)
-// At the end O /= l, O goes out through shared memory as 16-byte stores, and lse is written
-// (unless p.lse is null: a call that wants O alone skips its allocation).
+// At the end O /= lp (the sum of the rounded P, softmax.cuh), O goes out through shared memory as
+// 16-byte stores, and lse is written (unless p.lse is null: a call that wants O alone skips its
+// allocation).
 // Nothing of size seqlen_q x seqlen_k ever reaches device memory.
 //
 // Pipeline. K and V have two shared-memory stages. At the top of iteration j the tile j copy is
@@ -122,7 +123,7 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
         for (int dt = 0; dt < D_TILES; ++dt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc_o[mt][dt][e] = 0.f;
-    OnlineSoftmax<M_TILES, N_TILES> softmax;
+    OnlineSoftmax<Ops, M_TILES, N_TILES> softmax;
     softmax.init();
 
     const int warp_row0 = warp * Tr::ROWS_PER_WARP;
@@ -199,6 +200,7 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
 
         // ---- mask, only on tiles that need it; then online softmax: s becomes p, O rescaled ----
         float alpha[M_TILES][2];
+        u32 pp[M_TILES][N_TILES][2];  // P, rounded and packed (softmax.cuh)
         if constexpr (FEAT) {
             // Tiles inside every bound, without softcap or ALiBi, take the plain kernel's path. The
             // others: scores become log2-unit logits (softcap, ALiBi), then are masked where a
@@ -238,7 +240,7 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
                             }
                     }
             }
-            softmax.update(s, sc, alpha);
+            softmax.update(s, sc, alpha, pp);
         } else {
             const bool tail = !IS_EVEN && n0 + BLOCK_N > sk;
             const bool diag = IS_CAUSAL && n0 + BLOCK_N - 1 > m0 + sk - sq;
@@ -256,7 +258,7 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
                             if (masked) s[mt][nt][e] = -CUFLASH_INF;
                         }
             }
-            softmax.update(s, p.scale_log2, alpha);
+            softmax.update(s, p.scale_log2, alpha, pp);
         }
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt)
@@ -275,10 +277,10 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
             u32 pa[M_TILES][4];  // the C fragments of n-tiles 2kk, 2kk+1 are the A fragment of keys kk*16..
 #pragma unroll
             for (int mt = 0; mt < M_TILES; ++mt) {
-                pa[mt][0] = Ops::pack(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-                pa[mt][1] = Ops::pack(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-                pa[mt][2] = Ops::pack(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-                pa[mt][3] = Ops::pack(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+                pa[mt][0] = pp[mt][2 * kk][0];
+                pa[mt][1] = pp[mt][2 * kk][1];
+                pa[mt][2] = pp[mt][2 * kk + 1][0];
+                pa[mt][3] = pp[mt][2 * kk + 1][1];
             }
 #pragma unroll
             for (int dp = 0; dp < D_TILES / 2; ++dp) {
@@ -299,7 +301,7 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
         }
     }
 
-    // ---- epilogue: O /= l, lse, and O out through this warp's rows of sQ ----
+    // ---- epilogue: O /= lp, lse, and O out through this warp's rows of sQ ----
     cp_async_wait<0>();  // with n_blocks == 0 the Q copy may still be in flight
     __syncthreads();
     float inv_l[M_TILES][2], lse[M_TILES][2];

@@ -166,7 +166,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ typename FwdSm90ParamsOf<TMA>::typ
     float acc_o[HEAD_DIM / 2];
 #pragma unroll
     for (int i = 0; i < HEAD_DIM / 2; ++i) acc_o[i] = 0.f;
-    OnlineSoftmax<1, N_TILES> softmax;
+    OnlineSoftmax<Ops, 1, N_TILES> softmax;
     softmax.init();
     u32 pa[PV_STEPS][4];  // P of the previous tile, as wgmma A fragments (one per k16 step of keys)
 #pragma unroll
@@ -224,12 +224,13 @@ flash_fwd_sm90_kernel(const __grid_constant__ typename FwdSm90ParamsOf<TMA>::typ
         }
 
         float alpha[1][2];
-        softmax.update(*reinterpret_cast<float(*)[1][N_TILES][4]>(&s), sc, alpha);
+        softmax.prepare_in_place(*reinterpret_cast<float(*)[1][N_TILES][4]>(&s), sc, alpha);
 
         wgmma_wait<0>();
         fence_regs(acc_o);
         fence_regs(pa);
         rescale_and_pack<Ops, HEAD_DIM, BLOCK_N>(acc_o, alpha, pa, s);
+        softmax.commit(alpha, *reinterpret_cast<const u32(*)[1][N_TILES][2]>(&pa));  // pa: P as packed
     }
 
     cp_async_wait<0>();
@@ -248,7 +249,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ typename FwdSm90ParamsOf<TMA>::typ
     }
     __syncthreads();  // every warpgroup is done reading sQ: O goes out through it
 
-    // ---- epilogue: O /= l, lse, O through this warp's 16 rows of sQ ----
+    // ---- epilogue: O /= lp, lse, O through this warp's 16 rows of sQ ----
     float inv_l[1][2], lse[1][2];
     if constexpr (FEAT) {
         // A sink logit joins here, after the last key tile (softmax.cuh); -inf: none.

@@ -274,7 +274,7 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
         float acc_o[HEAD_DIM / 2];
 #pragma unroll
         for (int i = 0; i < HEAD_DIM / 2; ++i) acc_o[i] = 0.f;
-        OnlineSoftmax<1, N_TILES> softmax;
+        OnlineSoftmax<Ops, 1, N_TILES> softmax;
         softmax.init();
         u32 pa[PV_STEPS][4];  // P of the previous tile, as wgmma A fragments (one per k16 step of keys)
 #pragma unroll
@@ -316,13 +316,14 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
             }
 
             float alpha[1][2];
-            softmax.update(*reinterpret_cast<float(*)[1][N_TILES][4]>(&sc_), scale, alpha);
+            softmax.prepare_in_place(*reinterpret_cast<float(*)[1][N_TILES][4]>(&sc_), scale, alpha);
 
             wgmma_wait<0>();
             fence_regs(acc_o);
             fence_regs(pa);
             if (lane == 0 && (!PERSISTENT || j > 0)) mbar_arrive(v_empty(sp));  // this warp is done with V_(j-1)
             rescale_and_pack<Ops, HEAD_DIM, BLOCK_N>(acc_o, alpha, pa, sc_);
+            softmax.commit(alpha, *reinterpret_cast<const u32(*)[1][N_TILES][2]>(&pa));  // pa: P as packed
         }
 
         if (n_blocks > 0) {
@@ -355,7 +356,7 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
         // This consumer's four warps are done reading its rows of sQ: O goes out through them.
         named_barrier_sync(1 + cw, 128);
 
-        // ---- epilogue: O /= l, lse, O through this warp's 16 rows of sQ ----
+        // ---- epilogue: O /= lp, lse, O through this warp's 16 rows of sQ ----
         float inv_l[1][2], lse[1][2];
         if constexpr (FEAT) {
             // A sink logit joins here, after the last key tile (softmax.cuh); -inf: none.

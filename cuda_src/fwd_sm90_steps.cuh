@@ -93,7 +93,7 @@ __device__ __forceinline__ void rescale_and_pack(float (&acc_o)[HEAD_DIM / 2], c
     }
 }
 
-// Epilogue, first half: O / l of this warp's 16 rows (block rows warp_row0 ..) into a SW128 tile of
+// Epilogue, first half: O / lp of this warp's 16 rows (block rows warp_row0 ..) into a SW128 tile of
 // ROWS rows at tile (the consumed Q tile; no wgmma may still read these rows).
 template <typename Ops, int HEAD_DIM, int ROWS>
 __device__ __forceinline__ void o_rows_to_smem(unsigned char* tile, const float (&acc_o)[HEAD_DIM / 2],

@@ -4,14 +4,25 @@
 // m-tile mt, row g in elements 0,1 of every n-tile and row g + 8 in elements 2,3; the 4 threads of
 // a quad (same g) together hold a whole row, so row reductions are two xor-shuffles.
 //
-// Per row we keep m (running max of scaled scores, log2 units) and l (this thread's part of the
-// running sum of exp2(s - m)). On each new tile:
+// Per row we keep m (running max of scaled scores, log2 units; in every thread of the quad) and two
+// running sums, each in one lane of the quad (OnlineSoftmax::sums). On each new tile:
 //   m_new = max(m, rowmax(s * scale_log2))
-//   p     = exp2(s * scale_log2 - m_new)
-//   alpha = exp2(m - m_new)            O and l are rescaled by alpha
+//   p     = exp2(s * scale_log2 - m_new), rounded to the element type (Ops) and packed as the P V
+//           product reads it
+//   alpha = exp2(m - m_new)            O, l and lp are rescaled by alpha
 //   l     = l * alpha + rowsum(p)
-// At the end O /= l and lse = (m + log2 l) * ln 2. softmax_scale > 0 is required by the host, so
+//   lp    = lp * alpha + rowsum(p rounded)
+// At the end O /= lp and lse = (m + log2 l) * ln 2. softmax_scale > 0 is required by the host, so
 // rowmax(s) * scale_log2 == rowmax(s * scale_log2).
+// Why two sums: O = sum_j round(p_j) v_j / sum_j round(p_j) weights the values by an exact convex
+// combination of the rounded probabilities, so a rounding error of p_j moves O by
+// round_err_j * (v_j - O) / lp, where dividing by the exact l gave round_err_j * v_j / l. The
+// difference is the weighted mean of the rounding errors times O; dropping it helps most where the
+// rounded weights err alike: nearly equal scores (the largest p is exactly 1, the others just below
+// it) or values with a common offset. The naive computation rounds the normalized P, whose values
+// land near 1/n; dividing by l, the tiled one erred up to 2.2x more than it on a few keys with a
+// tiny softcap (tests/test_fuzz_inputs.py, seed 260855508; tests/test_near_equal_scores.py). lse
+// keeps the unrounded l: it is a property of the scores alone, and the backward recomputes P from it.
 // The product s * scale_log2 is rounded (__fmul_rn, never contracted into an fma) before m is
 // subtracted, the same rounding as m's own: the row's largest score then gives exactly exp2(0) = 1
 // and every other at most 1. With an fma, the exact product minus the rounded m is the rounding
@@ -35,22 +46,28 @@ __device__ __forceinline__ float quad_sum(float x) {
 // a row uses 0 as its base: every p and alpha is then exp2(-inf) = 0, which is exactly right.
 __device__ __forceinline__ float exp_base(float m) { return m == -CUFLASH_INF ? 0.f : m; }
 
-template <int M_TILES, int N_TILES>
+template <typename Ops, int M_TILES, int N_TILES>
 struct OnlineSoftmax {
     float row_m[M_TILES][2];  // running max, log2 units
-    float row_l[M_TILES][2];  // this thread's share of the running sum
+    // The running sums, one quantity per lane of the quad: lane t = 0, 1 holds l of row g + 8t, lane
+    // t = 2, 3 holds lp of row g + 8(t - 2), each summed over the quad. So a thread keeps one sum per
+    // m-tile, not four (two rows x l and lp): the forward kernels are at their register limits.
+    float sums[M_TILES];
+    float tile_l[M_TILES][2];  // between prepare and commit: this thread's part of the tile's sums of p
 
     __device__ __forceinline__ void init() {
 #pragma unroll
-        for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-            for (int r = 0; r < 2; ++r) { row_m[mt][r] = -CUFLASH_INF; row_l[mt][r] = 0.f; }
+        for (int mt = 0; mt < M_TILES; ++mt) {
+            row_m[mt][0] = row_m[mt][1] = -CUFLASH_INF;
+            sums[mt] = 0.f;
+        }
     }
 
-    // Turns scores s into probabilities p in place and returns the factor alpha by which each row's
-    // output accumulator must be rescaled.
-    __device__ __forceinline__ void update(float (&s)[M_TILES][N_TILES][4], float scale_log2,
-                                           float (&alpha)[M_TILES][2]) {
+    // The running max and alpha of this tile, and this thread's part of its row sums of p (tile_l).
+    // p = exp2(s * scale_log2 - base) with base the row's new max (exp_base).
+    template <typename F>
+    __device__ __forceinline__ void tile_exp(const float (&s)[M_TILES][N_TILES][4], float scale_log2,
+                                             float (&alpha)[M_TILES][2], F&& emit) {
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt) {
 #pragma unroll
@@ -63,31 +80,96 @@ struct OnlineSoftmax {
                 const float base = exp_base(m_new);
                 alpha[mt][r] = fast_exp2(row_m[mt][r] - base);
                 row_m[mt][r] = m_new;
-                float sum = 0.f;
+                float sum = 0.f;  // this thread's part of the tile's row sum
 #pragma unroll
                 for (int nt = 0; nt < N_TILES; ++nt) {
-#pragma unroll
-                    for (int e = 2 * r; e < 2 * r + 2; ++e) {
-                        s[mt][nt][e] = fast_exp2(__fmul_rn(s[mt][nt][e], scale_log2) - base);
-                        sum += s[mt][nt][e];
-                    }
+                    const float p0 = fast_exp2(__fmul_rn(s[mt][nt][2 * r], scale_log2) - base);
+                    const float p1 = fast_exp2(__fmul_rn(s[mt][nt][2 * r + 1], scale_log2) - base);
+                    emit(mt, nt, r, p0, p1);
+                    sum += p0;
+                    sum += p1;
                 }
-                row_l[mt][r] = row_l[mt][r] * alpha[mt][r] + sum;
+                tile_l[mt][r] = sum;
             }
         }
     }
 
-    // Completes the row sums across the quad. Returns 1/l (0 for a row that saw no key, whose
-    // output is then exactly 0) and the natural-log logsumexp (-inf for such a row).
+    // Turns scores s into probabilities p, rounded to the element type and packed two to a register
+    // as P V's A operand reads them: pp[mt][nt][r] holds this thread's two columns of n-tile nt in
+    // row g + 8r (elements 2r, 2r + 1 of s[mt][nt]). Returns the factor alpha by which each row's
+    // output accumulator must be rescaled. (Packed, P takes half the registers that float P did.)
+    // The running sums take this tile's part in commit(alpha, pp).
+    __device__ __forceinline__ void prepare(const float (&s)[M_TILES][N_TILES][4], float scale_log2,
+                                            float (&alpha)[M_TILES][2], u32 (&pp)[M_TILES][N_TILES][2]) {
+        tile_exp(s, scale_log2, alpha, [&](int mt, int nt, int r, float p0, float p1) { pp[mt][nt][r] = Ops::pack(p0, p1); });
+    }
+
+    // The same with p left in s as float32, for the wgmma kernels: they pack P (rescale_and_pack)
+    // only once the previous P V product has retired, since ptxas serializes every wgmma (C7513)
+    // when an instruction defines registers that an in-flight wgmma reads; then commit on the packed
+    // registers.
+    __device__ __forceinline__ void prepare_in_place(float (&s)[M_TILES][N_TILES][4], float scale_log2,
+                                                     float (&alpha)[M_TILES][2]) {
+        tile_exp(s, scale_log2, alpha, [&](int mt, int nt, int r, float p0, float p1) {
+            s[mt][nt][2 * r] = p0;
+            s[mt][nt][2 * r + 1] = p1;
+        });
+    }
+
+    // Adds the tile of prepare (its packed P and alpha) to the running sums: the sums of the rounded
+    // P from pp, then a reduce-scatter over the quad (three shuffles): per row, lanes t < 2 gather
+    // l's parts and t >= 2 lp's (xor 2); then even lanes keep row g's, odd lanes row g + 8's.
+    __device__ __forceinline__ void commit(const float (&alpha)[M_TILES][2], const u32 (&pp)[M_TILES][N_TILES][2]) {
+        const int t = threadIdx.x & 3;
+        const bool want_l = t < 2, odd = t & 1;
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt) {
+            float k[2];
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                float sum_lo = 0.f, sum_hi = 0.f;
+#pragma unroll
+                for (int nt = 0; nt < N_TILES; ++nt) {
+                    sum_lo += Ops::lo(pp[mt][nt][r]);
+                    sum_hi += Ops::hi(pp[mt][nt][r]);
+                }
+                const float sum_p = sum_lo + sum_hi;
+                const float sum = tile_l[mt][r];
+                k[r] = (want_l ? sum : sum_p) + __shfl_xor_sync(0xffffffffu, want_l ? sum_p : sum, 2);
+            }
+            const float mine = (odd ? k[1] : k[0]) + __shfl_xor_sync(0xffffffffu, odd ? k[0] : k[1], 1);
+            sums[mt] = sums[mt] * (odd ? alpha[mt][1] : alpha[mt][0]) + mine;
+        }
+    }
+
+    // prepare and commit at once (the mma.sync kernels).
+    __device__ __forceinline__ void update(const float (&s)[M_TILES][N_TILES][4], float scale_log2,
+                                           float (&alpha)[M_TILES][2], u32 (&pp)[M_TILES][N_TILES][2]) {
+        prepare(s, scale_log2, alpha, pp);
+        commit(alpha, pp);
+    }
+
+    // l and lp of row g + 8r of m-tile mt, from the quad's lanes (every lane of the warp must call).
+    __device__ __forceinline__ float l_of(int mt, int r) const {
+        return __shfl_sync(0xffffffffu, sums[mt], (threadIdx.x & 28) | r);
+    }
+    __device__ __forceinline__ float lp_of(int mt, int r) const {
+        return __shfl_sync(0xffffffffu, sums[mt], (threadIdx.x & 28) | (2 + r));
+    }
+
+    // Returns 1/lp (0 for a row that saw no key, whose output is then exactly 0) and the
+    // natural-log logsumexp (-inf for such a row). A row that saw a key has lp >= 1: its largest
+    // key's p is exactly 1, and no later alpha shrinks it.
     __device__ __forceinline__ void finalize(float (&inv_l)[M_TILES][2], float (&lse)[M_TILES][2]) {
         const float LN2 = 0.6931471805599453f;
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-                const float l = quad_sum(row_l[mt][r]);
+                const float l = l_of(mt, r);
+                const float lp = lp_of(mt, r);
                 const bool empty = (l == 0.f);
-                inv_l[mt][r] = empty ? 0.f : 1.f / l;
+                inv_l[mt][r] = empty ? 0.f : 1.f / lp;
                 lse[mt][r] = empty ? -CUFLASH_INF : (row_m[mt][r] + fast_log2(l)) * LN2;
             }
     }
@@ -95,7 +177,8 @@ struct OnlineSoftmax {
     // finalize with a sink logit (log2 units; -inf: none, and then the same as finalize): a key of
     // value 0 joined after the last tile, so that P stays relative to the keys' own max and the
     // largest key's P is exactly 1 before its rounding for P V. With m' = max(m, sink):
-    //   l' = l * exp2(m - m') + exp2(sink - m'),   O' = O * exp2(m - m') / l',   lse = m' + log2 l'
+    //   l' = l * exp2(m - m') + exp2(sink - m'),   lse = m' + log2 l',
+    //   O' = O * exp2(m - m') / (lp * exp2(m - m') + exp2(sink - m'))  (the sink's weight unrounded)
     // (no term exceeds 1, so nothing overflows whatever the sink). A row with no visible key and a
     // finite sink gets O = 0 and lse = sink; with no sink either, O = 0 and lse = -inf.
     __device__ __forceinline__ void finalize(float (&inv_l)[M_TILES][2], float (&lse)[M_TILES][2],
@@ -109,9 +192,11 @@ struct OnlineSoftmax {
                 const float m_new = fmaxf(m, sink_log2);
                 const float base = exp_base(m_new);
                 const float alpha = fast_exp2(m - base);
-                const float l = quad_sum(row_l[mt][r]) * alpha + fast_exp2(sink_log2 - base);
+                const float ps = fast_exp2(sink_log2 - base);
+                const float l = l_of(mt, r) * alpha + ps;
+                const float lp = lp_of(mt, r) * alpha + ps;
                 const bool empty = (l == 0.f);
-                inv_l[mt][r] = empty ? 0.f : alpha / l;
+                inv_l[mt][r] = empty ? 0.f : alpha / lp;
                 lse[mt][r] = empty ? -CUFLASH_INF : (m_new + fast_log2(l)) * LN2;
             }
     }

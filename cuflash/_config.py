@@ -631,8 +631,8 @@ def decode_smem_bytes(head_dim: int, stages: int, warps: int = 4, tma: bool = Fa
 
 def decode_static_smem_bytes(stages: int, warps: int, tma: bool = False) -> int:
     """The decode kernel's static shared memory, rounded up: the offset tables s_off (stages x 2 x
-    16 * warps int64; one stage's with TMA), the warps' (m, l), the TMA barriers and a flag."""
-    return (1 if tma else stages) * 2 * 16 * warps * 8 + 2 * warps * 16 * 4 + 8 * stages + 64
+    16 * warps int64; one stage's with TMA), the warps' (m, l, lp), the TMA barriers and a flag."""
+    return (1 if tma else stages) * 2 * 16 * warps * 8 + 3 * warps * 16 * 4 + 8 * stages + 64
 
 
 # Head dims of the TMA decode kernel (sm_90a): whole 64-column panels, Q in registers.

@@ -4,13 +4,11 @@ With scores that differ by ~1e-3 (a tiny softcap, or tiny queries), the naive co
 probabilities land next to 1/n, which for n = 2, 4, 8 rounds almost exactly; the tiled algorithm's unnormalized
 ones sit just below 1 (the row's largest is exactly 1). Dividing O by the exact sum of the float32 P then exceeded
 2x the naive's error in 9 of 810 bfloat16 draws of this size, worst 2.53x (the CPU fuzzer's seed 260855508: 2.23x).
-The NumPy forward (cuflash/_cpu.py) now divides by the sum of the rounded P; 30 draws per setting measured its
-ratio below 1.3. The GPU kernels still divide by the float32 sum: their version of the change is written and
-compile-gated on the branch s18-gpu-rounded-sum, with this file's GPU twin, and waits for a GPU run (session 18
-had no device time left).
+The forward now divides by the sum of the rounded P (cuda_src/softmax.cuh, cuflash/_cpu.py); 30 draws per
+setting measured the NumPy forward's ratio below 1.3.
 
 Each test makes DRAWS independent calls of the fuzzer's size (16 x 2 query rows, 4 heads over 2 kv heads, head_dim
-16), fresh inputs per draw, and applies the forward criterion to each (max error <= 2x the naive's + 1e-5).
+16 and up), fresh inputs per draw, and applies the forward criterion to each (max error <= 2x the naive's + 1e-5).
 The first failing draw is reported with its seed (replay: CUFLASH_TEST_SEED=<seed>).
 """
 
@@ -61,3 +59,46 @@ def test_near_equal_scores_numpy(dtype, seqlen_k, mode):
         q, k, v, opts = _draw(rng, dtype, seqlen_k, mode)
         out, _ = attention_forward_numpy(q, k, v, False, 1.0 / math.sqrt(q.shape[-1]), 64, 64, **opts)
         _check(out, q, k, v, opts, f"seed={seed} draw {i} ({dtype}, seqlen_k={seqlen_k}, {mode})")
+
+
+# ---- the GPU kernels: the mma.sync forward (head_dim 16), the wgmma / warp-specialized ones on sm_90 (64, 128), plain
+# and with a softcap (the feature kernels); and the decode kernel (attention_with_kvcache, cache lengths 2-8). ----
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+@pytest.mark.parametrize("mode", ["softcap", "tiny_q"])
+@pytest.mark.parametrize("seqlen_k", [2, 4, 8])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_near_equal_scores_gpu(dtype, seqlen_k, mode, head_dim):
+    from test_gpu_features import _dev, _host, _import_cuflash, poison
+
+    cf = _import_cuflash()
+    seed = _new_seed()
+    rng = np.random.default_rng(seed)
+    poison()
+    for i in range(DRAWS // 2):
+        q, k, v, opts = _draw(rng, dtype, seqlen_k, mode, head_dim=head_dim)
+        out = _host(cf.attention(_dev(q), _dev(k), _dev(v), **opts))
+        _check(out, q, k, v, opts, f"seed={seed} draw {i} ({dtype}, seqlen_k={seqlen_k}, {mode}, d{head_dim})")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_near_equal_scores_decode_gpu(dtype):
+    from test_gpu_features import _dev, _host, _import_cuflash, poison
+
+    cf = _import_cuflash()
+    seed = _new_seed()
+    rng = np.random.default_rng(seed)
+    poison()
+    for i in range(DRAWS // 2):
+        seqlen_k = int(rng.choice([2, 4, 8]))
+        q, k, v, _ = _draw(rng, dtype, seqlen_k, "tiny_q", head_dim=64, seqlen_q=1)
+        # A cache of capacity 16 holding seqlen_k keys per entry (the rest random, never read).
+        kc = rng.standard_normal((16, 16, 2, 64)).astype(dtype)
+        vc = rng.standard_normal((16, 16, 2, 64)).astype(dtype)
+        kc[:, :seqlen_k], vc[:, :seqlen_k] = k, v
+        lens = np.full(16, seqlen_k, dtype=np.int32)
+        out = _host(cf.attention_with_kvcache(_dev(q), _dev(kc), _dev(vc), cache_seqlens=_dev(lens)))
+        _check(out, q, k, v, {}, f"seed={seed} draw {i} ({dtype}, decode, seqlen_k={seqlen_k})")
