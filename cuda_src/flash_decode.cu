@@ -859,7 +859,7 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
             load_b_one_k16<true>(b0, b1, sVw, PITCH, 0, (D_TILES - 1) * 8, lane);
             Ops::mma16816(acc_o[D_TILES - 1], pa, b0, b1);
         }
-        softmax.commit(alpha, pp);  // the row sums, once the products are issued (fewer live registers)
+        softmax.add_rounded(pp);  // with P V issued
     }
 
     // ---- merge the warps: (m, l) per row, then O in a fixed order through shared memory ----

@@ -123,7 +123,7 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
         for (int dt = 0; dt < D_TILES; ++dt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc_o[mt][dt][e] = 0.f;
-    OnlineSoftmax<Ops, M_TILES, N_TILES> softmax;
+    OnlineSoftmax<Ops, M_TILES, N_TILES, true> softmax;
     softmax.init();
 
     const int warp_row0 = warp * Tr::ROWS_PER_WARP;
@@ -240,7 +240,7 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
                             }
                     }
             }
-            softmax.update(s, sc, alpha, pp);
+            softmax.prepare(s, sc, alpha, pp);
         } else {
             const bool tail = !IS_EVEN && n0 + BLOCK_N > sk;
             const bool diag = IS_CAUSAL && n0 + BLOCK_N - 1 > m0 + sk - sq;
@@ -258,7 +258,7 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
                             if (masked) s[mt][nt][e] = -CUFLASH_INF;
                         }
             }
-            softmax.update(s, p.scale_log2, alpha, pp);
+            softmax.prepare(s, p.scale_log2, alpha, pp);
         }
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt)
@@ -299,6 +299,7 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
                 for (int mt = 0; mt < M_TILES; ++mt) Ops::mma16816(acc_o[mt][D_TILES - 1], pa[mt], b0, b1);
             }
         }
+        softmax.commit(alpha, pp);  // with P V issued
     }
 
     // ---- epilogue: O /= lp, lse, and O out through this warp's rows of sQ ----

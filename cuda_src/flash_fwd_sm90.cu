@@ -210,6 +210,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ typename FwdSm90ParamsOf<TMA>::typ
         // At j == 0 there is no previous tile: P is all zeros (pa was zeroed), the product adds 0.
         wgmma_rs_mnmajor<T, HEAD_DIM, PV_STEPS, BLOCK_N>(acc_o, pa, sVp);
         wgmma_commit();
+        softmax.add_rounded(*reinterpret_cast<const u32(*)[1][N_TILES][2]>(&pa));  // P_(j-1), as the product reads it
         wgmma_wait<1>();
         fence_regs(s);
 
@@ -230,7 +231,6 @@ flash_fwd_sm90_kernel(const __grid_constant__ typename FwdSm90ParamsOf<TMA>::typ
         fence_regs(acc_o);
         fence_regs(pa);
         rescale_and_pack<Ops, HEAD_DIM, BLOCK_N>(acc_o, alpha, pa, s);
-        softmax.commit(alpha, *reinterpret_cast<const u32(*)[1][N_TILES][2]>(&pa));  // pa: P as packed
     }
 
     cp_async_wait<0>();
@@ -244,6 +244,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ typename FwdSm90ParamsOf<TMA>::typ
         wgmma_fence();
         wgmma_rs_mnmajor<T, HEAD_DIM, PV_STEPS, BLOCK_N>(acc_o, pa, sVp);
         wgmma_commit();
+        softmax.add_rounded(*reinterpret_cast<const u32(*)[1][N_TILES][2]>(&pa));
         wgmma_wait<0>();
         fence_regs(acc_o);
     }

@@ -302,6 +302,7 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
             if (!PERSISTENT || j > 0) wgmma_rs_mnmajor<T, HEAD_DIM, PV_STEPS, BLOCK_N>(acc_o, pa, sV + sp * Tr::SKV_BYTES);
             wgmma_commit();
             if constexpr (PINGPONG) named_barrier_arrive(PP_BAR + 1 - cw, 256);  // the other's turn
+            softmax.add_rounded(*reinterpret_cast<const u32(*)[1][N_TILES][2]>(&pa));  // P_(j-1), as the product reads it
             wgmma_wait<1>();
             fence_regs(sc_);
             if (lane == 0) mbar_arrive(k_empty(s));  // this warp is done with K_j
@@ -323,7 +324,6 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
             fence_regs(pa);
             if (lane == 0 && (!PERSISTENT || j > 0)) mbar_arrive(v_empty(sp));  // this warp is done with V_(j-1)
             rescale_and_pack<Ops, HEAD_DIM, BLOCK_N>(acc_o, alpha, pa, sc_);
-            softmax.commit(alpha, *reinterpret_cast<const u32(*)[1][N_TILES][2]>(&pa));  // pa: P as packed
         }
 
         if (n_blocks > 0) {
@@ -349,6 +349,7 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
             if constexpr (PINGPONG) {
                 if (cw == 0) named_barrier_arrive(PP_BAR + 1, 256);
             }
+            softmax.add_rounded(*reinterpret_cast<const u32(*)[1][N_TILES][2]>(&pa));
             wgmma_wait<0>();
             fence_regs(acc_o);
             if (PERSISTENT && lane == 0) mbar_arrive(v_empty(sp));  // the stage's next fill may come

@@ -4,8 +4,9 @@
 // m-tile mt, row g in elements 0,1 of every n-tile and row g + 8 in elements 2,3; the 4 threads of
 // a quad (same g) together hold a whole row, so row reductions are two xor-shuffles.
 //
-// Per row we keep m (running max of scaled scores, log2 units; in every thread of the quad) and two
-// running sums, each in one lane of the quad (OnlineSoftmax::sums). On each new tile:
+// Per row we keep m (running max of scaled scores, log2 units; in every thread of the quad), and
+// this thread's shares of l (the running sum of p) and lp (the running sum of p as rounded to the
+// element type for P V). On each new tile:
 //   m_new = max(m, rowmax(s * scale_log2))
 //   p     = exp2(s * scale_log2 - m_new), rounded to the element type (Ops) and packed as the P V
 //           product reads it
@@ -46,24 +47,32 @@ __device__ __forceinline__ float quad_sum(float x) {
 // a row uses 0 as its base: every p and alpha is then exp2(-inf) = 0, which is exactly right.
 __device__ __forceinline__ float exp_base(float m) { return m == -CUFLASH_INF ? 0.f : m; }
 
-template <typename Ops, int M_TILES, int N_TILES>
+// Where the sums live (COMPACT). false (the wgmma and decode kernels): this thread's shares of l
+// and lp of both rows, 4 registers per m-tile; lp takes each tile in add_rounded. true (the
+// mma.sync forward, whose 32-row warps have no 2 registers per m-tile to spare: ptxas spilled): one
+// register per m-tile, lanes t = 0, 1 of the quad hold l of row g + 8t and lanes 2, 3 lp of row
+// g + 8(t - 2), each summed over the quad; each tile goes in by commit (a reduce-scatter, 3 shuffles).
+template <typename Ops, int M_TILES, int N_TILES, bool COMPACT = false>
 struct OnlineSoftmax {
-    float row_m[M_TILES][2];  // running max, log2 units
-    // The running sums, one quantity per lane of the quad: lane t = 0, 1 holds l of row g + 8t, lane
-    // t = 2, 3 holds lp of row g + 8(t - 2), each summed over the quad. So a thread keeps one sum per
-    // m-tile, not four (two rows x l and lp): the forward kernels are at their register limits.
-    float sums[M_TILES];
-    float tile_l[M_TILES][2];  // between prepare and commit: this thread's part of the tile's sums of p
+    float row_m[M_TILES][2];   // running max, log2 units
+    float row_l[M_TILES][2];   // !COMPACT: this thread's share of the running sum of p
+    float row_lp[M_TILES][2];  // !COMPACT: this thread's share of the running sum of p as rounded
+    float sums[M_TILES];       // COMPACT: l or lp of one row, as above
+    float tile_l[M_TILES][2];  // COMPACT, from prepare to commit: this thread's share of the tile's l
 
     __device__ __forceinline__ void init() {
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt) {
-            row_m[mt][0] = row_m[mt][1] = -CUFLASH_INF;
             sums[mt] = 0.f;
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                row_m[mt][r] = -CUFLASH_INF;
+                row_l[mt][r] = row_lp[mt][r] = 0.f;
+            }
         }
     }
 
-    // The running max and alpha of this tile, and this thread's part of its row sums of p (tile_l).
+    // The running max and alpha of this tile, l (and lp rescaled by alpha); emit gets each pair of p.
     // p = exp2(s * scale_log2 - base) with base the row's new max (exp_base).
     template <typename F>
     __device__ __forceinline__ void tile_exp(const float (&s)[M_TILES][N_TILES][4], float scale_log2,
@@ -89,7 +98,12 @@ struct OnlineSoftmax {
                     sum += p0;
                     sum += p1;
                 }
-                tile_l[mt][r] = sum;
+                if constexpr (COMPACT) {
+                    tile_l[mt][r] = sum;
+                } else {
+                    row_l[mt][r] = row_l[mt][r] * alpha[mt][r] + sum;
+                    row_lp[mt][r] *= alpha[mt][r];
+                }
             }
         }
     }
@@ -98,7 +112,7 @@ struct OnlineSoftmax {
     // as P V's A operand reads them: pp[mt][nt][r] holds this thread's two columns of n-tile nt in
     // row g + 8r (elements 2r, 2r + 1 of s[mt][nt]). Returns the factor alpha by which each row's
     // output accumulator must be rescaled. (Packed, P takes half the registers that float P did.)
-    // The running sums take this tile's part in commit(alpha, pp).
+    // lp takes the tile in add_rounded(pp) (COMPACT: l and lp, in commit(alpha, pp)).
     __device__ __forceinline__ void prepare(const float (&s)[M_TILES][N_TILES][4], float scale_log2,
                                             float (&alpha)[M_TILES][2], u32 (&pp)[M_TILES][N_TILES][2]) {
         tile_exp(s, scale_log2, alpha, [&](int mt, int nt, int r, float p0, float p1) { pp[mt][nt][r] = Ops::pack(p0, p1); });
@@ -106,8 +120,7 @@ struct OnlineSoftmax {
 
     // The same with p left in s as float32, for the wgmma kernels: they pack P (rescale_and_pack)
     // only once the previous P V product has retired, since ptxas serializes every wgmma (C7513)
-    // when an instruction defines registers that an in-flight wgmma reads; then commit on the packed
-    // registers.
+    // when an instruction defines registers that an in-flight wgmma reads.
     __device__ __forceinline__ void prepare_in_place(float (&s)[M_TILES][N_TILES][4], float scale_log2,
                                                      float (&alpha)[M_TILES][2]) {
         tile_exp(s, scale_log2, alpha, [&](int mt, int nt, int r, float p0, float p1) {
@@ -116,10 +129,36 @@ struct OnlineSoftmax {
         });
     }
 
-    // Adds the tile of prepare (its packed P and alpha) to the running sums: the sums of the rounded
-    // P from pp, then a reduce-scatter over the quad (three shuffles): per row, lanes t < 2 gather
-    // l's parts and t >= 2 lp's (xor 2); then even lanes keep row g's, odd lanes row g + 8's.
+    // The sum of the rounded P of row g + 8r in this thread's registers of pp (two conversions and two
+    // adds per register).
+    static __device__ __forceinline__ float rounded_sum(const u32 (&pp)[N_TILES][2], int r) {
+        float lo = 0.f, hi = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < N_TILES; ++nt) {
+            lo += Ops::lo(pp[nt][r]);
+            hi += Ops::hi(pp[nt][r]);
+        }
+        return lo + hi;
+    }
+
+    // !COMPACT: adds the tile of prepare, P as packed (pp), to lp. Call it once the tile's P V product
+    // is issued (the wgmma kernels: in the next iteration, after their P V wgmma): the adds then
+    // overlap the tensor cores' work instead of delaying it. Summed in the softmax step, or on the
+    // tensor cores as P times a column of ones, the same sum cost the forward 4.6 to 6 % of its speed
+    // on an H100 (bench/NOTES.md, session 19).
+    __device__ __forceinline__ void add_rounded(const u32 (&pp)[M_TILES][N_TILES][2]) {
+        static_assert(!COMPACT, "COMPACT: commit");
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) row_lp[mt][r] += rounded_sum(pp[mt], r);
+    }
+
+    // COMPACT: adds the tile of prepare (its packed P and alpha) to the sums: per row, lanes t < 2
+    // gather l's parts and t >= 2 lp's (xor 2); then even lanes keep row g's, odd lanes row g + 8's.
+    // Call it once the tile's P V product is issued.
     __device__ __forceinline__ void commit(const float (&alpha)[M_TILES][2], const u32 (&pp)[M_TILES][N_TILES][2]) {
+        static_assert(COMPACT, "!COMPACT: add_rounded");
         const int t = threadIdx.x & 3;
         const bool want_l = t < 2, odd = t & 1;
 #pragma unroll
@@ -127,14 +166,7 @@ struct OnlineSoftmax {
             float k[2];
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-                float sum_lo = 0.f, sum_hi = 0.f;
-#pragma unroll
-                for (int nt = 0; nt < N_TILES; ++nt) {
-                    sum_lo += Ops::lo(pp[mt][nt][r]);
-                    sum_hi += Ops::hi(pp[mt][nt][r]);
-                }
-                const float sum_p = sum_lo + sum_hi;
-                const float sum = tile_l[mt][r];
+                const float sum_p = rounded_sum(pp[mt], r), sum = tile_l[mt][r];
                 k[r] = (want_l ? sum : sum_p) + __shfl_xor_sync(0xffffffffu, want_l ? sum_p : sum, 2);
             }
             const float mine = (odd ? k[1] : k[0]) + __shfl_xor_sync(0xffffffffu, odd ? k[0] : k[1], 1);
@@ -142,19 +174,14 @@ struct OnlineSoftmax {
         }
     }
 
-    // prepare and commit at once (the mma.sync kernels).
-    __device__ __forceinline__ void update(const float (&s)[M_TILES][N_TILES][4], float scale_log2,
-                                           float (&alpha)[M_TILES][2], u32 (&pp)[M_TILES][N_TILES][2]) {
-        prepare(s, scale_log2, alpha, pp);
-        commit(alpha, pp);
-    }
-
-    // l and lp of row g + 8r of m-tile mt, from the quad's lanes (every lane of the warp must call).
+    // l and lp of row g + 8r of m-tile mt (every lane of the warp must call).
     __device__ __forceinline__ float l_of(int mt, int r) const {
-        return __shfl_sync(0xffffffffu, sums[mt], (threadIdx.x & 28) | r);
+        if constexpr (COMPACT) return __shfl_sync(0xffffffffu, sums[mt], (threadIdx.x & 28) | r);
+        else return quad_sum(row_l[mt][r]);
     }
     __device__ __forceinline__ float lp_of(int mt, int r) const {
-        return __shfl_sync(0xffffffffu, sums[mt], (threadIdx.x & 28) | (2 + r));
+        if constexpr (COMPACT) return __shfl_sync(0xffffffffu, sums[mt], (threadIdx.x & 28) | (2 + r));
+        else return quad_sum(row_lp[mt][r]);
     }
 
     // Returns 1/lp (0 for a row that saw no key, whose output is then exactly 0) and the

@@ -50,8 +50,7 @@ rounded values, so that its weights are an exact convex combination of them:
 a rounding error of P_j then moves O by its share of (V_j - O), not of V_j,
 which matters where the scores are nearly equal
 (tests/test_near_equal_scores.py). The lse uses the sum l of the unrounded
-float32 P. The GPU kernels still divide O by l: their version of this change
-is on the branch s18-gpu-rounded-sum, waiting for a GPU run. While a row has
+float32 P. The GPU kernels do the same (cuda_src/softmax.cuh). While a row has
 seen no visible key its max is still -inf, and ``-inf - -inf`` would be NaN,
 so 0 is used as the subtraction base for such rows (then P = 0 and a = 0, and
 nothing becomes NaN).

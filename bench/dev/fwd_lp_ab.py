@@ -34,6 +34,8 @@ def ref(q, k, v, softcap=0.0):
 
 def naive(q, k, v, softcap=0.0):
     qf, kf, vf = (x.float().transpose(1, 2) for x in (q, k, v))
+    g = qf.shape[1] // kf.shape[1]
+    kf, vf = kf.repeat_interleave(g, 1), vf.repeat_interleave(g, 1)
     s = (qf @ kf.transpose(-1, -2) / math.sqrt(q.shape[-1])).to(q.dtype).float()
     if softcap:
         s = (softcap * torch.tanh(s / softcap)).to(q.dtype).float()
