@@ -45,6 +45,7 @@ template <> struct ElemOps<f16> {
     // The halves of a packed register as floats (exact).
     static __device__ __forceinline__ float lo(u32 x) { return to_float((u16)(x & 0xffffu)); }
     static __device__ __forceinline__ float hi(u32 x) { return to_float((u16)(x >> 16)); }
+    static constexpr u32 ONES2 = 0x3c003c00u;  // two halves of 1.0
     // D = A * B + D, m16n8k16, float accumulators.
     static __device__ __forceinline__ void mma16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
         asm volatile(
@@ -72,6 +73,7 @@ template <> struct ElemOps<bf16> {
     static __device__ __forceinline__ float to_float(u16 x) { return __uint_as_float(((u32)x) << 16); }
     static __device__ __forceinline__ float lo(u32 x) { return __uint_as_float(x << 16); }
     static __device__ __forceinline__ float hi(u32 x) { return __uint_as_float(x & 0xffff0000u); }
+    static constexpr u32 ONES2 = 0x3f803f80u;  // two bfloat16 of 1.0
     static __device__ __forceinline__ void mma16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
         asm volatile(
             "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "

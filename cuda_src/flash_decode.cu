@@ -720,7 +720,7 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
     constexpr bool Q_REGS = HEAD_DIM % 16 == 0 && HEAD_DIM >= 64;
     u32 qa[Q_REGS ? HEAD_DIM / 16 : 1][4];
 
-    OnlineSoftmax<Ops, 1, N_TILES> softmax;
+    OnlineSoftmax<Ops, 1, N_TILES, LP_QUAD> softmax;
     softmax.init();
     float acc_o[D_TILES][4];
 #pragma unroll
@@ -859,7 +859,7 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
             load_b_one_k16<true>(b0, b1, sVw, PITCH, 0, (D_TILES - 1) * 8, lane);
             Ops::mma16816(acc_o[D_TILES - 1], pa, b0, b1);
         }
-        softmax.add_rounded(pp);  // with P V issued
+        softmax.commit(alpha, pp);  // with P V issued
     }
 
     // ---- merge the warps: (m, l) per row, then O in a fixed order through shared memory ----

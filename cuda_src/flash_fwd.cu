@@ -123,7 +123,7 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
         for (int dt = 0; dt < D_TILES; ++dt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc_o[mt][dt][e] = 0.f;
-    OnlineSoftmax<Ops, M_TILES, N_TILES, true> softmax;
+    OnlineSoftmax<Ops, M_TILES, N_TILES, LP_QUAD> softmax;
     softmax.init();
 
     const int warp_row0 = warp * Tr::ROWS_PER_WARP;

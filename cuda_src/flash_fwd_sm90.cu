@@ -90,6 +90,9 @@ flash_fwd_sm90_kernel(const __grid_constant__ typename FwdSm90ParamsOf<TMA>::typ
     constexpr int PV_STEPS = BLOCK_N / 16;
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
+    constexpr int LP = fwd_sm90_lp<HEAD_DIM>();  // where the sum of the rounded P comes from
+    __shared__ __align__(128) unsigned char s_ones_raw[LP == LP_TENSOR ? ONES_BYTES : 16];  // B of P x ones (lp)
+    const u32 s_ones = smem_addr(s_ones_raw);
     unsigned char* sQ_ptr;
     const u32 sQ = smem_aligned_1024(smem_raw, sQ_ptr);
     const u32 sK = sQ + Tr::SQ_BYTES;
@@ -166,7 +169,12 @@ flash_fwd_sm90_kernel(const __grid_constant__ typename FwdSm90ParamsOf<TMA>::typ
     float acc_o[HEAD_DIM / 2];
 #pragma unroll
     for (int i = 0; i < HEAD_DIM / 2; ++i) acc_o[i] = 0.f;
-    OnlineSoftmax<Ops, 1, N_TILES> softmax;
+    float acc_lp[4] = {0.f, 0.f, 0.f, 0.f};  // LP_TENSOR: P x ones, lp of rows g, g + 8 (softmax.cuh)
+    OnlineSoftmax<Ops, 1, N_TILES, LP> softmax;
+    if constexpr (LP == LP_TENSOR) {
+        fill_ones<T>(s_ones, tid, THREADS);
+        fence_proxy_async();  // before the loop's first barrier, which precedes every wgmma
+    }
     softmax.init();
     u32 pa[PV_STEPS][4];  // P of the previous tile, as wgmma A fragments (one per k16 step of keys)
 #pragma unroll
@@ -209,8 +217,9 @@ flash_fwd_sm90_kernel(const __grid_constant__ typename FwdSm90ParamsOf<TMA>::typ
         wgmma_commit();
         // At j == 0 there is no previous tile: P is all zeros (pa was zeroed), the product adds 0.
         wgmma_rs_mnmajor<T, HEAD_DIM, PV_STEPS, BLOCK_N>(acc_o, pa, sVp);
+        if constexpr (LP == LP_TENSOR) wgmma_rs_rowsum<T, PV_STEPS>(acc_lp, pa, s_ones);
         wgmma_commit();
-        softmax.add_rounded(*reinterpret_cast<const u32(*)[1][N_TILES][2]>(&pa));  // P_(j-1), as the product reads it
+        if constexpr (LP == LP_THREAD) softmax.add_rounded(*reinterpret_cast<const u32(*)[1][N_TILES][2]>(&pa));  // P_(j-1), as the product reads it
         wgmma_wait<1>();
         fence_regs(s);
 
@@ -229,8 +238,10 @@ flash_fwd_sm90_kernel(const __grid_constant__ typename FwdSm90ParamsOf<TMA>::typ
 
         wgmma_wait<0>();
         fence_regs(acc_o);
+        if constexpr (LP == LP_TENSOR) fence_regs(acc_lp);
         fence_regs(pa);
         rescale_and_pack<Ops, HEAD_DIM, BLOCK_N>(acc_o, alpha, pa, s);
+        if constexpr (LP == LP_TENSOR) rescale_lp(acc_lp, alpha);
     }
 
     cp_async_wait<0>();
@@ -243,15 +254,18 @@ flash_fwd_sm90_kernel(const __grid_constant__ typename FwdSm90ParamsOf<TMA>::typ
         const u32 sVp = sV + ((n_blocks - 1) % 2) * Tr::SKV_BYTES;
         wgmma_fence();
         wgmma_rs_mnmajor<T, HEAD_DIM, PV_STEPS, BLOCK_N>(acc_o, pa, sVp);
+        if constexpr (LP == LP_TENSOR) wgmma_rs_rowsum<T, PV_STEPS>(acc_lp, pa, s_ones);
         wgmma_commit();
-        softmax.add_rounded(*reinterpret_cast<const u32(*)[1][N_TILES][2]>(&pa));
+        if constexpr (LP == LP_THREAD) softmax.add_rounded(*reinterpret_cast<const u32(*)[1][N_TILES][2]>(&pa));
         wgmma_wait<0>();
         fence_regs(acc_o);
+        if constexpr (LP == LP_TENSOR) fence_regs(acc_lp);
     }
     __syncthreads();  // every warpgroup is done reading sQ: O goes out through it
 
     // ---- epilogue: O /= lp, lse, O through this warp's 16 rows of sQ ----
     float inv_l[1][2], lse[1][2];
+    if constexpr (LP == LP_TENSOR) softmax.take_lp(acc_lp);
     if constexpr (FEAT) {
         // A sink logit joins here, after the last key tile (softmax.cuh); -inf: none.
         const float* sink = p.mask.sink_logits;

@@ -127,6 +127,9 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
     constexpr int PV_STEPS = BLOCK_N / 16;
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
+    constexpr int LP = fwd_sm90_lp<HEAD_DIM>();  // where the sum of the rounded P comes from
+    __shared__ __align__(128) unsigned char s_ones_raw[LP == LP_TENSOR ? ONES_BYTES : 16];  // B of P x ones (lp)
+    const u32 s_ones = smem_addr(s_ones_raw);
     unsigned char* sQ_ptr;
     const u32 sQ = smem_aligned_1024(smem_raw, sQ_ptr);
     constexpr int QB = Tr::QBUF;
@@ -204,7 +207,11 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
                          "r"(0u) : "memory");
         fence_proxy_async();
     }
-    __syncthreads();  // barriers initialized, V_(-1) zeroed: the warpgroups go their ways
+    if constexpr (LP == LP_TENSOR) {
+        fill_ones<T>(s_ones, tid, Tr::THREADS);
+        fence_proxy_async();
+    }
+    __syncthreads();  // barriers initialized, V_(-1) zeroed, the ones written: the warpgroups go their ways
 
     const int wg = warpgroup_index();
     if (wg == 0) {
@@ -274,7 +281,8 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
         float acc_o[HEAD_DIM / 2];
 #pragma unroll
         for (int i = 0; i < HEAD_DIM / 2; ++i) acc_o[i] = 0.f;
-        OnlineSoftmax<Ops, 1, N_TILES> softmax;
+        float acc_lp[4] = {0.f, 0.f, 0.f, 0.f};  // LP_TENSOR: P x ones, lp of rows g, g + 8 (softmax.cuh)
+        OnlineSoftmax<Ops, 1, N_TILES, LP> softmax;
         softmax.init();
         u32 pa[PV_STEPS][4];  // P of the previous tile, as wgmma A fragments (one per k16 step of keys)
 #pragma unroll
@@ -299,10 +307,13 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
             wgmma_commit();
             // At j == 0 P is all zeros (pa was zeroed) and the tile holds zeros: the product adds 0
             // (PERSISTENT: no product at j == 0).
-            if (!PERSISTENT || j > 0) wgmma_rs_mnmajor<T, HEAD_DIM, PV_STEPS, BLOCK_N>(acc_o, pa, sV + sp * Tr::SKV_BYTES);
+            if (!PERSISTENT || j > 0) {
+                wgmma_rs_mnmajor<T, HEAD_DIM, PV_STEPS, BLOCK_N>(acc_o, pa, sV + sp * Tr::SKV_BYTES);
+                if constexpr (LP == LP_TENSOR) wgmma_rs_rowsum<T, PV_STEPS>(acc_lp, pa, s_ones);
+            }
             wgmma_commit();
             if constexpr (PINGPONG) named_barrier_arrive(PP_BAR + 1 - cw, 256);  // the other's turn
-            softmax.add_rounded(*reinterpret_cast<const u32(*)[1][N_TILES][2]>(&pa));  // P_(j-1), as the product reads it
+            if constexpr (LP == LP_THREAD) softmax.add_rounded(*reinterpret_cast<const u32(*)[1][N_TILES][2]>(&pa));  // P_(j-1), as the product reads it
             wgmma_wait<1>();
             fence_regs(sc_);
             if (lane == 0) mbar_arrive(k_empty(s));  // this warp is done with K_j
@@ -321,9 +332,11 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
 
             wgmma_wait<0>();
             fence_regs(acc_o);
+            if constexpr (LP == LP_TENSOR) fence_regs(acc_lp);
             fence_regs(pa);
             if (lane == 0 && (!PERSISTENT || j > 0)) mbar_arrive(v_empty(sp));  // this warp is done with V_(j-1)
             rescale_and_pack<Ops, HEAD_DIM, BLOCK_N>(acc_o, alpha, pa, sc_);
+            if constexpr (LP == LP_TENSOR) rescale_lp(acc_lp, alpha);
         }
 
         if (n_blocks > 0) {
@@ -344,14 +357,16 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
             if constexpr (PINGPONG) named_barrier_sync(PP_BAR + cw, 256);
             wgmma_fence();
             wgmma_rs_mnmajor<T, HEAD_DIM, PV_STEPS, BLOCK_N>(acc_o, pa, sV + sp * Tr::SKV_BYTES);
+            if constexpr (LP == LP_TENSOR) wgmma_rs_rowsum<T, PV_STEPS>(acc_lp, pa, s_ones);
             wgmma_commit();
             // Consumer 1 goes last: nothing waits for a turn after its final product.
             if constexpr (PINGPONG) {
                 if (cw == 0) named_barrier_arrive(PP_BAR + 1, 256);
             }
-            softmax.add_rounded(*reinterpret_cast<const u32(*)[1][N_TILES][2]>(&pa));
+            if constexpr (LP == LP_THREAD) softmax.add_rounded(*reinterpret_cast<const u32(*)[1][N_TILES][2]>(&pa));
             wgmma_wait<0>();
             fence_regs(acc_o);
+            if constexpr (LP == LP_TENSOR) fence_regs(acc_lp);
             if (PERSISTENT && lane == 0) mbar_arrive(v_empty(sp));  // the stage's next fill may come
         }
         // This consumer's four warps are done reading its rows of sQ: O goes out through them.
@@ -359,6 +374,7 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
 
         // ---- epilogue: O /= lp, lse, O through this warp's 16 rows of sQ ----
         float inv_l[1][2], lse[1][2];
+        if constexpr (LP == LP_TENSOR) softmax.take_lp(acc_lp);
         if constexpr (FEAT) {
             // A sink logit joins here, after the last key tile (softmax.cuh); -inf: none.
             const float* sink = p.mask.sink_logits;

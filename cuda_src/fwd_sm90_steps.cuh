@@ -8,6 +8,7 @@
 #pragma once
 #include "common.cuh"
 #include "mask.cuh"
+#include "softmax.cuh"
 #include "wgmma_util.cuh"
 
 namespace cuflash {
@@ -91,6 +92,21 @@ __device__ __forceinline__ void rescale_and_pack(float (&acc_o)[HEAD_DIM / 2], c
         pa[kk][2] = Ops::pack(s[8 * kk + 4], s[8 * kk + 5]);
         pa[kk][3] = Ops::pack(s[8 * kk + 6], s[8 * kk + 7]);
     }
+}
+
+// How the wgmma forwards sum the rounded P (softmax.cuh): on the tensor cores (LP_TENSOR) up to
+// head_dim 128; on the ALU after the P V issue (LP_THREAD) at 256, whose 32-key tiles make the two
+// extra wgmmas a tile a longer wait than the adds. Against the previous kernels on an H100, in one
+// process (bench/NOTES.md, session 19): tensor cores d64 1.03-1.05, d128 1.03-1.07, d256 1.05-1.11;
+// ALU d64 1.07-1.13, d128 1.05-1.07, d256 0.98-1.08.
+template <int HEAD_DIM> __host__ __device__ constexpr int fwd_sm90_lp() { return HEAD_DIM <= 128 ? LP_TENSOR : LP_THREAD; }
+
+// The accumulator of P times ones (wgmma_rs_rowsum: lp of rows g, g + 8) rescaled with O.
+__device__ __forceinline__ void rescale_lp(float (&acc_lp)[4], const float (&alpha)[1][2]) {
+    acc_lp[0] *= alpha[0][0];
+    acc_lp[1] *= alpha[0][0];
+    acc_lp[2] *= alpha[0][1];
+    acc_lp[3] *= alpha[0][1];
 }
 
 // Epilogue, first half: O / lp of this warp's 16 rows (block rows warp_row0 ..) into a SW128 tile of

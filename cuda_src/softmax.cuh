@@ -47,16 +47,29 @@ __device__ __forceinline__ float quad_sum(float x) {
 // a row uses 0 as its base: every p and alpha is then exp2(-inf) = 0, which is exactly right.
 __device__ __forceinline__ float exp_base(float m) { return m == -CUFLASH_INF ? 0.f : m; }
 
-// Where the sums live (COMPACT). false (the wgmma and decode kernels): this thread's shares of l
-// and lp of both rows, 4 registers per m-tile; lp takes each tile in add_rounded. true (the
-// mma.sync forward, whose 32-row warps have no 2 registers per m-tile to spare: ptxas spilled): one
-// register per m-tile, lanes t = 0, 1 of the quad hold l of row g + 8t and lanes 2, 3 lp of row
-// g + 8(t - 2), each summed over the quad; each tile goes in by commit (a reduce-scatter, 3 shuffles).
-template <typename Ops, int M_TILES, int N_TILES, bool COMPACT = false>
+// Where lp comes from (LP):
+//   LP_THREAD (the wgmma forwards at head_dim 256): this thread's shares of l and lp of both rows;
+//     lp takes each tile in add_rounded, from the packed P, once the tile's P V is issued.
+//   LP_QUAD (the mma.sync forward and the decode kernel, which have no 2 registers per m-tile to
+//     spare: ptxas spilled): one register per m-tile, lanes t = 0, 1 of the quad hold l of row
+//     g + 8t and lanes 2, 3 lp of row g + 8(t - 2), each summed over the quad; each tile goes in
+//     by commit (a reduce-scatter, 3 shuffles).
+//   LP_TENSOR (the wgmma forwards up to head_dim 128): lp is the caller's: P times a block of ones
+//     on the tensor cores, an accumulator rescaled with O (wgmma_rs_rowsum); take_lp hands it over
+//     before finalize.
+// Summing the rounded P costs the forward about 4 to 6 % of its GPU time on an H100, in any of
+// these forms (bench/NOTES.md, session 19): the kernels are bound by their ALU work and by the
+// latency of each tile's chain, so neither pipe takes it for free; fwd_sm90_steps.cuh says which
+// form each wgmma forward uses.
+constexpr int LP_THREAD = 0, LP_QUAD = 1, LP_TENSOR = 2;
+template <typename Ops, int M_TILES, int N_TILES, int LP = LP_THREAD>
 struct OnlineSoftmax {
+    static constexpr bool COMPACT = LP == LP_QUAD;
     float row_m[M_TILES][2];   // running max, log2 units
     float row_l[M_TILES][2];   // !COMPACT: this thread's share of the running sum of p
-    float row_lp[M_TILES][2];  // !COMPACT: this thread's share of the running sum of p as rounded
+    // LP_THREAD: this thread's share of the running sum of p as rounded; LP_TENSOR: the whole row's
+    // (take_lp)
+    float row_lp[M_TILES][2];
     float sums[M_TILES];       // COMPACT: l or lp of one row, as above
     float tile_l[M_TILES][2];  // COMPACT, from prepare to commit: this thread's share of the tile's l
 
@@ -102,7 +115,7 @@ struct OnlineSoftmax {
                     tile_l[mt][r] = sum;
                 } else {
                     row_l[mt][r] = row_l[mt][r] * alpha[mt][r] + sum;
-                    row_lp[mt][r] *= alpha[mt][r];
+                    if constexpr (LP == LP_THREAD) row_lp[mt][r] *= alpha[mt][r];
                 }
             }
         }
@@ -112,7 +125,7 @@ struct OnlineSoftmax {
     // as P V's A operand reads them: pp[mt][nt][r] holds this thread's two columns of n-tile nt in
     // row g + 8r (elements 2r, 2r + 1 of s[mt][nt]). Returns the factor alpha by which each row's
     // output accumulator must be rescaled. (Packed, P takes half the registers that float P did.)
-    // lp takes the tile in add_rounded(pp) (COMPACT: l and lp, in commit(alpha, pp)).
+    // lp takes the tile in add_rounded(pp) (LP_QUAD: l and lp, in commit(alpha, pp)).
     __device__ __forceinline__ void prepare(const float (&s)[M_TILES][N_TILES][4], float scale_log2,
                                             float (&alpha)[M_TILES][2], u32 (&pp)[M_TILES][N_TILES][2]) {
         tile_exp(s, scale_log2, alpha, [&](int mt, int nt, int r, float p0, float p1) { pp[mt][nt][r] = Ops::pack(p0, p1); });
@@ -141,24 +154,21 @@ struct OnlineSoftmax {
         return lo + hi;
     }
 
-    // !COMPACT: adds the tile of prepare, P as packed (pp), to lp. Call it once the tile's P V product
-    // is issued (the wgmma kernels: in the next iteration, after their P V wgmma): the adds then
-    // overlap the tensor cores' work instead of delaying it. Summed in the softmax step, or on the
-    // tensor cores as P times a column of ones, the same sum cost the forward 4.6 to 6 % of its speed
-    // on an H100 (bench/NOTES.md, session 19).
+    // LP_THREAD: adds the tile of prepare, P as packed (pp), to lp. Call it once the tile's P V
+    // product is issued: the adds then overlap the tensor cores' work instead of delaying it.
     __device__ __forceinline__ void add_rounded(const u32 (&pp)[M_TILES][N_TILES][2]) {
-        static_assert(!COMPACT, "COMPACT: commit");
+        static_assert(LP == LP_THREAD, "add_rounded: LP_THREAD");
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
             for (int r = 0; r < 2; ++r) row_lp[mt][r] += rounded_sum(pp[mt], r);
     }
 
-    // COMPACT: adds the tile of prepare (its packed P and alpha) to the sums: per row, lanes t < 2
+    // LP_QUAD: adds the tile of prepare (its packed P and alpha) to the sums: per row, lanes t < 2
     // gather l's parts and t >= 2 lp's (xor 2); then even lanes keep row g's, odd lanes row g + 8's.
     // Call it once the tile's P V product is issued.
     __device__ __forceinline__ void commit(const float (&alpha)[M_TILES][2], const u32 (&pp)[M_TILES][N_TILES][2]) {
-        static_assert(COMPACT, "!COMPACT: add_rounded");
+        static_assert(COMPACT, "commit: LP_QUAD");
         const int t = threadIdx.x & 3;
         const bool want_l = t < 2, odd = t & 1;
 #pragma unroll
@@ -174,6 +184,14 @@ struct OnlineSoftmax {
         }
     }
 
+    // LP_TENSOR: lp of rows g, g + 8 from the caller's accumulator of P times ones (m64n8: elements 0
+    // and 2; every column holds the row sum).
+    __device__ __forceinline__ void take_lp(const float (&acc)[4]) {
+        static_assert(LP == LP_TENSOR && M_TILES == 1, "take_lp: LP_TENSOR");
+        row_lp[0][0] = acc[0];
+        row_lp[0][1] = acc[2];
+    }
+
     // l and lp of row g + 8r of m-tile mt (every lane of the warp must call).
     __device__ __forceinline__ float l_of(int mt, int r) const {
         if constexpr (COMPACT) return __shfl_sync(0xffffffffu, sums[mt], (threadIdx.x & 28) | r);
@@ -181,6 +199,7 @@ struct OnlineSoftmax {
     }
     __device__ __forceinline__ float lp_of(int mt, int r) const {
         if constexpr (COMPACT) return __shfl_sync(0xffffffffu, sums[mt], (threadIdx.x & 28) | (2 + r));
+        else if constexpr (LP == LP_TENSOR) return row_lp[mt][r];
         else return quad_sum(row_lp[mt][r]);
     }
 

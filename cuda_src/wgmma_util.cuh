@@ -57,6 +57,26 @@ __device__ __forceinline__ uint4 ld_shared_u128(u32 addr) {
     return v;
 }
 
+// The row sums of a register A operand on the tensor cores: acc (m64n8) += A x ones(16 x 8), one
+// k16 step per fragment, so every column of acc holds the row sums (rows g, g + 8 in elements 0-1
+// and 2-3, as wgmma.cuh's D layout). ones is a shared-memory block of ONES_BYTES bytes of 1.0 in T
+// (fill_ones, then fence_proxy_async and a barrier before the first use); its descriptor is the
+// unswizzled K-major layout (two 8 x 16-byte core matrices 128 bytes apart), which all-ones data
+// satisfies whatever the order. Issue it with the P V product, in its commit group: it adds 8 /
+// HEAD_DIM to that product's tensor work and nothing to the ALU's.
+constexpr int ONES_BYTES = 256;
+__device__ __forceinline__ u64 ones_desc(u32 addr) {
+    return (u64)((addr & 0x3FFFF) >> 4) | ((u64)(128 >> 4) << 16) | ((u64)(256 >> 4) << 32);
+}
+template <typename T> __device__ __forceinline__ void fill_ones(u32 ones, int i, int nthreads) {
+    for (int c = i; c < ONES_BYTES / 4; c += nthreads) st_shared_u32(ones + 4 * c, ElemOps<T>::ONES2);
+}
+template <typename T, int K_STEPS>
+__device__ __forceinline__ void wgmma_rs_rowsum(float (&acc)[4], const u32 (&a)[K_STEPS][4], u32 ones) {
+#pragma unroll
+    for (int kk = 0; kk < K_STEPS; ++kk) Wgmma<T, 8>::template rs<0>(acc, a[kk], ones_desc(ones), 1);
+}
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int N> __device__ __forceinline__ void wgmma_wait() {

@@ -1,0 +1,115 @@
+"""Forward GPU time of several cuflash trees in one process, interleaved (no order or process bias).
+
+TREES="main=.oldtree/main18 c=.oldtree/c new=." loads each tree's package under its own module name
+(the first tree is the baseline; this checkout should be last, as `cuflash`). With torch, each
+extra package registers its torch.library operators under its own namespace (cuflash_<tag>), so
+bfloat16 and float16 both run through the torch adapter in eager mode. Per configuration the trees
+alternate ROUNDS times, each a median of REPS CUDA-event timings of one forward call after a
+warm-up; the per-round ratios to the baseline are reported by their median, then single eager
+calls (host included: synchronize, call, synchronize; wall time, median of REPS) at 1024 tokens.
+Env: ROUNDS (7), REPS (20), HDS ("64 96 128 256"), DTYPES ("bfloat16 float16")."""
+import importlib.util
+import os
+import statistics as st
+import sys
+import time
+
+import torch
+
+
+def load(name, root, ns):
+    pkg = os.path.join(root, "cuflash")
+    orig_lib, orig_fake = torch.library.Library, torch.library.register_fake
+
+    def lib(n, kind, *a, **k):
+        return orig_lib(ns if n == "cuflash" else n, kind, *a, **k)
+
+    def fake(qualname, *a, **k):
+        return orig_fake(qualname.replace("cuflash::", ns + "::"), *a, **k)
+
+    torch.library.Library, torch.library.register_fake = lib, fake
+    try:
+        spec = importlib.util.spec_from_file_location(name, os.path.join(pkg, "__init__.py"), submodule_search_locations=[pkg])
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    finally:
+        torch.library.Library, torch.library.register_fake = orig_lib, orig_fake
+    assert name + "._adapters._torch" in sys.modules, f"{name}: the torch adapter did not load"
+    return mod
+
+
+pairs = [t.split("=") for t in os.environ.get("TREES", "main=.oldtree/main18 new=.").split()]
+mods = {}
+for i, (tag, root) in enumerate(pairs):
+    last = i == len(pairs) - 1
+    mods[tag] = load("cuflash" if last else f"cuflash_{tag}", root, "cuflash" if last else f"cuflash_{tag}")
+    print(tag, "from", mods[tag].__file__)
+tags = [t for t, _ in pairs]
+base = tags[0]
+ROUNDS, REPS = int(os.environ.get("ROUNDS", "7")), int(os.environ.get("REPS", "20"))
+
+
+def gpu_ms(f):
+    ts = []
+    for _ in range(REPS):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        f()
+        e1.record()
+        e1.synchronize()
+        ts.append(e0.elapsed_time(e1))
+    return st.median(ts)
+
+
+def eager_ms(f):
+    ts = []
+    for _ in range(REPS):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        f()
+        torch.cuda.synchronize()
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return st.median(ts)
+
+
+ratios = {t: [] for t in tags[1:]}
+eager = {t: [] for t in tags[1:]}
+torch.manual_seed(0)
+for dt in os.environ.get("DTYPES", "bfloat16 float16").split():
+    dtype = getattr(torch, dt)
+    for hd in [int(x) for x in os.environ.get("HDS", "64 96 128 256").split()]:
+        h = max(1, 2048 // hd)
+        for s in (1024, 4096):
+            b = max(1, 16384 // s)
+            q, k, v = (torch.randn(b, s, h, hd, device="cuda", dtype=dtype) for _ in range(3))
+            for causal in (False, True):
+                fs = {t: (lambda m=mods[t]: m.attention(q, k, v, causal=causal)) for t in tags}
+                for _ in range(2):
+                    for t in tags:
+                        fs[t]()
+                torch.cuda.synchronize()
+                per = {t: [] for t in tags}
+                for _ in range(ROUNDS):
+                    for t in tags:
+                        per[t].append(gpu_ms(fs[t]))
+                line = f"{dt:8s} d{hd:<3d} b{b} s{s} h{h} causal={int(causal)}: {base} {st.median(per[base]):.4f} ms"
+                for t in tags[1:]:
+                    r = st.median(a / c for a, c in zip(per[t], per[base]))
+                    ratios[t].append(r)
+                    line += f"  {t}/{base} {r:.3f}"
+                if s == 1024 and hd in (64, 128):
+                    ev = {t: [] for t in tags}
+                    for _ in range(3):
+                        for t in tags:
+                            ev[t].append(eager_ms(fs[t]))
+                    line += f" | eager {base} {st.median(ev[base]):.4f} ms"
+                    for t in tags[1:]:
+                        r = st.median(a / c for a, c in zip(ev[t], ev[base]))
+                        eager[t].append(r)
+                        line += f"  {t}/{base} {r:.3f}"
+                print(line, flush=True)
+            del q, k, v
+for t in tags[1:]:
+    print(f"geomean {t}/{base}: GPU time {st.geometric_mean(ratios[t]):.4f} over {len(ratios[t])} rows; "
+          f"eager {st.geometric_mean(eager[t]):.4f} over {len(eager[t])} rows")

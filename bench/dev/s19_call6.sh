@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Session 19, call 6: the quick GPU suite on this tree, then bench/dev/fwd_ab_inproc.py with main's
+# kernels (.oldtree/main18), a1bf6e7's (.oldtree/c: the rounded sum) and this tree's (the rounded sum
+# and the fused exponent argument) in one process, bf16 and fp16. Carry: .cache (this tree's carry
+# cache plus both old trees' forward kernels, head_dim 64-256) and .oldtree.
+export CUFLASH_CACHE_DIR=$PWD/.cache/cf PYTHONPATH=.
+OUT="${OUT:-./out}"; mkdir -p "$OUT"
+nvidia-smi -L
+timeout 240 python3 -m pytest tests -m "gpu and not slow" -rf -p no:cacheprovider -q -n 8 > "$OUT/suite.log" 2>&1
+echo "suite rc $?"
+TREES="main=.oldtree/main18 c=.oldtree/c new=." timeout 300 python3 bench/dev/fwd_ab_inproc.py 2>&1 | tee "$OUT/inproc3.log" | tail -40
+grep -E "^E .*(seed|out:)|^(FAILED|ERROR)|passed|failed" "$OUT/suite.log" | cut -c1-300 | tail -14
