@@ -2,6 +2,8 @@
 sm_80 and sm_90a through the NVRTC path used at run time, with no register spill, no stack frame,
 and shared memory within the target's limit. Also the Params layout and the disk-cache key."""
 
+import json
+import os
 import re
 
 import pytest
@@ -128,6 +130,42 @@ def test_every_specialization_compiles_clean(kind, target, tmp_path, monkeypatch
     results = compile_many([spec for spec, _ in specs], target, return_logs=True)
     assert all(seconds > 0 for _, seconds, _ in results), "a kernel came from a cache instead of NVRTC"
     problems = [p for name, _, log in results for p in _ptxas_problems(name, smem_of[name], log, target)]
+    assert not problems, "\n".join(problems)
+
+
+def _wgmma_specs():
+    """Every sm_90a specialization with wgmma in it (the fwd90 and bwd90 families), each once."""
+    seen, out = set(), []
+    for kind in ("fwd", "bwd", "feat", "tma"):
+        for spec, smem in _all_specs(kind, "sm_90a"):
+            if spec.name.startswith(("fwd90", "bwd90")) and spec.name not in seen:
+                seen.add(spec.name)
+                out.append((spec, smem))
+    return out
+
+
+@pytest.mark.skipif(not os.environ.get("CUFLASH_GATE_NVRTC_LIB"),
+                    reason="CUFLASH_GATE_NVRTC_LIB unset: no second NVRTC to build the wgmma kernels with (.ci/run sets it)")
+def test_wgmma_kernels_compile_clean_with_the_device_nvrtc(tmp_path, monkeypatch):
+    """The wgmma kernels again, with the GPU machine's NVRTC (CUFLASH_GATE_NVRTC_LIB, a libnvrtc of version
+    CUFLASH_GATE_NVRTC_VERSION, default 13.0) loaded into the worker processes in place of the installed one.
+    ptxas versions differ in when they serialize wgmma: in session 18 a forward that NVRTC 13.5 built clean had
+    every wgmma serialized (C7513) by the device's 13.0, and the gate above, which runs 13.5, said nothing."""
+    lib = os.environ["CUFLASH_GATE_NVRTC_LIB"]
+    want = os.environ.get("CUFLASH_GATE_NVRTC_VERSION", "13.0")
+    assert os.path.isfile(lib), f"CUFLASH_GATE_NVRTC_LIB: {lib!r} is not a file"
+    specs = _wgmma_specs()
+    assert len(specs) > 100
+    smem_of = {spec.name: smem for spec, smem in specs}
+    monkeypatch.setenv("CUFLASH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("LD_PRELOAD", lib)
+    monkeypatch.setenv("LD_LIBRARY_PATH", os.path.dirname(lib) + os.pathsep + os.environ.get("LD_LIBRARY_PATH", ""))
+    # Worker processes only (one worker would compile in this process, with the installed NVRTC).
+    results = compile_many([spec for spec, _ in specs], "sm_90a", workers=max(2, os.cpu_count() or 2), return_logs=True)
+    assert all(seconds > 0 for _, seconds, _ in results), "a kernel came from a cache instead of NVRTC"
+    built_with = {json.loads(f.read_text())["nvrtc"] for f in tmp_path.glob("*.json")}
+    assert built_with == {want}, f"the workers' NVRTC was {sorted(built_with)}, expected {want}"
+    problems = [p for name, _, log in results for p in _ptxas_problems(name, smem_of[name], log, "sm_90a")]
     assert not problems, "\n".join(problems)
 
 
