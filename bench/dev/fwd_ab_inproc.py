@@ -7,7 +7,9 @@ bfloat16 and float16 both run through the torch adapter in eager mode. Per confi
 alternate ROUNDS times, each a median of REPS CUDA-event timings of one forward call after a
 warm-up; the per-round ratios to the baseline are reported by their median, then single eager
 calls (host included: synchronize, call, synchronize; wall time, median of REPS) at 1024 tokens.
-Env: ROUNDS (7), REPS (20), HDS ("64 96 128 256"), DTYPES ("bfloat16 float16")."""
+With DECODE=1, decode steps (attention_with_kvcache, one query per entry, full caches) instead:
+batch x cache length x GQA group at head_dim 128, GPU time and single eager calls.
+Env: ROUNDS (7), REPS (20), HDS ("64 96 128 256"), DTYPES ("bfloat16 float16"), DECODE (0)."""
 import importlib.util
 import os
 import statistics as st
@@ -76,6 +78,48 @@ def eager_ms(f):
 ratios = {t: [] for t in tags[1:]}
 eager = {t: [] for t in tags[1:]}
 torch.manual_seed(0)
+
+
+def compare(label, fs, with_eager):
+    """Alternates the trees' calls ROUNDS times; one line of ratios to the baseline."""
+    for _ in range(2):
+        for t in tags:
+            fs[t]()
+    torch.cuda.synchronize()
+    per = {t: [] for t in tags}
+    for _ in range(ROUNDS):
+        for t in tags:
+            per[t].append(gpu_ms(fs[t]))
+    line = f"{label}: {base} {st.median(per[base]):.4f} ms"
+    for t in tags[1:]:
+        r = st.median(a / c for a, c in zip(per[t], per[base]))
+        ratios[t].append(r)
+        line += f"  {t}/{base} {r:.3f}"
+    if with_eager:
+        ev = {t: [] for t in tags}
+        for _ in range(3):
+            for t in tags:
+                ev[t].append(eager_ms(fs[t]))
+        line += f" | eager {base} {st.median(ev[base]):.4f} ms"
+        for t in tags[1:]:
+            r = st.median(a / c for a, c in zip(ev[t], ev[base]))
+            eager[t].append(r)
+            line += f"  {t}/{base} {r:.3f}"
+    print(line, flush=True)
+
+
+if os.environ.get("DECODE", "0") == "1":
+    for dt in os.environ.get("DTYPES", "bfloat16 float16").split():
+        dtype = getattr(torch, dt)
+        for b, n, g in ((1, 2048, 8), (8, 8192, 4), (64, 4096, 8), (256, 2048, 4)):
+            kc = torch.randn(b, n, 32 // g, 128, device="cuda", dtype=dtype)
+            vc = torch.randn_like(kc)
+            qd = torch.randn(b, 1, 32, 128, device="cuda", dtype=dtype)
+            lens = torch.full((b,), n, device="cuda", dtype=torch.int32)
+            fs = {t: (lambda m=mods[t]: m.attention_with_kvcache(qd, kc, vc, cache_seqlens=lens)) for t in tags}
+            compare(f"decode {dt:8s} b{b} n{n} h32/{32 // g} d128", fs, True)
+            del kc, vc
+    os.environ["HDS"] = ""
 for dt in os.environ.get("DTYPES", "bfloat16 float16").split():
     dtype = getattr(torch, dt)
     for hd in [int(x) for x in os.environ.get("HDS", "64 96 128 256").split()]:
@@ -85,30 +129,7 @@ for dt in os.environ.get("DTYPES", "bfloat16 float16").split():
             q, k, v = (torch.randn(b, s, h, hd, device="cuda", dtype=dtype) for _ in range(3))
             for causal in (False, True):
                 fs = {t: (lambda m=mods[t]: m.attention(q, k, v, causal=causal)) for t in tags}
-                for _ in range(2):
-                    for t in tags:
-                        fs[t]()
-                torch.cuda.synchronize()
-                per = {t: [] for t in tags}
-                for _ in range(ROUNDS):
-                    for t in tags:
-                        per[t].append(gpu_ms(fs[t]))
-                line = f"{dt:8s} d{hd:<3d} b{b} s{s} h{h} causal={int(causal)}: {base} {st.median(per[base]):.4f} ms"
-                for t in tags[1:]:
-                    r = st.median(a / c for a, c in zip(per[t], per[base]))
-                    ratios[t].append(r)
-                    line += f"  {t}/{base} {r:.3f}"
-                if s == 1024 and hd in (64, 128):
-                    ev = {t: [] for t in tags}
-                    for _ in range(3):
-                        for t in tags:
-                            ev[t].append(eager_ms(fs[t]))
-                    line += f" | eager {base} {st.median(ev[base]):.4f} ms"
-                    for t in tags[1:]:
-                        r = st.median(a / c for a, c in zip(ev[t], ev[base]))
-                        eager[t].append(r)
-                        line += f"  {t}/{base} {r:.3f}"
-                print(line, flush=True)
+                compare(f"{dt:8s} d{hd:<3d} b{b} s{s} h{h} causal={int(causal)}", fs, s == 1024 and hd in (64, 128))
             del q, k, v
 for t in tags[1:]:
     print(f"geomean {t}/{base}: GPU time {st.geometric_mean(ratios[t]):.4f} over {len(ratios[t])} rows; "
