@@ -41,16 +41,17 @@
 //   k_empty[s]      count 4 CONSUMERS: lane 0 of each consumer warp arrives once its wgmma that read
 //                   the K tile of stage s has retired (after wgmma_wait<1> in iteration j).
 //   v_empty[s]      count 4 CONSUMERS: likewise after the P V product that read stage s (wgmma_wait<0>).
-// K_j and V_j go to stage s = j % STAGES. Iteration j of a consumer reads K_j and V_(j-1), whose
-// stage is (j - 1) mod STAGES; "V_(-1)", read by iteration 0 with P = 0 (a product issued rather than
-// branched around, as in flash_fwd_sm90.cu), is stage STAGES - 1 zero-filled by all threads before
-// the warpgroups split. So stage STAGES - 1 of V has one use before V_(STAGES-1) lands, and the
-// producer, before its u-th load into a stage (u counting from 0, V_(-1) included), waits for phase
-// u - 1 of that stage's empty barrier. The producer runs at most STAGES tiles ahead; a consumer's
-// wait on a full barrier for tile j is phase j / STAGES.
+// K_j and V_j go to stage s = j % STAGES. Iteration j of a consumer reads K_j and, from j = 1 on,
+// V_(j-1), whose stage is (j - 1) mod STAGES; iteration 0 issues no P V product (there is no previous
+// tile), and the final product after the loop reads V_(n-1). So each V stage is used (and released)
+// once per fill, and the producer, before its u-th load into a stage (u counting from 0), waits for
+// phase u - 1 of that stage's empty barrier. The producer runs at most STAGES tiles ahead; a
+// consumer's wait on a full barrier for tile j is phase j / STAGES.
+// FEAT (V_PRE): iteration 0 issues its product with P = 0 against "V_(-1)", stage STAGES - 1 zero-
+// filled by all threads before the warpgroups split. Stage STAGES - 1 of V then has one more use,
+// counted in u, before V_(STAGES-1) lands.
 // PERSISTENT: j counts the block's key tiles over all its work tiles (the rings run on across them),
-// and u its work tiles. There is no V_(-1) stage: iteration 0 of each work tile issues no P V
-// product, and each V stage is used (and released) once per fill, a work tile's last by the final
+// and u its work tiles; a work tile's last V stage is released after its final
 // product. Q is double-buffered: work tile u uses sQ[u % 2] and q_full[u % 2] (phase u / 2); one
 // more pair of barriers:
 //   q_empty[b]      count 4 CONSUMERS: lane 0 of each consumer warp once its epilogue has read its
@@ -125,6 +126,10 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
     using Ops = ElemOps<T>;
     constexpr int BLOCK_M = Tr::BLOCK_M, N_TILES = Tr::N_TILES;
     constexpr int PV_STEPS = BLOCK_N / 16;
+    // FEAT: iteration 0 issues a P V product too, with P = 0 against "V_(-1)", stage STAGES - 1 of V
+    // zero-filled before its first load (as before session 20). The plain kernels peel iteration 0
+    // and issue no product there.
+    constexpr bool V_PRE = FEAT && !PERSISTENT;
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     constexpr int LP = fwd_sm90_lp<HEAD_DIM>();  // where the sum of the rounded P comes from
@@ -198,10 +203,9 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
         }
         fence_mbar_init();
     }
-    // "V_(-1)" (not PERSISTENT): stage STAGES - 1 of V, zero-filled with ordinary stores; the fence
-    // orders them before the async proxy's reads (wgmma) and writes (the producer's later copy into
-    // this stage).
-    if constexpr (!PERSISTENT) {
+    // V_PRE: "V_(-1)", zero-filled with ordinary stores; the fence orders them before the async
+    // proxy's reads (wgmma) and writes (the producer's later copy into this stage).
+    if constexpr (V_PRE) {
         for (int i = tid; i < Tr::SKV_BYTES / 16; i += Tr::THREADS)
             asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};" :: "r"(sV + (STAGES - 1) * Tr::SKV_BYTES + 16 * i),
                          "r"(0u) : "memory");
@@ -246,7 +250,7 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
                     load_kv(sK + s * Tr::SKV_BYTES, &p.map_k, k_full(s), k_empty(s), uk, n);
                     // earlier uses of V stage s (V_(-1) included where it is used)
                     load_kv(sV + s * Tr::SKV_BYTES, &p.map_v, v_full(s), v_empty(s),
-                            uk + (!PERSISTENT && s == STAGES - 1 ? 1 : 0), n);
+                            uk + (V_PRE && s == STAGES - 1 ? 1 : 0), n);
                 }
                 j0 += w.n_blocks;
                 if constexpr (!PERSISTENT) break;  // one work tile: let the compiler see it
@@ -293,28 +297,34 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
             if (cw == 1 && n_blocks > 0) named_barrier_arrive(PP_BAR, 256);
         }
         mbar_wait(bar_q(qb), (u / QB) & 1);
-        for (int j = 0; j < n_blocks; ++j) {
+        // Key tile j: S_j with O += P_(j-1) V_(j-1), then the softmax of S_j. Both flags are constants
+        // at each call, which the compiler folds. first (j == 0, not V_PRE): S_0 alone, since there is
+        // no previous tile; it runs peeled before the loop, so that no branch around a product enters
+        // the loop. masked (plain calls): the tile may need the causal or tail mask for some row of
+        // the block; the tiles before n_free need none, and their loop carries no mask code.
+        auto key_tile = [&](int j, bool first, bool masked) {
             const int jj = j0 + j;
             const int s = jj % STAGES;
-            const int sp = (jj + STAGES - 1) % STAGES;  // V_(j-1)'s stage (V_(-1): STAGES - 1)
+            const int sp = (jj + STAGES - 1) % STAGES;  // V_(j-1)'s stage (V_PRE: V_(-1) at j == 0)
             mbar_wait(k_full(s), (jj / STAGES) & 1);
-            if (j > 0) mbar_wait(v_full(sp), ((jj - 1) / STAGES) & 1);
+            if (!first && (!V_PRE || j > 0)) mbar_wait(v_full(sp), ((jj - 1) / STAGES) & 1);
 
             float sc_[BLOCK_N / 2];
             if constexpr (PINGPONG) named_barrier_sync(PP_BAR + cw, 256);  // this consumer's turn
             wgmma_fence();
             wgmma_ss_kmajor<T, BLOCK_N, HEAD_DIM, BLOCK_M, BLOCK_N>(sc_, sQ_wg, sK + s * Tr::SKV_BYTES);
             wgmma_commit();
-            // At j == 0 P is all zeros (pa was zeroed) and the tile holds zeros: the product adds 0
-            // (PERSISTENT: no product at j == 0).
-            if (!PERSISTENT || j > 0) {
+            if (!first) {
+                // V_PRE, j == 0: P is all zeros (pa was zeroed) against the zeroed V_(-1): it adds 0.
                 wgmma_rs_mnmajor<T, HEAD_DIM, PV_STEPS, BLOCK_N>(acc_o, pa, sV + sp * Tr::SKV_BYTES);
                 if constexpr (LP == LP_TENSOR) wgmma_rs_rowsum<T, PV_STEPS>(acc_lp, pa, s_ones);
+                wgmma_commit();
             }
-            wgmma_commit();
             if constexpr (PINGPONG) named_barrier_arrive(PP_BAR + 1 - cw, 256);  // the other's turn
-            if constexpr (LP == LP_THREAD) softmax.add_rounded(*reinterpret_cast<const u32(*)[1][N_TILES][2]>(&pa));  // P_(j-1), as the product reads it
-            wgmma_wait<1>();
+            if constexpr (LP == LP_THREAD) {
+                if (!first) softmax.add_rounded(*reinterpret_cast<const u32(*)[1][N_TILES][2]>(&pa));  // P_(j-1), as the product reads it
+            }
+            if (first) wgmma_wait<0>(); else wgmma_wait<1>();
             fence_regs(sc_);
             if (lane == 0) mbar_arrive(k_empty(s));  // this warp is done with K_j
 
@@ -324,19 +334,37 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
                 scale = feat_logits_and_mask<BLOCK_N>(sc_, p.mask, qf, p.scale_log2, tile_of(j) * BLOCK_N, m0 + warp_row0,
                                                       g, t);
             } else {
-                mask_plain_tile<BLOCK_N, IS_CAUSAL, IS_EVEN>(sc_, j * BLOCK_N, m0 + warp_row0, g, t, sq, sk);
+                if (masked) mask_plain_tile<BLOCK_N, IS_CAUSAL, IS_EVEN>(sc_, j * BLOCK_N, m0 + warp_row0, g, t, sq, sk);
             }
 
             float alpha[1][2];
             softmax.prepare_in_place(*reinterpret_cast<float(*)[1][N_TILES][4]>(&sc_), scale, alpha);
 
-            wgmma_wait<0>();
-            fence_regs(acc_o);
-            if constexpr (LP == LP_TENSOR) fence_regs(acc_lp);
-            fence_regs(pa);
-            if (lane == 0 && (!PERSISTENT || j > 0)) mbar_arrive(v_empty(sp));  // this warp is done with V_(j-1)
+            if (!first) {
+                wgmma_wait<0>();
+                fence_regs(acc_o);
+                if constexpr (LP == LP_TENSOR) fence_regs(acc_lp);
+                fence_regs(pa);
+                if (lane == 0) mbar_arrive(v_empty(sp));  // this warp is done with V_(j-1)
+            }
             rescale_and_pack<Ops, HEAD_DIM, BLOCK_N>(acc_o, alpha, pa, sc_);
             if constexpr (LP == LP_TENSOR) rescale_lp(acc_lp, alpha);
+        };
+        if constexpr (V_PRE) {
+            for (int j = 0; j < n_blocks; ++j) key_tile(j, false, true);
+        } else {
+            // Tiles [0, n_free) need no mask for any row of the block: every key is below seqlen_k
+            // and (causal) at or left of the diagonal for the block's first row, m0.
+            int n_free = n_blocks;
+            if constexpr (!IS_EVEN) n_free = min(n_free, sk / BLOCK_N);
+            if constexpr (IS_CAUSAL) {
+                const int seen0 = m0 + sk - sq + 1;  // keys the block's first row sees
+                n_free = min(n_free, seen0 <= 0 ? 0 : seen0 / BLOCK_N);
+            }
+            if (n_blocks > 0) key_tile(0, true, true);
+            const int n_mid = max(1, n_free);
+            for (int j = 1; j < n_mid; ++j) key_tile(j, false, false);
+            for (int j = n_mid; j < n_blocks; ++j) key_tile(j, false, true);
         }
 
         if (n_blocks > 0) {

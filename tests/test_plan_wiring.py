@@ -457,7 +457,7 @@ def test_fwd_ws_wiring(dev, monkeypatch):
     L = launched[-1]
     assert L["name"] == "fwd90ws_f16_d256_m128_n64_s2_feat", L["name"]
     assert int(L["p"]["mask"]["window_left"]) == 8 and int(L["p"]["mask"]["window_right"]) == 0, L["p"]["mask"]
-    # Without the setting: the table (cuflash/_config.py FWD_WS_TABLE): head_dim 64 causal below 8192
+    # Without the setting: the table (cuflash/_config.py FWD_WS_TABLE): head_dim 64 causal below 4096
     # keys keeps the TMA variant, head_dim 128 non-causal takes the warp-specialized kernel with 2
     # stages and the pingpong schedule (CUFLASH_FWD_WS_PINGPONG=0 turns it off).
     monkeypatch.delenv("CUFLASH_FWD_WS")
@@ -486,12 +486,15 @@ def test_fwd_ws_wiring(dev, monkeypatch):
     assert launched[-1]["name"] == "fwd90ws_f16_d128_m128_n128_s2_full_even", launched[-1]["name"]
     assert launched[-1]["grid"] == 2 * 4 * 32, launched[-1]["grid"]
     monkeypatch.delenv("CUFLASH_FWD_WS_PERSISTENT")
-    # head_dim 64 non-causal: three consumers (192-row blocks) from seqlen_k 2048, the TMA variant
-    # below (_config.FWD_WS_MIN_SEQLEN_K).
-    for sk, want in ((512, "fwd90_f16_d64_m128_n64_full_even_tma"), (2048, "fwd90ws_f16_d64_m192_n128_s3_full_ragged")):
+    # head_dim 64: three consumers (192-row blocks) from seqlen_k 2048 (non-causal) and 4096 (causal),
+    # the TMA variant below (_config.FWD_WS_MIN_SEQLEN_K).
+    for sk, causal, want in ((512, False, "fwd90_f16_d64_m128_n64_full_even_tma"),
+                             (2048, False, "fwd90ws_f16_d64_m192_n128_s3_full_ragged"),
+                             (2048, True, "fwd90_f16_d64_m128_n64_causal_even_tma"),
+                             (4096, True, "fwd90ws_f16_d64_m192_n128_s2_causal_ragged")):
         q, k, v = arr(rng, (1, 256, 4, 64)), arr(rng, (1, sk, 2, 64)), arr(rng, (1, sk, 2, 64))
-        cuflash.attention(q, k, v)
-        assert launched[-1]["name"] == want, (sk, launched[-1]["name"])
+        cuflash.attention(q, k, v, causal=causal)
+        assert launched[-1]["name"] == want, (sk, causal, launched[-1]["name"])
     # Options: the FEAT variant (_config.FWD_WS_FEAT_TABLE), except narrow windows (NARROW_WINDOW).
     monkeypatch.delenv("CUFLASH_FWD_WS_PINGPONG")
     _plan.CACHE.clear()

@@ -9,7 +9,10 @@ warm-up; the per-round ratios to the baseline are reported by their median, then
 calls (host included: synchronize, call, synchronize; wall time, median of REPS) at 1024 tokens.
 With DECODE=1, decode steps (attention_with_kvcache, one query per entry, full caches) instead:
 batch x cache length x GQA group at head_dim 128, GPU time and single eager calls.
-Env: ROUNDS (7), REPS (20), HDS ("64 96 128 256"), DTYPES ("bfloat16 float16"), DECODE (0)."""
+Env: ROUNDS (7), REPS (20), HDS ("64 96 128 256"), SEQS ("1024 4096"), DTYPES ("bfloat16 float16"),
+DECODE (0); TREE_ENV ("tag:VAR=VAL,VAR=VAL tag2:..."): variables set around every call of that tree
+(the same tree may be loaded twice under two tags, e.g. to time one environment switch against
+another; plans read such switches when they are made, at a tree's first call)."""
 import importlib.util
 import os
 import statistics as st
@@ -48,6 +51,30 @@ for i, (tag, root) in enumerate(pairs):
     mods[tag] = load("cuflash" if last else f"cuflash_{tag}", root, "cuflash" if last else f"cuflash_{tag}")
     print(tag, "from", mods[tag].__file__)
 tags = [t for t, _ in pairs]
+tree_env = {}
+for item in os.environ.get("TREE_ENV", "").split():
+    tag, _, assigns = item.partition(":")
+    tree_env[tag] = dict(a.split("=", 1) for a in assigns.split(",") if a)
+
+
+def with_env(tag, f):
+    """f, with tag's TREE_ENV variables set around each call."""
+    env = tree_env.get(tag)
+    if not env:
+        return f
+
+    def g():
+        old = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            return f()
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+    return g
 base = tags[0]
 ROUNDS, REPS = int(os.environ.get("ROUNDS", "7")), int(os.environ.get("REPS", "20"))
 
@@ -82,6 +109,7 @@ torch.manual_seed(0)
 
 def compare(label, fs, with_eager):
     """Alternates the trees' calls ROUNDS times; one line of ratios to the baseline."""
+    fs = {t: with_env(t, f) for t, f in fs.items()}
     for _ in range(2):
         for t in tags:
             fs[t]()
@@ -124,7 +152,7 @@ for dt in os.environ.get("DTYPES", "bfloat16 float16").split():
     dtype = getattr(torch, dt)
     for hd in [int(x) for x in os.environ.get("HDS", "64 96 128 256").split()]:
         h = max(1, 2048 // hd)
-        for s in (1024, 4096):
+        for s in [int(x) for x in os.environ.get("SEQS", "1024 4096").split()]:
             b = max(1, 16384 // s)
             q, k, v = (torch.randn(b, s, h, hd, device="cuda", dtype=dtype) for _ in range(3))
             for causal in (False, True):
