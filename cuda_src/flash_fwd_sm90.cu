@@ -18,10 +18,9 @@
 //   wait for P V; rescale O by alpha_j; pack P_j
 // and after the loop O += P_(n-1) V_(n-1). The softmax of one tile so overlaps the tensor cores'
 // work on the previous one inside each warpgroup (FlashAttention-3's intra-warpgroup pipelining).
-// Iteration 0 of a plain call issues S_0 alone: it runs peeled before the loop (a wgmma inside a
-// branch in the loop makes ptxas serialize every wgmma of the kernel, warning C7519, which the
-// compile gate rejects). With FEAT it issues its P V product too, with P = 0 and a zero-filled V
-// stage ("V_(-1)").
+// Iteration 0 issues S_0 alone (there is no previous tile): it runs peeled before the loop, since a
+// wgmma inside a branch in the loop makes ptxas serialize every wgmma of the kernel (warning C7519,
+// which the compile gate rejects).
 //
 // Shared memory: sQ (BLOCK_M x HEAD_DIM), sK[2], sV[2] (BLOCK_N x HEAD_DIM), all in the SW128 panel
 // layout of wgmma_util.cuh. HEAD_DIM is a multiple of 64. The epilogue writes O through sQ.
@@ -147,7 +146,6 @@ flash_fwd_sm90_kernel(const __grid_constant__ typename FwdSm90ParamsOf<TMA>::typ
 
     load_tile_sw128<HEAD_DIM, BLOCK_M, THREADS, !IS_EVEN>(sQ, gQ, p.q_row_stride, q_valid - m0, tid);
     if constexpr (TMA) {
-        // (A plain call: no "V_(-1)" stage to zero, iteration 0 runs peeled.)
         __syncthreads();  // the barriers are initialized before anyone waits on them or a copy lands
         if (tid == 0 && n_blocks > 0) tma_tile(sK, map_k, bar_k(0), tile_of(0) * BLOCK_N);
     } else {
@@ -156,10 +154,6 @@ flash_fwd_sm90_kernel(const __grid_constant__ typename FwdSm90ParamsOf<TMA>::typ
             load_tile_sw128<HEAD_DIM, BLOCK_N, THREADS, !IS_EVEN>(sK, gK + (i64)n_first * p.k_row_stride,
                                                                   p.k_row_stride, k_valid - n_first, tid);
         }
-        // FEAT: stage 1 of V stands for "V_(-1)" in iteration 0, whose product P V adds 0 * V: zero-fill
-        // it (cp.async with no source bytes), so that no stale NaN pattern in shared memory can leak in.
-        if constexpr (FEAT)
-            load_tile_sw128<HEAD_DIM, BLOCK_N, THREADS, true>(sV + Tr::SKV_BYTES, gV, p.v_row_stride, 0, tid);
     }
     cp_async_commit();
 
@@ -182,18 +176,18 @@ flash_fwd_sm90_kernel(const __grid_constant__ typename FwdSm90ParamsOf<TMA>::typ
     const u32 sQ_wg = sQ + wg * 64 * 128;
 
     // Key tile j: S_j with O += P_(j-1) V_(j-1), then the softmax of S_j. Both flags are constants at
-    // each call, which the compiler folds. first (j == 0 of a plain call): S_0 alone, since there is
-    // no previous tile. It runs peeled before the loop, so that no branch around a product enters the
-    // loop (a branch there makes ptxas serialize every wgmma, C7519). FEAT calls issue the product at
-    // j == 0 too, with P = 0 against the zeroed V_(-1), as before session 20. masked (the TMA
-    // variant): the tile may need the causal or tail mask for some row of the block; the tiles
-    // before n_free need none, and their loop carries no mask code.
+    // each call, which the compiler folds. first (j == 0): S_0 alone, since there is no previous
+    // tile. It runs peeled before the loop, so that no branch around a product enters the loop (a
+    // branch there makes ptxas serialize every wgmma, C7519). masked (the TMA variant): the tile may
+    // need the causal or tail mask for some row of the block; the tiles before n_free need none, and
+    // their loop carries no mask code. (FEAT tiles take feat_logits_and_mask, which masks only tiles
+    // a bound crosses.)
     auto key_tile = [&](int j, bool first, bool masked) {
         cp_async_wait<0>();
         fence_proxy_async();
         if constexpr (TMA) {
             mbar_wait(bar_k(j % 2), (j >> 1) & 1);                                 // K_j
-            if (!first && (FEAT || j > 0)) mbar_wait(bar_v((j + 1) % 2), ((j - 1) >> 1) & 1);  // V_(j-1)
+            if (!first) mbar_wait(bar_v((j + 1) % 2), ((j - 1) >> 1) & 1);  // V_(j-1)
         }
         __syncthreads();  // K_j and V_(j-1) are in; stages (j + 1) % 2 of K and j % 2 of V are free
         if constexpr (TMA) {
@@ -220,7 +214,6 @@ flash_fwd_sm90_kernel(const __grid_constant__ typename FwdSm90ParamsOf<TMA>::typ
         wgmma_ss_kmajor<T, BLOCK_N, HEAD_DIM, BLOCK_M, BLOCK_N>(s, sQ_wg, sKj);
         wgmma_commit();
         if (!first) {
-            // FEAT, j == 0: P is all zeros (pa was zeroed) against the zeroed V_(-1): it adds 0.
             wgmma_rs_mnmajor<T, HEAD_DIM, PV_STEPS, BLOCK_N>(acc_o, pa, sVp);
             if constexpr (LP == LP_TENSOR) wgmma_rs_rowsum<T, PV_STEPS>(acc_lp, pa, s_ones);
             wgmma_commit();
@@ -253,26 +246,22 @@ flash_fwd_sm90_kernel(const __grid_constant__ typename FwdSm90ParamsOf<TMA>::typ
         rescale_and_pack<Ops, HEAD_DIM, BLOCK_N>(acc_o, alpha, pa, s);
         if constexpr (LP == LP_TENSOR) rescale_lp(acc_lp, alpha);
     };
-    if constexpr (FEAT) {
-        for (int j = 0; j < n_blocks; ++j) key_tile(j, false, true);
-    } else {
-        if (n_blocks > 0) key_tile(0, true, true);
-        int n_mid = 1;
-        if constexpr (TMA) {
-            // Tiles [0, n_free) need no mask for any row of the block: every key is below seqlen_k
-            // and (causal) at or left of the diagonal for the block's first row, m0. (The cp.async
-            // variant keeps one loop: a third copy of the tile's code spills at head_dim 128.)
-            int n_free = n_blocks;
-            if constexpr (!IS_EVEN) n_free = min(n_free, sk / BLOCK_N);
-            if constexpr (IS_CAUSAL) {
-                const int seen0 = m0 + sk - sq + 1;  // keys the block's first row sees
-                n_free = min(n_free, seen0 <= 0 ? 0 : seen0 / BLOCK_N);
-            }
-            n_mid = max(1, n_free);
-            for (int j = 1; j < n_mid; ++j) key_tile(j, false, false);
+    if (n_blocks > 0) key_tile(0, true, true);
+    int n_mid = 1;
+    if constexpr (TMA) {
+        // Tiles [0, n_free) need no mask for any row of the block: every key is below seqlen_k
+        // and (causal) at or left of the diagonal for the block's first row, m0. (The cp.async
+        // variant keeps one loop: a third copy of the tile's code spills at head_dim 128.)
+        int n_free = n_blocks;
+        if constexpr (!IS_EVEN) n_free = min(n_free, sk / BLOCK_N);
+        if constexpr (IS_CAUSAL) {
+            const int seen0 = m0 + sk - sq + 1;  // keys the block's first row sees
+            n_free = min(n_free, seen0 <= 0 ? 0 : seen0 / BLOCK_N);
         }
-        for (int j = n_mid; j < n_blocks; ++j) key_tile(j, false, true);
+        n_mid = max(1, n_free);
+        for (int j = 1; j < n_mid; ++j) key_tile(j, false, false);
     }
+    for (int j = n_mid; j < n_blocks; ++j) key_tile(j, false, true);
 
     cp_async_wait<0>();
     fence_proxy_async();

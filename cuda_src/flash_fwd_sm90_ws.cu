@@ -47,9 +47,6 @@
 // once per fill, and the producer, before its u-th load into a stage (u counting from 0), waits for
 // phase u - 1 of that stage's empty barrier. The producer runs at most STAGES tiles ahead; a
 // consumer's wait on a full barrier for tile j is phase j / STAGES.
-// FEAT (V_PRE): iteration 0 issues its product with P = 0 against "V_(-1)", stage STAGES - 1 zero-
-// filled by all threads before the warpgroups split. Stage STAGES - 1 of V then has one more use,
-// counted in u, before V_(STAGES-1) lands.
 // PERSISTENT: j counts the block's key tiles over all its work tiles (the rings run on across them),
 // and u its work tiles; a work tile's last V stage is released after its final
 // product. Q is double-buffered: work tile u uses sQ[u % 2] and q_full[u % 2] (phase u / 2); one
@@ -126,10 +123,6 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
     using Ops = ElemOps<T>;
     constexpr int BLOCK_M = Tr::BLOCK_M, N_TILES = Tr::N_TILES;
     constexpr int PV_STEPS = BLOCK_N / 16;
-    // FEAT: iteration 0 issues a P V product too, with P = 0 against "V_(-1)", stage STAGES - 1 of V
-    // zero-filled before its first load (as before session 20). The plain kernels peel iteration 0
-    // and issue no product there.
-    constexpr bool V_PRE = FEAT && !PERSISTENT;
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     constexpr int LP = fwd_sm90_lp<HEAD_DIM>();  // where the sum of the rounded P comes from
@@ -203,19 +196,11 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
         }
         fence_mbar_init();
     }
-    // V_PRE: "V_(-1)", zero-filled with ordinary stores; the fence orders them before the async
-    // proxy's reads (wgmma) and writes (the producer's later copy into this stage).
-    if constexpr (V_PRE) {
-        for (int i = tid; i < Tr::SKV_BYTES / 16; i += Tr::THREADS)
-            asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};" :: "r"(sV + (STAGES - 1) * Tr::SKV_BYTES + 16 * i),
-                         "r"(0u) : "memory");
-        fence_proxy_async();
-    }
     if constexpr (LP == LP_TENSOR) {
         fill_ones<T>(s_ones, tid, Tr::THREADS);
         fence_proxy_async();
     }
-    __syncthreads();  // barriers initialized, V_(-1) zeroed, the ones written: the warpgroups go their ways
+    __syncthreads();  // barriers initialized, the ones written: the warpgroups go their ways
 
     const int wg = warpgroup_index();
     if (wg == 0) {
@@ -248,9 +233,7 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
                 for (int j = 0; j < w.n_blocks; ++j) {
                     const int jj = j0 + j, s = jj % STAGES, uk = jj / STAGES, n = tile_of(j) * BLOCK_N;
                     load_kv(sK + s * Tr::SKV_BYTES, &p.map_k, k_full(s), k_empty(s), uk, n);
-                    // earlier uses of V stage s (V_(-1) included where it is used)
-                    load_kv(sV + s * Tr::SKV_BYTES, &p.map_v, v_full(s), v_empty(s),
-                            uk + (V_PRE && s == STAGES - 1 ? 1 : 0), n);
+                    load_kv(sV + s * Tr::SKV_BYTES, &p.map_v, v_full(s), v_empty(s), uk, n);
                 }
                 j0 += w.n_blocks;
                 if constexpr (!PERSISTENT) break;  // one work tile: let the compiler see it
@@ -298,16 +281,18 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
         }
         mbar_wait(bar_q(qb), (u / QB) & 1);
         // Key tile j: S_j with O += P_(j-1) V_(j-1), then the softmax of S_j. Both flags are constants
-        // at each call, which the compiler folds. first (j == 0, not V_PRE): S_0 alone, since there is
-        // no previous tile; it runs peeled before the loop, so that no branch around a product enters
-        // the loop. masked (plain calls): the tile may need the causal or tail mask for some row of
-        // the block; the tiles before n_free need none, and their loop carries no mask code.
+        // at each call, which the compiler folds. first (j == 0): S_0 alone, since there is no
+        // previous tile; it runs peeled before the loop, so that no branch around a product enters the
+        // loop (a branch there makes ptxas serialize every wgmma). masked (plain calls): the tile may
+        // need the causal or tail mask for some row of the block; the tiles before n_free need none,
+        // and their loop carries no mask code. (FEAT tiles take feat_logits_and_mask, which masks
+        // only tiles a bound crosses.)
         auto key_tile = [&](int j, bool first, bool masked) {
             const int jj = j0 + j;
             const int s = jj % STAGES;
-            const int sp = (jj + STAGES - 1) % STAGES;  // V_(j-1)'s stage (V_PRE: V_(-1) at j == 0)
+            const int sp = (jj + STAGES - 1) % STAGES;  // V_(j-1)'s stage
             mbar_wait(k_full(s), (jj / STAGES) & 1);
-            if (!first && (!V_PRE || j > 0)) mbar_wait(v_full(sp), ((jj - 1) / STAGES) & 1);
+            if (!first) mbar_wait(v_full(sp), ((jj - 1) / STAGES) & 1);
 
             float sc_[BLOCK_N / 2];
             if constexpr (PINGPONG) named_barrier_sync(PP_BAR + cw, 256);  // this consumer's turn
@@ -315,7 +300,6 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
             wgmma_ss_kmajor<T, BLOCK_N, HEAD_DIM, BLOCK_M, BLOCK_N>(sc_, sQ_wg, sK + s * Tr::SKV_BYTES);
             wgmma_commit();
             if (!first) {
-                // V_PRE, j == 0: P is all zeros (pa was zeroed) against the zeroed V_(-1): it adds 0.
                 wgmma_rs_mnmajor<T, HEAD_DIM, PV_STEPS, BLOCK_N>(acc_o, pa, sV + sp * Tr::SKV_BYTES);
                 if constexpr (LP == LP_TENSOR) wgmma_rs_rowsum<T, PV_STEPS>(acc_lp, pa, s_ones);
                 wgmma_commit();
@@ -350,9 +334,9 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
             rescale_and_pack<Ops, HEAD_DIM, BLOCK_N>(acc_o, alpha, pa, sc_);
             if constexpr (LP == LP_TENSOR) rescale_lp(acc_lp, alpha);
         };
-        if constexpr (V_PRE) {
-            for (int j = 0; j < n_blocks; ++j) key_tile(j, false, true);
-        } else {
+        if (n_blocks > 0) key_tile(0, true, true);
+        int n_mid = 1;
+        if constexpr (!FEAT) {
             // Tiles [0, n_free) need no mask for any row of the block: every key is below seqlen_k
             // and (causal) at or left of the diagonal for the block's first row, m0.
             int n_free = n_blocks;
@@ -361,11 +345,10 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
                 const int seen0 = m0 + sk - sq + 1;  // keys the block's first row sees
                 n_free = min(n_free, seen0 <= 0 ? 0 : seen0 / BLOCK_N);
             }
-            if (n_blocks > 0) key_tile(0, true, true);
-            const int n_mid = max(1, n_free);
+            n_mid = max(1, n_free);
             for (int j = 1; j < n_mid; ++j) key_tile(j, false, false);
-            for (int j = n_mid; j < n_blocks; ++j) key_tile(j, false, true);
         }
+        for (int j = n_mid; j < n_blocks; ++j) key_tile(j, false, true);
 
         if (n_blocks > 0) {
             const int jl = j0 + n_blocks - 1;

@@ -1182,7 +1182,8 @@ def bwd_launches(dout: DeviceTensor, q: DeviceTensor, k: DeviceTensor, v: Device
         sms = _sm_count(device_id)
         # key_block_grouped's order: about one SM count of tiles per group of heads, whose Q and dO
         # the blocks running together then share in L2.
-        tile_heads = max(1, min(batch * nheads_kv, _cdiv(sms, n_blocks)))
+        # (n_blocks 0: a packed batch with max_seqlen_k 0, whose key grid is empty and not launched.)
+        tile_heads = max(1, min(batch * nheads_kv, _cdiv(sms, max(n_blocks, 1))))
         if _config.bwd_ws_persistent():
             # One block per SM (its shared memory allows no second), each walking tiles blockIdx.x, +
             # gridDim.x, ...

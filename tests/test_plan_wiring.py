@@ -805,6 +805,33 @@ def test_huge_bounds_fit_the_kernels_int32(dev):
     assert int(launched[-1]["p"]["mask"]["num_sink_tokens"]) == 30
 
 
+def test_packed_backward_with_no_rows_plans_and_launches_no_key_grid(dev, monkeypatch):
+    """A packed batch whose one sequence is empty (cu_seqlens [0, 0], max_seqlen 0 and 0, one row of
+    the arrays past it): the backward plans no key blocks and launches no dK / dV grid. The GPU
+    property test met a ZeroDivisionError here (session 20: Problem(seed=0, seq_q=[0], seq_k=[0],
+    tail_q=1, tail_k=1, head_dim 32, bf16): the grouping of the warp-specialized backward's tiles
+    divided by the key blocks)."""
+    ad, launched = dev
+    fake_tma_driver(monkeypatch, lambda ptr, i, dims, box, strides: (  # maps with the one-word address patch
+        (ptr >> 4) | (7 << 60) if i == 1 else 1000 * i + dims[1] + box[1] + strides[0]), lambda *a: None)
+    for name in ("CUFLASH_FWD_TMA", "CUFLASH_FWD_WS", "CUFLASH_BWD_WS"):
+        monkeypatch.delenv(name)  # the table's kernels, as on a GPU: the warp-specialized backward
+    ws_plans = []
+    real = _launch.bwd_ws_specializations
+    monkeypatch.setattr(_launch, "bwd_ws_specializations", lambda *a, **kw: ws_plans.append(a) or real(*a, **kw))
+    rng = np.random.default_rng()
+    for hd in (32, 64, 128):
+        for max_q, max_k in ((0, 0), (3, 0)):
+            q, k, v = arr(rng, (1, 2, hd)), arr(rng, (1, 2, hd)), arr(rng, (1, 2, hd))
+            cu = np.array([0, 0], np.int32).view(Dev)
+            out, lse = cuflash.attention_varlen(q, k, v, cu, cu, max_q, max_k, return_lse=True)
+            n = len(launched)
+            cuflash.attention_varlen_backward(arr(rng, q.shape), q, k, v, out, lse, cu, cu, max_q, max_k)
+            names = [L["name"] for L in launched[n:]]
+            assert not any("dkdv" in name for name in names), (hd, max_q, max_k, names)
+    assert len(ws_plans) == 6, ws_plans  # every call planned the warp-specialized kernel
+
+
 def _refuse_launches(monkeypatch):
     """Makes every launch fail as the driver does when a kernel asks too much; returns the recorder
     it replaced, to put back."""

@@ -10,7 +10,9 @@ calls (host included: synchronize, call, synchronize; wall time, median of REPS)
 With DECODE=1, decode steps (attention_with_kvcache, one query per entry, full caches) instead:
 batch x cache length x GQA group at head_dim 128, GPU time and single eager calls.
 Env: ROUNDS (7), REPS (20), HDS ("64 96 128 256"), SEQS ("1024 4096"), DTYPES ("bfloat16 float16"),
-DECODE (0); TREE_ENV ("tag:VAR=VAL,VAR=VAL tag2:..."): variables set around every call of that tree
+DECODE (0); OPTS (e.g. "window=256 softcap=30 alibi kvlen=0.9 sink"): instead of the plain grid, a
+forward with each option (bench_flex's shape: batch 2, 16 heads, head_dim 128, causal, OPT_SEQS keys,
+default "8192 16384"); TREE_ENV ("tag:VAR=VAL,VAR=VAL tag2:..."): variables set around every call of that tree
 (the same tree may be loaded twice under two tags, e.g. to time one environment switch against
 another; plans read such switches when they are made, at a tree's first call)."""
 import importlib.util
@@ -148,6 +150,34 @@ if os.environ.get("DECODE", "0") == "1":
             compare(f"decode {dt:8s} b{b} n{n} h32/{32 // g} d128", fs, True)
             del kc, vc
     os.environ["HDS"] = ""
+def option_kwargs(opt, b, h, s):
+    """attention() keyword arguments of one OPTS item at batch b, h heads, s keys."""
+    name, _, val = opt.partition("=")
+    if name == "window":
+        return {"window": (int(val), 0)}
+    if name == "softcap":
+        return {"softcap": float(val)}
+    if name == "alibi":
+        return {"alibi_slopes": torch.tensor([2.0 ** (-8 * (i + 1) / h) for i in range(h)], device="cuda")}
+    if name == "kvlen":
+        return {"kv_lengths": torch.full((b,), int(s * float(val)), device="cuda", dtype=torch.int32)}
+    if name == "sink":
+        return {"sink_logits": torch.zeros(h, device="cuda")}
+    raise SystemExit(f"OPTS: unknown option {opt!r}")
+
+
+if os.environ.get("OPTS"):
+    for dt in os.environ.get("DTYPES", "bfloat16 float16").split():
+        dtype = getattr(torch, dt)
+        for s in [int(x) for x in os.environ.get("OPT_SEQS", "8192 16384").split()]:
+            b, h = 2, 16
+            q, k, v = (torch.randn(b, s, h, 128, device="cuda", dtype=dtype) for _ in range(3))
+            for opt in os.environ["OPTS"].split():
+                kw = option_kwargs(opt, b, h, s)
+                fs = {t: (lambda m=mods[t], kw=kw: m.attention(q, k, v, causal=True, **kw)) for t in tags}
+                compare(f"{dt:8s} d128 b{b} s{s} h{h} causal=1 {opt}", fs, False)
+            del q, k, v
+    os.environ["HDS"] = ""
 for dt in os.environ.get("DTYPES", "bfloat16 float16").split():
     dtype = getattr(torch, dt)
     for hd in [int(x) for x in os.environ.get("HDS", "64 96 128 256").split()]:
@@ -160,5 +190,7 @@ for dt in os.environ.get("DTYPES", "bfloat16 float16").split():
                 compare(f"{dt:8s} d{hd:<3d} b{b} s{s} h{h} causal={int(causal)}", fs, s == 1024 and hd in (64, 128))
             del q, k, v
 for t in tags[1:]:
-    print(f"geomean {t}/{base}: GPU time {st.geometric_mean(ratios[t]):.4f} over {len(ratios[t])} rows; "
-          f"eager {st.geometric_mean(eager[t]):.4f} over {len(eager[t])} rows")
+    line = f"geomean {t}/{base}: GPU time {st.geometric_mean(ratios[t]):.4f} over {len(ratios[t])} rows"
+    if eager[t]:
+        line += f"; eager {st.geometric_mean(eager[t]):.4f} over {len(eager[t])} rows"
+    print(line)

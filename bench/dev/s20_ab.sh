@@ -24,11 +24,12 @@ if [ "${AB:-1}" = 1 ]; then
     timeout "${AB_S:-240}" python3 bench/dev/fwd_ab_inproc.py > "$OUT/inproc.log" 2>&1
   echo "inproc rc $?"
 fi
-# A second A/B with its own trees and per-tree environment (AB2_TREES, AB2_ENV: TREE_ENV's form).
+# A second A/B with its own trees and per-tree environment (AB2_TREES, AB2_ENV: TREE_ENV's form;
+# AB2_OPTS: fwd_ab_inproc.py's OPTS, the options instead of the plain grid).
 if [ -n "${AB2_TREES:-}" ]; then
-  TREES="$AB2_TREES" TREE_ENV="${AB2_ENV:-}" SEQS="${AB2_SEQS:-1024 2048 4096}" HDS="${AB2_HDS:-128}" \
+  TREES="$AB2_TREES" TREE_ENV="${AB2_ENV:-}" OPTS="${AB2_OPTS:-}" SEQS="${AB2_SEQS:-1024 2048 4096}" HDS="${AB2_HDS:-128}" \
     timeout "${AB2_S:-180}" python3 bench/dev/fwd_ab_inproc.py > "$OUT/inproc2.log" 2>&1
-  echo "inproc2 rc $?"; tail -20 "$OUT/inproc2.log"
+  echo "inproc2 rc $?"; tail -22 "$OUT/inproc2.log"
 fi
 if [ "${GRID:-0}" = 1 ]; then
   timeout "${GRID_S:-200}" python3 bench/bench.py --passes fwd --providers cuflash sdpa_flash sdpa_cudnn --no-compile-timing \
