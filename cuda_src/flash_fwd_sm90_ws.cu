@@ -284,7 +284,7 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
         // at each call, which the compiler folds. first (j == 0): S_0 alone, since there is no
         // previous tile; it runs peeled before the loop, so that no branch around a product enters the
         // loop (a branch there makes ptxas serialize every wgmma). masked (plain calls): the tile may
-        // need the causal or tail mask for some row of the block; the tiles before n_free need none,
+        // need the causal or tail mask for some row of the block; the tiles of mask_free_tiles need none,
         // and their loop carries no mask code. (FEAT tiles take feat_logits_and_mask, which masks
         // only tiles a bound crosses.)
         auto key_tile = [&](int j, bool first, bool masked) {
@@ -337,15 +337,8 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
         if (n_blocks > 0) key_tile(0, true, true);
         int n_mid = 1;
         if constexpr (!FEAT) {
-            // Tiles [0, n_free) need no mask for any row of the block: every key is below seqlen_k
-            // and (causal) at or left of the diagonal for the block's first row, m0.
-            int n_free = n_blocks;
-            if constexpr (!IS_EVEN) n_free = min(n_free, sk / BLOCK_N);
-            if constexpr (IS_CAUSAL) {
-                const int seen0 = m0 + sk - sq + 1;  // keys the block's first row sees
-                n_free = min(n_free, seen0 <= 0 ? 0 : seen0 / BLOCK_N);
-            }
-            n_mid = max(1, n_free);
+            // The tiles no row of the block needs masked.
+            n_mid = max(1, mask_free_tiles<BLOCK_N, IS_CAUSAL, IS_EVEN>(n_blocks, m0, sq, sk));
             for (int j = 1; j < n_mid; ++j) key_tile(j, false, false);
         }
         for (int j = n_mid; j < n_blocks; ++j) key_tile(j, false, true);

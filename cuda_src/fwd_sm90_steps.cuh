@@ -42,6 +42,20 @@ __device__ __forceinline__ void mask_plain_tile(float (&s)[BLOCK_N / 2], int n0,
     }
 }
 
+// The key tiles [0, n) that need no mask for any row of a block starting at query row m0 (a plain
+// call): every key is below seqlen_k and (causal) at or left of the bottom-right-aligned diagonal for
+// the block's first row. The kernels run them in a loop without mask code.
+template <int BLOCK_N, bool IS_CAUSAL, bool IS_EVEN>
+__device__ __forceinline__ int mask_free_tiles(int n_blocks, int m0, int sq, int sk) {
+    int n = n_blocks;
+    if constexpr (!IS_EVEN) n = min(n, sk / BLOCK_N);
+    if constexpr (IS_CAUSAL) {
+        const int seen0 = m0 + sk - sq + 1;  // keys the block's first row sees
+        n = min(n, seen0 <= 0 ? 0 : seen0 / BLOCK_N);
+    }
+    return n;
+}
+
 // A FEAT call's score tile (keys n0 .. n0 + BLOCK_N of the 16 rows from row0, mask.cuh): logits in
 // log2 units where a score modification applies (softcap, ALiBi), then the mask where a bound
 // crosses the tile. Returns the scale the online softmax still has to apply: scale_log2, or 1 when

@@ -9,8 +9,12 @@ export CUFLASH_CACHE_DIR=$PWD/.cache/cf PYTHONPATH=.
 OUT="${OUT:-./out}"; mkdir -p "$OUT"
 nvidia-smi -L
 if [ "${SUITE:-1}" = 1 ]; then
-  timeout "${SUITE_S:-300}" python3 -m pytest tests -m "gpu and not slow" -rf -p no:cacheprovider -q -n 8 > "$OUT/suite.log" 2>&1
-  echo "suite rc $?"
+  # SUITE_RUNS times in a row (suite.log, suite2.log, ...): fresh hypothesis draws and random inputs each run.
+  for r in $(seq 1 "${SUITE_RUNS:-1}"); do
+    log="$OUT/suite$([ "$r" = 1 ] || echo "$r").log"
+    timeout "${SUITE_S:-300}" python3 -m pytest tests -m "gpu and not slow" -rf -p no:cacheprovider -q -n 8 > "$log" 2>&1
+    echo "suite run $r rc $?"
+  done
 fi
 if [ "${FULL:-0}" = 1 ]; then
   # The forward and decode GPU test files in full, slow cases included (session 19's call 10).
@@ -38,5 +42,7 @@ if [ "${GRID:-0}" = 1 ]; then
 fi
 [ "${AB:-1}" = 1 ] && tail -52 "$OUT/inproc.log"
 [ "${FULL:-0}" = 1 ] && grep -E "^E .*(seed|out:)|^(FAILED|ERROR)|passed|failed" "$OUT/fwd_full.log" | cut -c1-300 | tail -8
-[ "${SUITE:-1}" = 1 ] && grep -E "^E .*(seed|out:)|^(FAILED|ERROR)|passed|failed" "$OUT/suite.log" | cut -c1-300 | tail -14
+[ "${SUITE:-1}" = 1 ] && for f in "$OUT"/suite*.log; do
+  echo "== $(basename "$f")"; grep -E "^E .*(seed|out:)|^(FAILED|ERROR)|passed|failed" "$f" | cut -c1-300 | tail -8
+done
 exit 0
