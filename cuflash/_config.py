@@ -225,8 +225,9 @@ FWD_WS_STAGES = 2
 # 354 / 374 / 388 (fp16); three consumers n128 s2 302 / 352 / 402 / 430, 294 / 342 / 397 / 428; two
 # consumers 282 / 321 / 346 / 370. Three consumers from 8192 keys.
 # Session 20 (H100, the kernels with iteration 0 peeled and the mask-free loop; bench/dev/fwd_ab_inproc.py
-# with CUFLASH_FWD_WS=1 against the table, same process): head_dim 64 causal, three consumers' time /
-# the TMA variant's 0.945 at 4096 keys (bf16 and fp16 alike), 1.007 at 2048, 1.21-1.28 at 1024. Three
+# with CUFLASH_FWD_WS=1 against the table's choice, same process, both trees with an environment set
+# around their calls; NOTES, call 5): head_dim 64 causal, three consumers' time /
+# the TMA variant's 0.945 at 4096 keys (bf16 and fp16 alike), 1.007 at 2048, 1.21 at 1024. Three
 # consumers from 4096 keys.
 FWD_WS_MIN_SEQLEN_K = {(64, False): 2048, (64, True): 4096}
 FWD_WS_TABLE = {(64, False): (128, 3, False, 3), (64, True): (128, 2, False, 3), (128, False): (128, 2, True, 2),
