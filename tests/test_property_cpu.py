@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("error")
@@ -365,8 +365,16 @@ def run_padded(p: Problem, rep: int):
     return (q, k, v, dout), ref, {"out": out, "lse": lse, "grads": list(grads), "alibi_slopes": ref.get("alibi_slopes")}
 
 
+# CI's draw in session 20: one row (it sees one key beside the sink) carried head 1's d sink, and its naive
+# error had cancelled by luck (test_cpu_features.py's module docstring).
+DSINK_ONE_ROW = Problem(seed=60, dtype="bfloat16", batch=2, seqlen_q=64, seqlen_k=60, nheads_kv=1, group=2, head_dim=40,
+                        causal=True, scale=0.43743939891762595, layouts=("contiguous",) * 4, sink_logits=True,
+                        softcap=50.0)
+
+
 @prop_settings(400)
 @given(p=padded_problems())
+@example(p=DSINK_ONE_ROW)
 def test_attention_numpy(p):
     reps = repeats(p)
     calls = [run_padded(p, r) for r in range(reps)]
