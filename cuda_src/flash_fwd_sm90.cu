@@ -15,7 +15,7 @@
 //   wait for {K_j, V_(j-1)}; barrier; start copying {K_(j+1), V_j} into the other stages
 //   issue S_j = Q K_j^T and O += P_(j-1) V_(j-1) back to back (two wgmma groups)
 //   wait for S_j only; mask and online softmax on S_j while the P V product still runs
-//   wait for P V; rescale O by alpha_j; pack P_j
+//   wait for P V; rescale O by alpha_j (only in a warp where a row's max moved: softmax.cuh LAZY); pack P_j
 // and after the loop O += P_(n-1) V_(n-1). The softmax of one tile so overlaps the tensor cores'
 // work on the previous one inside each warpgroup (FlashAttention-3's intra-warpgroup pipelining).
 // Iteration 0 issues S_0 alone (there is no previous tile): it runs peeled before the loop, since a
@@ -161,7 +161,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ typename FwdSm90ParamsOf<TMA>::typ
 #pragma unroll
     for (int i = 0; i < HEAD_DIM / 2; ++i) acc_o[i] = 0.f;
     float acc_lp[4] = {0.f, 0.f, 0.f, 0.f};  // LP_TENSOR: P x ones, lp of rows g, g + 8 (softmax.cuh)
-    OnlineSoftmax<Ops, 1, N_TILES, LP> softmax;
+    OnlineSoftmax<Ops, 1, N_TILES, LP, true> softmax;  // LAZY: O's rescale only where a max moved
     if constexpr (LP == LP_TENSOR) {
         fill_ones<T>(s_ones, tid, THREADS);
         fence_proxy_async();  // before the loop's first barrier, which precedes every wgmma
@@ -243,8 +243,11 @@ flash_fwd_sm90_kernel(const __grid_constant__ typename FwdSm90ParamsOf<TMA>::typ
             if constexpr (LP == LP_TENSOR) fence_regs(acc_lp);
             fence_regs(pa);
         }
-        rescale_and_pack<Ops, HEAD_DIM, BLOCK_N>(acc_o, alpha, pa, s);
-        if constexpr (LP == LP_TENSOR) rescale_lp(acc_lp, alpha);
+        const bool rescale = !first && warp_needs_rescale(alpha);  // iteration 0: O and lp are still 0
+        rescale_and_pack<Ops, HEAD_DIM, BLOCK_N>(acc_o, alpha, pa, s, rescale);
+        if constexpr (LP == LP_TENSOR) {
+            if (rescale) rescale_lp(acc_lp, alpha);
+        }
     };
     if (n_blocks > 0) key_tile(0, true, true);
     int n_mid = 1;

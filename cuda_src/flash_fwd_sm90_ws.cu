@@ -3,8 +3,9 @@
 //
 // Algorithm: the online-softmax tiling of flash_fwd_sm90.cu, with the same products and the same
 // overlap inside each consumer warpgroup (S_j = Q K_j^T is issued with O += P_(j-1) V_(j-1); the
-// softmax of tile j runs while the P V product still runs). Nothing of size seqlen_q x seqlen_k ever
-// reaches device memory.
+// softmax of tile j runs while the P V product still runs). Without pingpong the online softmax is
+// LAZY (softmax.cuh): a warp rescales O only where a row's max moved by more than LAZY_LOG2. Nothing
+// of size seqlen_q x seqlen_k ever reaches device memory.
 //
 // FEAT (the optional features of mask.cuh; padded and packed batches): as in flash_fwd_sm90.cu,
 // the key tiles of key_tiles, masks on the tiles a bound crosses, log2-unit logits for softcap /
@@ -252,6 +253,10 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
                              p.seqlen_q, p.d_cols, (int)threadIdx.x - 128, Tr::THREADS - 128);
     }
     const int cw = wg - 1;                                  // consumer cw: rows [64 cw, 64 cw + 64)
+    // LAZY (softmax.cuh): O's rescale only in a warp where a row's max moved. Not with pingpong:
+    // there it measured 1.01-1.04x the time at head_dim 128 (H100, session 21), where without
+    // pingpong (head_dims 64 and 256) it took 0.88-0.99x.
+    constexpr bool LAZY = !PINGPONG;
     constexpr int PP_BAR = 3;                               // pingpong: named barriers 3 (consumer 0's turn), 4
     const int warp_row0 = cw * 64 + (warp % 4) * 16;        // this warp's first row in the block
 
@@ -269,7 +274,7 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
 #pragma unroll
         for (int i = 0; i < HEAD_DIM / 2; ++i) acc_o[i] = 0.f;
         float acc_lp[4] = {0.f, 0.f, 0.f, 0.f};  // LP_TENSOR: P x ones, lp of rows g, g + 8 (softmax.cuh)
-        OnlineSoftmax<Ops, 1, N_TILES, LP> softmax;
+        OnlineSoftmax<Ops, 1, N_TILES, LP, LAZY> softmax;
         softmax.init();
         u32 pa[PV_STEPS][4];  // P of the previous tile, as wgmma A fragments (one per k16 step of keys)
 #pragma unroll
@@ -331,8 +336,11 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
                 fence_regs(pa);
                 if (lane == 0) mbar_arrive(v_empty(sp));  // this warp is done with V_(j-1)
             }
-            rescale_and_pack<Ops, HEAD_DIM, BLOCK_N>(acc_o, alpha, pa, sc_);
-            if constexpr (LP == LP_TENSOR) rescale_lp(acc_lp, alpha);
+            const bool rescale = !first && (!LAZY || warp_needs_rescale(alpha));  // iteration 0: O and lp are still 0
+            rescale_and_pack<Ops, HEAD_DIM, BLOCK_N>(acc_o, alpha, pa, sc_, rescale);
+            if constexpr (LP == LP_TENSOR) {
+                if (rescale) rescale_lp(acc_lp, alpha);
+            }
         };
         if (n_blocks > 0) key_tile(0, true, true);
         int n_mid = 1;

@@ -94,11 +94,20 @@ __device__ __forceinline__ float feat_logits_and_mask(float (&s)[BLOCK_N / 2], c
 
 // After the P V product of the previous tile has retired: O *= alpha (the online softmax's rescale)
 // and this tile's probabilities packed as the next P V product's A fragments (one per k16 step).
+// The online softmax is LAZY (softmax.cuh): alpha is exactly 1 for a row that kept its max, and a
+// warp whose 16 rows all did skips the rescale (with lp's, rescale_lp). No wgmma is in flight here,
+// so the branch leaves ptxas's wgmma pipeline alone.
+__device__ __forceinline__ bool warp_needs_rescale(const float (&alpha)[1][2]) {
+    return __any_sync(0xffffffffu, alpha[0][0] != 1.f || alpha[0][1] != 1.f);
+}
 template <typename Ops, int HEAD_DIM, int BLOCK_N>
 __device__ __forceinline__ void rescale_and_pack(float (&acc_o)[HEAD_DIM / 2], const float (&alpha)[1][2],
-                                                 u32 (&pa)[BLOCK_N / 16][4], const float (&s)[BLOCK_N / 2]) {
+                                                 u32 (&pa)[BLOCK_N / 16][4], const float (&s)[BLOCK_N / 2],
+                                                 bool rescale = true) {
+    if (rescale) {
 #pragma unroll
-    for (int i = 0; i < HEAD_DIM / 2; ++i) acc_o[i] *= alpha[0][(i % 4) / 2];
+        for (int i = 0; i < HEAD_DIM / 2; ++i) acc_o[i] *= alpha[0][(i % 4) / 2];
+    }
 #pragma unroll
     for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
         pa[kk][0] = Ops::pack(s[8 * kk + 0], s[8 * kk + 1]);

@@ -14,7 +14,8 @@
 //   l     = l * alpha + rowsum(p)
 //   lp    = lp * alpha + rowsum(p rounded)
 // At the end O /= lp and lse = (m + log2 l) * ln 2. softmax_scale > 0 is required by the host, so
-// rowmax(s) * scale_log2 == rowmax(s * scale_log2).
+// rowmax(s) * scale_log2 == rowmax(s * scale_log2). With LAZY (below) m_new stays m unless the tile's
+// max exceeds m by more than LAZY_LOG2.
 // Why two sums: O = sum_j round(p_j) v_j / sum_j round(p_j) weights the values by an exact convex
 // combination of the rounded probabilities, so a rounding error of p_j moves O by
 // round_err_j * (v_j - O) / lp, where dividing by the exact l gave round_err_j * v_j / l. The
@@ -28,7 +29,7 @@
 // subtracted, the same rounding as m's own: the row's largest score then gives exactly exp2(0) = 1
 // and every other at most 1. With an fma, the exact product minus the rounded m is the rounding
 // error of m, up to half an ulp of |m|: 128 for logits near 2^31 (huge q and k values), and exp2 of
-// it overflows to inf, then NaN.
+// it overflows to inf, then NaN. (LAZY lets p reach 2^LAZY_LOG2, never more: still far from it.)
 #pragma once
 #include "common.cuh"
 
@@ -62,7 +63,16 @@ __device__ __forceinline__ float exp_base(float m) { return m == -CUFLASH_INF ? 
 // latency of each tile's chain, so neither pipe takes it for free; fwd_sm90_steps.cuh says which
 // form each wgmma forward uses.
 constexpr int LP_THREAD = 0, LP_QUAD = 1, LP_TENSOR = 2;
-template <typename Ops, int M_TILES, int N_TILES, int LP = LP_THREAD>
+// LAZY (the wgmma forwards): a row's max moves only when a tile's max exceeds it by more than
+// LAZY_LOG2 (log2 units); otherwise the tile's p are taken against the kept max, up to 2^LAZY_LOG2,
+// and alpha is exactly 1, so a warp whose rows all kept theirs skips O's rescale (rescale_and_pack).
+// Every p, l and lp stays relative to the same kept m, so O / lp and m + log2 l are unchanged in
+// exact arithmetic; the rounding of p to the element type is relative, so it errs alike at any
+// scale, and p <= 256, l <= 256 x seqlen_k are far from overflow in float32, fp16 and bf16. The row's
+// largest p is still >= 1 (the key that set the kept max gave exactly 1), as finalize assumes.
+// (FlashAttention-4's conditional rescaling, with its threshold 8.)
+constexpr float LAZY_LOG2 = 8.f;
+template <typename Ops, int M_TILES, int N_TILES, int LP = LP_THREAD, bool LAZY = false>
 struct OnlineSoftmax {
     static constexpr bool COMPACT = LP == LP_QUAD;
     float row_m[M_TILES][2];   // running max, log2 units
@@ -98,9 +108,14 @@ struct OnlineSoftmax {
 #pragma unroll
                 for (int nt = 0; nt < N_TILES; ++nt)
                     mx = fmaxf(mx, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
-                const float m_new = fmaxf(row_m[mt][r], __fmul_rn(quad_max(mx), scale_log2));
+                float m_new = fmaxf(row_m[mt][r], __fmul_rn(quad_max(mx), scale_log2));
+                if constexpr (LAZY) {
+                    // keep the max unless the tile's exceeds it by more than LAZY_LOG2 (a row with
+                    // no key yet, m = -inf, takes any finite max); alpha is then exactly 1.
+                    if (!(m_new > row_m[mt][r] + LAZY_LOG2)) m_new = row_m[mt][r];
+                }
                 const float base = exp_base(m_new);
-                alpha[mt][r] = fast_exp2(row_m[mt][r] - base);
+                alpha[mt][r] = (LAZY && m_new == row_m[mt][r]) ? 1.f : fast_exp2(row_m[mt][r] - base);
                 row_m[mt][r] = m_new;
                 float sum = 0.f;  // this thread's part of the tile's row sum
 #pragma unroll
