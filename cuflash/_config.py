@@ -185,10 +185,17 @@ def fwd_tma_config_for_target(target: str, head_dim: int, dtype: str, causal: bo
     Measured on an H100 (bench/dev/tma_tiles.py, bf16, 16k tokens, hidden 2048, TFLOP/s non-causal /
     causal at seqlen 4k): head_dim 256 128x64 565 / 472, 128x32 451 / 369; head_dim 128 128x128
     510 / 440, 128x192 486 / 436, 128x64 462 / 397; head_dim 64 128x64 406 / 367, 128x128 367 /
-    323, 192x128 368 / 315, 128x96 338 / 300."""
+    323, 192x128 368 / 315, 128x96 338 / 300.
+    Head_dim 64, where the TMA variant runs (below FWD_WS_MIN_SEQLEN_K), with the lazy rescale of
+    session 21: 64-row blocks of one warpgroup, as cuDNN's kernel there. Same script, H100, TFLOP/s
+    at 512 / 1k / 2k / 4k keys: non-causal 64x128 311 / 340 / 364 / 388, 64x64 302 / 331 / 352 /
+    369, 128x64 303 / 335 / 359 / 376; causal 64x64 224 / 270 / 316 / 328, 64x128 205 / 268 / 305 /
+    355, 128x64 206 / 263 / 304 / 337 (bench/results/tma_tiles_d64_s21_h100.json)."""
     cfg = fwd_config_for_target(target, head_dim, dtype, causal)
     if cfg.wgmma and head_dim == 256:
         return TileConfig(128, 64, 8, wgmma=True)
+    if cfg.wgmma and head_dim == 64:
+        return TileConfig(64, 64, 4, wgmma=True) if causal else TileConfig(64, 128, 4, wgmma=True)
     return cfg
 
 

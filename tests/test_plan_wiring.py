@@ -464,7 +464,7 @@ def test_fwd_ws_wiring(dev, monkeypatch):
     _plan.CACHE.clear()
     q, k, v = arr(rng, (2, 256, 4, 64)), arr(rng, (2, 256, 2, 64)), arr(rng, (2, 256, 2, 64))
     cuflash.attention(q, k, v, causal=True)
-    assert launched[-1]["name"] == "fwd90_f16_d64_m128_n64_causal_even_tma", launched[-1]["name"]
+    assert launched[-1]["name"] == "fwd90_f16_d64_m64_n64_causal_even_tma", launched[-1]["name"]
     # (On the persistent grid, _config.FWD_WS_PERSISTENT_DEFAULT: one block per SM, at most.)
     q, k, v = arr(rng, (2, 256, 4, 128)), arr(rng, (2, 256, 2, 128)), arr(rng, (2, 256, 2, 128))
     cuflash.attention(q, k, v)
@@ -488,9 +488,9 @@ def test_fwd_ws_wiring(dev, monkeypatch):
     monkeypatch.delenv("CUFLASH_FWD_WS_PERSISTENT")
     # head_dim 64: three consumers (192-row blocks) from seqlen_k 2048 (non-causal) and 4096 (causal),
     # the TMA variant below (_config.FWD_WS_MIN_SEQLEN_K).
-    for sk, causal, want in ((512, False, "fwd90_f16_d64_m128_n64_full_even_tma"),
+    for sk, causal, want in ((512, False, "fwd90_f16_d64_m64_n128_full_even_tma"),
                              (2048, False, "fwd90ws_f16_d64_m192_n128_s3_full_ragged"),
-                             (2048, True, "fwd90_f16_d64_m128_n64_causal_even_tma"),
+                             (2048, True, "fwd90_f16_d64_m64_n64_causal_even_tma"),
                              (4096, True, "fwd90ws_f16_d64_m192_n128_s2_causal_ragged")):
         q, k, v = arr(rng, (1, 256, 4, 64)), arr(rng, (1, sk, 2, 64)), arr(rng, (1, sk, 2, 64))
         cuflash.attention(q, k, v, causal=causal)

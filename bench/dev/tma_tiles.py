@@ -32,7 +32,8 @@ from cuflash import _config, _launch
 
 T = _config.TileConfig
 CANDIDATES = {
-    64: [T(128, 64, 8, True), T(128, 96, 8, True), T(128, 128, 8, True), T(192, 128, 12, True)],
+    64: [T(128, 64, 8, True), T(128, 96, 8, True), T(128, 128, 8, True), T(192, 128, 12, True), T(64, 128, 4, True),
+         T(64, 64, 4, True)],
     128: [T(128, 128, 8, True), T(128, 192, 8, True), T(128, 64, 8, True)],
     256: [T(128, 32, 8, True), T(128, 64, 8, True)],
 }
