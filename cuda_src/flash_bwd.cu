@@ -122,15 +122,23 @@ flash_bwd_preprocess_kernel(const __grid_constant__ BwdParams p) {
     const i64 total = (i64)p.batch * p.nheads * p.seqlen_q_pad;
     const i64 first = (i64)blockIdx.x * L::ROWS_PER_BLOCK + threadIdx.x / L::TPR;
 
+    // Every load of the thread's rows (O, dO, and lse for the row's first lane) and the zeroing of
+    // their dq_accum rows are issued before any loaded value is used: the kernel is memory-bound, and
+    // the stores depend on nothing loaded.
+    // lse is read only where a row's lse * log2(e) is written (lse_log2, or sink logits' d sink terms).
+    bool need_lse = p.lse_log2 != nullptr;
+    if constexpr (FEAT) need_lse = need_lse || p.mask.dsink_rows != nullptr;
     uint4 ov[PASSES], dv[PASSES];
+    float lv[PASSES];
     i64 q_row0[PASSES];
-    int sq[PASSES];
+    int sq[PASSES], rh[PASSES];
 #pragma unroll
     for (int k = 0; k < PASSES; ++k) {
         // row_id runs over (batch, head, padded row)
         const i64 row_id = first + k * L::ROWS_PER_PASS;
         const RowOf ro(row_id, p.seqlen_q_pad, p.nheads);
         const int i = ro.i, h = ro.h, b = ro.b;
+        rh[k] = h;
         q_row0[k] = 0;
         sq[k] = p.seqlen_q;
         if constexpr (FEAT) {
@@ -142,12 +150,31 @@ flash_bwd_preprocess_kernel(const __grid_constant__ BwdParams p) {
         }
         ov[k] = make_uint4(0u, 0u, 0u, 0u);
         dv[k] = ov[k];
-        if (row_id < total && i < sq[k] && sub < L::CHUNKS) {
+        lv[k] = -CUFLASH_INF;
+        if (row_id < total && i < sq[k]) {
             const i64 r = q_row0[k] + i;
-            const T* o = static_cast<const T*>(p.o) + b * p.o_batch_stride + r * p.o_row_stride + h * p.o_head_stride;
-            const T* dO = static_cast<const T*>(p.dout) + b * p.do_batch_stride + r * p.do_row_stride + h * p.do_head_stride;
-            ov[k] = *reinterpret_cast<const uint4*>(o + sub * 8);
-            dv[k] = *reinterpret_cast<const uint4*>(dO + sub * 8);
+            if (sub < L::CHUNKS) {
+                const T* o = static_cast<const T*>(p.o) + b * p.o_batch_stride + r * p.o_row_stride + h * p.o_head_stride;
+                const T* dO = static_cast<const T*>(p.dout) + b * p.do_batch_stride + r * p.do_row_stride + h * p.do_head_stride;
+                ov[k] = *reinterpret_cast<const uint4*>(o + sub * 8);
+                dv[k] = *reinterpret_cast<const uint4*>(dO + sub * 8);
+            }
+            if (sub == 0 && need_lse)
+                lv[k] = FEAT ? p.lse[b * p.mask.lse_batch_stride + h * p.mask.lse_head_stride + q_row0[k] + i]
+                             : p.lse[ro.bh * p.seqlen_q + i];
+        }
+        if (row_id < total) {
+            if constexpr (ZERO_DQ && ACC_DIM == HEAD_DIM) {
+                if (sub < L::CHUNKS) {
+                    float4* acc = reinterpret_cast<float4*>(p.dq_accum + row_id * HEAD_DIM);
+                    acc[sub] = make_float4(0.f, 0.f, 0.f, 0.f);
+                    acc[sub + L::CHUNKS] = make_float4(0.f, 0.f, 0.f, 0.f);
+                }
+            } else if constexpr (ZERO_DQ) {
+                float4* acc = reinterpret_cast<float4*>(p.dq_accum + row_id * ACC_DIM);
+#pragma unroll
+                for (int c = sub; c < ACC_DIM / 4; c += L::TPR) acc[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+            }
         }
     }
 #pragma unroll
@@ -159,35 +186,15 @@ flash_bwd_preprocess_kernel(const __grid_constant__ BwdParams p) {
 #pragma unroll
         for (int e = 0; e < 8; ++e) d += Ops::to_float(oe[e]) * Ops::to_float(de[e]);
         d = row_group_sum<L::TPR>(d);
-        if (row_id >= total) continue;
-        const RowOf ro(row_id, p.seqlen_q_pad, p.nheads);
-        const int i = ro.i, h = ro.h, b = ro.b;
-        const i64 bh = ro.bh;
-        if (sub == 0) {
-            p.delta[row_id] = d;
-            float l2 = CUFLASH_INF;
-            if (i < sq[k]) {
-                const float l = FEAT ? p.lse[b * p.mask.lse_batch_stride + h * p.mask.lse_head_stride + q_row0[k] + i]
-                                     : p.lse[bh * p.seqlen_q + i];
-                if (l != -CUFLASH_INF) l2 = l * CUFLASH_LOG2E;
-            }
-            if (p.lse_log2 != nullptr) p.lse_log2[row_id] = l2;  // null when no kernel of the call reads it
-            if constexpr (FEAT) {
-                // This row's term of d sink_logits[h] = -sum_i exp(sink - lse_i) * D_i (0 for padding).
-                if (p.mask.dsink_rows != nullptr)
-                    p.mask.dsink_rows[row_id] = -fast_exp2(p.mask.sink_logits[h] * CUFLASH_LOG2E - l2) * d;
-            }
-        }
-        if constexpr (ZERO_DQ && ACC_DIM == HEAD_DIM) {
-            if (sub < L::CHUNKS) {
-                float4* acc = reinterpret_cast<float4*>(p.dq_accum + row_id * HEAD_DIM);
-                acc[sub] = make_float4(0.f, 0.f, 0.f, 0.f);
-                acc[sub + L::CHUNKS] = make_float4(0.f, 0.f, 0.f, 0.f);
-            }
-        } else if constexpr (ZERO_DQ) {
-            float4* acc = reinterpret_cast<float4*>(p.dq_accum + row_id * ACC_DIM);
-#pragma unroll
-            for (int c = sub; c < ACC_DIM / 4; c += L::TPR) acc[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (row_id >= total || sub != 0) continue;
+        p.delta[row_id] = d;
+        // lse * log2(e); +inf where the row sees no key (lse -inf) or does not exist (lv stays -inf)
+        const float l2 = lv[k] != -CUFLASH_INF ? lv[k] * CUFLASH_LOG2E : CUFLASH_INF;
+        if (p.lse_log2 != nullptr) p.lse_log2[row_id] = l2;  // null when no kernel of the call reads it
+        if constexpr (FEAT) {
+            // This row's term of d sink_logits[h] = -sum_i exp(sink - lse_i) * D_i (0 for padding).
+            if (p.mask.dsink_rows != nullptr)
+                p.mask.dsink_rows[row_id] = -fast_exp2(p.mask.sink_logits[rh[k]] * CUFLASH_LOG2E - l2) * d;
         }
     }
 }

@@ -38,7 +38,7 @@ CANDIDATES = {
     256: [T(128, 32, 8, True), T(128, 64, 8, True)],
 }
 # The warp-specialized kernel (cuda_src/flash_fwd_sm90_ws.cu, CUFLASH_FWD_WS=1): (BLOCK_N, STAGES).
-WS_CANDIDATES = {64: [(128, 2), (64, 2), (128, 3), (64, 4)], 128: [(128, 2), (128, 3)], 256: [(64, 2)]}
+WS_CANDIDATES = {64: [(128, 2), (64, 2), (128, 3), (64, 4)], 128: [(128, 2), (128, 3), (64, 2)], 256: [(64, 2)]}
 
 
 def ref(q, k, v, causal):
@@ -112,7 +112,13 @@ def main():
     ap.add_argument("--pingpong", action="store_true", help="with --ws: each candidate in the pingpong schedule too")
     ap.add_argument("--consumers", type=int, nargs="+", default=[2], choices=[2, 3],
                     help="with --ws: consumer warpgroups (3: 192-row blocks, no pingpong)")
+    ap.add_argument("--ws-tiles", nargs="+", default=None, metavar="BN:STAGES",
+                    help="with --ws: only these (BLOCK_N, STAGES) of WS_CANDIDATES' shapes (any head_dim)")
+    ap.add_argument("--tma-tiles", nargs="+", default=None, metavar="BM:BN",
+                    help="only these TMA-variant tiles of CANDIDATES")
     args = ap.parse_args()
+    ws_only = None if args.ws_tiles is None else {tuple(map(int, x.split(":"))) for x in args.ws_tiles}
+    tma_only = None if args.tma_tiles is None else {tuple(map(int, x.split(":"))) for x in args.tma_tiles}
     rows = []
     print(f"device: {torch.cuda.get_device_name()}")
 
@@ -139,6 +145,8 @@ def main():
             for cfg in CANDIDATES[d]:
                 if _config.fwd_smem_bytes(d, cfg) + _config.FWD_TMA_BAR_BYTES > 232448:
                     continue
+                if tma_only is not None and (cfg.block_m, cfg.block_n) not in tma_only:
+                    continue
                 measure({"head_dim": d, "causal": causal, "block_m": cfg.block_m, "block_n": cfg.block_n},
                         f"d{d} {'causal' if causal else 'full  '} m{cfg.block_m} n{cfg.block_n}", cfg, d, causal)
     if args.ws:
@@ -147,7 +155,7 @@ def main():
             for causal in (False, True):
                 for (bn, stages), pp, nc in itertools.product(WS_CANDIDATES[d], (False, True) if args.pingpong else (False,),
                                                               args.consumers):
-                    if pp and nc != 2:
+                    if (pp and nc != 2) or (ws_only is not None and (bn, stages) not in ws_only):
                         continue
                     os.environ["CUFLASH_FWD_WS_BLOCK_N"], os.environ["CUFLASH_FWD_WS_STAGES"] = str(bn), str(stages)
                     os.environ["CUFLASH_FWD_WS_PINGPONG"] = "1" if pp else "0"
