@@ -1,6 +1,8 @@
 #!/bin/bash
-# Session 22: one consumer warpgroup, two blocks an SM (flash_fwd_sm90_ws.cu CONSUMERS = 1), against
-# the table's kernels at the same lengths (bench/dev/tma_tiles.py, back-to-back launches, bf16).
+# Session 22, call 1: one consumer warpgroup, two blocks an SM (flash_fwd_sm90_ws.cu with CONSUMERS = 1:
+# __launch_bounds__(256, 2), setmaxnreg 232; a variant measured and not kept, so `--consumers 1` is not
+# in this tree's tma_tiles.py), against the table's kernels at the same lengths (back-to-back launches,
+# bf16). Results: bench/results/ws_one_consumer_s22_h100.json, NOTES session 22.
 set -u
 S=${SEQS:-"512 1024 2048 4096 16384"}
 export PYTHONPATH=.
