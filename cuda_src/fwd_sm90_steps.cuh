@@ -94,9 +94,9 @@ __device__ __forceinline__ float feat_logits_and_mask(float (&s)[BLOCK_N / 2], c
 
 // After the P V product of the previous tile has retired: O *= alpha (the online softmax's rescale)
 // and this tile's probabilities packed as the next P V product's A fragments (one per k16 step).
-// The online softmax is LAZY (softmax.cuh): alpha is exactly 1 for a row that kept its max, and a
-// warp whose 16 rows all did skips the rescale (with lp's, rescale_lp). No wgmma is in flight here,
-// so the branch leaves ptxas's wgmma pipeline alone.
+// Where the online softmax is LAZY (softmax.cuh; not in the pingpong kernel), alpha is exactly 1 for a
+// row that kept its max, and a warp whose 16 rows all did skips the rescale (rescale = false; with
+// lp's, rescale_lp). No wgmma is in flight here, so the branch leaves ptxas's wgmma pipeline alone.
 __device__ __forceinline__ bool warp_needs_rescale(const float (&alpha)[1][2]) {
     return __any_sync(0xffffffffu, alpha[0][0] != 1.f || alpha[0][1] != 1.f);
 }
