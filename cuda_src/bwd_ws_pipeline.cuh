@@ -72,7 +72,7 @@ struct WsTile {
 template <bool FEAT, bool SEQS, int BLOCK_M, int BLOCK_N, bool IS_CAUSAL>
 __device__ __forceinline__ WsTile ws_tile(const BwdTmaParams& p, int tile) {
     WsTile w;
-    w.blk = key_block_grouped<BLOCK_M, BLOCK_N, IS_CAUSAL>(tile, p.num_blocks, p.nheads_kv, p.batch, p.tile_heads,
+    w.blk = key_block_grouped<BLOCK_M, BLOCK_N, IS_CAUSAL>(tile, p.num_blocks, p.nheads_kv, p.batch, p.tile_heads, p.tail_heads,
                                                           p.seqlen_q, p.seqlen_k);
     ws_query_blocks<FEAT, BLOCK_M, BLOCK_N>(p, w.blk, w.m_begin, w.m_iters, w.mi, w.si);
     w.iters = w.m_iters * p.head_group;

@@ -38,7 +38,8 @@
 //   consumers (warpgroups 1, 2; setmaxnreg.inc 240).
 //
 // Tiles: a tile is one key block of one (batch, kv head), in blocks.cuh key_block_grouped's order
-// (p.tile_heads heads at a time, their longest causal key blocks first). Block b takes tiles b,
+// (p.tile_heads heads at a time, their longest causal key blocks first, then a last group of
+// p.tail_heads heads; 0: none). Block b takes tiles b,
 // b + gridDim.x, ...: one tile with a grid of one block per tile, several on a persistent grid of one
 // block per SM (CUFLASH_BWD_WS_PERSISTENT=1).
 // The ring's stages and phases run on across a block's tiles (gi = the block's iteration count).
@@ -369,7 +370,7 @@ flash_bwd_sm90_ws_kernel(const __grid_constant__ BwdTmaParams p) {
             const int g = lane / 4, t = lane % 4;
             const int key_row0 = (warp / 4 - 1) * 64 + (warp % 4) * 16;
             const KeyBlock eblk = key_block_grouped<BLOCK_M, BLOCK_N, IS_CAUSAL>(opaque((u32)tile), p.num_blocks, p.nheads_kv,
-                                                                                 p.batch, p.tile_heads, p.seqlen_q,
+                                                                                 p.batch, p.tile_heads, p.tail_heads, p.seqlen_q,
                                                                                  p.seqlen_k);
             const int n0 = eblk.n0, h_kv = eblk.h_kv, b = eblk.b;
             dkdv_rows_to_smem<Ops, HEAD_DIM, BLOCK_N>(sK, sV, acc_dk, acc_dv, p.scale, key_row0, g, t);

@@ -283,7 +283,7 @@ flash_bwd_sm90_ws256_kernel(const __grid_constant__ BwdTmaParams p) {
             const int g = lane / 4, t = lane % 4;
             const int key_row0 = (warp % 4) * 16, cw = warp / 4 - 1;
             const KeyBlock eblk = key_block_grouped<BLOCK_M, BLOCK_N, IS_CAUSAL>(opaque((u32)tile), p.num_blocks, p.nheads_kv,
-                                                                                 p.batch, p.tile_heads, p.seqlen_q,
+                                                                                 p.batch, p.tile_heads, p.tail_heads, p.seqlen_q,
                                                                                  p.seqlen_k);
             const int n0 = eblk.n0, h_kv = eblk.h_kv, b = eblk.b;
             const u32 off = (u32)(cw * 2 * PANEL);

@@ -299,6 +299,57 @@ def fwd_ws_smem_bytes(head_dim: int, block_n: int, stages: int = FWD_WS_STAGES, 
             + 8 * (qbuf + 4 * stages + (2 if persistent else 0)) + 1024)
 
 
+def fwd_causal_tail_heads(bh_count: int, num_m_blocks: int, sm_count: int, blocks_per_sm: int) -> int:
+    """FwdParams.tail_heads of a causal plain forward (blocks.cuh causal_block_order): enough (batch,
+    head)s at the grid's end, taken query block by query block from the longest, to fill
+    FWD_CAUSAL_TAIL_WAVES waves of the GPU (sm_count * blocks_per_sm blocks each); the rest keep the
+    head-by-head order. CUFLASH_FWD_TAIL_BLOCKS=n asks for n blocks instead (0: head by head
+    everywhere, the order before session 23), CUFLASH_FWD_TAIL_WAVES=x for x waves. Read when a plan
+    is made."""
+    import os
+
+    env = os.environ.get("CUFLASH_FWD_TAIL_BLOCKS", "")
+    waves = float(os.environ.get("CUFLASH_FWD_TAIL_WAVES", "") or FWD_CAUSAL_TAIL_WAVES)
+    blocks = int(env) if env else int(waves * sm_count * blocks_per_sm)
+    if blocks <= 0 or num_m_blocks <= 1:
+        return 0
+    return min(bh_count, -(-blocks // num_m_blocks))
+
+
+# Waves of blocks that causal_block_order's tail covers. A list-scheduling model (blocks start in
+# index order on the first free slot; a block's time its key tiles plus 1-2 tiles of setup) at
+# FlashAttention-2's grid (16k tokens) put head-by-head order at 3-7 % over the ideal at 1k-8k keys,
+# and two waves at the end taken longest first at 0.5-2 %. Measured (H100, session 23, same process,
+# bf16, head_dim 64 / 128 / 256, 1k-16k keys, causal; bench/results/logs_s23/call2_*), time against
+# head by head: 1 wave geomean 0.977 over 30 rows (causal 0.918-0.994), 2 waves 0.982, 4 waves 0.989
+# (1.12-1.13 at two points), the whole grid 1.040 (1.3-1.8 at 1k: the blocks running together then
+# belong to as many heads, whose K / V no longer stay in L2). Non-causal rows, the control: 0.97-1.01.
+FWD_CAUSAL_TAIL_WAVES = 1
+
+
+def bwd_causal_tail_heads(bh_count: int, n_blocks: int, group: int, sm_count: int) -> int:
+    """BwdTmaParams.tail_heads of a causal plain backward on the warp-specialized kernels (blocks.cuh
+    key_block_grouped): the last group of the tile order, at least a group of `group` and about
+    BWD_CAUSAL_TAIL_WAVES waves of tiles (one block an SM). CUFLASH_BWD_TAIL_WAVES=x asks for x waves
+    (0: no tail group, the order before session 23). Read when a plan is made."""
+    import os
+
+    waves = float(os.environ.get("CUFLASH_BWD_TAIL_WAVES", "") or BWD_CAUSAL_TAIL_WAVES)
+    if waves <= 0 or n_blocks <= 1:
+        return 0
+    return min(bh_count, max(group, -(-int(waves * sm_count) // n_blocks)))
+
+
+# Waves of tiles in the backward's tail group. The list-scheduling model of FWD_CAUSAL_TAIL_WAVES at
+# FlashAttention-2's grid (head_dim 64 / 128, 1k-8k keys): groups of about one wave, the last one
+# whatever is left, 1.03-1.09 over the ideal; a last group of one wave 1.005-1.024, of two 1.007-1.020.
+# Measured (H100, session 23, both dtypes, head_dim 64 / 128 / 256, 1k-8k keys;
+# bench/results/logs_s23/call3_inproc_bwd.log), backward time against no tail group: 1 wave geomean
+# 0.987 over 48 rows (causal 0.944-0.999), 2 waves 0.988 (causal 0.950-1.008). One wave: with groups
+# of about one wave, the last group is then a whole one.
+BWD_CAUSAL_TAIL_WAVES = 1
+
+
 def fwd_ws_persistent() -> str:
     """Where the warp-specialized forward of plain calls runs on a persistent grid (one block per SM
     walking the query blocks; flash_fwd_sm90_ws.cu PERSISTENT): CUFLASH_FWD_WS_PERSISTENT "1": every

@@ -37,7 +37,8 @@ _MASK_CHECKS_PARAMS = _compile.params_layout_checks("cuflash", "MaskParams", MAS
 FWD_PARAMS = np.dtype(
     [("q", np.uint64), ("k", np.uint64), ("v", np.uint64), ("o", np.uint64), ("lse", np.uint64)]
     + [(f"{t}_{s}_stride", np.int64) for t in "qkvo" for s in ("batch", "row", "head")]
-    + [(n, np.int32) for n in ("batch", "nheads", "nheads_kv", "head_group", "seqlen_q", "seqlen_k", "num_m_blocks")]
+    + [(n, np.int32) for n in ("batch", "nheads", "nheads_kv", "head_group", "seqlen_q", "seqlen_k", "num_m_blocks",
+                               "tail_heads")]
     + [("scale_log2", np.float32), ("mask", MASK_PARAMS)],
     align=True,
 )
@@ -87,7 +88,7 @@ _BWD_CHECKS_PARAMS = _compile.params_layout_checks("cuflash", "BwdParams", BWD_P
 
 # Mirror of cuflash::BwdTmaParams (cuda_src/bwd_tma_params.cuh): BwdParams, tile_heads, then the maps of
 # Q, dO, K, V.
-BWD_TMA_PARAMS = _with_maps(BWD_PARAMS, ("map_q", "map_do", "map_k", "map_v"), ints=("tile_heads", "d_cols"))
+BWD_TMA_PARAMS = _with_maps(BWD_PARAMS, ("map_q", "map_do", "map_k", "map_v"), ints=("tile_heads", "d_cols", "tail_heads"))
 _BWD_TMA_CHECKS_PARAMS = (_compile.params_layout_checks("cuflash", "BwdTmaParams", BWD_TMA_PARAMS) + "\n"
                           + _BWD_CHECKS_PARAMS)
 
@@ -910,11 +911,18 @@ def fwd_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTen
                          f"grid limit {MAX_GRID_X}; split the batch")
     if grid == 0:  # a packed batch whose sequences are all empty
         return []
-    if spec.name.endswith("_pers"):  # one block per SM, each walking query blocks
+    persistent = spec.name.endswith("_pers")
+    if persistent:  # one block per SM, each walking query blocks
         from ._kvcache import _sm_count
 
         grid = min(grid, _sm_count(device_id))
     fn = _compile.get_function(spec, target, device_id, smem)
+    tail_heads = 0
+    if causal and mask is None and not persistent:
+        from ._kvcache import _sm_count
+
+        tail_heads = _config.fwd_causal_tail_heads(batch * nheads, num_m_blocks, _sm_count(device_id),
+                                                   _blocks_per_sm(fn, cfg.warps * 32, smem))
 
     ws = spec.name.startswith("fwd90ws_")
     tma = spec.name.endswith("_tma")
@@ -925,6 +933,7 @@ def fwd_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTen
     p["batch"], p["nheads"], p["nheads_kv"] = batch, nheads, nheads_kv
     p["head_group"] = nheads // nheads_kv
     p["seqlen_q"], p["seqlen_k"], p["num_m_blocks"] = seqlen_q, seqlen_k, num_m_blocks
+    p["tail_heads"] = tail_heads
     p["scale_log2"] = softmax_scale * LOG2E
     if ws:
         p["d_cols"] = head_dim  # the call's columns (the kernel's head_dim may be larger: pad-up)
@@ -937,6 +946,19 @@ def fwd_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTen
                 (("map_k", mk, cfg.block_n), ("map_v", mv, cfg.block_n)) + ((("map_q", mq, cfg.block_m),) if ws else ())]
         return [TmaLaunch(spec.name, fn.ptr, grid, cfg.warps * 32, smem, p, ptrs, device_id, maps)]
     return [Launch(spec.name, fn.ptr, grid, cfg.warps * 32, smem, p, ptrs, device_id)]
+
+
+def _blocks_per_sm(fn, threads: int, smem: int) -> int:
+    """How many blocks of a loaded kernel one SM holds at once (sm_80 / sm_90 limits: 2048 threads,
+    64K registers allocated per warp in units of 256, 228 KiB of shared memory with 1 KiB reserved a
+    block, 32 blocks). Without the kernel's register count (a test's stand-in for the loaded kernel)
+    the threads and shared memory alone decide."""
+    by = [2048 // threads, 228 * 1024 // (smem + 1024), 32]
+    regs = getattr(getattr(fn, "raw", None), "num_regs", None)
+    if isinstance(regs, int) and regs > 0:
+        per_warp = -(-regs * 32 // 256) * 256
+        by.append(65536 // (per_warp * (threads // 32)))
+    return max(1, min(by))
 
 
 def _one_sequence(t: DeviceTensor, rows: int) -> DeviceTensor:
@@ -1175,7 +1197,7 @@ def bwd_launches(dout: DeviceTensor, q: DeviceTensor, k: DeviceTensor, v: Device
     ws_kernel = dkdv.source in ("flash_bwd_sm90_ws.cu", "flash_bwd_sm90_ws256.cu")
     threads = 384 if ws_kernel else cfg.warps * 32
     tiles = batch * nheads_kv * n_blocks
-    tile_heads = 1
+    tile_heads, tail_heads = 1, 0
     if ws_kernel:
         from ._kvcache import _sm_count
 
@@ -1184,6 +1206,8 @@ def bwd_launches(dout: DeviceTensor, q: DeviceTensor, k: DeviceTensor, v: Device
         # the blocks running together then share in L2.
         # (n_blocks 0: a packed batch with max_seqlen_k 0, whose key grid is empty and not launched.)
         tile_heads = max(1, min(batch * nheads_kv, _cdiv(sms, max(n_blocks, 1))))
+        if causal and mask is None:
+            tail_heads = _config.bwd_causal_tail_heads(batch * nheads_kv, n_blocks, tile_heads, sms)
         if _config.bwd_ws_persistent():
             # One block per SM (its shared memory allows no second), each walking tiles blockIdx.x, +
             # gridDim.x, ...
@@ -1211,7 +1235,7 @@ def bwd_launches(dout: DeviceTensor, q: DeviceTensor, k: DeviceTensor, v: Device
             pt = np.zeros((), dtype=BWD_TMA_PARAMS)
             for name in BWD_PARAMS.names:
                 pt[name] = p[name]
-            pt["tile_heads"] = tile_heads
+            pt["tile_heads"], pt["tail_heads"] = tile_heads, tail_heads
             pt["d_cols"] = head_dim
             maps = [(f"map_{n}", t.ptr, _tma.MapCache(t.shape, t.strides, rows, dtype)) for n, t, rows in
                     (("q", mq, cfg.block_m), ("do", mdo, cfg.block_m), ("k", mk, cfg.block_n), ("v", mv, cfg.block_n))]

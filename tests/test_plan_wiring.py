@@ -573,7 +573,7 @@ def test_bwd_ws_wiring(dev, monkeypatch):
     deterministic backward and CUFLASH_BWD_WS=0 keep the other kernels. Head_dim 96 pads up to the
     kernel of 128 (the preprocess reads 96 columns and zeroes 128-wide accumulator rows, the maps see
     96 columns, d_cols = 96, the conversion writes 96) unless CUFLASH_BWD_PAD=0; 24 does not pad."""
-    from cuflash import _tma
+    from cuflash import _config, _tma
 
     fake_tma_driver(monkeypatch, lambda ptr, i, dims, box, strides: (
         ptr if i == 0 else 31 * i + dims[1] + box[1] + strides[0]), lambda ptr, *rest: ptr)
@@ -612,6 +612,8 @@ def test_bwd_ws_wiring(dev, monkeypatch):
         assert int(p["d_cols"]) == d, p
         # Tile groups of ceil(5 SMs / 3 key blocks) = 2 of the 4 (batch, kv head)s.
         assert int(p["tile_heads"]) == 2 and int(p["num_blocks"]) == 3, p
+        # Causal: a tail group of BWD_CAUSAL_TAIL_WAVES (1) x 5 SMs / 3 key blocks -> 2 heads.
+        assert _config.BWD_CAUSAL_TAIL_WAVES == 1 and int(p["tail_heads"]) == 2, p
         check_tensor(p, "q", q)
         check_tensor(p, "dk", dk)
         check_tensor(p, "do", dout, "dout")
@@ -627,7 +629,21 @@ def test_bwd_ws_wiring(dev, monkeypatch):
     cuflash.attention_backward(arr(rng, q.shape), q, k, v, out, lse)
     ws = [L for L in launched[n0:] if L["name"].startswith("bwd90ws_")]
     assert len(ws) == 1 and ws[0]["grid"] == 5 and int(ws[0]["p"]["num_blocks"]) == 6, ws
-    assert int(ws[0]["p"]["tile_heads"]) == 1, ws
+    assert int(ws[0]["p"]["tile_heads"]) == 1 and int(ws[0]["p"]["tail_heads"]) == 0, ws  # (not causal: no tail)
+    # Causal: the tail group covers BWD_CAUSAL_TAIL_WAVES waves of tiles (one: 5 / 6 -> 1 head of the
+    # 3; two: 10 / 6 -> 2); 0 waves: none.
+    for waves, want in ((None, 1), ("0", 0), ("2", 2)):
+        if waves is None:
+            monkeypatch.delenv("CUFLASH_BWD_TAIL_WAVES", raising=False)
+        else:
+            monkeypatch.setenv("CUFLASH_BWD_TAIL_WAVES", waves)
+        _plan.CACHE.clear()
+        out, lse = cuflash.attention(q, k, v, return_lse=True, causal=True)
+        n0 = len(launched)
+        cuflash.attention_backward(arr(rng, q.shape), q, k, v, out, lse, causal=True)
+        ws = [L for L in launched[n0:] if L["name"].startswith("bwd90ws_")]
+        assert len(ws) == 1 and int(ws[0]["p"]["tail_heads"]) == want, (waves, ws)
+    monkeypatch.delenv("CUFLASH_BWD_TAIL_WAVES", raising=False)
     monkeypatch.delenv("CUFLASH_BWD_WS_PERSISTENT")
     # Options (by default; CUFLASH_BWD_WS_FEAT=0 turns it off): windows, sinks, ALiBi take the kernel's FEAT variant after the
     # feature preprocess; lengths (and packed batches) its SEQS variant with the FEAT conversion
@@ -1384,3 +1400,41 @@ def test_kvcache_launch_failure_names_kernel_and_call(dev, monkeypatch):
     n = len(launched)
     cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens, num_splits=3)
     assert len(launched) == n + 2  # decode and combine
+
+
+def test_forward_causal_tail_heads(dev, monkeypatch):
+    """FwdParams.tail_heads (blocks.cuh causal_block_order): causal plain calls end on about two waves
+    of blocks taken query block by query block (FWD_CAUSAL_TAIL_WAVES * SMs * blocks an SM, in whole
+    (batch, head)s); CUFLASH_FWD_TAIL_BLOCKS sets the blocks (0: off); non-causal calls, calls with a
+    mask option and one-block heads keep 0."""
+    from cuflash import _config
+
+    ad, launched = dev
+    rng = np.random.default_rng()
+    monkeypatch.delenv("CUFLASH_FWD_TAIL_BLOCKS", raising=False)
+    monkeypatch.delenv("CUFLASH_FWD_TAIL_WAVES", raising=False)
+
+    def tail_of(**kw):
+        _plan.CACHE.clear()
+        q, k, v = arr(rng, (8, 1000, 32, 64)), arr(rng, (8, 1000, 2, 64)), arr(rng, (8, 1000, 2, 64))
+        cuflash.attention(q, k, v, **kw)
+        L = launched[-1]
+        return int(L["p"]["tail_heads"]), int(L["p"]["num_m_blocks"]), L
+
+    tail, num_m, L = tail_of(causal=True)
+    # The stand-in kernel has no register count: threads and shared memory decide the blocks an SM.
+    per_sm = max(1, min(2048 // L["threads"], 228 * 1024 // (L["smem"] + 1024), 32))
+    want = -(-int(_config.FWD_CAUSAL_TAIL_WAVES * 132 * per_sm) // 8)
+    assert num_m == 8 and tail == want and 0 < tail < 8 * 32, (tail, want, per_sm, L["name"])
+    assert tail_of(causal=False)[0] == 0
+    assert tail_of(window=(64, 0))[0] == 0
+    monkeypatch.setenv("CUFLASH_FWD_TAIL_BLOCKS", "20")
+    assert tail_of(causal=True)[0] == 3
+    monkeypatch.setenv("CUFLASH_FWD_TAIL_BLOCKS", "0")
+    assert tail_of(causal=True)[0] == 0
+    monkeypatch.setenv("CUFLASH_FWD_TAIL_BLOCKS", "100000")
+    assert tail_of(causal=True)[0] == 8 * 32
+    _plan.CACHE.clear()
+    q, k, v = arr(rng, (4, 100, 8, 64)), arr(rng, (4, 100, 2, 64)), arr(rng, (4, 100, 2, 64))
+    cuflash.attention(q, k, v, causal=True)
+    assert int(launched[-1]["p"]["num_m_blocks"]) == 1 and int(launched[-1]["p"]["tail_heads"]) == 0

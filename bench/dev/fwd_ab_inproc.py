@@ -10,6 +10,7 @@ calls (host included: synchronize, call, synchronize; wall time, median of REPS)
 With DECODE=1, decode steps (attention_with_kvcache, one query per entry, full caches) instead:
 batch x cache length x GQA group at head_dim 128, GPU time and single eager calls.
 Env: ROUNDS (7), REPS (20), HDS ("64 96 128 256"), SEQS ("1024 4096"), DTYPES ("bfloat16 float16"),
+PASS ("fwd"; "bwd": attention_backward instead, from the baseline tree's out and lse),
 DECODE (0); OPTS (e.g. "window=256 softcap=30 alibi kvlen=0.9 sink"): instead of the plain grid, a
 forward with each option (bench_flex's shape: batch 2, 16 heads, head_dim 128, causal, OPT_SEQS keys,
 default "8192 16384"); TREE_ENV ("tag:VAR=VAL,VAR=VAL tag2:..."): variables set around every call of that tree
@@ -186,6 +187,14 @@ for dt in os.environ.get("DTYPES", "bfloat16 float16").split():
             b = max(1, 16384 // s)
             q, k, v = (torch.randn(b, s, h, hd, device="cuda", dtype=dtype) for _ in range(3))
             for causal in (False, True):
+                if os.environ.get("PASS", "fwd") == "bwd":
+                    # The backward alone, from the baseline tree's out and lse (the same in every tree).
+                    dout = torch.randn_like(q)
+                    out, lse = mods[base].attention(q, k, v, causal=causal, return_lse=True)
+                    fs = {t: (lambda m=mods[t]: m.attention_backward(dout, q, k, v, out, lse, causal=causal)) for t in tags}
+                    compare(f"bwd {dt:8s} d{hd:<3d} b{b} s{s} h{h} causal={int(causal)}", fs, s == 1024 and hd in (64, 128))
+                    del dout, out, lse
+                    continue
                 fs = {t: (lambda m=mods[t]: m.attention(q, k, v, causal=causal)) for t in tags}
                 compare(f"{dt:8s} d{hd:<3d} b{b} s{s} h{h} causal={int(causal)}", fs, s == 1024 and hd in (64, 128))
             del q, k, v
