@@ -53,8 +53,9 @@ __device__ __forceinline__ unsigned causal_block_order(unsigned i, int num_m, un
     return (bh_count - hl + w % hl) * (unsigned)num_m + w / hl;
 }
 
-// A forward kernel's block in query_block's mapping: causal_block_order's where ORDERED (causal plain
-// calls), else blockIdx.x. P: FwdParams or a struct deriving from it.
+// A forward kernel's block in query_block's mapping: causal_block_order's where ORDERED (the causal
+// plain kernels and the feature kernels, whose host sets tail_heads for windows (left, 0), causal
+// included), else blockIdx.x. P: FwdParams or a struct deriving from it.
 template <bool ORDERED, typename P>
 __device__ __forceinline__ unsigned fwd_block_index(const P& p) {
     if constexpr (ORDERED)

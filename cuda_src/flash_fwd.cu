@@ -39,8 +39,9 @@
 //
 // Grid. 1-D: block = (b * nheads + h) * num_m_blocks + (num_m_blocks - 1 - m_block), so the grid
 // is not bounded by the 65535 limit of y/z, and within a head the longest causal blocks start first;
-// causal plain calls run thread block i as block blocks.cuh causal_block_order(i) (the grid's last
-// p.tail_heads heads query block by query block, so that it ends on short blocks).
+// causal plain calls and feature calls with a window (left, 0) run thread block i as block
+// blocks.cuh causal_block_order(i) (the grid's last p.tail_heads heads query block by query block,
+// so that it ends on short blocks).
 #include "common.cuh"
 #include "blocks.cuh"
 #include "params.cuh"
@@ -90,7 +91,7 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
 
     // ---- which (batch, head, query block) this block owns, and its key tiles [0, n_blocks) ----
     const int sq = p.seqlen_q, sk = p.seqlen_k;
-    const QueryBlock blk = query_block<BLOCK_M, BLOCK_N, IS_CAUSAL>(fwd_block_index<IS_CAUSAL && !FEAT>(p), p.num_m_blocks, p.nheads, p.head_group, sq, sk);
+    const QueryBlock blk = query_block<BLOCK_M, BLOCK_N, IS_CAUSAL>(fwd_block_index<IS_CAUSAL || FEAT>(p), p.num_m_blocks, p.nheads, p.head_group, sq, sk);
     const int h = blk.h, b = blk.b, h_kv = blk.h_kv, m0 = blk.m0;
     int n_blocks = blk.n_blocks;
 

@@ -107,7 +107,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ typename FwdSm90ParamsOf<TMA>::typ
     if (tid == 0 && dynamic_smem_bytes() < (u32)(Tr::SMEM_BYTES + (TMA ? Tr::TMA_BAR_BYTES : 0))) __trap();
 
     const int sq = p.seqlen_q, sk = p.seqlen_k;
-    const QueryBlock blk = query_block<BLOCK_M, BLOCK_N, IS_CAUSAL>(fwd_block_index<IS_CAUSAL && !FEAT>(p), p.num_m_blocks, p.nheads, p.head_group, sq, sk);
+    const QueryBlock blk = query_block<BLOCK_M, BLOCK_N, IS_CAUSAL>(fwd_block_index<IS_CAUSAL || FEAT>(p), p.num_m_blocks, p.nheads, p.head_group, sq, sk);
     const int h = blk.h, b = blk.b, h_kv = blk.h_kv, m0 = blk.m0;
     int n_blocks = blk.n_blocks;
 

@@ -18,8 +18,8 @@
 // rows (batch 1); a block loads from its sequence's first row on and writes only its rows.
 //
 // Grid: one block per (batch, head, BLOCK_M = 64 CONSUMERS query rows), the 1-D mapping of
-// blocks.cuh (longest causal blocks first; causal plain calls in causal_block_order, whose last
-// p.tail_heads heads go query block by query block); or (PERSISTENT, plain calls) one block per SM walking
+// blocks.cuh (longest causal blocks first; causal calls, and FEAT ones with a window (left, 0), in
+// causal_block_order, whose last p.tail_heads heads go query block by query block); or (PERSISTENT, plain calls) one block per SM walking
 // query blocks ("work tiles"), so that a block's setup (barriers, descriptors, the pipeline's fill)
 // is paid once per SM rather than once per work tile, and the next tile's Q and first K / V copies
 // run under the current tile's last products and epilogue. Work tile order (persistent_tile): heads
@@ -153,7 +153,7 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
     // ... while below n_work.
     const unsigned n_work = (unsigned)p.batch * p.nheads * p.num_m_blocks;
     auto tile_at = [&](int k) {
-        if constexpr (!PERSISTENT) return k == 0 ? fwd_block_index<IS_CAUSAL && !FEAT>(p) : n_work;
+        if constexpr (!PERSISTENT) return k == 0 ? fwd_block_index<IS_CAUSAL || FEAT>(p) : n_work;
         else return persistent_tile(k, blockIdx.x, gridDim.x, p.num_m_blocks, (unsigned)p.batch * p.nheads);
     };
 

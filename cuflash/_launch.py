@@ -918,7 +918,7 @@ def fwd_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTen
         grid = min(grid, _sm_count(device_id))
     fn = _compile.get_function(spec, target, device_id, smem)
     tail_heads = 0
-    if causal and mask is None and not persistent:
+    if (causal or (mask is not None and mask.window_right == 0)) and not persistent:
         from ._kvcache import _sm_count
 
         tail_heads = _config.fwd_causal_tail_heads(batch * nheads, num_m_blocks, _sm_count(device_id),
@@ -1206,7 +1206,7 @@ def bwd_launches(dout: DeviceTensor, q: DeviceTensor, k: DeviceTensor, v: Device
         # the blocks running together then share in L2.
         # (n_blocks 0: a packed batch with max_seqlen_k 0, whose key grid is empty and not launched.)
         tile_heads = max(1, min(batch * nheads_kv, _cdiv(sms, max(n_blocks, 1))))
-        if causal and mask is None:
+        if causal or (mask is not None and mask.window_right == 0):
             tail_heads = _config.bwd_causal_tail_heads(batch * nheads_kv, n_blocks, tile_heads, sms)
         if _config.bwd_ws_persistent():
             # One block per SM (its shared memory allows no second), each walking tiles blockIdx.x, +

@@ -137,3 +137,60 @@ def test_causal_backward_tail_group(monkeypatch, waves, dtype, head_dim, seqlen,
     assert grid == bh * n_blocks and tail == want and group == min(bh, -(-sms // n_blocks)), (label, fired[0], want)
     if waves in ("0", "0.01", "2"):
         assert bh > group + max(tail, 1), ("the case should have groups before its tail", label, fired[0])
+
+
+# Calls with options whose window is (left, 0) (causal included) take the same orders (the host
+# sets tail_heads for them): feature, causal, dtype, head_dim, seqlen_q, seqlen_k, nheads, nheads_kv.
+# A (padded) batch of 5: at head_dim 128, 12 kv heads make 60 (batch, kv head)s of 6 key blocks (700
+# keys), so the backward's groups of 22 come before a tail group; at 256, 40 of 11 64-key blocks,
+# groups of 12.
+FEAT_CASES = [
+    ("lens+win", False, "bfloat16", 128, 700, 700, 12, 12),       # window (32, 0), lengths
+    ("softcap", True, "float16", 64, 700, 700, 8, 4),             # the backward keeps cp.async here
+    ("alibi_h", True, "bfloat16", 256, 600, 700, 8, 8),
+    ("win16_0_sinktok4", False, "float16", 128, 640, 700, 12, 12),
+    ("sinklogits", True, "bfloat16", 128, 700, 700, 12, 12),
+]
+
+
+@pytest.mark.parametrize("tail", ["5", "0"])
+@pytest.mark.parametrize("feature,causal,dtype,head_dim,seqlen_q,seqlen_k,nheads,nheads_kv", FEAT_CASES,
+                         ids=[c[0] for c in FEAT_CASES])
+def test_feature_calls_block_order(monkeypatch, tail, feature, causal, dtype, head_dim, seqlen_q, seqlen_k, nheads,
+                                   nheads_kv):
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device")
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the warp-specialized kernels are sm_90a's")
+    from test_gpu_features import FEATURES_BY_NAME, _import_cuflash, run_padded_case
+
+    from cuflash import _launch
+
+    cf = _import_cuflash()
+    for var in ("CUFLASH_FWD_WS", "CUFLASH_BWD_WS", "CUFLASH_BWD_WS_FEAT", "CUFLASH_FWD_TAIL_WAVES"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("CUFLASH_FWD_TAIL_BLOCKS", tail)
+    monkeypatch.setenv("CUFLASH_BWD_TAIL_WAVES", "0.01" if tail != "0" else "0")  # a tail group of one group
+    bwd = record_params(monkeypatch, _launch.BWD_TMA_PARAMS, ("tile_heads", "tail_heads", "num_blocks"), "bwd90ws_")
+    fwd = record_params(monkeypatch, _launch.FWD_PARAMS, ("tail_heads", "num_m_blocks"), "fwd")
+    batch = 5
+    label = f"block order tail={tail} {feature} causal={causal} {dtype} d{head_dim} {seqlen_q}x{seqlen_k} h{nheads}/{nheads_kv}"
+    try:
+        run_padded_case(cf, seed=fresh_seed(), dtype=dtype, batch=batch, sq=seqlen_q, sk=seqlen_k, h=nheads,
+                        hkv=nheads_kv, d=head_dim, causal=causal, deterministic=False, fs=FEATURES_BY_NAME[feature],
+                        label=label, backward=True)
+    finally:
+        from cuflash import _plan
+
+        _plan.CACHE.clear()
+    main = [f for f in fwd if "_feat" in f[0]]
+    assert len(main) == 1, (label, fwd)
+    _, _, tail_heads, num_m = main[0]
+    assert num_m > 1 and tail_heads == (min(batch * nheads, -(-int(tail) // num_m)) if tail != "0" else 0), (label,
+                                                                                                       main[0])
+    if feature != "softcap":
+        assert len(bwd) == 1 and "_feat" in bwd[0][0], (label, bwd)
+        _, grid, group, tail_group, n_blocks = bwd[0]
+        bh = batch * nheads_kv
+        assert grid == bh * n_blocks and tail_group == (min(bh, group) if tail != "0" else 0), (label, bwd[0])
+        assert tail == "0" or bh > group + tail_group, ("the case should have groups before its tail", label, bwd[0])

@@ -665,6 +665,9 @@ def test_bwd_ws_wiring(dev, monkeypatch):
                              "bwd_convert_dq_f16_d128_perm64"], (kw, names)
             p = launched[n0 + 1]["p"]
             assert int(p["mask"]["window_left"]) == kw.get("window", (-1, -1))[0], (kw, p["mask"])
+            # A window (left, 0) is causal on its right: the tail group as for causal calls (5 SMs, 3
+            # key blocks of the 4 (batch, kv head)s: groups of 2, the tail group one of them).
+            assert (int(p["tile_heads"]), int(p["tail_heads"])) == ((2, 2) if "window" in kw else (2, 0)), (kw, p)
         else:
             assert not any(n.startswith("bwd90ws_") for n in names), (kw, names)
     monkeypatch.setenv("CUFLASH_BWD_WS_FEAT", "0")  # off: the options keep the cp.async kernel
@@ -1403,10 +1406,10 @@ def test_kvcache_launch_failure_names_kernel_and_call(dev, monkeypatch):
 
 
 def test_forward_causal_tail_heads(dev, monkeypatch):
-    """FwdParams.tail_heads (blocks.cuh causal_block_order): causal plain calls end on about two waves
-    of blocks taken query block by query block (FWD_CAUSAL_TAIL_WAVES * SMs * blocks an SM, in whole
-    (batch, head)s); CUFLASH_FWD_TAIL_BLOCKS sets the blocks (0: off); non-causal calls, calls with a
-    mask option and one-block heads keep 0."""
+    """FwdParams.tail_heads (blocks.cuh causal_block_order): causal calls, plain or with options whose
+    window is (left, 0), end on about FWD_CAUSAL_TAIL_WAVES waves of blocks taken query block by
+    query block (waves * SMs * blocks an SM, in whole (batch, head)s); CUFLASH_FWD_TAIL_BLOCKS sets the
+    blocks (0: off); non-causal calls, other windows and one-block heads keep 0."""
     from cuflash import _config
 
     ad, launched = dev
@@ -1421,13 +1424,15 @@ def test_forward_causal_tail_heads(dev, monkeypatch):
         L = launched[-1]
         return int(L["p"]["tail_heads"]), int(L["p"]["num_m_blocks"]), L
 
-    tail, num_m, L = tail_of(causal=True)
-    # The stand-in kernel has no register count: threads and shared memory decide the blocks an SM.
-    per_sm = max(1, min(2048 // L["threads"], 228 * 1024 // (L["smem"] + 1024), 32))
-    want = -(-int(_config.FWD_CAUSAL_TAIL_WAVES * 132 * per_sm) // 8)
-    assert num_m == 8 and tail == want and 0 < tail < 8 * 32, (tail, want, per_sm, L["name"])
+    for kw in ({"causal": True}, {"window": (64, 0)}, {"window": (-1, 0), "softcap": 30.0}):
+        tail, num_m, L = tail_of(**kw)
+        # The stand-in kernel has no register count: threads and shared memory decide the blocks an SM.
+        per_sm = max(1, min(2048 // L["threads"], 228 * 1024 // (L["smem"] + 1024), 32))
+        want = -(-int(_config.FWD_CAUSAL_TAIL_WAVES * 132 * per_sm) // num_m)
+        assert num_m >= 8 and tail == want and 0 < tail < 8 * 32, (kw, tail, want, per_sm, L["name"])
+        assert ("feat" in L["name"]) == ("window" in kw), L["name"]
     assert tail_of(causal=False)[0] == 0
-    assert tail_of(window=(64, 0))[0] == 0
+    assert tail_of(window=(64, 64))[0] == 0
     monkeypatch.setenv("CUFLASH_FWD_TAIL_BLOCKS", "20")
     assert tail_of(causal=True)[0] == 3
     monkeypatch.setenv("CUFLASH_FWD_TAIL_BLOCKS", "0")

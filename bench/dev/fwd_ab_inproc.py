@@ -175,6 +175,15 @@ if os.environ.get("OPTS"):
             q, k, v = (torch.randn(b, s, h, 128, device="cuda", dtype=dtype) for _ in range(3))
             for opt in os.environ["OPTS"].split():
                 kw = option_kwargs(opt, b, h, s)
+                if os.environ.get("PASS", "fwd") == "bwd":
+                    dout = torch.randn_like(q)
+                    res = mods[base].attention(q, k, v, causal=True, return_lse=True, **kw)
+                    out, lse = res[0], res[1]
+                    fs = {t: (lambda m=mods[t], kw=kw: m.attention_backward(dout, q, k, v, out, lse, causal=True, **kw))
+                          for t in tags}
+                    compare(f"bwd {dt:8s} d128 b{b} s{s} h{h} causal=1 {opt}", fs, False)
+                    del dout, out, lse, res
+                    continue
                 fs = {t: (lambda m=mods[t], kw=kw: m.attention(q, k, v, causal=True, **kw)) for t in tags}
                 compare(f"{dt:8s} d128 b{b} s{s} h{h} causal=1 {opt}", fs, False)
             del q, k, v
