@@ -44,7 +44,8 @@ __device__ __forceinline__ QueryBlock query_block(unsigned block, int num_m_bloc
 // across those heads, the longest first, so that the grid ends on short blocks only: head by head, a
 // head's longest block would start among the grid's last and keep its SM busy while the others go
 // idle (a list-scheduling model of the hardware's block dispatch put that tail at 4-7 % of a causal
-// forward's time at 1k-8k keys). The host picks tail_heads to cover about two waves of blocks.
+// forward's time at 1k-8k keys). The host picks tail_heads to cover about one wave of blocks
+// (cuflash/_config.py FWD_CAUSAL_TAIL_WAVES).
 __device__ __forceinline__ unsigned causal_block_order(unsigned i, int num_m, unsigned bh_count, int tail_heads) {
     const unsigned hl = min((unsigned)max(tail_heads, 0), bh_count);
     const unsigned first = (bh_count - hl) * (unsigned)num_m;
@@ -113,8 +114,9 @@ __device__ __forceinline__ KeyBlock key_block(unsigned block, int num_n_blocks, 
 // and dO stay in L2, read from memory once), and within a group every head's first key block comes
 // first: under causal masking the longest (every query block sees it), so a persistent grid, which
 // takes tiles t = blockIdx.x, + gridDim.x, ..., starts the longest work of each group first. The
-// tail group (causal calls: about two waves of tiles) makes the grid end on short tiles, where a
-// small last group would start its long tiles among the grid's last (causal_block_order's reason).
+// tail group (causal calls: at least a group, about one wave of tiles) makes the grid end on short
+// tiles, where a small last group would start its long tiles among the grid's last
+// (causal_block_order's reason).
 template <int BLOCK_M, int BLOCK_N, bool IS_CAUSAL>
 __device__ __forceinline__ KeyBlock key_block_grouped(unsigned tile, int num_n_blocks, int nheads_kv, int batch,
                                                       int group, int tail, int sq, int sk) {

@@ -12,7 +12,7 @@ namespace cuflash {
 struct BwdTmaParams : BwdParams {
     int tile_heads;  // flash_bwd_sm90_ws.cu: (batch, kv head)s per group of its tile order (blocks.cuh)
     int d_cols;      // the warp-specialized kernels: the call's head_dim (below the kernel's under pad-up)
-    int tail_heads;  // flash_bwd_sm90_ws.cu: (batch, kv head)s of the last group of its tile order
+    int tail_heads;  // flash_bwd_sm90_ws.cu: (batch, kv head)s of the last group of its tile order (0: none)
     TmaDesc map_q;
     TmaDesc map_do;
     TmaDesc map_k;

@@ -19,10 +19,11 @@
 //
 // Grid: one block per (batch, head, BLOCK_M = 64 CONSUMERS query rows), the 1-D mapping of
 // blocks.cuh (longest causal blocks first; causal calls, and FEAT ones with a window (left, 0), in
-// causal_block_order, whose last p.tail_heads heads go query block by query block); or (PERSISTENT, plain calls) one block per SM walking
-// query blocks ("work tiles"), so that a block's setup (barriers, descriptors, the pipeline's fill)
-// is paid once per SM rather than once per work tile, and the next tile's Q and first K / V copies
-// run under the current tile's last products and epilogue. Work tile order (persistent_tile): heads
+// causal_block_order, whose last p.tail_heads heads go query block by query block); or (PERSISTENT,
+// plain calls) one block per SM walking query blocks ("work tiles"), so that a block's setup
+// (barriers, descriptors, the pipeline's fill) is paid once per SM rather than once per work tile,
+// and the next tile's Q and first K / V copies run under the current tile's last products and
+// epilogue. Work tile order (persistent_tile): heads
 // in groups of about gridDim.x / (query blocks per head), so that the blocks running together share
 // their K / V in L2; inside a group, longest causal blocks first; the k-th round of gridDim.x tiles
 // goes to the blocks in turn, every other round in reverse ("snake"), which spreads the long causal

@@ -34,8 +34,9 @@ struct FwdParams {
     int seqlen_q;
     int seqlen_k;
     int num_m_blocks;  // ceil(seqlen_q / BLOCK_M): the grid is batch * nheads * num_m_blocks, on x
-    int tail_heads;    // causal plain calls: the grid's last tail_heads (batch, head)s run query block
-                       // by query block across them (blocks.cuh causal_block_order); 0: head by head
+    int tail_heads;    // causal calls (feature calls: windows (left, 0)): the grid's last tail_heads
+                       // (batch, head)s run query block by query block across them (blocks.cuh
+                       // causal_block_order); 0: head by head
     float scale_log2;  // softmax_scale * log2(e): scores go straight into exp2
     MaskParams mask;   // read only by the FEAT kernels (mask.cuh); seqlen_q / seqlen_k are then the
                        // max lengths of a packed batch

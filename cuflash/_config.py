@@ -301,10 +301,9 @@ def fwd_ws_smem_bytes(head_dim: int, block_n: int, stages: int = FWD_WS_STAGES, 
 
 def fwd_causal_tail_heads(bh_count: int, num_m_blocks: int, sm_count: int, blocks_per_sm: int) -> int:
     """FwdParams.tail_heads of a causal forward, plain or with a window (left, 0) among its options
-    (blocks.cuh causal_block_order): enough (batch,
-    head)s at the grid's end, taken query block by query block from the longest, to fill
-    FWD_CAUSAL_TAIL_WAVES waves of the GPU (sm_count * blocks_per_sm blocks each); the rest keep the
-    head-by-head order. CUFLASH_FWD_TAIL_BLOCKS=n asks for n blocks instead (0: head by head
+    (blocks.cuh causal_block_order): enough (batch, head)s at the grid's end, taken query block by
+    query block from the longest, to fill FWD_CAUSAL_TAIL_WAVES waves of the GPU (sm_count *
+    blocks_per_sm blocks each); the rest keep the head-by-head order. CUFLASH_FWD_TAIL_BLOCKS=n asks for n blocks instead (0: head by head
     everywhere, the order before session 23), CUFLASH_FWD_TAIL_WAVES=x for x waves. Read when a plan
     is made."""
     import os
@@ -330,9 +329,8 @@ FWD_CAUSAL_TAIL_WAVES = 1
 
 def bwd_causal_tail_heads(bh_count: int, n_blocks: int, group: int, sm_count: int) -> int:
     """BwdTmaParams.tail_heads of a causal backward (plain, or options with a window (left, 0)) on
-    the warp-specialized kernels (blocks.cuh
-    key_block_grouped): the last group of the tile order, at least a group of `group` and about
-    BWD_CAUSAL_TAIL_WAVES waves of tiles (one block an SM). CUFLASH_BWD_TAIL_WAVES=x asks for x waves
+    the warp-specialized kernels (blocks.cuh key_block_grouped): the last group of the tile order, at
+    least a group of `group` and about BWD_CAUSAL_TAIL_WAVES waves of tiles (one block an SM). CUFLASH_BWD_TAIL_WAVES=x asks for x waves
     (0: no tail group, the order before session 23). Read when a plan is made."""
     import os
 
