@@ -911,16 +911,14 @@ def fwd_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTen
                          f"grid limit {MAX_GRID_X}; split the batch")
     if grid == 0:  # a packed batch whose sequences are all empty
         return []
+    from ._kvcache import _sm_count
+
     persistent = spec.name.endswith("_pers")
     if persistent:  # one block per SM, each walking query blocks
-        from ._kvcache import _sm_count
-
         grid = min(grid, _sm_count(device_id))
     fn = _compile.get_function(spec, target, device_id, smem)
     tail_heads = 0
     if (causal or (mask is not None and mask.window_right == 0)) and not persistent:
-        from ._kvcache import _sm_count
-
         tail_heads = _config.fwd_causal_tail_heads(batch * nheads, num_m_blocks, _sm_count(device_id),
                                                    _blocks_per_sm(fn, cfg.warps * 32, smem))
 
