@@ -329,7 +329,7 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
             }
 
             float alpha[1][2];
-            softmax.prepare_in_place(*reinterpret_cast<float(*)[1][N_TILES][4]>(&sc_), scale, alpha);
+            softmax.template prepare_in_place<!PINGPONG>(*reinterpret_cast<float(*)[1][N_TILES][4]>(&sc_), scale, alpha);
 
             if (!first) {
                 wgmma_wait<0>();

@@ -30,6 +30,9 @@
 // and every other at most 1. With an fma, the exact product minus the rounded m is the rounding
 // error of m, up to half an ulp of |m|: 128 for logits near 2^31 (huge q and k values), and exp2 of
 // it overflows to inf, then NaN. (LAZY lets p reach 2^LAZY_LOG2, never more: still far from it.)
+// prepare_in_place (the wgmma forwards but the pingpong kernel) takes the fma after all while every
+// |m| of the warp is below FMA_EXP_LIMIT, where that error is at most 2^-8 (below), and this form
+// otherwise.
 #pragma once
 #include "common.cuh"
 
@@ -95,6 +98,33 @@ struct OnlineSoftmax {
         }
     }
 
+    // Row g + 8r of m-tile mt takes this tile: its running max (LAZY: kept unless the tile's max exceeds
+    // it by more than LAZY_LOG2; a row with no key yet, m = -inf, takes any finite max, and alpha is
+    // then exactly 1) and alpha. Returns the base the tile's p are taken against (exp_base).
+    __device__ __forceinline__ float new_max(const float (&s)[M_TILES][N_TILES][4], int mt, int r, float scale_log2,
+                                             float (&alpha)[M_TILES][2]) {
+        float mx = -CUFLASH_INF;
+#pragma unroll
+        for (int nt = 0; nt < N_TILES; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
+        float m_new = fmaxf(row_m[mt][r], __fmul_rn(quad_max(mx), scale_log2));
+        if constexpr (LAZY) {
+            if (!(m_new > row_m[mt][r] + LAZY_LOG2)) m_new = row_m[mt][r];
+        }
+        const float base = exp_base(m_new);
+        alpha[mt][r] = (LAZY && m_new == row_m[mt][r]) ? 1.f : fast_exp2(row_m[mt][r] - base);
+        row_m[mt][r] = m_new;
+        return base;
+    }
+    // l of that row takes the tile's sum of p (this thread's part), after the rescale by alpha.
+    __device__ __forceinline__ void add_sum(int mt, int r, float sum, const float (&alpha)[M_TILES][2]) {
+        if constexpr (COMPACT) {
+            tile_l[mt][r] = sum;
+        } else {
+            row_l[mt][r] = row_l[mt][r] * alpha[mt][r] + sum;
+            if constexpr (LP == LP_THREAD) row_lp[mt][r] *= alpha[mt][r];
+        }
+    }
+
     // The running max and alpha of this tile, l (and lp rescaled by alpha); emit gets each pair of p.
     // p = exp2(s * scale_log2 - base) with base the row's new max (exp_base).
     template <typename F>
@@ -104,19 +134,7 @@ struct OnlineSoftmax {
         for (int mt = 0; mt < M_TILES; ++mt) {
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-                float mx = -CUFLASH_INF;
-#pragma unroll
-                for (int nt = 0; nt < N_TILES; ++nt)
-                    mx = fmaxf(mx, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
-                float m_new = fmaxf(row_m[mt][r], __fmul_rn(quad_max(mx), scale_log2));
-                if constexpr (LAZY) {
-                    // keep the max unless the tile's exceeds it by more than LAZY_LOG2 (a row with
-                    // no key yet, m = -inf, takes any finite max); alpha is then exactly 1.
-                    if (!(m_new > row_m[mt][r] + LAZY_LOG2)) m_new = row_m[mt][r];
-                }
-                const float base = exp_base(m_new);
-                alpha[mt][r] = (LAZY && m_new == row_m[mt][r]) ? 1.f : fast_exp2(row_m[mt][r] - base);
-                row_m[mt][r] = m_new;
+                const float base = new_max(s, mt, r, scale_log2, alpha);
                 float sum = 0.f;  // this thread's part of the tile's row sum
 #pragma unroll
                 for (int nt = 0; nt < N_TILES; ++nt) {
@@ -126,12 +144,7 @@ struct OnlineSoftmax {
                     sum += p0;
                     sum += p1;
                 }
-                if constexpr (COMPACT) {
-                    tile_l[mt][r] = sum;
-                } else {
-                    row_l[mt][r] = row_l[mt][r] * alpha[mt][r] + sum;
-                    if constexpr (LP == LP_THREAD) row_lp[mt][r] *= alpha[mt][r];
-                }
+                add_sum(mt, r, sum, alpha);
             }
         }
     }
@@ -149,12 +162,62 @@ struct OnlineSoftmax {
     // The same with p left in s as float32, for the wgmma kernels: they pack P (rescale_and_pack)
     // only once the previous P V product has retired, since ptxas serializes every wgmma (C7513)
     // when an instruction defines registers that an in-flight wgmma reads.
+    // Here each p takes one fma, exp2(fma(s, scale_log2, -base)), not tile_exp's rounded product and
+    // subtraction: the exact product minus base errs from tile_exp's value only for the row's largest
+    // keys, by up to the rounding error of base = round(max * scale_log2), half an ulp of |base|. While
+    // every |base| of the warp is below FMA_EXP_LIMIT that is at most 2^-8, so the row's largest p is
+    // within 0.3 % of 1 (O / lp and lse use the same p, so they stay consistent); the ulp is reached
+    // only by logits of 2^16 log2 units and more, and then (a warp vote) the tile is first scaled in
+    // place with rounded products, and the fma with 1 is tile_exp's subtraction exactly.
+    // FMA = false: tile_exp's form (the pingpong kernel, where the fma form measured 1.00-1.04x the time
+    // at head_dim 128 on an H100; bench/NOTES.md, session 24).
+    static constexpr float FMA_EXP_LIMIT = 65536.f;
+    template <bool FMA = true>
     __device__ __forceinline__ void prepare_in_place(float (&s)[M_TILES][N_TILES][4], float scale_log2,
                                                      float (&alpha)[M_TILES][2]) {
-        tile_exp(s, scale_log2, alpha, [&](int mt, int nt, int r, float p0, float p1) {
-            s[mt][nt][2 * r] = p0;
-            s[mt][nt][2 * r + 1] = p1;
-        });
+        if constexpr (!FMA) {
+            tile_exp(s, scale_log2, alpha, [&](int mt, int nt, int r, float p0, float p1) {
+                s[mt][nt][2 * r] = p0;
+                s[mt][nt][2 * r + 1] = p1;
+            });
+            return;
+        }
+        float base[M_TILES][2];
+        bool far = false;
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                base[mt][r] = new_max(s, mt, r, scale_log2, alpha);
+                far = far || !(fabsf(base[mt][r]) < FMA_EXP_LIMIT);  // NaN too
+            }
+        float sc = scale_log2;
+        if (__any_sync(0xffffffffu, far)) {
+#pragma unroll
+            for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) s[mt][nt][e] = __fmul_rn(s[mt][nt][e], scale_log2);
+            sc = 1.f;
+        }
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                float sum = 0.f;
+#pragma unroll
+                for (int nt = 0; nt < N_TILES; ++nt) {
+                    const float p0 = fast_exp2(fmaf(s[mt][nt][2 * r], sc, -base[mt][r]));
+                    const float p1 = fast_exp2(fmaf(s[mt][nt][2 * r + 1], sc, -base[mt][r]));
+                    s[mt][nt][2 * r] = p0;
+                    s[mt][nt][2 * r + 1] = p1;
+                    sum += p0;
+                    sum += p1;
+                }
+                add_sum(mt, r, sum, alpha);
+            }
+        }
     }
 
     // The sum of the rounded P of row g + 8r in this thread's registers of pp (two conversions and two

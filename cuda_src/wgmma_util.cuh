@@ -32,6 +32,18 @@ __device__ __forceinline__ u64 make_smem_desc(u32 addr, u32 lbo_bytes, u32 sbo_b
     return d;
 }
 
+// The descriptor of the address `bytes` (a multiple of 16) past d's. Shared-window addresses are below
+// 2^18, so the start-address field (bits 0-13: address / 16) takes bytes / 16 without carrying into
+// the next field, and only the low word changes.
+__device__ __forceinline__ u64 desc_plus(u64 d, u32 bytes) {
+    u32 lo, hi;
+    asm("mov.b64 {%0, %1}, %2;" : "=r"(lo), "=r"(hi) : "l"(d));
+    lo += bytes >> 4;
+    u64 r;
+    asm("mov.b64 %0, {%1, %2};" : "=l"(r) : "r"(lo), "r"(hi));
+    return r;
+}
+
 // Returns x through an opaque move. Descriptors built from the result are recomputed where they are
 // used instead of being hoisted out of a loop and held in registers for its whole length (which
 // costs two registers per descriptor and made the backward spill).
@@ -105,19 +117,21 @@ template <int N> __device__ __forceinline__ void fence_regs(u32 (&r)[N][4]) {
 //       tile of B_ROWS rows) both K-major SW128 tiles: Q K^T, K Q^T, V dO^T;
 //   acc += A B, A from registers (one fragment per k16 step), B an MN-major SW128 tile of B_ROWS
 //       rows (= K) starting at b_base: P V, P^T dO, dS^T Q.
+// Each step's descriptors are the first step's plus the byte offset / 16 in the start-address field
+// (desc_plus), so a step costs one 32-bit add where make_smem_desc's mask and shift cost four.
 template <typename T, int N, int K_DIM, int A_ROWS, int B_ROWS>
 __device__ __forceinline__ void wgmma_ss_kmajor(float (&acc)[N / 2], u32 a_base, u32 b_base) {
+    const u64 da = make_smem_desc(a_base, 16, 1024), db = make_smem_desc(b_base, 16, 1024);
 #pragma unroll
     for (int kk = 0; kk < K_DIM / 16; ++kk)
-        Wgmma<T, N>::template ss<0, 0>(acc, make_smem_desc(a_base + (kk / 4) * A_ROWS * 128 + (kk % 4) * 32, 16, 1024),
-                                       make_smem_desc(b_base + (kk / 4) * B_ROWS * 128 + (kk % 4) * 32, 16, 1024),
-                                       kk > 0);
+        Wgmma<T, N>::template ss<0, 0>(acc, desc_plus(da, (kk / 4) * A_ROWS * 128 + (kk % 4) * 32),
+                                       desc_plus(db, (kk / 4) * B_ROWS * 128 + (kk % 4) * 32), kk > 0);
 }
 template <typename T, int N, int K_STEPS, int B_ROWS>
 __device__ __forceinline__ void wgmma_rs_mnmajor(float (&acc)[N / 2], const u32 (&a)[K_STEPS][4], u32 b_base) {
+    const u64 db = make_smem_desc(b_base, B_ROWS * 128, 1024);
 #pragma unroll
-    for (int kk = 0; kk < K_STEPS; ++kk)
-        Wgmma<T, N>::template rs<1>(acc, a[kk], make_smem_desc(b_base + kk * 16 * 128, B_ROWS * 128, 1024), 1);
+    for (int kk = 0; kk < K_STEPS; ++kk) Wgmma<T, N>::template rs<1>(acc, a[kk], desc_plus(db, kk * 16 * 128), 1);
 }
 
 // Rows [row_from, ROWS) of a SW128 tile (all HEAD_DIM / 64 panels) set to zero by nthreads threads
