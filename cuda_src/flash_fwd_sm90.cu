@@ -14,7 +14,8 @@
 // Pipeline. K and V each have two shared-memory stages; V runs one tile behind K. Iteration j:
 //   wait for {K_j, V_(j-1)}; barrier; start copying {K_(j+1), V_j} into the other stages
 //   issue S_j = Q K_j^T and O += P_(j-1) V_(j-1) back to back (two wgmma groups)
-//   wait for S_j only; mask and online softmax on S_j while the P V product still runs
+//   wait for S_j only; mask and online softmax on S_j while the P V product still runs (each p one
+//   fma: softmax.cuh prepare_in_place)
 //   wait for P V; rescale O by alpha_j (only in a warp where a row's max moved: softmax.cuh LAZY); pack P_j
 // and after the loop O += P_(n-1) V_(n-1). The softmax of one tile so overlaps the tensor cores'
 // work on the previous one inside each warpgroup (FlashAttention-3's intra-warpgroup pipelining).

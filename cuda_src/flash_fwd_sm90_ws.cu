@@ -4,8 +4,10 @@
 // Algorithm: the online-softmax tiling of flash_fwd_sm90.cu, with the same products and the same
 // overlap inside each consumer warpgroup (S_j = Q K_j^T is issued with O += P_(j-1) V_(j-1); the
 // softmax of tile j runs while the P V product still runs). Without pingpong the online softmax is
-// LAZY (softmax.cuh): a warp rescales O only where a row's max moved by more than LAZY_LOG2. Nothing
-// of size seqlen_q x seqlen_k ever reaches device memory.
+// LAZY (softmax.cuh): a warp rescales O only where a row's max moved by more than LAZY_LOG2, and takes
+// each p in one fma (softmax.cuh prepare_in_place); the pingpong kernel keeps the eager rescale and the
+// rounded product (both measured slower there). Nothing of size seqlen_q x seqlen_k ever reaches
+// device memory.
 //
 // FEAT (the optional features of mask.cuh; padded and packed batches): as in flash_fwd_sm90.cu,
 // the key tiles of key_tiles, masks on the tiles a bound crosses, log2-unit logits for softcap /
