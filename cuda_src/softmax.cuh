@@ -72,7 +72,8 @@ constexpr int LP_THREAD = 0, LP_QUAD = 1, LP_TENSOR = 2;
 // Every p, l and lp stays relative to the same kept m, so O / lp and m + log2 l are unchanged in
 // exact arithmetic; the rounding of p to the element type is relative, so it errs alike at any
 // scale, and p <= 256, l <= 256 x seqlen_k are far from overflow in float32, fp16 and bf16. The row's
-// largest p is still >= 1 (the key that set the kept max gave exactly 1), as finalize assumes.
+// largest p is still >= 1 (the key that set the kept max gave exactly 1, or within 2^-8 of it in log2
+// where p takes one fma: prepare_in_place), as finalize assumes.
 // (FlashAttention-4's conditional rescaling, with its threshold 8.)
 constexpr float LAZY_LOG2 = 8.f;
 template <typename Ops, int M_TILES, int N_TILES, int LP = LP_THREAD, bool LAZY = false>
@@ -165,10 +166,10 @@ struct OnlineSoftmax {
     // Here each p takes one fma, exp2(fma(s, scale_log2, -base)), not tile_exp's rounded product and
     // subtraction: the exact product minus base errs from tile_exp's value only for the row's largest
     // keys, by up to the rounding error of base = round(max * scale_log2), half an ulp of |base|. While
-    // every |base| of the warp is below FMA_EXP_LIMIT that is at most 2^-8, so the row's largest p is
-    // within 0.3 % of 1 (O / lp and lse use the same p, so they stay consistent); the ulp is reached
-    // only by logits of 2^16 log2 units and more, and then (a warp vote) the tile is first scaled in
-    // place with rounded products, and the fma with 1 is tile_exp's subtraction exactly.
+    // every |base| of the warp is below FMA_EXP_LIMIT that is at most 2^-8, so the p of the key that
+    // set the base is within 0.3 % of 1 (O / lp and lse use the same p, so they stay consistent); the
+    // ulp is reached only by logits of 2^16 log2 units and more, and then (a warp vote) the tile is
+    // first scaled in place with rounded products, and the fma with 1 is tile_exp's subtraction exactly.
     // FMA = false: tile_exp's form (the pingpong kernel, where the fma form measured 1.00-1.04x the time
     // at head_dim 128 on an H100; bench/NOTES.md, session 24).
     static constexpr float FMA_EXP_LIMIT = 65536.f;
@@ -282,8 +283,9 @@ struct OnlineSoftmax {
     }
 
     // Returns 1/lp (0 for a row that saw no key, whose output is then exactly 0) and the
-    // natural-log logsumexp (-inf for such a row). A row that saw a key has lp >= 1: its largest
-    // key's p is exactly 1, and no later alpha shrinks it.
+    // natural-log logsumexp (-inf for such a row). A row that saw a key has lp >= 1 (>= 2^(-2^-8) where
+    // p takes one fma: prepare_in_place): its largest key's p is 1 (within that), and no later alpha
+    // shrinks it.
     __device__ __forceinline__ void finalize(float (&inv_l)[M_TILES][2], float (&lse)[M_TILES][2]) {
         const float LN2 = 0.6931471805599453f;
 #pragma unroll
@@ -300,7 +302,8 @@ struct OnlineSoftmax {
 
     // finalize with a sink logit (log2 units; -inf: none, and then the same as finalize): a key of
     // value 0 joined after the last tile, so that P stays relative to the keys' own max and the
-    // largest key's P is exactly 1 before its rounding for P V. With m' = max(m, sink):
+    // largest key's P is 1 (within 2^-8 in log2 where p takes one fma) before its rounding for P V.
+    // With m' = max(m, sink):
     //   l' = l * exp2(m - m') + exp2(sink - m'),   lse = m' + log2 l',
     //   O' = O * exp2(m - m') / (lp * exp2(m - m') + exp2(sink - m'))  (the sink's weight unrounded)
     // (no term exceeds 1, so nothing overflows whatever the sink). A row with no visible key and a
