@@ -70,10 +70,13 @@
 // sees as many arrivals as waits (n_blocks + 1 each); a block with no key tile uses none.
 //
 // Shared memory: sQ[1, or 2 PERSISTENT] (BLOCK_M x HEAD_DIM), sK[STAGES], sV[STAGES] (BLOCK_N x
-// HEAD_DIM), all SW128 panels
-// (wgmma_util.cuh) filled by TMA (tma.cuh; box {64 columns, rows}: one copy per panel, rows past the
-// tensor's end as zeros), then the barriers. Each consumer writes its O rows out through its own rows
-// of sQ. Causal alignment, the empty-row convention, FwdParams and the grid mapping are those of
+// HEAD_DIM), all SW128 panels (wgmma_util.cuh) filled by TMA (tma.cuh; box {64 columns, rows}: one
+// copy per panel, rows past the tensor's end as zeros), then the barriers. Up to head_dim 128
+// (ONES_PV) each V stage is followed by one more panel, of ones, written once at the start: P V is
+// then one m64n(HEAD_DIM + 8) product whose last 8 columns are P x ones, the row sums of the rounded
+// P (lp, softmax.cuh LP_TENSOR), rescaled with O; the 8 columns it reads past V's are ones whatever
+// the swizzle, since the whole panel is. Each consumer writes its O rows out through its own rows of
+// sQ. Causal alignment, the empty-row convention, FwdParams and the grid mapping are those of
 // flash_fwd.cu.
 #include "blocks.cuh"
 #include "common.cuh"
@@ -103,11 +106,17 @@ struct FwdWsTraits {
     static constexpr int D_TILES = HEAD_DIM / 8;
     static constexpr int SQ_BYTES = BLOCK_M * HEAD_DIM * 2;
     static constexpr int SKV_BYTES = BLOCK_N * HEAD_DIM * 2;
+    // ONES_PV (the row sum lp on the tensor cores, head_dim <= 128: fwd_sm90_lp): each V stage is
+    // followed by a panel of ones, so that P V as one m64n(HEAD_DIM + 8) product also yields P x ones.
+    static constexpr bool ONES_PV = HEAD_DIM <= 128;
+    static constexpr int ONES_PANEL_BYTES = ONES_PV ? BLOCK_N * 128 : 0;
+    static constexpr int SV_BYTES = SKV_BYTES + ONES_PANEL_BYTES;
+    static constexpr int PV_N = HEAD_DIM + (ONES_PV ? 8 : 0);
     static constexpr int QBUF = PERSISTENT ? 2 : 1;  // Q buffers
     static constexpr int BAR_BYTES = 8 * (QBUF + 4 * STAGES + (PERSISTENT ? 2 : 0));
-    // sQ[QBUF], sK[STAGES], sV[STAGES], the barriers, plus 1024 bytes to align the start to 1024.
-    // Must equal cuflash/_config.py:fwd_ws_smem_bytes.
-    static constexpr int SMEM_BYTES = QBUF * SQ_BYTES + 2 * STAGES * SKV_BYTES + BAR_BYTES + 1024;
+    // sQ[QBUF], sK[STAGES], sV[STAGES] (each with its ones panel), the barriers, plus 1024 bytes to
+    // align the start to 1024. Must equal cuflash/_config.py:fwd_ws_smem_bytes.
+    static constexpr int SMEM_BYTES = QBUF * SQ_BYTES + STAGES * (SKV_BYTES + SV_BYTES) + BAR_BYTES + 1024;
     // The register file (64K) split: 24 a producer thread, the rest among the consumers' (a
     // multiple of 8): 240 with two consumers, 160 with three.
     static constexpr int PRODUCER_REGS = 24;
@@ -131,14 +140,13 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     constexpr int LP = fwd_sm90_lp<HEAD_DIM>();  // where the sum of the rounded P comes from
-    __shared__ __align__(128) unsigned char s_ones_raw[LP == LP_TENSOR ? ONES_BYTES : 16];  // B of P x ones (lp)
-    const u32 s_ones = smem_addr(s_ones_raw);
+    static_assert(Tr::ONES_PV == (LP == LP_TENSOR), "lp on the tensor cores: the ones panel after V");
     unsigned char* sQ_ptr;
     const u32 sQ = smem_aligned_1024(smem_raw, sQ_ptr);
     constexpr int QB = Tr::QBUF;
     const u32 sK = sQ + QB * Tr::SQ_BYTES;
     const u32 sV = sK + STAGES * Tr::SKV_BYTES;
-    const u32 s_bar = sV + STAGES * Tr::SKV_BYTES;
+    const u32 s_bar = sV + STAGES * Tr::SV_BYTES;
     auto bar_q = [&](int b) { return s_bar + 8u * (u32)b; };
     auto k_full = [&](int s) { return s_bar + 8u * (u32)(QB + s); };
     auto v_full = [&](int s) { return s_bar + 8u * (u32)(QB + STAGES + s); };
@@ -201,8 +209,10 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
         }
         fence_mbar_init();
     }
-    if constexpr (LP == LP_TENSOR) {
-        fill_ones<T>(s_ones, tid, Tr::THREADS);
+    if constexpr (Tr::ONES_PV) {
+        // every stage's ones panel (all 64 columns, so the swizzle may put column 0 anywhere)
+        for (int st = 0; st < STAGES; ++st)
+            fill_ones_bytes<T>(sV + st * Tr::SV_BYTES + Tr::SKV_BYTES, Tr::ONES_PANEL_BYTES, tid, Tr::THREADS);
         fence_proxy_async();
     }
     __syncthreads();  // barriers initialized, the ones written: the warpgroups go their ways
@@ -238,7 +248,7 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
                 for (int j = 0; j < w.n_blocks; ++j) {
                     const int jj = j0 + j, s = jj % STAGES, uk = jj / STAGES, n = tile_of(j) * BLOCK_N;
                     load_kv(sK + s * Tr::SKV_BYTES, &p.map_k, k_full(s), k_empty(s), uk, n);
-                    load_kv(sV + s * Tr::SKV_BYTES, &p.map_v, v_full(s), v_empty(s), uk, n);
+                    load_kv(sV + s * Tr::SV_BYTES, &p.map_v, v_full(s), v_empty(s), uk, n);
                 }
                 j0 += w.n_blocks;
                 if constexpr (!PERSISTENT) break;  // one work tile: let the compiler see it
@@ -274,10 +284,12 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
         const QueryFeat& qf = w.qf;
         auto tile_of = [&](int it) { if constexpr (FEAT) return qf.kt.tile(it); else return it; };
 
-        float acc_o[HEAD_DIM / 2];
+        // O, and (ONES_PV) after its HEAD_DIM / 2 floats P x ones: lp of rows g, g + 8 in elements
+        // HEAD_DIM / 2 and HEAD_DIM / 2 + 2 (softmax.cuh LP_TENSOR).
+        constexpr int PV_N = Tr::PV_N;
+        float acc_o[PV_N / 2];
 #pragma unroll
-        for (int i = 0; i < HEAD_DIM / 2; ++i) acc_o[i] = 0.f;
-        float acc_lp[4] = {0.f, 0.f, 0.f, 0.f};  // LP_TENSOR: P x ones, lp of rows g, g + 8 (softmax.cuh)
+        for (int i = 0; i < PV_N / 2; ++i) acc_o[i] = 0.f;
         OnlineSoftmax<Ops, 1, N_TILES, LP, LAZY> softmax;
         softmax.init();
         u32 pa[PV_STEPS][4];  // P of the previous tile, as wgmma A fragments (one per k16 step of keys)
@@ -309,8 +321,7 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
             wgmma_ss_kmajor<T, BLOCK_N, HEAD_DIM, BLOCK_M, BLOCK_N>(sc_, sQ_wg, sK + s * Tr::SKV_BYTES);
             wgmma_commit();
             if (!first) {
-                wgmma_rs_mnmajor<T, HEAD_DIM, PV_STEPS, BLOCK_N>(acc_o, pa, sV + sp * Tr::SKV_BYTES);
-                if constexpr (LP == LP_TENSOR) wgmma_rs_rowsum<T, PV_STEPS>(acc_lp, pa, s_ones);
+                wgmma_rs_mnmajor<T, PV_N, PV_STEPS, BLOCK_N>(acc_o, pa, sV + sp * Tr::SV_BYTES);
                 wgmma_commit();
             }
             if constexpr (PINGPONG) named_barrier_arrive(PP_BAR + 1 - cw, 256);  // the other's turn
@@ -336,15 +347,11 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
             if (!first) {
                 wgmma_wait<0>();
                 fence_regs(acc_o);
-                if constexpr (LP == LP_TENSOR) fence_regs(acc_lp);
                 fence_regs(pa);
                 if (lane == 0) mbar_arrive(v_empty(sp));  // this warp is done with V_(j-1)
             }
             const bool rescale = !first && (!LAZY || warp_needs_rescale(alpha));  // iteration 0: O and lp are still 0
-            rescale_and_pack<Ops, HEAD_DIM, BLOCK_N>(acc_o, alpha, pa, sc_, rescale);
-            if constexpr (LP == LP_TENSOR) {
-                if (rescale) rescale_lp(acc_lp, alpha);
-            }
+            rescale_and_pack<Ops, PV_N, BLOCK_N>(acc_o, alpha, pa, sc_, rescale);  // lp with O
         };
         if (n_blocks > 0) key_tile(0, true, true);
         int n_mid = 1;
@@ -365,15 +372,14 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
                 // the same zeros, each before its own product.
                 const int n_last = tile_of(n_blocks - 1) * BLOCK_N;
                 if (n_last + BLOCK_N > w.k_valid) {
-                    zero_rows_sw128<HEAD_DIM, BLOCK_N>(sV + sp * Tr::SKV_BYTES, max(w.k_valid - n_last, 0), tid % 128, 128);
+                    zero_rows_sw128<HEAD_DIM, BLOCK_N>(sV + sp * Tr::SV_BYTES, max(w.k_valid - n_last, 0), tid % 128, 128);
                     fence_proxy_async();
                     named_barrier_sync(1 + cw, 128);
                 }
             }
             if constexpr (PINGPONG) named_barrier_sync(PP_BAR + cw, 256);
             wgmma_fence();
-            wgmma_rs_mnmajor<T, HEAD_DIM, PV_STEPS, BLOCK_N>(acc_o, pa, sV + sp * Tr::SKV_BYTES);
-            if constexpr (LP == LP_TENSOR) wgmma_rs_rowsum<T, PV_STEPS>(acc_lp, pa, s_ones);
+            wgmma_rs_mnmajor<T, PV_N, PV_STEPS, BLOCK_N>(acc_o, pa, sV + sp * Tr::SV_BYTES);
             wgmma_commit();
             // Consumer 1 goes last: nothing waits for a turn after its final product.
             if constexpr (PINGPONG) {
@@ -382,7 +388,6 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
             if constexpr (LP == LP_THREAD) softmax.add_rounded(*reinterpret_cast<const u32(*)[1][N_TILES][2]>(&pa));
             wgmma_wait<0>();
             fence_regs(acc_o);
-            if constexpr (LP == LP_TENSOR) fence_regs(acc_lp);
             if (PERSISTENT && lane == 0) mbar_arrive(v_empty(sp));  // the stage's next fill may come
         }
         // This consumer's four warps are done reading its rows of sQ: O goes out through them.
@@ -390,7 +395,7 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
 
         // ---- epilogue: O /= lp, lse, O through this warp's 16 rows of sQ ----
         float inv_l[1][2], lse[1][2];
-        if constexpr (LP == LP_TENSOR) softmax.take_lp(acc_lp);
+        if constexpr (LP == LP_TENSOR) softmax.take_lp(*reinterpret_cast<const float(*)[4]>(&acc_o[HEAD_DIM / 2]));
         if constexpr (FEAT) {
             // A sink logit joins here, after the last key tile (softmax.cuh); -inf: none.
             const float* sink = p.mask.sink_logits;
@@ -409,7 +414,8 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
         } else {
             softmax.finalize(inv_l, lse);
         }
-        o_rows_to_smem<Ops, HEAD_DIM, BLOCK_M>(sQ_tile, acc_o, inv_l, warp_row0, g, t);
+        o_rows_to_smem<Ops, HEAD_DIM, BLOCK_M>(sQ_tile, *reinterpret_cast<const float(*)[HEAD_DIM / 2]>(&acc_o[0]), inv_l,
+                                               warp_row0, g, t);
         // lse == nullptr: the caller wants only O (an eager forward with no gradient and no lse).
         if (t == 0 && p.lse != nullptr) {
             float* g_lse = FEAT ? p.lse + b * p.mask.lse_batch_stride + h * p.mask.lse_head_stride + w.q_row0

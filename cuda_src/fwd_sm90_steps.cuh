@@ -121,7 +121,9 @@ __device__ __forceinline__ void rescale_and_pack(float (&acc_o)[HEAD_DIM / 2], c
 // head_dim 128; on the ALU after the P V issue (LP_THREAD) at 256, whose 32-key tiles make the two
 // extra wgmmas a tile a longer wait than the adds. Against the previous kernels on an H100, in one
 // process (bench/NOTES.md, session 19): tensor cores d64 1.03-1.05, d128 1.03-1.07, d256 1.05-1.11;
-// ALU d64 1.07-1.13, d128 1.05-1.07, d256 0.98-1.08.
+// ALU d64 1.07-1.13, d128 1.05-1.07, d256 0.98-1.08. The warp-specialized kernel (session 25) makes
+// the row sum 8 more columns of its P V product instead of its own wgmmas: 0.966 of the time (d64 and
+// d128, 40 rows, 0.93-1.01).
 template <int HEAD_DIM> __host__ __device__ constexpr int fwd_sm90_lp() { return HEAD_DIM <= 128 ? LP_TENSOR : LP_THREAD; }
 
 // The accumulator of P times ones (wgmma_rs_rowsum: lp of rows g, g + 8) rescaled with O.

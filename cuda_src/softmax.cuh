@@ -58,9 +58,10 @@ __device__ __forceinline__ float exp_base(float m) { return m == -CUFLASH_INF ? 
 //     spare: ptxas spilled): one register per m-tile, lanes t = 0, 1 of the quad hold l of row
 //     g + 8t and lanes 2, 3 lp of row g + 8(t - 2), each summed over the quad; each tile goes in
 //     by commit (a reduce-scatter, 3 shuffles).
-//   LP_TENSOR (the wgmma forwards up to head_dim 128): lp is the caller's: P times a block of ones
-//     on the tensor cores, an accumulator rescaled with O (wgmma_rs_rowsum); take_lp hands it over
-//     before finalize.
+//   LP_TENSOR (the wgmma forwards up to head_dim 128): lp is the caller's: P times ones on the
+//     tensor cores, an accumulator rescaled with O (flash_fwd_sm90.cu: wgmma_rs_rowsum; the warp-
+//     specialized kernel: 8 more columns of its P V product, over a ones panel after each V
+//     stage); take_lp hands it over before finalize.
 // Summing the rounded P costs the forward about 4 to 6 % of its GPU time on an H100, in any of
 // these forms (bench/NOTES.md, session 19): the kernels are bound by their ALU work and by the
 // latency of each tile's chain, so neither pipe takes it for free; fwd_sm90_steps.cuh says which

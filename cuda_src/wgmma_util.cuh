@@ -83,6 +83,11 @@ __device__ __forceinline__ u64 ones_desc(u32 addr) {
 template <typename T> __device__ __forceinline__ void fill_ones(u32 ones, int i, int nthreads) {
     for (int c = i; c < ONES_BYTES / 4; c += nthreads) st_shared_u32(ones + 4 * c, ElemOps<T>::ONES2);
 }
+// bytes (a multiple of 16) of 1.0 in T from ones on, by nthreads threads (this one number i).
+template <typename T> __device__ __forceinline__ void fill_ones_bytes(u32 ones, int bytes, int i, int nthreads) {
+    for (int c = i; c < bytes / 16; c += nthreads)
+        asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};" :: "r"(ones + 16 * c), "r"(ElemOps<T>::ONES2) : "memory");
+}
 template <typename T, int K_STEPS>
 __device__ __forceinline__ void wgmma_rs_rowsum(float (&acc)[4], const u32 (&a)[K_STEPS][4], u32 ones) {
 #pragma unroll

@@ -295,7 +295,8 @@ def fwd_ws_smem_bytes(head_dim: int, block_n: int, stages: int = FWD_WS_STAGES, 
     """sQ (64 rows a consumer; two buffers when persistent), the K and V rings, the mbarriers, and 1024
     bytes of alignment slack. Must equal FwdWsTraits::SMEM_BYTES."""
     qbuf = 2 if persistent else 1
-    return (qbuf * 64 * consumers * head_dim * 2 + 2 * stages * block_n * head_dim * 2
+    ones = block_n * 128 if head_dim <= 128 else 0  # FwdWsTraits::ONES_PANEL_BYTES, after each V stage
+    return (qbuf * 64 * consumers * head_dim * 2 + stages * (2 * block_n * head_dim * 2 + ones)
             + 8 * (qbuf + 4 * stages + (2 if persistent else 0)) + 1024)
 
 

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 # (N of m64nNk16) for which wrappers exist; both operand forms, both 16-bit types.
-SHAPES = (8, 32, 64, 96, 128, 192, 256)
+SHAPES = (8, 32, 64, 72, 96, 128, 136, 192, 256)
 TYPES = (("f16", "f16"), ("bf16", "bf16"))
 
 HEADER = """\
