@@ -25,18 +25,24 @@
 //
 // Shared memory: sQ (BLOCK_M x HEAD_DIM), sK[2], sV[2] (BLOCK_N x HEAD_DIM), all in the SW128 panel
 // layout of wgmma_util.cuh. HEAD_DIM is a multiple of 64. The epilogue writes O through sQ.
+// At head_dim 64 (ONES_PV) 16 rows of ones follow the V stages (2048 bytes, 1024-aligned): P V is
+// one m64n72 product a k16 step whose columns 64-71 are P x ones, the row sums of the rounded P (lp,
+// softmax.cuh LP_TENSOR), rescaled with O (wgmma_util.cuh wgmma_rs_mnmajor_ones). The product reads
+// only one 16-byte chunk of each of those rows, so the TMA variant's mbarriers sit in bytes 32-63 of
+// the first, which the fill skips.
 //
-// TMA (experimental, docs/hopper_plan.md step 1; not yet run on a GPU, selected only with
-// CUFLASH_FWD_TMA=1, plain calls only): K and V tiles come through TMA copies instead of cp.async
-// from every thread. The Params are then FwdTmaParams, FwdParams plus a tensor map for K and one for
-// V (cuflash/_tma.py kv_map: box {64 columns, BLOCK_N rows}, 128-byte swizzle, so each copy fills
-// one SW128 panel; rows past seqlen_k arrive as zeros, as cp.async's zero-fill gave them). Four
-// mbarriers (K and V, two stages each) follow the V stages in shared memory. Thread 0 arms a
-// stage's barrier with the tile's bytes and issues one copy per panel, right after the loop-top
-// barrier that says every warpgroup is done with that stage; every thread waits on a stage's
-// barrier before that loop-top barrier. Stage s's u-th load completes phase u, so K_j is waited
-// with parity (j / 2) % 2 and V_(j-1) with ((j - 1) / 2) % 2 (from j = 1 on: iteration 0 reads no
-// V). Q still comes by cp.async.
+// TMA (plain calls whose layout fits a tensor map: cuflash/_config.py fwd_tma_mode; the default
+// at head_dim 64 below the warp-specialized kernel's lengths): K and V tiles come through TMA copies
+// instead of cp.async from every thread. The Params are then FwdTmaParams, FwdParams plus a tensor
+// map for K and one for V (cuflash/_tma.py kv_map: box {64 columns, BLOCK_N rows}, 128-byte
+// swizzle, so each copy fills one SW128 panel; rows past seqlen_k arrive as zeros, as cp.async's
+// zero-fill gave them). Four mbarriers (K and V, two stages each) follow the V stages in shared
+// memory (at head_dim 64 they sit inside the ones rows, above). Thread 0 arms a stage's barrier
+// with the tile's bytes and issues one copy per panel, right after the loop-top barrier that says
+// every warpgroup is done with that stage; every thread waits on a stage's barrier before that
+// loop-top barrier. Stage s's u-th load completes phase u, so K_j is waited with parity (j / 2) % 2
+// and V_(j-1) with ((j - 1) / 2) % 2 (from j = 1 on: iteration 0 reads no V). Q still comes by
+// cp.async.
 //
 // Causal alignment, the empty-row convention, the grid mapping and FwdParams are those of
 // flash_fwd.cu, and so is FEAT (the optional features of mask.cuh): the key tiles of key_tiles,
@@ -71,10 +77,15 @@ struct FwdSm90Traits {
     static constexpr int D_TILES = HEAD_DIM / 8;
     static constexpr int SQ_BYTES = BLOCK_M * HEAD_DIM * 2;
     static constexpr int SKV_BYTES = BLOCK_N * HEAD_DIM * 2;
-    // sQ, sK[2], sV[2], plus 1024 bytes to align the start to 1024. Must equal
-    // cuflash/_config.py:fwd_smem_bytes. The TMA variant adds its four mbarriers.
-    static constexpr int SMEM_BYTES = SQ_BYTES + 4 * SKV_BYTES + 1024;
-    static constexpr int TMA_BAR_BYTES = 64;
+    // ONES_PV (head_dim 64): lp as 8 more columns of P V, over 16 rows of ones after sV (header).
+    static constexpr bool ONES_PV = HEAD_DIM == 64;
+    static constexpr int ONES_REGION_BYTES = ONES_PV ? ONES_PV_BYTES : 0;
+    static constexpr int PV_N = HEAD_DIM + (ONES_PV ? 8 : 0);
+    // sQ, sK[2], sV[2], the ones, plus 1024 bytes to align the start to 1024. Must equal
+    // cuflash/_config.py:fwd_smem_bytes. The TMA variant adds its four mbarriers, unless they sit in
+    // the ones rows' unread bytes (ONES_PV: cuflash/_config.py fwd_tma_bar_bytes).
+    static constexpr int SMEM_BYTES = SQ_BYTES + 4 * SKV_BYTES + ONES_REGION_BYTES + 1024;
+    static constexpr int TMA_BAR_BYTES = ONES_PV ? 0 : 64;
 
     static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM <= 256, "head_dim: a multiple of 64 up to 256");
     static_assert(BLOCK_M % 64 == 0 && BLOCK_N % 16 == 0 && BLOCK_N <= 256, "tile shape");
@@ -92,14 +103,21 @@ flash_fwd_sm90_kernel(const __grid_constant__ typename FwdSm90ParamsOf<TMA>::typ
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     constexpr int LP = fwd_sm90_lp<HEAD_DIM>();  // where the sum of the rounded P comes from
-    __shared__ __align__(128) unsigned char s_ones_raw[LP == LP_TENSOR ? ONES_BYTES : 16];  // B of P x ones (lp)
-    const u32 s_ones = smem_addr(s_ones_raw);
+    constexpr bool ONES_PV = Tr::ONES_PV;
+    constexpr int PV_N = Tr::PV_N;
+    static_assert(!ONES_PV || LP == LP_TENSOR, "the ones columns of P V are LP_TENSOR's lp");
+    u32 s_ones = 0;  // B of P x ones (lp) as its own product: LP_TENSOR above head_dim 64
+    if constexpr (LP == LP_TENSOR && !ONES_PV) {
+        __shared__ __align__(128) unsigned char s_ones_raw[ONES_BYTES];
+        s_ones = smem_addr(s_ones_raw);
+    }
     unsigned char* sQ_ptr;
     const u32 sQ = smem_aligned_1024(smem_raw, sQ_ptr);
     const u32 sK = sQ + Tr::SQ_BYTES;
     const u32 sV = sK + 2 * Tr::SKV_BYTES;
-    // TMA: mbarriers of K stages 0, 1 and V stages 0, 1, 8 bytes each.
-    const u32 s_bar = sV + 2 * Tr::SKV_BYTES;
+    const u32 s_ones_pv = sV + 2 * Tr::SKV_BYTES;  // ONES_PV: the 16 rows of ones (1024-aligned)
+    // TMA: mbarriers of K stages 0, 1 and V stages 0, 1, 8 bytes each (ONES_PV: in the ones rows).
+    const u32 s_bar = ONES_PV ? s_ones_pv + ONES_PV_BAR_OFFSET : sV + 2 * Tr::SKV_BYTES;
     auto bar_k = [&](int stage) { return s_bar + 8u * (u32)stage; };
     auto bar_v = [&](int stage) { return s_bar + 16u + 8u * (u32)stage; };
 
@@ -158,14 +176,19 @@ flash_fwd_sm90_kernel(const __grid_constant__ typename FwdSm90ParamsOf<TMA>::typ
     }
     cp_async_commit();
 
-    float acc_o[HEAD_DIM / 2];
+    // O, and (ONES_PV) after its HEAD_DIM / 2 floats P x ones: lp of rows g, g + 8 in elements
+    // HEAD_DIM / 2 and HEAD_DIM / 2 + 2 (softmax.cuh LP_TENSOR).
+    float acc_o[PV_N / 2];
 #pragma unroll
-    for (int i = 0; i < HEAD_DIM / 2; ++i) acc_o[i] = 0.f;
-    float acc_lp[4] = {0.f, 0.f, 0.f, 0.f};  // LP_TENSOR: P x ones, lp of rows g, g + 8 (softmax.cuh)
+    for (int i = 0; i < PV_N / 2; ++i) acc_o[i] = 0.f;
+    float acc_lp[4] = {0.f, 0.f, 0.f, 0.f};  // LP_TENSOR above head_dim 64: P x ones, lp of rows g, g + 8
     OnlineSoftmax<Ops, 1, N_TILES, LP, true> softmax;  // LAZY: O's rescale only where a max moved
-    if constexpr (LP == LP_TENSOR) {
-        fill_ones<T>(s_ones, tid, THREADS);
+    if constexpr (ONES_PV) {
+        fill_ones_pv<T>(s_ones_pv, tid, THREADS);
         fence_proxy_async();  // before the loop's first barrier, which precedes every wgmma
+    } else if constexpr (LP == LP_TENSOR) {
+        fill_ones<T>(s_ones, tid, THREADS);
+        fence_proxy_async();
     }
     softmax.init();
     u32 pa[PV_STEPS][4];  // P of the previous tile, as wgmma A fragments (one per k16 step of keys)
@@ -175,6 +198,16 @@ flash_fwd_sm90_kernel(const __grid_constant__ typename FwdSm90ParamsOf<TMA>::typ
     // This warp's first query row inside the block, and its warpgroup's rows of sQ.
     const int warp_row0 = wg * 64 + (warp % 4) * 16;
     const u32 sQ_wg = sQ + wg * 64 * 128;
+
+    // O += P V from the V stage at sVp, with lp (LP_TENSOR): the ones columns, or their own product.
+    auto pv_product = [&](u32 sVp) {
+        if constexpr (ONES_PV) {
+            wgmma_rs_mnmajor_ones<T, PV_STEPS, BLOCK_N>(acc_o, pa, sVp, s_ones_pv);
+        } else {
+            wgmma_rs_mnmajor<T, HEAD_DIM, PV_STEPS, BLOCK_N>(acc_o, pa, sVp);
+            if constexpr (LP == LP_TENSOR) wgmma_rs_rowsum<T, PV_STEPS>(acc_lp, pa, s_ones);
+        }
+    };
 
     // Key tile j: S_j with O += P_(j-1) V_(j-1), then the softmax of S_j. Both flags are constants at
     // each call, which the compiler folds. first (j == 0): S_0 alone, since there is no previous
@@ -215,8 +248,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ typename FwdSm90ParamsOf<TMA>::typ
         wgmma_ss_kmajor<T, BLOCK_N, HEAD_DIM, BLOCK_M, BLOCK_N>(s, sQ_wg, sKj);
         wgmma_commit();
         if (!first) {
-            wgmma_rs_mnmajor<T, HEAD_DIM, PV_STEPS, BLOCK_N>(acc_o, pa, sVp);
-            if constexpr (LP == LP_TENSOR) wgmma_rs_rowsum<T, PV_STEPS>(acc_lp, pa, s_ones);
+            pv_product(sVp);
             wgmma_commit();
         }
         if constexpr (LP == LP_THREAD) {
@@ -241,12 +273,12 @@ flash_fwd_sm90_kernel(const __grid_constant__ typename FwdSm90ParamsOf<TMA>::typ
         if (!first) {
             wgmma_wait<0>();
             fence_regs(acc_o);
-            if constexpr (LP == LP_TENSOR) fence_regs(acc_lp);
+            if constexpr (LP == LP_TENSOR && !ONES_PV) fence_regs(acc_lp);
             fence_regs(pa);
         }
         const bool rescale = !first && warp_needs_rescale(alpha);  // iteration 0: O and lp are still 0
-        rescale_and_pack<Ops, HEAD_DIM, BLOCK_N>(acc_o, alpha, pa, s, rescale);
-        if constexpr (LP == LP_TENSOR) {
+        rescale_and_pack<Ops, PV_N, BLOCK_N>(acc_o, alpha, pa, s, rescale);  // ONES_PV: lp with O
+        if constexpr (LP == LP_TENSOR && !ONES_PV) {
             if (rescale) rescale_lp(acc_lp, alpha);
         }
     };
@@ -269,19 +301,22 @@ flash_fwd_sm90_kernel(const __grid_constant__ typename FwdSm90ParamsOf<TMA>::typ
     if (n_blocks > 0) {
         const u32 sVp = sV + ((n_blocks - 1) % 2) * Tr::SKV_BYTES;
         wgmma_fence();
-        wgmma_rs_mnmajor<T, HEAD_DIM, PV_STEPS, BLOCK_N>(acc_o, pa, sVp);
-        if constexpr (LP == LP_TENSOR) wgmma_rs_rowsum<T, PV_STEPS>(acc_lp, pa, s_ones);
+        pv_product(sVp);
         wgmma_commit();
         if constexpr (LP == LP_THREAD) softmax.add_rounded(*reinterpret_cast<const u32(*)[1][N_TILES][2]>(&pa));
         wgmma_wait<0>();
         fence_regs(acc_o);
-        if constexpr (LP == LP_TENSOR) fence_regs(acc_lp);
+        if constexpr (LP == LP_TENSOR && !ONES_PV) fence_regs(acc_lp);
     }
     __syncthreads();  // every warpgroup is done reading sQ: O goes out through it
 
     // ---- epilogue: O /= lp, lse, O through this warp's 16 rows of sQ ----
     float inv_l[1][2], lse[1][2];
-    if constexpr (LP == LP_TENSOR) softmax.take_lp(acc_lp);
+    if constexpr (ONES_PV) {
+        softmax.take_lp(*reinterpret_cast<const float(*)[4]>(&acc_o[HEAD_DIM / 2]));
+    } else if constexpr (LP == LP_TENSOR) {
+        softmax.take_lp(acc_lp);
+    }
     if constexpr (FEAT) {
         // A sink logit joins here, after the last key tile (softmax.cuh); -inf: none.
         const float* sink = p.mask.sink_logits;
@@ -298,7 +333,8 @@ flash_fwd_sm90_kernel(const __grid_constant__ typename FwdSm90ParamsOf<TMA>::typ
                 lse[0][r] = -CUFLASH_INF;
             }
     }
-    o_rows_to_smem<Ops, HEAD_DIM, BLOCK_M>(sQ_ptr, acc_o, inv_l, warp_row0, g, t);
+    o_rows_to_smem<Ops, HEAD_DIM, BLOCK_M>(sQ_ptr, *reinterpret_cast<const float(*)[HEAD_DIM / 2]>(&acc_o[0]), inv_l,
+                                           warp_row0, g, t);
     // lse == nullptr: the caller wants only O (an eager forward with no gradient and no lse).
     if (t == 0 && p.lse != nullptr) {
         float* g_lse = FEAT ? p.lse + b * p.mask.lse_batch_stride + h * p.mask.lse_head_stride + qf.si.q_row0

@@ -88,6 +88,17 @@ template <typename T> __device__ __forceinline__ void fill_ones_bytes(u32 ones, 
     for (int c = i; c < bytes / 16; c += nthreads)
         asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};" :: "r"(ones + 16 * c), "r"(ElemOps<T>::ONES2) : "memory");
 }
+// The ones of P V at head_dim 64 (flash_fwd_sm90.cu ONES_PV): 16 rows of a SW128 panel (2048 bytes,
+// 1024-aligned) that an m64n72 MN-major product reads as its columns 64-71 (one 16-byte chunk a
+// row: chunk r % 8 of row r), whatever V stage and k16 step it is on (wgmma_rs_mnmajor_ones). Bytes
+// ONES_PV_BAR_OFFSET to + 32 of the first row are never read: the caller's mbarriers may live there,
+// and fill_ones_pv leaves them alone.
+constexpr int ONES_PV_BYTES = 2048, ONES_PV_BAR_OFFSET = 32;
+template <typename T> __device__ __forceinline__ void fill_ones_pv(u32 ones, int i, int nthreads) {
+    for (int c = i; c < ONES_PV_BYTES / 16; c += nthreads)
+        if (c != ONES_PV_BAR_OFFSET / 16 && c != ONES_PV_BAR_OFFSET / 16 + 1)
+            asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};" :: "r"(ones + 16 * c), "r"(ElemOps<T>::ONES2) : "memory");
+}
 template <typename T, int K_STEPS>
 __device__ __forceinline__ void wgmma_rs_rowsum(float (&acc)[4], const u32 (&a)[K_STEPS][4], u32 ones) {
 #pragma unroll
@@ -137,6 +148,29 @@ __device__ __forceinline__ void wgmma_rs_mnmajor(float (&acc)[N / 2], const u32 
     const u64 db = make_smem_desc(b_base, B_ROWS * 128, 1024);
 #pragma unroll
     for (int kk = 0; kk < K_STEPS; ++kk) Wgmma<T, N>::template rs<1>(acc, a[kk], desc_plus(db, kk * 16 * 128), 1);
+}
+
+// O (64 columns) and its row sums: acc[0..31] += P V, acc[32..35] += P x ones, one m64n72k16
+// product a step. B is V's single SW128 panel (B_ROWS rows from b_base, MN-major) and, LBO bytes on,
+// the next 64 columns: LBO = ones - (the step's start), so that every step's columns 64-71 are the
+// same 16 rows of ones (fill_ones_pv) wherever the stage is. A step moves the start 2048 bytes on
+// and LBO as much back: one add to the descriptor's low word (as desc_plus; ones lies past every V
+// stage, so LBO stays positive).
+template <typename T, int K_STEPS, int B_ROWS>
+__device__ __forceinline__ void wgmma_rs_mnmajor_ones(float (&acc)[36], const u32 (&a)[K_STEPS][4], u32 b_base,
+                                                      u32 ones) {
+    static_assert(K_STEPS * 16 == B_ROWS, "one k16 step per 16 rows of V");
+    const u64 db = make_smem_desc(b_base, ones - b_base, 1024);
+    u32 lo, hi;
+    asm("mov.b64 {%0, %1}, %2;" : "=r"(lo), "=r"(hi) : "l"(db));
+#pragma unroll
+    for (int kk = 0; kk < K_STEPS; ++kk) {
+        constexpr u32 STEP = 16 * 128 / 16;  // 2048 bytes, in the 16-byte units of both fields
+        const u32 lo_k = lo + (u32)kk * STEP - (((u32)kk * STEP) << 16);
+        u64 d;
+        asm("mov.b64 %0, {%1, %2};" : "=l"(d) : "r"(lo_k), "r"(hi));
+        Wgmma<T, 72>::template rs<1>(acc, a[kk], d, 1);
+    }
 }
 
 // Rows [row_from, ROWS) of a SW128 tile (all HEAD_DIM / 64 panels) set to zero by nthreads threads

@@ -44,6 +44,12 @@ def padded_pitch(cols: int) -> int:
 FWD_TMA_BAR_BYTES = 64
 
 
+def fwd_tma_bar_bytes(head_dim: int) -> int:
+    """The TMA variant's mbarrier bytes past fwd_smem_bytes: none at head_dim 64, where they sit in
+    unread bytes of the ones rows (FwdSm90Traits::TMA_BAR_BYTES)."""
+    return 0 if head_dim == 64 else FWD_TMA_BAR_BYTES
+
+
 # The TMA variant of the sm_90a dK/dV kernel (cuda_src/flash_bwd_sm90.cu, TMA): Q, dO, K and V
 # through tensor maps, its three mbarriers after sDelta; plain calls only, opt-in with
 # CUFLASH_BWD_TMA=1 (read when a plan is made; the deterministic backward, or where the
@@ -401,9 +407,10 @@ def fwd_ws_persistent_config(head_dim: int, causal: bool, seqlen_k: int | None =
 
 def fwd_smem_bytes(head_dim: int, cfg: TileConfig) -> int:
     """Dynamic shared memory of the forward kernel: sQ plus two stages of sK and sV (the wgmma
-    kernel: unpadded swizzled tiles, plus 1024 bytes to align them)."""
+    kernel: unpadded swizzled tiles, plus 1024 bytes to align them, and at head_dim 64 the 2048
+    bytes of ones rows that make lp columns of P V: FwdSm90Traits::ONES_REGION_BYTES)."""
     if cfg.wgmma:
-        return (cfg.block_m + 4 * cfg.block_n) * head_dim * 2 + 1024
+        return (cfg.block_m + 4 * cfg.block_n) * head_dim * 2 + 1024 + (2048 if head_dim == 64 else 0)
     return (cfg.block_m + 4 * cfg.block_n) * padded_pitch(head_dim) * 2
 
 

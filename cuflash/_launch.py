@@ -209,7 +209,7 @@ def fwd_specialization(dtype: str, head_dim: int, cfg: _config.TileConfig, causa
     run-time properties of the mask and must be False. tma: the wgmma kernel's TMA variant (plain
     calls; cuflash/_config.py fwd_tma_mode), whose Params are FwdTmaParams."""
     short, ctype = _DTYPE_TAG[dtype]
-    smem = _config.fwd_smem_bytes(head_dim, cfg) + (_config.FWD_TMA_BAR_BYTES if tma else 0)
+    smem = _config.fwd_smem_bytes(head_dim, cfg) + (_config.fwd_tma_bar_bytes(head_dim) if tma else 0)
     flags = f"{'true' if causal else 'false'}, {'true' if even else 'false'}"
     suffix = f"_{'causal' if causal else 'full'}_{'even' if even else 'ragged'}"
     if tma:

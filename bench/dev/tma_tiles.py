@@ -143,7 +143,7 @@ def main():
     for d in ([] if args.no_tma else args.head_dims):
         for causal in (False, True):
             for cfg in CANDIDATES[d]:
-                if _config.fwd_smem_bytes(d, cfg) + _config.FWD_TMA_BAR_BYTES > 232448:
+                if _config.fwd_smem_bytes(d, cfg) + _config.fwd_tma_bar_bytes(d) > 232448:
                     continue
                 if tma_only is not None and (cfg.block_m, cfg.block_n) not in tma_only:
                     continue
