@@ -377,17 +377,20 @@ def fwd_ws_persistent() -> str:
 # bf16 262 / 225, 309 / 373, 465 / 469, 457 / 539, 584 / 588 (fp16 283 / 220, 302 / 368, 456 / 464,
 # 471 / 503, 574 / 562). Head_dim 64 on two consumers lost at every length to the default's three
 # consumers or TMA variant. So by default: head_dim 128 up to 512 keys, where the setup of a block
-# per query block weighs most.
+# per query block weighs most. Session 25 (H100, bench/dev/fwd_ab_inproc.py, both trees in one
+# process, CUFLASH_FWD_WS_PERSISTENT=1 against =0, bf16 / fp16 GPU time, persistent / not): non-causal
+# 512 0.949 / 0.948, 1k 0.985 / 0.988 (eager 0.969 / 0.972), 2k 0.995 / 0.996, 4k-16k 1.007-1.026;
+# causal 512 0.905 / 0.909, 1k 1.18 / 1.19, 2k 1.04, 4k 1.12. So non-causal up to 1k keys.
 FWD_WS_PERSISTENT_TABLE = {(64, False): (128, 3, False, 2), (64, True): (128, 2, False, 2),
                            (128, False): (128, 2, True, 2), (128, True): (128, 2, True, 2)}
-FWD_WS_PERSISTENT_DEFAULT = ((128, False), (128, True))
-FWD_WS_PERSISTENT_DEFAULT_MAX_SEQLEN_K = 512
+# (head_dim, causal) -> the most keys for which the persistent grid is the default
+FWD_WS_PERSISTENT_DEFAULT = {(128, False): 1024, (128, True): 512}
 
 
 def fwd_ws_persistent_config(head_dim: int, causal: bool, seqlen_k: int | None = None):
     """The persistent warp-specialized forward's (BLOCK_N, STAGES, PINGPONG, CONSUMERS) for a plain
     call, or None (fwd_ws_config decides then): where fwd_ws_persistent() admits (head_dim, causal)
-    and the table has it; by default up to FWD_WS_PERSISTENT_DEFAULT_MAX_SEQLEN_K keys (seqlen_k
+    and the table has it; by default up to FWD_WS_PERSISTENT_DEFAULT's keys (seqlen_k
     None: the call's length unknown, as when listing specializations). CUFLASH_FWD_WS=0: never."""
     import os
 
@@ -396,7 +399,7 @@ def fwd_ws_persistent_config(head_dim: int, causal: bool, seqlen_k: int | None =
     if mode == "0" or where == "off":
         return None
     if where == "default" and ((head_dim, causal) not in FWD_WS_PERSISTENT_DEFAULT or (
-            seqlen_k is not None and seqlen_k > FWD_WS_PERSISTENT_DEFAULT_MAX_SEQLEN_K)):
+            seqlen_k is not None and seqlen_k > FWD_WS_PERSISTENT_DEFAULT[(head_dim, causal)])):
         return None
     cfg = FWD_WS_PERSISTENT_TABLE.get((head_dim, causal))
     if cfg is None:

@@ -67,7 +67,7 @@ def test_ws_forward(ws_on, dtype, head_dim, causal, seqlen_q, seqlen_k, nheads, 
 
     # persistent: the table's entries (not head_dim 256, which spilled); otherwise the default's
     pers_grid = (head_dim, causal) in _config.FWD_WS_PERSISTENT_TABLE if pers else (
-        (head_dim, causal) in _config.FWD_WS_PERSISTENT_DEFAULT and seqlen_k <= _config.FWD_WS_PERSISTENT_DEFAULT_MAX_SEQLEN_K)
+        (head_dim, causal) in _config.FWD_WS_PERSISTENT_DEFAULT and seqlen_k <= _config.FWD_WS_PERSISTENT_DEFAULT[(head_dim, causal)])
     patched = all(_tma.layout_patch(tuple(t.shape), tuple(t.stride()), rows, dtype) is not None
                   for t, rows in ((q, rows_q), (k, 64 if head_dim > 128 else 128), (v, 64 if head_dim > 128 else 128)))
     if patched:

@@ -437,7 +437,7 @@ def test_fwd_ws_wiring(dev, monkeypatch):
     ad, launched = dev
     rng = np.random.default_rng()
     # the table's (head_dim 64 causal: three consumers, 192-row blocks); past the persistent grid's
-    # 512 keys (_config.FWD_WS_PERSISTENT_DEFAULT_MAX_SEQLEN_K)
+    # 512 keys (_config.FWD_WS_PERSISTENT_DEFAULT, causal)
     for d, bn, stages, pp, c in ((64, 128, 2, "", 3), (128, 128, 2, "_pp", 2), (256, 64, 2, "", 2)):
         q = arr(rng, (2, 300, 4, d))
         k, v = arr(rng, (2, 600, 2, d)), arr(rng, (2, 600, 2, d))
@@ -473,7 +473,14 @@ def test_fwd_ws_wiring(dev, monkeypatch):
     q2 = arr(rng, (2, 4096, 4, 128))
     cuflash.attention(q2, k, v)
     assert launched[-1]["name"].endswith("_pers") and launched[-1]["grid"] == 132, launched[-1]
-    k2, v2 = arr(rng, (2, 1024, 2, 128)), arr(rng, (2, 1024, 2, 128))  # past 512 keys: a block per query block
+    # Non-causal up to 1024 keys persistent, causal up to 512 (_config.FWD_WS_PERSISTENT_DEFAULT);
+    # past them a block per query block.
+    k1, v1 = arr(rng, (2, 1024, 2, 128)), arr(rng, (2, 1024, 2, 128))
+    cuflash.attention(q2, k1, v1)
+    assert launched[-1]["name"] == "fwd90ws_f16_d128_m128_n128_s2_full_even_pp_pers", launched[-1]["name"]
+    cuflash.attention(q2, k1, v1, causal=True)
+    assert launched[-1]["name"] == "fwd90ws_f16_d128_m128_n128_s2_causal_even_pp", launched[-1]["name"]
+    k2, v2 = arr(rng, (2, 2048, 2, 128)), arr(rng, (2, 2048, 2, 128))
     cuflash.attention(q2, k2, v2)
     assert launched[-1]["name"] == "fwd90ws_f16_d128_m128_n128_s2_full_even_pp", launched[-1]["name"]
     monkeypatch.setenv("CUFLASH_FWD_WS_PINGPONG", "0")  # the plain schedule: same Params, its own kernel
