@@ -1450,3 +1450,18 @@ def test_forward_causal_tail_heads(dev, monkeypatch):
     q, k, v = arr(rng, (4, 100, 8, 64)), arr(rng, (4, 100, 2, 64)), arr(rng, (4, 100, 2, 64))
     cuflash.attention(q, k, v, causal=True)
     assert int(launched[-1]["p"]["num_m_blocks"]) == 1 and int(launched[-1]["p"]["tail_heads"]) == 0
+
+
+def test_head_dim_64_tma_tiles_keep_their_blocks_per_sm():
+    """The sm_90a forward's head_dim 64 tiles (the TMA variant, flash_fwd_sm90.cu) fit as many blocks
+    per SM as their registers allow (ptxas, NVRTC 13.0: 64 x 128 163 registers -> three blocks of
+    128 threads; 64 x 64 115 -> four). The 2 KB of ones rows that make lp columns of P V hold the
+    TMA barriers in their unread bytes for this: with the barriers after them, 64 x 128 would fit
+    only two (bench/NOTES.md, session 25)."""
+    from cuflash import _config
+
+    per_sm, reserved = 233472, 1024  # an H100's / H200's shared memory per SM; 1 KB a block for the system
+    for causal, want in ((False, 3), (True, 4)):
+        cfg = _config.fwd_tma_config_for_target("sm_90a", 64, "bfloat16", causal)
+        smem = _config.fwd_smem_bytes(64, cfg) + _config.fwd_tma_bar_bytes(64)
+        assert per_sm // (smem + reserved) >= want, (causal, cfg, smem)
