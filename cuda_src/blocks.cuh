@@ -67,18 +67,23 @@ __device__ __forceinline__ unsigned fwd_block_index(const P& p) {
 
 // Work tile k of block i on a persistent grid of G blocks (flash_fwd_sm90_ws.cu PERSISTENT), as a
 // block index of query_block's mapping (bh * num_m + the query block counted from the last); n_work
-// = num_m * bh_count once past the last. Tile t = k G + i, or k G + G - 1 - i in odd rounds (a snake:
-// the blocks that took the longest tiles of one round take the shortest of the next). Tiles t run
-// over groups of hg = ceil(G / num_m) heads (the blocks running together share K / V in L2), inside a
-// group query block by query block from the last (the longest causal one), head by head.
+// = num_m * bh_count once past the last. Non-causal (all tiles alike): tile k G + i, the order in which
+// a grid of a block per tile runs them (the G blocks running together take consecutive query blocks
+// of a few heads, whose K / V stay in L2). CAUSAL: pairs of a head's j-th longest and j-th shortest
+// query block (their causal lengths add up to about num_m + 1 key tiles, the same for every pair),
+// pair p = (k / 2) G + i, its longest block at even k and its shortest at odd k; the pairs run head by
+// head, so the blocks running together share the K / V of a few heads. The host takes this grid for
+// an even num_m only: with an odd one the middle block of each head would be its own pair's both
+// halves, computed twice (the same result written twice).
+template <bool CAUSAL>
 __device__ __forceinline__ unsigned persistent_tile(int k, unsigned i, unsigned G, int num_m, unsigned bh_count) {
     const unsigned n_work = (unsigned)num_m * bh_count;
-    const unsigned t = (unsigned)k * G + ((k & 1) ? G - 1 - i : i);
-    if (t >= n_work) return n_work;
-    const unsigned hg = max(1u, (G + (unsigned)num_m - 1) / (unsigned)num_m);
-    const unsigned grp = t / (hg * num_m), w = t % (hg * num_m);
-    const unsigned heads = min(hg, bh_count - grp * hg);
-    return (grp * hg + w % heads) * num_m + w / heads;
+    if constexpr (!CAUSAL) return min((unsigned)k * G + i, n_work);
+    const unsigned half = (unsigned)(num_m + 1) / 2;
+    const unsigned pr = (unsigned)(k / 2) * G + i;
+    if (pr >= half * bh_count) return n_work;
+    const unsigned j = pr % half;  // the pair's longest block is the j-th from the last
+    return (pr / half) * (unsigned)num_m + ((k & 1) ? (unsigned)num_m - 1 - j : j);
 }
 
 struct KeyBlock {

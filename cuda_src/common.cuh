@@ -97,6 +97,13 @@ __device__ __forceinline__ u32 smem_addr(const void* p) {
     return a;
 }
 
+// stmatrix.x4: the inverse of ldmatrix_x4 (register i of each lane into matrix i; lanes 8i..8i+7
+// give the row addresses of matrix i). sm_90.
+__device__ __forceinline__ void stmatrix_x4(u32 addr, u32 r0, u32 r1, u32 r2, u32 r3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1,%2,%3,%4};"
+                 :: "r"(addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
+}
+
 __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));

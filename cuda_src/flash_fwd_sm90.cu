@@ -333,8 +333,11 @@ flash_fwd_sm90_kernel(const __grid_constant__ typename FwdSm90ParamsOf<TMA>::typ
                 lse[0][r] = -CUFLASH_INF;
             }
     }
-    o_rows_to_smem<Ops, HEAD_DIM, BLOCK_M>(sQ_ptr, *reinterpret_cast<const float(*)[HEAD_DIM / 2]>(&acc_o[0]), inv_l,
-                                           warp_row0, g, t);
+    const float(&o_acc)[HEAD_DIM / 2] = *reinterpret_cast<const float(*)[HEAD_DIM / 2]>(&acc_o[0]);
+    if constexpr (HEAD_DIM > 128)  // fwd_sm90_steps.cuh: head_dim 256 keeps the word stores
+        o_rows_to_smem_words<Ops, HEAD_DIM, BLOCK_M>(sQ_ptr, o_acc, inv_l, warp_row0, g, t);
+    else
+        o_rows_to_smem<Ops, HEAD_DIM, BLOCK_M>(sQ, o_acc, inv_l, warp_row0, lane);
     // lse == nullptr: the caller wants only O (an eager forward with no gradient and no lse).
     if (t == 0 && p.lse != nullptr) {
         float* g_lse = FEAT ? p.lse + b * p.mask.lse_batch_stride + h * p.mask.lse_head_stride + qf.si.q_row0
@@ -348,7 +351,10 @@ flash_fwd_sm90_kernel(const __grid_constant__ typename FwdSm90ParamsOf<TMA>::typ
     __syncwarp();
 
     T* gO = static_cast<T*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride + (qf.si.q_row0 + m0) * p.o_row_stride;
-    o_rows_to_global<T, HEAD_DIM, BLOCK_M, IS_EVEN>(gO, p.o_row_stride, sQ_ptr, warp_row0, lane, m0, q_rows);
+    if constexpr (HEAD_DIM > 128)
+        o_rows_to_global_chunks<T, HEAD_DIM, BLOCK_M, IS_EVEN>(gO, p.o_row_stride, sQ_ptr, warp_row0, lane, m0, q_rows);
+    else
+        o_rows_to_global<T, HEAD_DIM, BLOCK_M, IS_EVEN>(gO, p.o_row_stride, sQ, warp_row0, lane, m0, q_rows);
 }
 
 }  // namespace cuflash

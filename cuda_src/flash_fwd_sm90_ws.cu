@@ -25,12 +25,12 @@
 // plain calls) one block per SM walking query blocks ("work tiles"), so that a block's setup
 // (barriers, descriptors, the pipeline's fill) is paid once per SM rather than once per work tile,
 // and the next tile's Q and first K / V copies run under the current tile's last products and
-// epilogue. Work tile order (persistent_tile): heads
-// in groups of about gridDim.x / (query blocks per head), so that the blocks running together share
-// their K / V in L2; inside a group, longest causal blocks first; the k-th round of gridDim.x tiles
-// goes to the blocks in turn, every other round in reverse ("snake"), which spreads the long causal
-// tiles and the short ones evenly over the blocks. CONSUMERS = 2 (384 threads) or 3 (512 threads, at head_dim
-// 64, as FlashAttention-3 does there: the K / V tiles serve 192 rows), one producer warpgroup:
+// epilogue. Work tile order (persistent_tile): non-causal, round k's gridDim.x tiles in the order of
+// a grid of one block per tile (consecutive query blocks of a few heads, whose K / V stay in L2);
+// causal, pairs of a head's longest and shortest remaining query blocks (the same work a pair), the
+// pairs in turn to the blocks, head by head (the host takes this grid for an even count of query
+// blocks a head only). CONSUMERS = 2 (384 threads) or 3 (512 threads, at head_dim 64, as
+// FlashAttention-3 does there: the K / V tiles serve 192 rows), one producer warpgroup:
 //   producer  (warpgroup 0): gives registers back (setmaxnreg.dec 24); one thread issues every TMA
 //             copy: Q once, then K_j and V_j for j = 0 .. n_blocks - 1, into STAGES-deep rings;
 //   consumers (warpgroups 1 .. CONSUMERS): take registers (setmaxnreg.inc 240 with two, 160 with
@@ -67,7 +67,10 @@
 // bar.arrive). Before issuing its products of a tile (S_j with P V, or the final P V) a consumer
 // waits for its turn; right after issuing them it opens the other's. Consumer 1 opens consumer 0's
 // first turn before the loop, and does not open a turn after its own final product, so each barrier
-// sees as many arrivals as waits (n_blocks + 1 each); a block with no key tile uses none.
+// sees as many arrivals as waits (n_blocks + 1 each); a block with no key tile uses none. PERSISTENT:
+// consumer 1 opens consumer 0's first turn once, before the block's first products, and its final
+// product of each work tile opens consumer 0's turn in the next (one arrival is left unmatched when
+// the block exits), so the turns alternate across work tiles.
 //
 // Shared memory: sQ[1, or 2 PERSISTENT] (BLOCK_M x HEAD_DIM), sK[STAGES], sV[STAGES] (BLOCK_N x
 // HEAD_DIM), all SW128 panels (wgmma_util.cuh) filled by TMA (tma.cuh; box {64 columns, rows}: one
@@ -165,7 +168,7 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
     const unsigned n_work = (unsigned)p.batch * p.nheads * p.num_m_blocks;
     auto tile_at = [&](int k) {
         if constexpr (!PERSISTENT) return k == 0 ? fwd_block_index<IS_CAUSAL || FEAT>(p) : n_work;
-        else return persistent_tile(k, blockIdx.x, gridDim.x, p.num_m_blocks, (unsigned)p.batch * p.nheads);
+        else return persistent_tile<IS_CAUSAL>(k, blockIdx.x, gridDim.x, p.num_m_blocks, (unsigned)p.batch * p.nheads);
     };
 
     // One work tile: its query block and (FEAT) the sequence's valid lengths, its mask and the key
@@ -226,8 +229,10 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
             tma_prefetch_desc(&p.map_k);
             tma_prefetch_desc(&p.map_v);
             int j0 = 0;  // key tiles of the block's earlier work tiles: the rings' position
-            for (int u = 0; tile_at(u) < n_work; ++u) {
-                const Work w = work_of(tile_at(u));
+            for (int u = 0;; ++u) {
+                const unsigned tile = tile_at(u);
+                if (tile >= n_work) break;
+                const Work w = work_of(tile);
                 auto tile_of = [&](int it) { if constexpr (FEAT) return w.qf.kt.tile(it); else return it; };
                 const int qb = u % QB;
                 if (PERSISTENT && u >= 2) mbar_wait(q_empty(qb), (u / 2 - 1) & 1);  // tile u - 2's O is out of it
@@ -275,11 +280,13 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
     const int warp_row0 = cw * 64 + (warp % 4) * 16;        // this warp's first row in the block
 
     int j0 = 0;  // key tiles of the block's earlier work tiles: the rings' position
-    for (int u = 0; tile_at(u) < n_work; ++u) {
-        const Work w = work_of(tile_at(u));
+    bool pp_open = false;  // PERSISTENT pingpong: consumer 1 has opened consumer 0's first turn
+    for (int u = 0;; ++u) {
+        const unsigned tile = tile_at(u);
+        if (tile >= n_work) break;
+        const Work w = work_of(tile);
         const int qb = u % QB;
         const u32 sQ_wg = sQ + qb * Tr::SQ_BYTES + cw * 64 * 128;
-        unsigned char* sQ_tile = sQ_ptr + qb * Tr::SQ_BYTES;
         const int h = w.blk.h, b = w.blk.b, m0 = w.blk.m0, n_blocks = w.n_blocks;
         const QueryFeat& qf = w.qf;
         auto tile_of = [&](int it) { if constexpr (FEAT) return qf.kt.tile(it); else return it; };
@@ -297,8 +304,12 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
         for (int kk = 0; kk < PV_STEPS; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
 
         // Pingpong: consumer 0 issues first (consumer 1's arrival opens its turn; none without a tile).
+        // On the persistent grid only before the block's first products: from then on consumer 1's
+        // final product of a work tile opens consumer 0's turn in the next, so that consumer 0's first
+        // products run under consumer 1's epilogue.
         if constexpr (PINGPONG) {
-            if (cw == 1 && n_blocks > 0) named_barrier_arrive(PP_BAR, 256);
+            if (cw == 1 && n_blocks > 0 && !pp_open) named_barrier_arrive(PP_BAR, 256);
+            pp_open = PERSISTENT && (pp_open || n_blocks > 0);
         }
         mbar_wait(bar_q(qb), (u / QB) & 1);
         // Key tile j: S_j with O += P_(j-1) V_(j-1), then the softmax of S_j. Both flags are constants
@@ -381,9 +392,12 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
             wgmma_fence();
             wgmma_rs_mnmajor<T, PV_N, PV_STEPS, BLOCK_N>(acc_o, pa, sV + sp * Tr::SV_BYTES);
             wgmma_commit();
-            // Consumer 1 goes last: nothing waits for a turn after its final product.
+            // Consumer 1 goes last: nothing waits for a turn after its final product, but (PERSISTENT)
+            // consumer 0's first products of the next work tile (after the block's last work tile the
+            // arrival is left unmatched, as the block exits).
             if constexpr (PINGPONG) {
                 if (cw == 0) named_barrier_arrive(PP_BAR + 1, 256);
+                else if (PERSISTENT) named_barrier_arrive(PP_BAR, 256);
             }
             if constexpr (LP == LP_THREAD) softmax.add_rounded(*reinterpret_cast<const u32(*)[1][N_TILES][2]>(&pa));
             wgmma_wait<0>();
@@ -414,8 +428,11 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
         } else {
             softmax.finalize(inv_l, lse);
         }
-        o_rows_to_smem<Ops, HEAD_DIM, BLOCK_M>(sQ_tile, *reinterpret_cast<const float(*)[HEAD_DIM / 2]>(&acc_o[0]), inv_l,
-                                               warp_row0, g, t);
+        const float(&o_acc)[HEAD_DIM / 2] = *reinterpret_cast<const float(*)[HEAD_DIM / 2]>(&acc_o[0]);
+        if constexpr (HEAD_DIM > 128)  // fwd_sm90_steps.cuh: head_dim 256 keeps the word stores
+            o_rows_to_smem_words<Ops, HEAD_DIM, BLOCK_M>(sQ_ptr + qb * Tr::SQ_BYTES, o_acc, inv_l, warp_row0, g, t);
+        else
+            o_rows_to_smem<Ops, HEAD_DIM, BLOCK_M>(sQ + qb * Tr::SQ_BYTES, o_acc, inv_l, warp_row0, lane);
         // lse == nullptr: the caller wants only O (an eager forward with no gradient and no lse).
         if (t == 0 && p.lse != nullptr) {
             float* g_lse = FEAT ? p.lse + b * p.mask.lse_batch_stride + h * p.mask.lse_head_stride + w.q_row0
@@ -429,8 +446,12 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
         __syncwarp();
 
         T* gO = static_cast<T*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride + ((i64)w.q_row0 + m0) * p.o_row_stride;
-        o_rows_to_global<T, HEAD_DIM, BLOCK_M, IS_EVEN>(gO, p.o_row_stride, sQ_tile, warp_row0, lane, m0, w.q_rows,
-                                                        p.d_cols);
+        if constexpr (HEAD_DIM > 128)
+            o_rows_to_global_chunks<T, HEAD_DIM, BLOCK_M, IS_EVEN>(gO, p.o_row_stride, sQ_ptr + qb * Tr::SQ_BYTES,
+                                                                   warp_row0, lane, m0, w.q_rows, p.d_cols);
+        else
+            o_rows_to_global<T, HEAD_DIM, BLOCK_M, IS_EVEN>(gO, p.o_row_stride, sQ + qb * Tr::SQ_BYTES, warp_row0, lane,
+                                                            m0, w.q_rows, p.d_cols);
         if constexpr (PERSISTENT) {
             // This warp's rows of sQ[qb] are read out: work tile u + 2's Q may land there (the fence
             // orders the generic accesses before the async proxy's copy).

@@ -135,10 +135,70 @@ __device__ __forceinline__ void rescale_lp(float (&acc_lp)[4], const float (&alp
 }
 
 // Epilogue, first half: O / lp of this warp's 16 rows (block rows warp_row0 ..) into a SW128 tile of
-// ROWS rows at tile (the consumed Q tile; no wgmma may still read these rows).
+// ROWS rows at shared address tile (the consumed Q tile; no wgmma may still read these rows). The
+// accumulator's fragment of rows g, g + 8 and columns 8 dt + 2t, + 1 is ldmatrix's 8 x 8 fragment,
+// so each stmatrix.x4 stores 16 rows x 16 columns: matrices (dt, rows 0-7), (dt, rows 8-15), (dt + 1,
+// rows 0-7), (dt + 1, rows 8-15); lane l gives the address of row l % 8 of matrix l / 8: HEAD_DIM / 16
+// stores with one address each (32-bit stores took HEAD_DIM / 4, each with its own address).
 template <typename Ops, int HEAD_DIM, int ROWS>
-__device__ __forceinline__ void o_rows_to_smem(unsigned char* tile, const float (&acc_o)[HEAD_DIM / 2],
-                                               const float (&inv_l)[1][2], int warp_row0, int g, int t) {
+__device__ __forceinline__ void o_rows_to_smem(u32 tile, const float (&acc_o)[HEAD_DIM / 2], const float (&inv_l)[1][2],
+                                               int warp_row0, int lane) {
+    const int mi = lane / 8;                              // the matrix this lane addresses
+    const int row = warp_row0 + (mi & 1) * 8 + lane % 8;  // its row
+    // Store q writes chunk 2q + mi / 2 (its 8 columns) of that row: panel q / 4, and inside the panel
+    // the swizzled 16 bytes ((2q) & 7) ^ x with x = (mi / 2) ^ (row & 7) (2q is even, so the low bit is
+    // mi / 2's). One xor with a constant per store.
+    const u32 row_base = tile + (u32)row * 128u;
+    const u32 x16 = (u32)(((mi >> 1) ^ (row & 7)) << 4);
+#pragma unroll
+    for (int q = 0; q < HEAD_DIM / 16; ++q) {
+        u32 v[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int dt = 2 * q + j / 2, r = j % 2;
+            v[j] = Ops::pack(acc_o[4 * dt + 2 * r] * inv_l[0][r], acc_o[4 * dt + 2 * r + 1] * inv_l[0][r]);
+        }
+        stmatrix_x4(row_base + (u32)((q >> 2) * ROWS * 128) + (x16 ^ (u32)(((2 * q) & 7) << 4)), v[0], v[1], v[2], v[3]);
+    }
+}
+
+// Epilogue, second half (after __syncwarp): the warp's 16 rows from the tile to gO (the block's first
+// row, m0 of the sequence) in 16-byte stores; rows at or past q_rows are not written, nor columns from
+// `cols` on (head_dim pad-up: the call's head_dim is below the kernel's). A lane keeps one 16-byte
+// chunk of the row and takes rows a, a + RSTEP, ... (a = lane / D_TILES): the swizzle of row
+// a + i RSTEP is a ^ ((i RSTEP) & 7) (a < RSTEP, a power of two), so each store's shared address is one
+// xor with a constant, and its global one an add.
+template <typename T, int HEAD_DIM, int ROWS, bool IS_EVEN>
+__device__ __forceinline__ void o_rows_to_global(T* gO, i64 o_row_stride, u32 tile, int warp_row0, int lane, int m0,
+                                                 int q_rows, int cols = HEAD_DIM) {
+    constexpr int D_TILES = HEAD_DIM / 8;
+    static_assert(D_TILES <= 32 && 32 % D_TILES == 0, "a lane keeps one chunk");
+    constexpr int RSTEP = 32 / D_TILES;  // rows a pass
+    const int chunk = lane % D_TILES, a = lane / D_TILES;
+    if (chunk * 8 >= cols) return;
+    const u32 s0 = tile + (u32)((chunk >> 3) * ROWS * 128 + (warp_row0 + a) * 128);
+    const u32 x16 = (u32)(((chunk & 7) ^ a) << 4);
+    T* g = gO + (i64)(warp_row0 + a) * o_row_stride + chunk * 8;
+    const int rows_left = q_rows - m0 - warp_row0 - a;  // rows of this lane's sequence left from row a
+#pragma unroll
+    for (int i = 0; i < 16 / RSTEP; ++i) {
+        if (IS_EVEN || i * RSTEP < rows_left) {
+            uint4 v;
+            asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
+                         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                         : "r"(s0 + (u32)(i * RSTEP * 128) + (x16 ^ (u32)(((i * RSTEP) & 7) << 4))));
+            *reinterpret_cast<uint4*>(g + (i64)i * RSTEP * o_row_stride) = v;
+        }
+    }
+}
+
+// Head_dim 256 keeps the epilogue before stmatrix (session 26): 32-bit stores of the rows into the
+// tile, then each lane's 16-byte chunks c = lane + 32 i out to gO. With the functions above, ptxas
+// scheduled the main loop of the head_dim 256 kernels differently (same instructions, another
+// order), and bf16 took 1.05-1.14x the time on an H100.
+template <typename Ops, int HEAD_DIM, int ROWS>
+__device__ __forceinline__ void o_rows_to_smem_words(unsigned char* tile, const float (&acc_o)[HEAD_DIM / 2],
+                                                     const float (&inv_l)[1][2], int warp_row0, int g, int t) {
 #pragma unroll
     for (int dt = 0; dt < HEAD_DIM / 8; ++dt)
 #pragma unroll
@@ -149,12 +209,10 @@ __device__ __forceinline__ void o_rows_to_smem(unsigned char* tile, const float 
         }
 }
 
-// Epilogue, second half (after __syncwarp): the warp's 16 rows from the tile to gO (the block's first
-// row, m0 of the sequence) in 16-byte stores; rows at or past q_rows are not written, nor columns from
-// `cols` on (head_dim pad-up: the call's head_dim is below the kernel's).
 template <typename T, int HEAD_DIM, int ROWS, bool IS_EVEN>
-__device__ __forceinline__ void o_rows_to_global(T* gO, i64 o_row_stride, const unsigned char* tile, int warp_row0,
-                                                 int lane, int m0, int q_rows, int cols = HEAD_DIM) {
+__device__ __forceinline__ void o_rows_to_global_chunks(T* gO, i64 o_row_stride, const unsigned char* tile,
+                                                        int warp_row0, int lane, int m0, int q_rows,
+                                                        int cols = HEAD_DIM) {
     constexpr int D_TILES = HEAD_DIM / 8;
     constexpr int WARP_CHUNKS = 16 * D_TILES;
 #pragma unroll

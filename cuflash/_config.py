@@ -381,28 +381,52 @@ def fwd_ws_persistent() -> str:
 # process, CUFLASH_FWD_WS_PERSISTENT=1 against =0, bf16 / fp16 GPU time, persistent / not): non-causal
 # 512 0.949 / 0.948, 1k 0.985 / 0.988 (eager 0.969 / 0.972), 2k 0.995 / 0.996, 4k-16k 1.007-1.026;
 # causal 512 0.905 / 0.909, 1k 1.18 / 1.19, 2k 1.04, 4k 1.12. So non-causal up to 1k keys.
+# Session 26 (flash_fwd_sm90_ws.cu: the pingpong turns carried across work tiles, non-causal tiles in
+# a block-per-tile grid's order, the stmatrix epilogue). Nsight Compute on an H100 had the persistent
+# kernel's consumers at 2k keys wait for Q at each block's start where the block-per-tile grid ran
+# (4.5 % of the stall samples). bench/dev/fwd_ab_inproc.py, both dtypes, against session 25's default
+# kernels: persistent non-causal 512 0.92 / 0.96, 1k 0.92 / 0.92, 2k 0.95 / 0.94, 4k 0.99 / 0.97, 8k
+# 0.98 / 1.00, 16k 0.96 / 0.99, where the block-per-tile grid read 0.99-1.00 from 2k; causal 1k-16k
+# 1.07-1.75 (the snake order's imbalance). With locked clocks (ncu --clock-control base, bf16): 2k
+# 505.5 us against 543.3 for session 25's persistent kernel (cuDNN 504.5), 16k 3.728 ms (cuDNN 3.758).
+# Causal tiles then in pairs of equal work (cuda_src/blocks.cuh persistent_tile), same A/B, persistent
+# / a block per query block (both this session's kernels), bf16 / fp16: 512 0.86, 1k 0.91 / 0.92, 2k
+# 0.97 / 0.99, 4k 1.03 / 1.06, 8k 1.08, 16k 1.14. So non-causal at every length; causal up to 2048 keys.
 FWD_WS_PERSISTENT_TABLE = {(64, False): (128, 3, False, 2), (64, True): (128, 2, False, 2),
                            (128, False): (128, 2, True, 2), (128, True): (128, 2, True, 2)}
-# (head_dim, causal) -> the most keys for which the persistent grid is the default
-FWD_WS_PERSISTENT_DEFAULT = {(128, False): 1024, (128, True): 512}
+# (head_dim, causal) -> the most keys for which the persistent grid is the default (None: every length)
+FWD_WS_PERSISTENT_DEFAULT = {(128, False): None, (128, True): 2048}
 
 
-def fwd_ws_persistent_config(head_dim: int, causal: bool, seqlen_k: int | None = None):
+def fwd_ws_persistent_default(head_dim: int, causal: bool, seqlen_k: int | None) -> bool:
+    """Whether FWD_WS_PERSISTENT_DEFAULT puts a plain call on the persistent grid (seqlen_k None: the
+    call's length unknown, as when listing specializations)."""
+    if (head_dim, causal) not in FWD_WS_PERSISTENT_DEFAULT:
+        return False
+    bound = FWD_WS_PERSISTENT_DEFAULT[(head_dim, causal)]
+    return bound is None or seqlen_k is None or seqlen_k <= bound
+
+
+def fwd_ws_persistent_config(head_dim: int, causal: bool, seqlen_k: int | None = None,
+                             seqlen_q: int | None = None):
     """The persistent warp-specialized forward's (BLOCK_N, STAGES, PINGPONG, CONSUMERS) for a plain
     call, or None (fwd_ws_config decides then): where fwd_ws_persistent() admits (head_dim, causal)
-    and the table has it; by default up to FWD_WS_PERSISTENT_DEFAULT's keys (seqlen_k
-    None: the call's length unknown, as when listing specializations). CUFLASH_FWD_WS=0: never."""
+    and the table has it; by default up to FWD_WS_PERSISTENT_DEFAULT's keys (seqlen_k / seqlen_q
+    None: the call's lengths unknown, as when listing specializations). Causal: only for an even
+    number of query blocks a head (cuda_src/blocks.cuh persistent_tile pairs them). CUFLASH_FWD_WS=0:
+    never."""
     import os
 
     mode = os.environ.get("CUFLASH_FWD_WS", "")
     where = fwd_ws_persistent()
     if mode == "0" or where == "off":
         return None
-    if where == "default" and ((head_dim, causal) not in FWD_WS_PERSISTENT_DEFAULT or (
-            seqlen_k is not None and seqlen_k > FWD_WS_PERSISTENT_DEFAULT[(head_dim, causal)])):
+    if where == "default" and not fwd_ws_persistent_default(head_dim, causal, seqlen_k):
         return None
     cfg = FWD_WS_PERSISTENT_TABLE.get((head_dim, causal))
     if cfg is None:
+        return None
+    if causal and seqlen_q is not None and -(-seqlen_q // (64 * cfg[3])) % 2:
         return None
     pp = os.environ.get("CUFLASH_FWD_WS_PINGPONG")
     return cfg[0], cfg[1], (cfg[2] if pp not in ("0", "1") else pp == "1") and cfg[3] == 2, cfg[3]

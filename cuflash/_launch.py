@@ -884,14 +884,15 @@ def fwd_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTen
         # call's tensors through maps whose columns past head_dim are zeros, and writes head_dim columns.
         pad_dim = None if chosen else _config.fwd_pad_head_dim(target, head_dim)
         if pad_dim is not None:
-            pers = _config.fwd_ws_persistent_config(pad_dim, causal, seqlen_k)
+            pers = _config.fwd_ws_persistent_config(pad_dim, causal, seqlen_k, seqlen_q)
             ws = pers or _config.fwd_ws_config(pad_dim, causal, seqlen_k)
             if not (ws and _use_tma(q, q, 64 * ws[3], dtype, True) and _use_tma(k, v, ws[0], dtype, True)):
                 pad_dim = None
         cfg = cfg or _config.fwd_config_for_target(target, head_dim, dtype, causal)
         tma = cfg.wgmma and _use_tma(k, v, cfg.block_n, dtype)
         if pad_dim is None:
-            pers = None if chosen or not tma else _config.fwd_ws_persistent_config(head_dim, causal, seqlen_k)
+            pers = None if chosen or not tma else _config.fwd_ws_persistent_config(head_dim, causal, seqlen_k,
+                                                                                       seqlen_q)
             ws = pers or (None if chosen or not tma else _config.fwd_ws_config(head_dim, causal, seqlen_k))
         if pad_dim is not None or (ws and _use_tma(q, q, 64 * ws[3], dtype) and _use_tma(k, v, ws[0], dtype)):
             cfg = _config.TileConfig(64 * ws[3], ws[0], 4 * (1 + ws[3]), wgmma=True)

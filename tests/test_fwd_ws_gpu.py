@@ -65,9 +65,12 @@ def test_ws_forward(ws_on, dtype, head_dim, causal, seqlen_q, seqlen_k, nheads, 
     rows_q = 192 if three and head_dim == 64 else 128
     from cuflash import _config
 
-    # persistent: the table's entries (not head_dim 256, which spilled); otherwise the default's
-    pers_grid = (head_dim, causal) in _config.FWD_WS_PERSISTENT_TABLE if pers else (
-        (head_dim, causal) in _config.FWD_WS_PERSISTENT_DEFAULT and seqlen_k <= _config.FWD_WS_PERSISTENT_DEFAULT[(head_dim, causal)])
+    # persistent: the table's entries (not head_dim 256, which spilled); otherwise the default's; causal
+    # with an even count of query blocks a head only
+    pers_grid = _config.fwd_ws_persistent_config(head_dim, causal, seqlen_k, seqlen_q) is not None
+    assert pers_grid == (((head_dim, causal) in _config.FWD_WS_PERSISTENT_TABLE if pers else
+                          _config.fwd_ws_persistent_default(head_dim, causal, seqlen_k))
+                         and not (causal and -(-seqlen_q // 128) % 2)), label
     patched = all(_tma.layout_patch(tuple(t.shape), tuple(t.stride()), rows, dtype) is not None
                   for t, rows in ((q, rows_q), (k, 64 if head_dim > 128 else 128), (v, 64 if head_dim > 128 else 128)))
     if patched:

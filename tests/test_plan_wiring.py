@@ -436,8 +436,8 @@ def test_fwd_ws_wiring(dev, monkeypatch):
     monkeypatch.setenv("CUFLASH_FWD_WS", "1")
     ad, launched = dev
     rng = np.random.default_rng()
-    # the table's (head_dim 64 causal: three consumers, 192-row blocks); past the persistent grid's
-    # 512 keys (_config.FWD_WS_PERSISTENT_DEFAULT, causal)
+    # the table's (head_dim 64 causal: three consumers, 192-row blocks); at head_dim 128 three query
+    # blocks a head, an odd count, keep causal calls off the persistent grid (_config.fwd_ws_persistent_config)
     for d, bn, stages, pp, c in ((64, 128, 2, "", 3), (128, 128, 2, "_pp", 2), (256, 64, 2, "", 2)):
         q = arr(rng, (2, 300, 4, d))
         k, v = arr(rng, (2, 600, 2, d)), arr(rng, (2, 600, 2, d))
@@ -473,16 +473,32 @@ def test_fwd_ws_wiring(dev, monkeypatch):
     q2 = arr(rng, (2, 4096, 4, 128))
     cuflash.attention(q2, k, v)
     assert launched[-1]["name"].endswith("_pers") and launched[-1]["grid"] == 132, launched[-1]
-    # Non-causal up to 1024 keys persistent, causal up to 512 (_config.FWD_WS_PERSISTENT_DEFAULT);
-    # past them a block per query block.
+    # Non-causal persistent at every length, causal up to 2048 keys (_config.FWD_WS_PERSISTENT_DEFAULT);
+    # past that a block per query block.
     k1, v1 = arr(rng, (2, 1024, 2, 128)), arr(rng, (2, 1024, 2, 128))
     cuflash.attention(q2, k1, v1)
     assert launched[-1]["name"] == "fwd90ws_f16_d128_m128_n128_s2_full_even_pp_pers", launched[-1]["name"]
     cuflash.attention(q2, k1, v1, causal=True)
+    assert launched[-1]["name"] == "fwd90ws_f16_d128_m128_n128_s2_causal_even_pp_pers", launched[-1]["name"]
+    k5, v5 = arr(rng, (2, 4096, 2, 128)), arr(rng, (2, 4096, 2, 128))
+    cuflash.attention(q2, k5, v5, causal=True)
     assert launched[-1]["name"] == "fwd90ws_f16_d128_m128_n128_s2_causal_even_pp", launched[-1]["name"]
     k2, v2 = arr(rng, (2, 2048, 2, 128)), arr(rng, (2, 2048, 2, 128))
     cuflash.attention(q2, k2, v2)
-    assert launched[-1]["name"] == "fwd90ws_f16_d128_m128_n128_s2_full_even_pp", launched[-1]["name"]
+    assert launched[-1]["name"] == "fwd90ws_f16_d128_m128_n128_s2_full_even_pp_pers", launched[-1]["name"]
+    k3, v3 = arr(rng, (1, 16384, 2, 128)), arr(rng, (1, 16384, 2, 128))
+    cuflash.attention(arr(rng, (1, 16384, 4, 128)), k3, v3)
+    assert launched[-1]["name"] == "fwd90ws_f16_d128_m128_n128_s2_full_even_pp_pers", launched[-1]["name"]
+    assert launched[-1]["grid"] == 132, launched[-1]["grid"]
+    k4, v4 = arr(rng, (2, 600, 2, 128)), arr(rng, (2, 600, 2, 128))
+    cuflash.attention(q2, k4, v4, causal=True)
+    assert launched[-1]["name"] == "fwd90ws_f16_d128_m128_n128_s2_causal_ragged_pp_pers", launched[-1]["name"]
+    # Causal on the persistent grid pairs a head's query blocks (cuda_src/blocks.cuh persistent_tile):
+    # an even count only; 3 query blocks a head take a block per query block.
+    for sq, pers in ((512, True), (384, False), (500, True), (257, False)):
+        qc, kc, vc = arr(rng, (2, sq, 4, 128)), arr(rng, (2, 512, 2, 128)), arr(rng, (2, 512, 2, 128))
+        cuflash.attention(qc, kc, vc, causal=True)
+        assert launched[-1]["name"].endswith("_pers") == pers, (sq, launched[-1]["name"])
     monkeypatch.setenv("CUFLASH_FWD_WS_PINGPONG", "0")  # the plain schedule: same Params, its own kernel
     _plan.CACHE.clear()
     cuflash.attention(q, k, v)
