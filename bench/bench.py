@@ -22,11 +22,16 @@ Timing, two figures per measurement, after a first call and a warm-up:
   GPU time (ms, tflops)  CUDA events around each call on the current stream, the calls back to
       back, so the GPU stays busy and host work hides behind the queue: the kernels' own time.
       Median of max(--reps, enough runs for --min-time seconds) runs (the naive attention: fewer).
+      The providers of a pass alternate --rounds (4) times, each round with its share of the runs
+      after a short warm-up: the H100's clocks step by up to ~15 % for tens of milliseconds at a time
+      under its power cap (bench/dev/s27_dist.py), and a provider timed in one stretch got whatever
+      step that stretch fell on. ms_rounds in the JSON keeps each round's median.
   eager (ms_eager, tflops_eager)  per run: torch.cuda.synchronize(), start event, the call, end
       event; the next run synchronizes again. The GPU is idle when the call begins, so the time
       includes the host work before the first kernel starts (and any gap between kernels): what a
       user waiting on one eager call sees. Median of min(runs above, --eager-reps (30), half of
       --min-time's worth but at least 10) runs: each run synchronizes, so they cost more wall time.
+      They alternate between the providers in rounds too, after the GPU-time rounds.
   fwd      the forward call (inputs require grad, as in training)
   bwd      torch.autograd.grad(out, (q, k, v), dout, retain_graph=True) after one forward
   fwd+bwd  the forward and torch.autograd.grad together
@@ -144,6 +149,10 @@ def parse_args(argv=None):
     p.add_argument("--eager-reps", type=int, default=30,
                    help="at most this many eager runs (synchronize, call, events) per measurement, on top "
                         "of the GPU-time runs (default 30; 0 = no eager figure)")
+    p.add_argument("--rounds", type=int, default=4,
+                   help="the providers alternate this many times per measurement, each time with a share of "
+                        "its runs (default 4; 1 = each provider's runs in one stretch, the order before "
+                        "session 27)")
     p.add_argument("--warmup", type=int, default=3, help="untimed calls before timing, at most ~50 ms worth "
                                                           "(default 3)")
     p.add_argument("--json", metavar="PATH", help="write every figure, the versions and the device here "
@@ -185,6 +194,8 @@ def parse_args(argv=None):
         p.error("--seqlens must be positive")
     if args.reps < 1:
         p.error("--reps must be at least 1")
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
     if args.eager_reps < 0:
         p.error("--eager-reps must be 0 or more")
     return args
@@ -282,6 +293,7 @@ def estimate_config_s(cfg, providers, args) -> float:
             warm = max(1, min(args.warmup, math.ceil(50 / ms)))
             reps = _reps_for(ms, args, naive)
             total += (1 + warm + reps) * ms / 1e3 + 0.02
+            total += (args.rounds - 1) * (max(1, warm) * ms / 1e3 + 0.01)   # each later round's warm-up
             # eager runs: the call with the GPU idle, so its host time adds to its GPU time, plus a sync
             total += eager_reps(reps, ms, args) * (ms + _EST_HOST_MS.get(prov, 0.04) + _EST_SYNC_MS) / 1e3
     return total
@@ -496,46 +508,61 @@ def prepare_cuflash(specs, target, device_index, args):
 
 # ------------------------------------------------------------------------------------ measuring
 
-def time_cuda(torch, fn, args, naive=False):
-    """(median ms, min ms, reps): CUDA events around each call on the current stream, the calls
-    back to back (GPU time: host work hides behind the queue)."""
-    fn()                       # first call: lazy initialisation, never timed
+def first_estimate(torch, fn, args):
+    """(ms of one timed call, untimed warm-up calls that followed it): the first call (lazy
+    initialisation, never timed), one call between CUDA events for an estimate, then warm-up calls,
+    about 50 ms worth at most (--warmup in all, the estimated call counting as one)."""
+    fn()
     torch.cuda.synchronize()
-    ev = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
-    s, e = ev(), ev()
+    s, e = _event(torch), _event(torch)
     s.record()
     fn()
     e.record()
     torch.cuda.synchronize()
     est = max(s.elapsed_time(e), 1e-3)
-    for _ in range(max(0, min(args.warmup, math.ceil(50.0 / est)) - 1)):   # the call above was one
+    warm = max(0, min(args.warmup, math.ceil(50.0 / est)) - 1)
+    for _ in range(warm):
         fn()
-    reps = _reps_for(est, args, naive)
-    events = [(ev(), ev()) for _ in range(reps)]
+    return est, warm
+
+
+def _event(torch):
+    return torch.cuda.Event(enable_timing=True)
+
+
+def time_block(torch, fn, n):
+    """GPU time of n calls back to back (ms each): CUDA events around each call on the current
+    stream; host work hides behind the queue."""
+    events = [(_event(torch), _event(torch)) for _ in range(n)]
     torch.cuda.synchronize()
     for s, e in events:
         s.record()
         fn()
         e.record()
     torch.cuda.synchronize()
-    times = [s.elapsed_time(e) for s, e in events]
-    return statistics.median(times), min(times), reps
+    return [s.elapsed_time(e) for s, e in events]
 
 
-def time_eager(torch, fn, reps):
-    """(median ms, min ms, reps): each run starts on an idle GPU (synchronize, then the start event),
-    so the host work before the first kernel is inside the events: one eager call as a user waits
-    on it. Runs after time_cuda's, so warm-up and lazy initialisation are done."""
-    ev = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
-    events = [(ev(), ev()) for _ in range(reps)]
+def time_eager_block(torch, fn, n):
+    """Eager time of n calls (ms each): each run starts on an idle GPU (synchronize, then the start
+    event), so the host work before the first kernel is inside the events: one eager call as a user
+    waits on it."""
+    events = [(_event(torch), _event(torch)) for _ in range(n)]
     for s, e in events:
         torch.cuda.synchronize()
         s.record()
         fn()
         e.record()
     torch.cuda.synchronize()
-    times = [s.elapsed_time(e) for s, e in events]
-    return statistics.median(times), min(times), reps
+    return [s.elapsed_time(e) for s, e in events]
+
+
+def split_runs(total, rounds):
+    """Runs per round: `total` spread over `rounds` (the first rounds take the remainder), each at
+    least 1."""
+    rounds = max(1, rounds)
+    base, extra = divmod(max(total, rounds), rounds)
+    return [base + (1 if r < extra else 0) for r in range(rounds)]
 
 
 def _err(e) -> str:
@@ -559,17 +586,19 @@ class Runner:
                          "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}
 
     def _attn(self, prov, q, k, v, dout, causal, mask):
-        """(forward callable, dout in its output's layout, context manager)."""
+        """(forward callable, dout in its output's layout, a function that makes the context manager
+        its calls run in: SDPA's backend choice is a one-use generator context, so each stretch of
+        calls enters a new one)."""
         torch, F = self.torch, self.F
         if prov == "cuflash":
             if self.cuflash is None:
                 raise RuntimeError("cuflash did not import")
             cf = self.cuflash
-            return (lambda: cf.attention(q, k, v, causal=causal)), dout, contextlib.nullcontext()
+            return (lambda: cf.attention(q, k, v, causal=causal)), dout, contextlib.nullcontext
         if prov in self.backends:
             sdpa = F.scaled_dot_product_attention
             fn = lambda: sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal)  # noqa: E731
-            return fn, dout.transpose(1, 2), self.sdpa_kernel(self.backends[prov])
+            return fn, dout.transpose(1, 2), lambda: self.sdpa_kernel(self.backends[prov])
         if prov == "naive":
             scale = 1.0 / math.sqrt(q.shape[-1])
 
@@ -580,16 +609,19 @@ class Runner:
                     s = s.masked_fill(mask, float("-inf"))
                 p = torch.softmax(s, dim=-1)
                 return torch.matmul(p, vt)
-            return fn, dout.transpose(1, 2), contextlib.nullcontext()
+            return fn, dout.transpose(1, 2), contextlib.nullcontext
         if prov == "flash_attn":
             if self.fa_func is None:
                 raise RuntimeError("flash_attn did not import")
             fa = self.fa_func
-            return (lambda: fa(q, k, v, causal=causal)), dout, contextlib.nullcontext()
+            return (lambda: fa(q, k, v, causal=causal)), dout, contextlib.nullcontext
         raise ValueError(prov)
 
     def run_config(self, cfg, providers):
-        """Returns (timing rows, memory rows, check dict)."""
+        """Returns (timing rows, memory rows, check dict). Each provider is prepared in turn (first
+        call, outputs for the cross-check, memory); then each pass is timed with the providers
+        alternating --rounds times (time_pass), so that a change of the GPU's clocks during the
+        measurement (they step under its power cap) falls on every provider alike."""
         torch, args = self.torch, self.args
         dt = getattr(torch, cfg["dtype"])
         b, s, h, d = cfg["batch"], cfg["seqlen"], cfg["nheads"], cfg["head_dim"]
@@ -597,17 +629,22 @@ class Runner:
         want_bwd = needs_backward(args.passes)
         rows, mem_rows, keep, check = [], [], {}, None
         q = k = v = dout = None
+        preps = {}
         try:
             q, k, v, dout = (torch.randn(b, s, h, d, device="cuda", dtype=dt) for _ in range(4))
             for x in (q, k, v):
                 x.requires_grad_(True)
             for prov in providers:
-                rows_p, mem = self._run_provider(prov, cfg, base, q, k, v, dout, want_bwd, keep)
+                rows_p, mem, prep = self._prepare_provider(prov, cfg, base, q, k, v, dout, want_bwd, keep)
                 rows += rows_p
                 if mem is not None:
                     mem_rows.append(mem)
+                if prep is not None:
+                    preps[prov] = prep
                 torch.cuda.synchronize()
                 torch.cuda.empty_cache()
+            for ps in args.passes:
+                self.time_pass(ps, preps, q, k, v)
             check = self._check(keep)
         except Exception as e:   # e.g. the inputs themselves did not fit: every provider gets the error
             msg = _err(e)
@@ -618,12 +655,19 @@ class Runner:
                              for ps in args.passes]
                     if want_bwd:
                         mem_rows.append(dict(base, provider=prov, error=msg))
+            for r in rows:
+                if "ms" not in r and "skipped" not in r:
+                    r.setdefault("error", msg)
         finally:
+            preps.clear()
             del q, k, v, dout, keep
             torch.cuda.empty_cache()
         return rows, mem_rows, check
 
-    def _run_provider(self, prov, cfg, base, q, k, v, dout, want_bwd, keep):
+    def _prepare_provider(self, prov, cfg, base, q, k, v, dout, want_bwd, keep):
+        """(rows, memory row, prep): the provider's first call (its outputs kept for the cross-check)
+        and its memory figure; prep = (forward callable, dout in its layout, context-manager maker,
+        rows by pass, mask), or None where it is skipped or failed (the reason is in its rows)."""
         torch, args = self.torch, self.args
         causal = cfg["causal"]
         rows = [dict(base, provider=prov, **{"pass": ps}, flops=pass_flops(cfg, ps)) for ps in args.passes]
@@ -640,14 +684,14 @@ class Runner:
                     r["skipped"] = why
                 if mem is not None:
                     mem["skipped"] = why
-                return rows, mem
+                return rows, mem, None
         try:
             if prov == "naive" and causal:
                 s = cfg["seqlen"]
                 mask = torch.ones(s, s, dtype=torch.bool, device="cuda").triu_(1)   # True = masked
             fwd, g, ctx = self._attn(prov, q, k, v, dout, causal, mask)
-            with ctx:
-                # warm-up call (and the outputs for the cross-check); lazy initialisation happens here
+            with ctx():
+                # first call (and the outputs for the cross-check); lazy initialisation happens here
                 if want_bwd:
                     out = fwd()
                     grads = torch.autograd.grad(out, (q, k, v), g)
@@ -669,46 +713,89 @@ class Runner:
                     peak = torch.cuda.max_memory_allocated()
                     del res
                     mem.update(extra_bytes=int(peak - before), baseline_bytes=int(before), peak_bytes=int(peak))
-                for r in rows:
-                    ps = r["pass"]
-                    try:
-                        if ps == "fwd":
-                            fn = fwd
-                        elif ps == "bwd":
-                            out = fwd()
-                            fn = lambda: torch.autograd.grad(out, (q, k, v), g, retain_graph=True)  # noqa: E731
-                        else:
-                            fn = lambda: torch.autograd.grad(fwd(), (q, k, v), g)  # noqa: E731
-                        med, mn, reps = time_cuda(torch, fn, args, naive=prov == "naive")
-                        r.update(ms=med, ms_min=mn, reps=reps, tflops=r["flops"] / (med * 1e-3) / 1e12)
-                        n_eager = eager_reps(reps, med, args)
-                        if n_eager > 0:
-                            try:   # an eager failure leaves the GPU-time figure standing
-                                med, mn, n = time_eager(torch, fn, n_eager)
-                                r.update(ms_eager=med, ms_eager_min=mn, reps_eager=n,
-                                         tflops_eager=r["flops"] / (med * 1e-3) / 1e12)
-                            except Exception as e:
-                                r["eager_error"] = _err(e)
-                    except Exception as e:
-                        r["error"] = _err(e)
-                        if _is_oom(torch, e):
-                            r["oom"] = True
-                    finally:
-                        out = fn = None
-                        torch.cuda.synchronize()
         except Exception as e:
             msg = _err(e)
             for r in rows:
-                if "ms" not in r:
-                    r.setdefault("error", msg)
-                    if _is_oom(torch, e):
-                        r["oom"] = True
+                r["error"] = msg
+                if _is_oom(torch, e):
+                    r["oom"] = True
             if mem is not None and "extra_bytes" not in mem:
                 mem["error"] = msg
             keep.pop(prov, None)
-        finally:
-            del mask
-        return rows, mem
+            return rows, mem, None
+        return rows, mem, (fwd, g, ctx, {r["pass"]: r for r in rows}, mask)
+
+    def _pass_fn(self, ps, fwd, g, q, k, v):
+        """The callable one timed run of pass ps makes (bwd: after one forward, whose graph it keeps)."""
+        torch = self.torch
+        if ps == "fwd":
+            return fwd
+        if ps == "bwd":
+            out = fwd()
+            return lambda: torch.autograd.grad(out, (q, k, v), g, retain_graph=True)  # noqa: E731
+        return lambda: torch.autograd.grad(fwd(), (q, k, v), g)  # noqa: E731
+
+    def time_pass(self, ps, preps, q, k, v):
+        """Times pass ps of every prepared provider: --rounds rounds, in each the providers one after
+        another with their share of the runs (the GPU-time runs back to back, then, in rounds of their
+        own, the eager runs). Round 0 estimates each provider's call (first_estimate) and sets its
+        runs as one stretch did before (_reps_for); later rounds warm up again before their runs. A
+        row gets the median and minimum over all its runs, and the median of each round."""
+        torch, args = self.torch, self.args
+        state = {}
+        for phase in ("gpu", "eager"):
+            for rnd in range(args.rounds):
+                for prov, (fwd, g, ctx, by_pass, _mask) in preps.items():
+                    r = by_pass[ps]
+                    if "error" in r or (phase == "eager" and not state.get(prov, {}).get("eager")):
+                        continue
+                    st = state.setdefault(prov, {"times": [], "eager_times": [], "rounds": [], "eager_rounds": []})
+                    fn = None
+                    try:
+                        with ctx():
+                            fn = self._pass_fn(ps, fwd, g, q, k, v)
+                            if phase == "gpu":
+                                if rnd == 0:
+                                    est, _warm = first_estimate(torch, fn, args)
+                                    st["est"] = est
+                                    st["runs"] = split_runs(_reps_for(est, args, prov == "naive"), args.rounds)
+                                else:
+                                    for _ in range(max(1, min(args.warmup, math.ceil(50.0 / st["est"])))):
+                                        fn()
+                                t = time_block(torch, fn, st["runs"][rnd])
+                                st["times"] += t
+                                st["rounds"].append(statistics.median(t))
+                            else:
+                                t = time_eager_block(torch, fn, st["eager"][rnd])
+                                st["eager_times"] += t
+                                st["eager_rounds"].append(statistics.median(t))
+                    except Exception as e:
+                        key = "error" if phase == "gpu" else "eager_error"   # an eager failure leaves the GPU time
+                        r[key] = _err(e)
+                        if phase == "gpu" and _is_oom(torch, e):
+                            r["oom"] = True
+                        st["eager"] = None
+                    finally:
+                        fn = None
+                        torch.cuda.synchronize()
+                    if phase == "gpu" and rnd == args.rounds - 1 and "error" not in r:
+                        med = statistics.median(st["times"])
+                        n_eager = eager_reps(len(st["times"]), med, args)
+                        st["eager"] = split_runs(n_eager, args.rounds) if n_eager > 0 else None
+            if phase == "gpu":
+                for prov, st in state.items():
+                    r = preps[prov][3][ps]
+                    if "error" in r or not st["times"]:
+                        continue
+                    med = statistics.median(st["times"])
+                    r.update(ms=med, ms_min=min(st["times"]), reps=len(st["times"]), rounds=len(st["rounds"]),
+                             ms_rounds=st["rounds"], tflops=r["flops"] / (med * 1e-3) / 1e12)
+        for prov, st in state.items():
+            r = preps[prov][3][ps]
+            if st["eager_times"] and "eager_error" not in r and "error" not in r:
+                med = statistics.median(st["eager_times"])
+                r.update(ms_eager=med, ms_eager_min=min(st["eager_times"]), reps_eager=len(st["eager_times"]),
+                         tflops_eager=r["flops"] / (med * 1e-3) / 1e12)
 
     def _check(self, keep):
         """Max |difference| of cuflash's out (and dq, dk, dv) against the first other provider that ran."""
@@ -746,6 +833,10 @@ def collect_meta(torch, args, cuflash, cuflash_error, fa_version, fa_error):
                  "seqlens": sorted(args.seqlens), "causal": args.causal, "passes": args.passes,
                  "providers": args.providers},
         "timing": {"statistic": "median of per-call CUDA-event times (ms); first call and warm-up untimed",
+                   "rounds": args.rounds,
+                   "interleaving": "per pass, the providers alternate `rounds` times, each round with its "
+                                   "share of a provider's runs (after a warm-up); ms_rounds: each round's "
+                                   "median; the eager runs likewise, after the GPU-time rounds",
                    "ms": "GPU time: events around each call, calls back to back",
                    "ms_eager": "eager: per run synchronize, start event, call, end event (host time before "
                                "the first kernel included); runs = min(GPU-time runs, eager_reps, "
