@@ -196,8 +196,15 @@ def fwd_tma_config_for_target(target: str, head_dim: int, dtype: str, causal: bo
     session 21: 64-row blocks of one warpgroup, as cuDNN's kernel there. Same script, H100, TFLOP/s
     at 512 / 1k / 2k / 4k keys: non-causal 64x128 311 / 340 / 364 / 388, 64x64 302 / 331 / 352 /
     369, 128x64 303 / 335 / 359 / 376; causal 64x64 224 / 270 / 316 / 328, 64x128 205 / 268 / 305 /
-    355, 128x64 206 / 263 / 304 / 337 (bench/results/tma_tiles_d64_s21_h100.json)."""
+    355, 128x64 206 / 263 / 304 / 337 (bench/results/tma_tiles_d64_s21_h100.json).
+    CUFLASH_FWD_TMA_TILE="MxN" overrides head_dim 64's tiles (tuning runs; read when a plan is made)."""
+    import os
+
     cfg = fwd_config_for_target(target, head_dim, dtype, causal)
+    tile = os.environ.get("CUFLASH_FWD_TMA_TILE", "")   # tuning runs: "MxN" (M 64 or 128) at head_dim 64
+    if cfg.wgmma and head_dim == 64 and tile:
+        m, n = (int(x) for x in tile.split("x"))
+        return TileConfig(m, n, m // 16, wgmma=True)
     if cfg.wgmma and head_dim == 256:
         return TileConfig(128, 64, 8, wgmma=True)
     if cfg.wgmma and head_dim == 64:

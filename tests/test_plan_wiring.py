@@ -1481,3 +1481,19 @@ def test_head_dim_64_tma_tiles_keep_their_blocks_per_sm():
         cfg = _config.fwd_tma_config_for_target("sm_90a", 64, "bfloat16", causal)
         smem = _config.fwd_smem_bytes(64, cfg) + _config.fwd_tma_bar_bytes(64)
         assert per_sm // (smem + reserved) >= want, (causal, cfg, smem)
+
+
+def test_head_dim_64_tma_tile_override(monkeypatch):
+    """CUFLASH_FWD_TMA_TILE (tuning runs, session 27) replaces head_dim 64's TMA tiles, with one warp
+    per 16 query rows, and touches no other head_dim; unset, the table's 64 x 128 / 64 x 64 stand."""
+    from cuflash import _config
+
+    tiles = lambda c: (c.block_m, c.block_n, c.warps)  # noqa: E731
+    assert tiles(_config.fwd_tma_config_for_target("sm_90a", 64, "bfloat16", False)) == (64, 128, 4)
+    assert tiles(_config.fwd_tma_config_for_target("sm_90a", 64, "bfloat16", True)) == (64, 64, 4)
+    monkeypatch.setenv("CUFLASH_FWD_TMA_TILE", "128x64")
+    for causal in (False, True):
+        cfg = _config.fwd_tma_config_for_target("sm_90a", 64, "float16", causal)
+        assert (cfg.block_m, cfg.block_n, cfg.warps, cfg.wgmma) == (128, 64, 8, True)
+    assert _config.fwd_tma_config_for_target("sm_90a", 128, "bfloat16", False) == \
+        _config.fwd_config_for_target("sm_90a", 128, "bfloat16", False)

@@ -16,7 +16,6 @@ forward with each option (bench_flex's shape: batch 2, 16 heads, head_dim 128, c
 default "8192 16384"); TREE_ENV ("tag:VAR=VAL,VAR=VAL tag2:..."): variables set around every call of that tree
 (the same tree may be loaded twice under two tags, e.g. to time one environment switch against
 another; plans read such switches when they are made, at a tree's first call)."""
-import importlib.util
 import os
 import statistics as st
 import sys
@@ -24,28 +23,8 @@ import time
 
 import torch
 
-
-def load(name, root, ns):
-    pkg = os.path.join(root, "cuflash")
-    orig_lib, orig_fake = torch.library.Library, torch.library.register_fake
-
-    def lib(n, kind, *a, **k):
-        return orig_lib(ns if n == "cuflash" else n, kind, *a, **k)
-
-    def fake(qualname, *a, **k):
-        return orig_fake(qualname.replace("cuflash::", ns + "::"), *a, **k)
-
-    torch.library.Library, torch.library.register_fake = lib, fake
-    try:
-        spec = importlib.util.spec_from_file_location(name, os.path.join(pkg, "__init__.py"), submodule_search_locations=[pkg])
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    finally:
-        torch.library.Library, torch.library.register_fake = orig_lib, orig_fake
-    assert name + "._adapters._torch" in sys.modules, f"{name}: the torch adapter did not load"
-    return mod
-
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from treeload import load  # noqa: E402
 
 pairs = [t.split("=") for t in os.environ.get("TREES", "main=.oldtree/main18 new=.").split()]
 mods = {}

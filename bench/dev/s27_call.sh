@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Session 27's device call: nvidia-smi samples clocks / power / temperature every 100 ms in the
+# background; then bench/dev/s27_dist.py once per DIST_SETS entry ("SHAPES|ENV_B|GRAD", ";"-separated),
+# then (QUICK=1) bench.py --quick, (GRID=1) the grid against SDPA flash and cuDNN (GRID_ARGS), then
+# bench/dev/fwd_ab_inproc.py per AB_SETS entry ("TREES|TREE_ENV|HDS|SEQS", ";"-separated),
+# bench/dev/s27_energy.py on ENERGY_SHAPES (if set), then the GPU test files TESTS (if set), then the quick GPU suite SUITE_RUNS times. Logs to $OUT; a
+# summary last. Carry: .cache.
+export CUFLASH_CACHE_DIR=$PWD/.cache/cf PYTHONPATH=.
+OUT="${OUT:-./out}"; mkdir -p "$OUT"
+nvidia-smi -L; nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,power.limit --format=csv,noheader
+md5sum cuda_src/*.cu cuda_src/*.cuh | sort | md5sum
+nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+  --format=csv,noheader -lms 100 > "$OUT/smi.csv" 2>&1 &
+SMI=$!
+i=0
+IFS=';' read -ra SETS <<< "${DIST_SETS:-}"
+for set in "${SETS[@]}"; do
+  i=$((i + 1))
+  IFS='|' read -r shapes envb grad <<< "$set"
+  SHAPES="$shapes" ENV_B="$envb" GRAD="${grad:-1}" OUT="$OUT" timeout "${DIST_S:-240}" python3 bench/dev/s27_dist.py \
+    > "$OUT/dist$i.log" 2>&1
+  echo "dist$i rc $?"; [ -e "$OUT/dist.json" ] && mv "$OUT/dist.json" "$OUT/dist$i.json"
+done
+if [ "${QUICK:-0}" = 1 ]; then
+  timeout 150 python3 bench/bench.py --quick --no-compile-timing > "$OUT/quick.log" 2>&1; echo "quick rc $?"
+fi
+if [ "${GRID:-0}" = 1 ]; then
+  timeout "${GRID_S:-300}" python3 bench/bench.py --providers cuflash sdpa_flash sdpa_cudnn --no-compile-timing \
+    ${GRID_ARGS:-} --json "$OUT/grid.json" > "$OUT/grid.log" 2>&1; echo "grid rc $?"
+fi
+j=0
+IFS=';' read -ra ABS <<< "${AB_SETS:-}"
+for set in "${ABS[@]}"; do
+  j=$((j + 1))
+  IFS='|' read -r trees tenv hds seqs <<< "$set"
+  TREES="$trees" TREE_ENV="$tenv" HDS="$hds" SEQS="$seqs" DTYPES="${DTYPES:-bfloat16 float16}" \
+    timeout "${AB_S:-300}" python3 bench/dev/fwd_ab_inproc.py > "$OUT/ab$j.log" 2>&1
+  echo "ab$j rc $?"
+done
+if [ -n "${ENERGY_SHAPES:-}" ]; then
+  SHAPES="$ENERGY_SHAPES" timeout "${ENERGY_S:-240}" python3 bench/dev/s27_energy.py > "$OUT/energy.log" 2>&1
+  echo "energy rc $?"
+fi
+if [ -n "${TESTS:-}" ]; then
+  timeout "${TESTS_S:-240}" python3 -m pytest $TESTS -m "${MARK:-gpu and not slow}" -rf -p no:cacheprovider -q -n 8 \
+    > "$OUT/tests.log" 2>&1
+  echo "tests rc $?"
+fi
+for r in $(seq 1 "${SUITE_RUNS:-0}"); do
+  timeout "${SUITE_S:-300}" python3 -m pytest tests -m "gpu and not slow" -rf -p no:cacheprovider -q -n 8 \
+    > "$OUT/suite$r.log" 2>&1
+  echo "suite run $r rc $?"
+done
+kill $SMI 2>/dev/null
+python3 - "$OUT/smi.csv" <<'PY'
+import sys
+rows = [l.split(", ") for l in open(sys.argv[1]) if l.count(",") >= 5]
+if rows:
+    sm = [int(r[1].split()[0]) for r in rows if r[1].split()[0].isdigit()]
+    pw = [float(r[3].split()[0]) for r in rows if r[3].split()[0].replace(".", "").isdigit()]
+    print(f"smi: {len(rows)} samples, sm clock min {min(sm)} max {max(sm)} MHz, power max {max(pw):.0f} W")
+PY
+for f in "$OUT"/dist*.log; do
+  [ -e "$f" ] || continue
+  echo "== $(basename "$f")"; grep -v "^\s*$" "$f" | grep -v "Warning\|warn" | tail -"${DIST_TAIL:-60}"
+done
+[ -e "$OUT/quick.log" ] && { echo "== quick.log"; tail -12 "$OUT/quick.log"; }
+[ -e "$OUT/grid.log" ] && { echo "== grid.log"; tail -"${GRID_TAIL:-25}" "$OUT/grid.log"; }
+for f in "$OUT"/ab*.log; do
+  [ -e "$f" ] || continue
+  echo "== $(basename "$f")"; grep -v " from " "$f" | tail -"${AB_TAIL:-40}"
+done
+[ -e "$OUT/energy.log" ] && { echo "== energy.log"; grep -v "^\s*$" "$OUT/energy.log" | tail -40; }
+[ -n "${TESTS:-}" ] && grep -E "^E .*(seed|out:)|^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | cut -c1-300 | tail -12
+for f in "$OUT"/suite*.log; do
+  [ -e "$f" ] || continue
+  echo "== $(basename "$f")"; grep -E "^E .*(seed|out:)|^(FAILED|ERROR)|passed|failed" "$f" | cut -c1-300 | tail -8
+done
+exit 0
