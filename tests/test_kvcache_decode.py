@@ -106,6 +106,18 @@ def test_long_cache(device, layout):
     _check(case, device, True, {}, _ctx(seed, device=device, layout=layout))
 
 
+def _capture(graph):
+    """torch.cuda.graph with capture_error_mode "thread_local": only this thread's unsafe CUDA calls
+    can invalidate the capture, not another thread's in the same process. Session 27, quick suite 1
+    of 3 (bench/results/logs_s27/call5_suite1.log): test_cuda_graph_replay[paged16-True] found its
+    capture already invalidated when the decode call reached its first CUDA call that reports errors
+    (memsetAsync; before it, this thread had only allocated from torch's graph pool and queried the
+    stream), and passed in the two suites after it. Not reproduced; the suspect is another thread of
+    the pytest worker (JAX's runtime threads, from JAX tests run earlier in it). The decode calls
+    are checked as before: each replay against the reference of its own lengths."""
+    return torch.cuda.graph(graph, capture_error_mode="thread_local")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout,fused", [("contig", True), ("paged16", True), ("contig", False)])
 def test_cuda_graph_replay(monkeypatch, layout, fused):
@@ -129,7 +141,7 @@ def test_cuda_graph_replay(monkeypatch, layout, fused):
                                causal=True)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with _capture(graph):
         out = attention_with_kvcache(**args, causal=True)
     # This short cache (6 blocks of 1024 keys: past _config.DECODE_WIDE_UNSPLIT, which runs 256 keys
     # unsplit) is split under capture (GPU time decides there); eager calls split it too with the
@@ -188,7 +200,7 @@ def test_cuda_graph_two_steps(monkeypatch, splits):
                                           k=kk, v=vv, cache_seqlens=sl), causal=True, num_splits=splits)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with _capture(graph):
         out1 = attention_with_kvcache(**args, causal=True, num_splits=splits)
         out2 = attention_with_kvcache(**dict(args, k=k2, v=v2, cache_seqlens=seqlens2), causal=True,
                                       num_splits=splits)
