@@ -58,7 +58,7 @@ elif ROOT not in sys.path:
 import torch  # noqa: E402
 
 import cuflash  # noqa: E402
-from cuflash import _compile, _gpu, _launch, _plan  # noqa: E402
+from cuflash import _compile, _gpu, _kvcache, _launch, _plan  # noqa: E402
 from cuflash._adapters import _torch as T  # noqa: E402
 from cuflash._call import ArrayInfo  # noqa: E402
 
@@ -91,6 +91,7 @@ def install_fake_device(no_alloc: bool) -> None:
             self.kv = T._like(kv, dt, self.device)
 
     _gpu.compute_capability = lambda device_id: (9, 0)
+    _kvcache._sm_count = lambda device_id: 132   # an H100's (the causal tail order, persistent grids)
     _compile.get_function = lambda spec, target, device_id, smem: Loaded()
     _launch._launch_kernel = launch_kernel
     _plan._current_device = lambda: 0
