@@ -557,6 +557,21 @@ def time_eager_block(torch, fn, n):
     return [s.elapsed_time(e) for s, e in events]
 
 
+def time_cuda(torch, fn, args, naive=False):
+    """(median ms, min ms, reps) of one provider timed in one stretch (bench_flex.py and
+    bench_features.py use this): first_estimate, then --min-time's worth of runs (time_block)."""
+    est, _warm = first_estimate(torch, fn, args)
+    reps = _reps_for(est, args, naive)
+    times = time_block(torch, fn, reps)
+    return statistics.median(times), min(times), reps
+
+
+def time_eager(torch, fn, reps):
+    """(median ms, min ms, reps) of reps eager runs (time_eager_block), in one stretch."""
+    times = time_eager_block(torch, fn, reps)
+    return statistics.median(times), min(times), reps
+
+
 def split_runs(total, rounds):
     """Runs per round: `total` spread over `rounds` (the first rounds take the remainder), each at
     least 1."""

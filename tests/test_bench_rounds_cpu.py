@@ -132,3 +132,23 @@ def test_an_eager_failure_keeps_the_gpu_time():
     assert "b failed" in rb["eager_error"] and "error" not in rb and "ms_eager" not in rb
     assert rb["ms"] == pytest.approx(2.0) and rb["reps"] == 100
     assert ra["ms_eager"] == pytest.approx(1.0)
+
+
+def test_one_stretch_timers_for_the_other_benches():
+    """bench_flex.py and bench_features.py import time_cuda / time_eager from bench.py: one provider,
+    one stretch, the same run count rule."""
+    log = []
+    (fwd, _g, _ctx, _by, _m), _row = _prep("a", 2.0, log)
+    med, mn, reps = bench.time_cuda(_Torch, fwd, _args(1))
+    assert (med, mn, reps) == (pytest.approx(2.0), pytest.approx(2.0), 100)
+    assert len(log) == 2 + 2 + 100   # first call, the estimate, two warm-up calls, the runs
+    assert bench.time_eager(_Torch, fwd, 7) == (pytest.approx(2.0), pytest.approx(2.0), 7)
+
+
+def test_bench_features_imports_its_timer():
+    """bench_features.py imports time_cuda from bench.py when it loads (no torch needed for that)."""
+    path = os.path.join(os.path.dirname(BENCH), "bench_features.py")
+    spec = importlib.util.spec_from_file_location("cuflash_bench_features", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.time_cuda.__name__ == "time_cuda"
