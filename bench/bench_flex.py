@@ -11,7 +11,8 @@ head_dim 128, bf16; seqlen 8192 and 16384.
 
 Timing as bench/bench.py: GPU time (its time_cuda: CUDA events around back-to-back calls, after
 warm-up, the median of max(--reps, enough runs for --min-time seconds)), then single eager calls (its
-time_eager: each starts on an idle GPU, host time included; the median of --eager-reps). Passes: fwd (inputs require grad, as in
+time_eager: each starts on an idle GPU, host time included; the median of --eager-reps). The two
+providers take turns --rounds (4) times, each turn with its share of the runs (time_pass). Passes: fwd (inputs require grad, as in
 training) and fwdbwd (forward, then torch.autograd.grad of q, k, v). Flex's first call (its
 torch.compile, and its block mask) and cuflash's first call (kernel compile or cache load) are timed on
 their own and reported apart, never in the timings. The forward outputs of the two providers are
@@ -59,6 +60,9 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--eager-reps", type=int, default=10,
                    help="single eager calls timed after the GPU-time runs (host time included; default 10)")
+    p.add_argument("--rounds", type=int, default=4,
+                   help="the two providers take turns this many times per measurement (default 4; 1 = "
+                        "each in one stretch, the order before session 27)")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--dry-run", action="store_true")
     args = p.parse_args(argv)
@@ -66,6 +70,8 @@ def parse_args(argv=None):
     args.variants = args.variants or list(fv.VARIANTS)
     args.reps = args.reps if args.reps is not None else (10 if args.quick else 20)
     args.min_time = args.min_time if args.min_time is not None else (0.05 if args.quick else 0.2)
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
     return args
 
 
@@ -113,7 +119,7 @@ def run(torch, cuflash, args, log=print, device="cuda", shape=(BATCH, NHEADS, HE
         shp = (sum(lengths), nheads, head_dim) if pk else (batch, s, nheads, head_dim)
         torch.manual_seed(1234)
         base = [torch.randn(*shp, device=device, dtype=dt) for _ in range(4)]  # q, k, v, dout
-        outs = {}
+        outs, ready = {}, {}
         for prov in ("cuflash", "flex"):
             row0 = {"variant": var, "seqlen": s, "batch": batch, "nheads": nheads, "head_dim": head_dim,
                     "provider": prov, "pairs": pairs}
@@ -137,23 +143,17 @@ def run(torch, cuflash, args, log=print, device="cuda", shape=(BATCH, NHEADS, HE
                 row0["first_call_s"] = time.perf_counter() - t0
                 with torch.no_grad():
                     outs[prov] = (f().detach() if prov == "cuflash" else fv.from_flex(f().detach(), pk)).float()
-                for ps in passes:
-                    row = dict(row0, **{"pass": ps}, flops=4.0 * nheads * head_dim * pairs * PASS_FACTOR[ps])
-                    fn = f if ps == "fwd" else (lambda: torch.autograd.grad(f(), (q, k, v), dout))
-                    med, mn, reps = timer(torch, fn, args)
-                    row.update(ms=med, ms_min=mn, reps=reps, tflops=row["flops"] / (med * 1e-3) / 1e12)
-                    # Single eager calls, each on an idle GPU: host time included, as a user sees one call.
-                    emed, emn, ereps = eager_timer(torch, fn, args.eager_reps)
-                    row.update(ms_eager=emed, ms_eager_min=emn, reps_eager=ereps,
-                               tflops_eager=row["flops"] / (emed * 1e-3) / 1e12)
-                    rows.append(row)
+                ready[prov] = (f, q, k, v, dout, row0)
             except Exception as e:
                 traceback.print_exc()
                 rows += [dict(row0, **{"pass": ps}, error=f"{type(e).__name__}: {str(e)[:300]}") for ps in passes]
             finally:
                 q = k = v = dout = f = o = None
-                if device == "cuda":
-                    torch.cuda.empty_cache()
+        for ps in passes:
+            rows += time_pass(torch, ps, ready, args, timer, eager_timer)
+        ready.clear()
+        if device == "cuda":
+            torch.cuda.empty_cache()
         if len(outs) == 2:
             diff = (outs["cuflash"] - outs["flex"]).abs().max().item()
             checks.append({"variant": var, "seqlen": s, "max_abs_diff": diff,
@@ -163,6 +163,58 @@ def run(torch, cuflash, args, log=print, device="cuda", shape=(BATCH, NHEADS, HE
                                          + (f"{r['tflops']:.0f} TFLOP/s" if "tflops" in r else r.get("error", "?"))
                                          for r in got), flush=True)
     return rows, checks
+
+
+def time_pass(torch, ps, ready, args, timer, eager_timer):
+    """The rows of pass ps for the providers in `ready` (name -> (f, q, k, v, dout, row0)): the
+    providers take turns --rounds times, each turn one call of `timer` with its share of the runs
+    (--reps and --min-time divided by the rounds), then likewise the single eager calls. A row's ms
+    is the median of its rounds' medians (ms_rounds), ms_min the fastest run, reps all its runs. The
+    GPU's clock steps under its power cap (bench/bench.py --rounds), so each provider's turns sample
+    the same stretch of time."""
+    import argparse as _argparse
+    import math
+    import statistics
+
+    rounds = max(1, args.rounds)
+    part = _argparse.Namespace(**dict(vars(args), reps=max(1, math.ceil(args.reps / rounds)),
+                                      min_time=args.min_time / rounds))
+    eager_n = [args.eager_reps // rounds + (1 if r < args.eager_reps % rounds else 0) for r in range(rounds)]
+    got = {prov: {"gpu": [], "eager": []} for prov in ready}
+    errors = {}
+    for phase in ("gpu", "eager"):
+        for rnd in range(rounds):
+            for prov, (f, q, k, v, dout, _row0) in ready.items():
+                if prov in errors or (phase == "eager" and not eager_n[rnd]):
+                    continue
+                fn = f if ps == "fwd" else (lambda f=f, q=q, k=k, v=v, dout=dout:
+                                            torch.autograd.grad(f(), (q, k, v), dout))
+                try:
+                    if phase == "gpu":
+                        got[prov]["gpu"].append(timer(torch, fn, part))
+                    else:
+                        got[prov]["eager"].append(eager_timer(torch, fn, eager_n[rnd]))
+                except Exception as e:
+                    traceback.print_exc()
+                    errors[prov] = f"{type(e).__name__}: {str(e)[:300]}"
+    rows = []
+    for prov, (_f, _q, _k, _v, _dout, row0) in ready.items():
+        row = dict(row0, **{"pass": ps}, flops=4.0 * row0["nheads"] * row0["head_dim"] * row0["pairs"]
+                   * PASS_FACTOR[ps])
+        if prov in errors:
+            row["error"] = errors[prov]
+            rows.append(row)
+            continue
+        g, e = got[prov]["gpu"], got[prov]["eager"]
+        med = statistics.median(x[0] for x in g)
+        row.update(ms=med, ms_min=min(x[1] for x in g), reps=sum(x[2] for x in g), rounds=len(g),
+                   ms_rounds=[x[0] for x in g], tflops=row["flops"] / (med * 1e-3) / 1e12)
+        if e:
+            emed = statistics.median(x[0] for x in e)
+            row.update(ms_eager=emed, ms_eager_min=min(x[1] for x in e), reps_eager=sum(x[2] for x in e),
+                       tflops_eager=row["flops"] / (emed * 1e-3) / 1e12)
+        rows.append(row)
+    return rows
 
 
 def ratios(rows, key="tflops"):

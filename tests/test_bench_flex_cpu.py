@@ -120,3 +120,44 @@ def test_bench_flex_runs_on_cpu():
     text = bench_flex.report(rows, checks)
     assert "target cuflash / Flex >= 1.0" in text and len(bench_flex.ratios(rows)) == len(fv.VARIANTS)
     assert len(bench_flex.ratios(rows, "tflops_eager")) == len(fv.VARIANTS)  # and single eager calls
+
+
+@pytest.mark.parametrize("rounds", [1, 3])
+def test_bench_flex_providers_take_turns(rounds):
+    """bench_flex.run with --rounds: per variant and pass, cuflash and Flex take turns `rounds` times
+    (GPU-time turns, then eager turns), each turn one timer call; each row keeps its provider's round
+    figures. The provider is told apart by its output: Flex's is (batch, heads, seqlen, head_dim)."""
+    import bench_flex
+
+    args = bench_flex.parse_args(["--seqlens", "160", "--reps", "6", "--variants", "softcap", "packed",
+                                  "--rounds", str(rounds)])
+    order = []
+
+    def who(out):
+        return "flex" if out.dim() == 4 and out.shape[1] == 2 else "cuflash"
+
+    def timer(torch_, fn, a):
+        assert a.reps == -(-6 // rounds) and a.min_time == pytest.approx(args.min_time / rounds)
+        p = who(fn())
+        order.append(("gpu", p))
+        ms = 1.0 if p == "cuflash" else 2.0
+        return ms, ms, a.reps
+
+    def eager_timer(torch_, fn, n):
+        order.append(("eager", who(fn())))
+        return 3.0, 3.0, n
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rows, _checks = bench_flex.run(torch, cuflash, args, log=lambda *a, **k: None, device="cpu",
+                                       shape=(2, 2, 32), compile_flex=False, timer=timer, passes=("fwd",),
+                                       eager_timer=eager_timer)
+    assert not [r for r in rows if "error" in r]
+    turns = [("gpu", p) for _ in range(rounds) for p in ("cuflash", "flex")]
+    turns += [("eager", p) for _ in range(rounds) for p in ("cuflash", "flex")]
+    assert order == turns * 2   # two variants
+    for r in rows:
+        assert r["rounds"] == rounds and len(r["ms_rounds"]) == rounds
+        assert r["ms"] == (1.0 if r["provider"] == "cuflash" else 2.0)
+        assert r["reps"] == rounds * -(-6 // rounds) and r["reps_eager"] == args.eager_reps
+    assert [x for *_, x in bench_flex.ratios(rows)] == [2.0, 2.0]
