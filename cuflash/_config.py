@@ -203,8 +203,10 @@ def fwd_tma_config_for_target(target: str, head_dim: int, dtype: str, causal: bo
     cfg = fwd_config_for_target(target, head_dim, dtype, causal)
     tile = os.environ.get("CUFLASH_FWD_TMA_TILE", "")   # tuning runs: "MxN" (M 64 or 128) at head_dim 64
     if cfg.wgmma and head_dim == 64 and tile:
-        m, n = (int(x) for x in tile.split("x"))
-        return TileConfig(m, n, m // 16, wgmma=True)
+        m, _, n = tile.partition("x")
+        if m not in ("64", "128") or n not in ("64", "128"):
+            raise ValueError(f"CUFLASH_FWD_TMA_TILE: expected 'MxN' with M and N 64 or 128, got {tile!r}")
+        return TileConfig(int(m), int(n), int(m) // 16, wgmma=True)
     if cfg.wgmma and head_dim == 256:
         return TileConfig(128, 64, 8, wgmma=True)
     if cfg.wgmma and head_dim == 64:

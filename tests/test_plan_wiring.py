@@ -1497,3 +1497,7 @@ def test_head_dim_64_tma_tile_override(monkeypatch):
         assert (cfg.block_m, cfg.block_n, cfg.warps, cfg.wgmma) == (128, 64, 8, True)
     assert _config.fwd_tma_config_for_target("sm_90a", 128, "bfloat16", False) == \
         _config.fwd_config_for_target("sm_90a", 128, "bfloat16", False)
+    for bad in ("128", "96x64", "128x"):
+        monkeypatch.setenv("CUFLASH_FWD_TMA_TILE", bad)
+        with pytest.raises(ValueError, match="CUFLASH_FWD_TMA_TILE"):
+            _config.fwd_tma_config_for_target("sm_90a", 64, "bfloat16", False)
