@@ -7,12 +7,9 @@
 # Carry: .cache (scripts/carry_cache.sh).
 export CUFLASH_CACHE_DIR=$PWD/.cache/cf PYTHONPATH=.
 OUT="${OUT:-./out}"; mkdir -p "$OUT"
+. "$(dirname "${BASH_SOURCE[0]}")/call_lib.sh"
 nvidia-smi -L; nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
-if [ -n "${TESTS:-}" ]; then
-  timeout "${TESTS_S:-240}" python3 -m pytest $TESTS -m "${MARK:-gpu and not slow}" -rf -p no:cacheprovider -q -n 8 \
-    > "$OUT/tests.log" 2>&1
-  echo "tests rc $?"
-fi
+run_tests
 if [ "${AB:-1}" = 1 ]; then
   TREES="${TREES:-off=. on=.}" TREE_ENV="${TREE_ENV:-off:CUFLASH_FWD_TAIL_BLOCKS=0 on:CUFLASH_FWD_TAIL_BLOCKS=}" OPTS="${OPTS:-}" \
     SEQS="${SEQS:-1024 2048 4096 8192}" HDS="${HDS:-32 64 128 256}" DTYPES="${DTYPES:-bfloat16 float16}" \
@@ -24,16 +21,8 @@ if [ -n "${BWD_TREES:-}" ]; then
     DTYPES="${DTYPES:-bfloat16 float16}" timeout "${BWD_S:-240}" python3 bench/dev/fwd_ab_inproc.py > "$OUT/inproc_bwd.log" 2>&1
   echo "inproc bwd rc $?"
 fi
-for r in $(seq 1 "${SUITE_RUNS:-0}"); do
-  timeout "${SUITE_S:-300}" python3 -m pytest tests -m "gpu and not slow" -rf -p no:cacheprovider -q -n 8 \
-    > "$OUT/suite$r.log" 2>&1
-  echo "suite run $r rc $?"
-done
+run_suites
 [ "${AB:-1}" = 1 ] && grep -v "^\(off\|on\) from" "$OUT/inproc.log" | tail -70
 [ -n "${BWD_TREES:-}" ] && grep -v " from " "$OUT/inproc_bwd.log" | tail -50
-[ -n "${TESTS:-}" ] && grep -E "^E .*(seed|out:)|^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | cut -c1-300 | tail -12
-for f in "$OUT"/suite*.log; do
-  [ -e "$f" ] || continue
-  echo "== $(basename "$f")"; grep -E "^E .*(seed|out:)|^(FAILED|ERROR)|passed|failed" "$f" | cut -c1-300 | tail -8
-done
+show_tests
 exit 0

@@ -5,34 +5,12 @@
 # .oldtree.
 export CUFLASH_CACHE_DIR=$PWD/.cache/cf PYTHONPATH=.
 OUT="${OUT:-./out}"; mkdir -p "$OUT"
+. "$(dirname "${BASH_SOURCE[0]}")/call_lib.sh"
 nvidia-smi -L; nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 md5sum cuda_src/*.cu cuda_src/*.cuh | sort | md5sum
-if [ -n "${TESTS:-}" ]; then
-  timeout "${TESTS_S:-240}" python3 -m pytest $TESTS -m "${MARK:-gpu and not slow}" -rf -p no:cacheprovider -q -n 8 \
-    > "$OUT/tests.log" 2>&1
-  echo "tests rc $?"
-fi
-i=0
-IFS=';' read -ra SETS <<< "${AB_SETS:-}"
-for set in "${SETS[@]}"; do
-  i=$((i + 1))
-  IFS='|' read -r trees tenv hds seqs <<< "$set"
-  TREES="$trees" TREE_ENV="$tenv" HDS="$hds" SEQS="$seqs" DTYPES="${DTYPES:-bfloat16 float16}" \
-    timeout "${AB_S:-300}" python3 bench/dev/fwd_ab_inproc.py > "$OUT/ab$i.log" 2>&1
-  echo "ab$i rc $?"
-done
-for r in $(seq 1 "${SUITE_RUNS:-0}"); do
-  timeout "${SUITE_S:-300}" python3 -m pytest tests -m "gpu and not slow" -rf -p no:cacheprovider -q -n 8 \
-    > "$OUT/suite$r.log" 2>&1
-  echo "suite run $r rc $?"
-done
-for f in "$OUT"/ab*.log; do
-  [ -e "$f" ] || continue
-  echo "== $(basename "$f")"; grep -v " from " "$f" | tail -"${AB_TAIL:-60}"
-done
-[ -n "${TESTS:-}" ] && grep -E "^E .*(seed|out:)|^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | cut -c1-300 | tail -12
-for f in "$OUT"/suite*.log; do
-  [ -e "$f" ] || continue
-  echo "== $(basename "$f")"; grep -E "^E .*(seed|out:)|^(FAILED|ERROR)|passed|failed" "$f" | cut -c1-300 | tail -8
-done
+run_tests
+run_ab_sets
+run_suites
+show_ab_logs
+show_tests
 exit 0

@@ -7,6 +7,7 @@
 # summary last. Carry: .cache.
 export CUFLASH_CACHE_DIR=$PWD/.cache/cf PYTHONPATH=.
 OUT="${OUT:-./out}"; mkdir -p "$OUT"
+. "$(dirname "${BASH_SOURCE[0]}")/call_lib.sh"
 nvidia-smi -L; nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,power.limit --format=csv,noheader
 md5sum cuda_src/*.cu cuda_src/*.cuh | sort | md5sum
 nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
@@ -28,29 +29,13 @@ if [ "${GRID:-0}" = 1 ]; then
   timeout "${GRID_S:-300}" python3 bench/bench.py --providers cuflash sdpa_flash sdpa_cudnn --no-compile-timing \
     ${GRID_ARGS:-} --json "$OUT/grid.json" > "$OUT/grid.log" 2>&1; echo "grid rc $?"
 fi
-j=0
-IFS=';' read -ra ABS <<< "${AB_SETS:-}"
-for set in "${ABS[@]}"; do
-  j=$((j + 1))
-  IFS='|' read -r trees tenv hds seqs <<< "$set"
-  TREES="$trees" TREE_ENV="$tenv" HDS="$hds" SEQS="$seqs" DTYPES="${DTYPES:-bfloat16 float16}" \
-    timeout "${AB_S:-300}" python3 bench/dev/fwd_ab_inproc.py > "$OUT/ab$j.log" 2>&1
-  echo "ab$j rc $?"
-done
+run_ab_sets
 if [ -n "${ENERGY_SHAPES:-}" ]; then
   SHAPES="$ENERGY_SHAPES" timeout "${ENERGY_S:-240}" python3 bench/dev/s27_energy.py > "$OUT/energy.log" 2>&1
   echo "energy rc $?"
 fi
-if [ -n "${TESTS:-}" ]; then
-  timeout "${TESTS_S:-240}" python3 -m pytest $TESTS -m "${MARK:-gpu and not slow}" -rf -p no:cacheprovider -q -n 8 \
-    > "$OUT/tests.log" 2>&1
-  echo "tests rc $?"
-fi
-for r in $(seq 1 "${SUITE_RUNS:-0}"); do
-  timeout "${SUITE_S:-300}" python3 -m pytest tests -m "gpu and not slow" -rf -p no:cacheprovider -q -n 8 \
-    > "$OUT/suite$r.log" 2>&1
-  echo "suite run $r rc $?"
-done
+run_tests
+run_suites
 kill $SMI 2>/dev/null
 python3 - "$OUT/smi.csv" <<'PY'
 import sys
@@ -66,14 +51,7 @@ for f in "$OUT"/dist*.log; do
 done
 [ -e "$OUT/quick.log" ] && { echo "== quick.log"; tail -12 "$OUT/quick.log"; }
 [ -e "$OUT/grid.log" ] && { echo "== grid.log"; tail -"${GRID_TAIL:-25}" "$OUT/grid.log"; }
-for f in "$OUT"/ab*.log; do
-  [ -e "$f" ] || continue
-  echo "== $(basename "$f")"; grep -v " from " "$f" | tail -"${AB_TAIL:-40}"
-done
+show_ab_logs 40
 [ -e "$OUT/energy.log" ] && { echo "== energy.log"; grep -v "^\s*$" "$OUT/energy.log" | tail -40; }
-[ -n "${TESTS:-}" ] && grep -E "^E .*(seed|out:)|^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | cut -c1-300 | tail -12
-for f in "$OUT"/suite*.log; do
-  [ -e "$f" ] || continue
-  echo "== $(basename "$f")"; grep -E "^E .*(seed|out:)|^(FAILED|ERROR)|passed|failed" "$f" | cut -c1-300 | tail -8
-done
+show_tests
 exit 0
