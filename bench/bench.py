@@ -153,6 +153,9 @@ def parse_args(argv=None):
                    help="the providers alternate this many times per measurement, each time with a share of "
                         "its runs (default 4; 1 = each provider's runs in one stretch, the order before "
                         "session 27)")
+    p.add_argument("--order", choices=("serpentine", "fixed"), default="serpentine",
+                   help="the providers' order across rounds: serpentine (ABC, CBA, ...; default) so that each "
+                        "follows each other one equally often, or fixed (ABC every round, as before session 28)")
     p.add_argument("--warmup", type=int, default=3, help="untimed calls before timing, at most ~50 ms worth "
                                                           "(default 3)")
     p.add_argument("--json", metavar="PATH", help="write every figure, the versions and the device here "
@@ -572,6 +575,18 @@ def time_eager(torch, fn, reps):
     return statistics.median(times), min(times), reps
 
 
+def turn_order(provs, rnd, order="serpentine"):
+    """The providers' order in round rnd. "serpentine": as given in even rounds, reversed in odd ones
+    (ABC, CBA, ABC, ...), so no provider always follows the same other one (with three, those at
+    the ends follow the middle one in every other round and their own turn in the rest). Under
+    the GPU's power cap a turn starts at the clock the turn before it left (session 28, H200: with
+    the fixed order cuflash, SDPA flash, cuDNN, cuflash's turns after cuDNN's ran 1.07-1.12x its
+    fastest run at head_dim 128, while cuDNN's, after SDPA flash's lighter kernel, stayed within
+    1.03). "fixed": the order as given in every round (sessions 27 and before)."""
+    provs = list(provs)
+    return provs[::-1] if order == "serpentine" and rnd % 2 else provs
+
+
 def split_runs(total, rounds):
     """Runs per round: `total` spread over `rounds` (the first rounds take the remainder), each at
     least 1."""
@@ -752,7 +767,7 @@ class Runner:
 
     def time_pass(self, ps, preps, q, k, v):
         """Times pass ps of every prepared provider: --rounds rounds, in each the providers one after
-        another with their share of the runs (the GPU-time runs back to back, then, in rounds of their
+        another (in turn_order: --order) with their share of the runs (the GPU-time runs back to back, then, in rounds of their
         own, the eager runs). Round 0 estimates each provider's call (first_estimate) and sets its
         runs as one stretch did before (_reps_for); later rounds warm up again before their runs. A
         row gets the median and minimum over all its runs, and the median of each round."""
@@ -760,7 +775,8 @@ class Runner:
         state = {}
         for phase in ("gpu", "eager"):
             for rnd in range(args.rounds):
-                for prov, (fwd, g, ctx, by_pass, _mask) in preps.items():
+                for prov in turn_order(preps, rnd, getattr(args, "order", "serpentine")):
+                    fwd, g, ctx, by_pass, _mask = preps[prov]
                     r = by_pass[ps]
                     if "error" in r or (phase == "eager" and not state.get(prov, {}).get("eager")):
                         continue
@@ -849,9 +865,12 @@ def collect_meta(torch, args, cuflash, cuflash_error, fa_version, fa_error):
                  "providers": args.providers},
         "timing": {"statistic": "median of per-call CUDA-event times (ms); first call and warm-up untimed",
                    "rounds": args.rounds,
+                   "order": args.order,
                    "interleaving": "per pass, the providers alternate `rounds` times, each round with its "
-                                   "share of a provider's runs (after a warm-up); ms_rounds: each round's "
-                                   "median; the eager runs likewise, after the GPU-time rounds",
+                                   "share of a provider's runs (after a warm-up), in `order` (serpentine: "
+                                   "the providers' order reversed in odd rounds; fixed: the same every "
+                                   "round); ms_rounds: each round's median; the eager runs likewise, after "
+                                   "the GPU-time rounds",
                    "ms": "GPU time: events around each call, calls back to back",
                    "ms_eager": "eager: per run synchronize, start event, call, end event (host time before "
                                "the first kernel included); runs = min(GPU-time runs, eager_reps, "

@@ -46,7 +46,8 @@ Timing per shape, the implementations round-robin (round 1 of each, then round 2
   ms/step      GPU time: CUDA events around N back-to-back calls, after --warmup calls; a sleep
                kernel is queued first so the host runs ahead, so the figure is the GPU's time per
                step, launch gaps included, host stalls not (N from a pilot, so that a round is about
-               --round-ms); median (and min) over --rounds rounds.
+               --round-ms); median (and min) over --rounds rounds, the implementations taking
+               turns in serpentine order (reversed in odd rounds).
   eager ms     one call with the host included: synchronize, start event, call, end event;
                median of --eager-reps.
   graph        one decode step captured in torch.cuda.CUDAGraph (after two warm-up calls on a
@@ -720,9 +721,11 @@ class Runner:
         try:
             T = Tensors(torch, self.device, args, s)
             rows, live = self.open_all(keys, T, base)
-            # GPU time, round-robin
-            for _ in range(args.rounds):
-                for c in list(live):
+            # GPU time, round-robin in serpentine order (as listed in even rounds, reversed in odd
+            # ones): under the GPU's power cap a turn starts at the clock the one before it left, and
+            # this way no implementation always follows the same one (bench/bench.py turn_order)
+            for rnd in range(args.rounds):
+                for c in (list(live) if rnd % 2 == 0 else list(live)[::-1]):
                     try:
                         with c.ctx():
                             ms, host = clock.per_call_ms(c.fn, c.n, c.lead_ms)

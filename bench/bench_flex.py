@@ -63,6 +63,8 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=4,
                    help="the two providers take turns this many times per measurement (default 4; 1 = "
                         "each in one stretch, the order before session 27)")
+    p.add_argument("--order", choices=("serpentine", "fixed"), default="serpentine",
+                   help="the providers' order across rounds (bench/bench.py --order; default serpentine)")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--dry-run", action="store_true")
     args = p.parse_args(argv)
@@ -171,10 +173,13 @@ def time_pass(torch, ps, ready, args, timer, eager_timer):
     (--reps and --min-time divided by the rounds), then likewise the single eager calls. A row's ms
     is the median of its rounds' medians (ms_rounds), ms_min the fastest run, reps all its runs. The
     GPU's clock steps under its power cap (bench/bench.py --rounds), so each provider's turns sample
-    the same stretch of time."""
+    the same stretch of time; the order alternates (bench.turn_order, --order), so neither provider
+    always inherits the clock the other left."""
     import argparse as _argparse
     import math
     import statistics
+
+    from bench import turn_order
 
     rounds = max(1, args.rounds)
     part = _argparse.Namespace(**dict(vars(args), reps=max(1, math.ceil(args.reps / rounds)),
@@ -184,7 +189,8 @@ def time_pass(torch, ps, ready, args, timer, eager_timer):
     errors = {}
     for phase in ("gpu", "eager"):
         for rnd in range(rounds):
-            for prov, (f, q, k, v, dout, _row0) in ready.items():
+            for prov in turn_order(ready, rnd, getattr(args, "order", "serpentine")):
+                f, q, k, v, dout, _row0 = ready[prov]
                 if prov in errors or (phase == "eager" and not eager_n[rnd]):
                     continue
                 fn = f if ps == "fwd" else (lambda f=f, q=q, k=k, v=v, dout=dout:

@@ -50,9 +50,9 @@ class _Torch:
     cuda = _Cuda
 
 
-def _args(rounds, passes=("fwd",)):
+def _args(rounds, passes=("fwd",), order="serpentine"):
     return argparse.Namespace(rounds=rounds, warmup=3, reps=20, max_reps=300, min_time=0.2, eager_reps=30,
-                              passes=list(passes))
+                              passes=list(passes), order=order)
 
 
 def _runner(args):
@@ -79,12 +79,13 @@ def _prep(name, ms, log, fail_after=None):
     return (fwd, None, ctx, {"fwd": row}, None), row
 
 
+@pytest.mark.parametrize("order", ["serpentine", "fixed"])
 @pytest.mark.parametrize("rounds", [1, 3, 4])
-def test_rounds_alternate_and_rows_get_their_own_times(rounds):
+def test_rounds_alternate_and_rows_get_their_own_times(rounds, order):
     log = []
     pa, ra = _prep("a", 1.0, log)
     pb, rb = _prep("b", 2.5, log)
-    _runner(_args(rounds)).time_pass("fwd", {"a": pa, "b": pb}, None, None, None)
+    _runner(_args(rounds, order=order)).time_pass("fwd", {"a": pa, "b": pb}, None, None, None)
     for row, ms in ((ra, 1.0), (rb, 2.5)):
         assert "error" not in row
         assert row["ms"] == pytest.approx(ms) and row["ms_min"] == pytest.approx(ms)
@@ -93,10 +94,28 @@ def test_rounds_alternate_and_rows_get_their_own_times(rounds):
         assert row["tflops"] == pytest.approx(1e12 / (ms * 1e-3) / 1e12)
     # the GPU-time runs, as one stretch would have made them (--min-time's worth, at least --reps)
     assert ra["reps"] == 200 and rb["reps"] == 80
-    # the log, compressed to runs of one provider: the GPU-time rounds, then the eager rounds,
-    # a and b in turn in each
+    # the log, compressed to runs of one provider: the GPU-time rounds, then the eager rounds; a
+    # before b in every round (fixed), or in even rounds and after it in odd ones (serpentine)
     blocks = [p for i, p in enumerate(log) if i == 0 or log[i - 1] != p]
-    assert blocks == ["a", "b"] * (2 * rounds)
+    turns = [p for _phase in range(2) for r in range(rounds)
+             for p in (("b", "a") if order == "serpentine" and r % 2 else ("a", "b"))]
+    assert blocks == [p for i, p in enumerate(turns) if i == 0 or turns[i - 1] != p]
+    if order == "fixed":
+        assert blocks == ["a", "b"] * (2 * rounds)
+
+
+def test_turn_order_serpentine_puts_both_ends_after_the_middle_equally():
+    provs = ["cuflash", "sdpa_flash", "sdpa_cudnn"]
+    assert bench.turn_order(provs, 0) == provs and bench.turn_order(provs, 1) == provs[::-1]
+    assert bench.turn_order(provs, 3, "fixed") == provs
+    seq = [p for r in range(4) for p in bench.turn_order(provs, r)]
+    follows = {}
+    for prev, cur in zip(seq, seq[1:]):
+        follows.setdefault(cur, []).append(prev)
+    # over the rounds, cuDNN follows SDPA flash no more often than cuflash does
+    assert follows["sdpa_cudnn"].count("sdpa_flash") == follows["cuflash"].count("sdpa_flash") == 2
+    assert bench.parse_args([]).order == "serpentine"
+    assert bench.parse_args(["--order", "fixed"]).order == "fixed"
 
 
 def test_a_failure_in_a_later_round_keeps_the_other_provider():
