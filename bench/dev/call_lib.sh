@@ -1,4 +1,5 @@
-# Steps shared by the session device-call scripts (bench/dev/s23_call.sh, s26_call.sh, s27_call.sh);
+# Steps shared by the session device-call scripts (bench/dev/s23_call.sh, s26_call.sh, s27_call.sh,
+# s28_call.sh);
 # source it after OUT is set. Each run_* step writes its log to $OUT and prints its exit status; the
 # show_* steps print the summary lines of those logs.
 
@@ -53,4 +54,28 @@ show_tests() {
     echo "== $(basename "$f")"; grep -E "^E .*(seed|out:)|^(FAILED|ERROR)|passed|failed" "$f" | cut -c1-300 | tail -8
   done
   return 0
+}
+
+# The GPU's name, driver, top clock and power limit, the md5 of cuda_src, then nvidia-smi sampling
+# clocks / power / temperature / throttle reasons every 100 ms into $OUT/smi.csv in the background
+# (its pid in SMI, for smi_stop).
+smi_start() {
+  nvidia-smi -L; nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,power.limit --format=csv,noheader
+  md5sum cuda_src/*.cu cuda_src/*.cuh | sort | md5sum
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+    --format=csv,noheader -lms 100 > "$OUT/smi.csv" 2>&1 &
+  SMI=$!
+}
+
+# Stops smi_start's sampling and prints one line: samples, SM clock range, top power draw.
+smi_stop() {
+  kill "$SMI" 2>/dev/null
+  python3 - "$OUT/smi.csv" <<'PY'
+import sys
+rows = [l.split(", ") for l in open(sys.argv[1]) if l.count(",") >= 5]
+if rows:
+    sm = [int(r[1].split()[0]) for r in rows if r[1].split()[0].isdigit()]
+    pw = [float(r[3].split()[0]) for r in rows if r[3].split()[0].replace(".", "").isdigit()]
+    print(f"smi: {len(rows)} samples, sm clock min {min(sm)} max {max(sm)} MHz, power max {max(pw):.0f} W")
+PY
 }

@@ -8,11 +8,7 @@
 export CUFLASH_CACHE_DIR=$PWD/.cache/cf PYTHONPATH=.
 OUT="${OUT:-./out}"; mkdir -p "$OUT"
 . "$(dirname "${BASH_SOURCE[0]}")/call_lib.sh"
-nvidia-smi -L; nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,power.limit --format=csv,noheader
-md5sum cuda_src/*.cu cuda_src/*.cuh | sort | md5sum
-nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
-  --format=csv,noheader -lms 100 > "$OUT/smi.csv" 2>&1 &
-SMI=$!
+smi_start
 i=0
 IFS=';' read -ra SETS <<< "${DIST_SETS:-}"
 for set in "${SETS[@]}"; do
@@ -36,15 +32,7 @@ if [ -n "${ENERGY_SHAPES:-}" ]; then
 fi
 run_tests
 run_suites
-kill $SMI 2>/dev/null
-python3 - "$OUT/smi.csv" <<'PY'
-import sys
-rows = [l.split(", ") for l in open(sys.argv[1]) if l.count(",") >= 5]
-if rows:
-    sm = [int(r[1].split()[0]) for r in rows if r[1].split()[0].isdigit()]
-    pw = [float(r[3].split()[0]) for r in rows if r[3].split()[0].replace(".", "").isdigit()]
-    print(f"smi: {len(rows)} samples, sm clock min {min(sm)} max {max(sm)} MHz, power max {max(pw):.0f} W")
-PY
+smi_stop
 for f in "$OUT"/dist*.log; do
   [ -e "$f" ] || continue
   echo "== $(basename "$f")"; grep -v "^\s*$" "$f" | grep -v "Warning\|warn" | tail -"${DIST_TAIL:-60}"
