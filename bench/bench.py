@@ -775,7 +775,7 @@ class Runner:
         state = {}
         for phase in ("gpu", "eager"):
             for rnd in range(args.rounds):
-                for prov in turn_order(preps, rnd, getattr(args, "order", "serpentine")):
+                for prov in turn_order(preps, rnd, args.order):
                     fwd, g, ctx, by_pass, _mask = preps[prov]
                     r = by_pass[ps]
                     if "error" in r or (phase == "eager" and not state.get(prov, {}).get("eager")):

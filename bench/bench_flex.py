@@ -189,7 +189,7 @@ def time_pass(torch, ps, ready, args, timer, eager_timer):
     errors = {}
     for phase in ("gpu", "eager"):
         for rnd in range(rounds):
-            for prov in turn_order(ready, rnd, getattr(args, "order", "serpentine")):
+            for prov in turn_order(ready, rnd, args.order):
                 f, q, k, v, dout, _row0 = ready[prov]
                 if prov in errors or (phase == "eager" and not eager_n[rnd]):
                     continue
