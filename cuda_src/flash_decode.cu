@@ -50,8 +50,9 @@
 // Copies. cp.async (every layout and target): the block's threads copy the K/V tile's rows into
 // padded rows (load_tile below). TMA (TMA = true: sm_90a, head_dim 64 or 128, no sink tokens beside
 // a window, so that a tile's keys are consecutive): tensor-map boxes complete on the stage's
-// mbarrier: warp 0 issues one per 64-column panel of K and of V (a contiguous cache), or each warp
-// one per panel for its 16-key group (a paged one: a group never straddles a page); the tiles are dense SW128
+// mbarrier: warp 0 issues one per 64-column panel of K and of V (a contiguous cache, or a paged one
+// whose page_size is a multiple of the tile: page_tiles), or each warp one per panel for its 16-key
+// group (another paged one: a group never straddles a page); the tiles are dense SW128
 // panels that the warps read with ldmatrix at swizzled addresses. The TMA unit reads a cache faster
 // than the threads' 16-byte copies: H200, batch 64, 8k keys, 32 kv heads, reads alone
 // (bench/dev/decode_read_bw.py) 4.66 TB/s against 4.26-4.31, the copy 4.23.
@@ -109,13 +110,17 @@ struct DecodeParams {
     int num_row_tiles;  // ceil(rows / 16)
     int num_splits;
     int head_dim;       // the append kernel's (the others have it as a template argument)
+    int page_tiles;     // TMA, paged: 1 where page_size is a multiple of the tile's BN keys (the maps'
+                        // boxes are then BN rows: a tile is one box per panel, from one table entry)
     float scale_log2;   // softmax_scale * log2(e)
     MaskParams mask;    // window, sink tokens, sink logits, ALiBi, softcap (the rest unused)
 };
 
-// The TMA kernel's Params (sm_90a; contiguous caches): DecodeParams, then the tensor maps of the K
-// and V caches, (cache_rows, capacity, nheads_kv, head_dim) described as 4-D (head_dim, capacity,
-// nheads_kv, cache_rows) with a {64, BN, 1, 1} box and the 128-byte swizzle (cuflash/_tma.py kv_map).
+// The TMA kernel's Params (sm_90a): DecodeParams, then the tensor maps of the K and V caches,
+// (cache_rows, capacity, nheads_kv, head_dim) described as 4-D (head_dim, capacity, nheads_kv,
+// cache_rows) with a {64, BN, 1, 1} box and the 128-byte swizzle (cuflash/_tma.py kv_map); a paged
+// cache's (num_blocks, page_size, ...) likewise, with {64, 16, 1, 1} boxes, or {64, BN, 1, 1} where
+// page_tiles.
 struct DecodeTmaParams : DecodeParams {
     TmaDesc map_k;
     TmaDesc map_v;
@@ -400,6 +405,11 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
     // The entry's length, loaded now and clamped below the early copies (which do not need it).
     const int L_raw = decode_length_raw(p, b);
     const bool paged = p.page_size != 0;
+    // A paged cache through TMA: whole tiles (page_tiles: every tile lies in one page, and thread 0
+    // issues it as the contiguous path does, from the block of the tile's first key), or 16-key
+    // groups (each warp's lane 0 issues its own group's boxes).
+    const bool whole = TMA && paged && p.page_tiles != 0;
+    const bool groups = paged && !whole;
     const int* table_row = p.block_table != nullptr ? p.block_table + b * p.table_stride : nullptr;
     const bool early = TMA && split == 0 && p.mask.window_left < 0 && p.cache_batch_idx == nullptr;
 
@@ -476,7 +486,7 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
             tma_prefetch_desc(&p.map_k);
             tma_prefetch_desc(&p.map_v);
 #pragma unroll
-            for (int st = 0; st < STAGES; ++st) mbar_init(smem_addr(&s_full[st]), paged ? WARPS : 1);
+            for (int st = 0; st < STAGES; ++st) mbar_init(smem_addr(&s_full[st]), groups ? WARPS : 1);
             fence_mbar_init();
             if (early && !paged)
 #pragma unroll
@@ -494,7 +504,13 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
             __syncthreads();  // the barriers' init, before every warp arms one
             if (lane == 0) {
 #pragma unroll
-                for (int st = 0; st < EARLY; ++st) tma_group(st, page_pair(key[st], entry[st]));
+                for (int st = 0; st < EARLY; ++st) {
+                    const int2 br = page_pair(key[st], entry[st]);
+                    if (!whole)
+                        tma_group(st, br);
+                    else if (warp == 0)  // warp 0's keys are each tile's first
+                        tma_contig(st, br.y, br.x);
+                }
                 s_blk[EARLY][warp] = page_pair(key[EARLY], entry[EARLY]);  // issued in iteration 0
                 pend_key = key[STAGES];                                    // stored in iteration 0
                 pend_entry = entry[STAGES];
@@ -512,10 +528,11 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
     const int qi0 = divmod_rt(r0, G).x, qi1 = divmod_rt(r_end - 1, G).x;
     const int hi = mi.key_hi(p.mask, qi1);
     int lo = mi.key_lo(p.mask, qi0);
-    // A paged cache read through TMA loads 16-key groups, one box each, which must not straddle a
-    // page (page_size is a multiple of 16): the keys start at a multiple of 16 (the ones added in
-    // front are before every row's window, and the mask drops them).
-    if (TMA && p.page_size != 0) lo &= ~15;
+    // A paged cache read through TMA loads 16-key groups, one box each, or whole tiles (page_tiles),
+    // which must not straddle a page (page_size is a multiple of 16, or of BN for whole tiles): the
+    // keys start at a multiple of 16, or of BN (the ones added in front are before every row's
+    // window, and the mask drops them; the chunks of the splits are whole tiles).
+    if (TMA && p.page_size != 0) lo &= whole ? ~(BN - 1) : ~15;
     const int sink_hi = p.mask.window_left < 0 ? 0 : min(p.mask.num_sink_tokens, hi);
     int n_sink = 0;  // virtual keys [0, n_sink) are keys [0, n_sink); the rest map to lo + (v - n_sink)
     if (lo <= sink_hi) lo = 0; else n_sink = sink_hi;
@@ -643,6 +660,12 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
     //   s_blk in iteration j - STAGES, after the slot's pairs were read (by the same thread, at the
     //   issue of tile j - STAGES), so the table's latency stays off the loop's path. Lane st < STAGES
     //   of warp g looks up tile st's group g before the loop.
+    //   Whole paged tiles (page_tiles: page_size a multiple of BN, and the keys start at a multiple
+    //   of BN, so a tile lies in one page): the maps' boxes are BN rows, and warp 0's lane 0 issues
+    //   each tile as the contiguous path does, at row key % page_size of the block of warp 0's pair
+    //   (the tile's first key); the barrier expects its one arrival. The other warps' pairs go
+    //   unused. (Session 28, H200: the 16-key groups read 82-86 % of the copy bandwidth at long
+    //   caches whatever the page size, where contiguous caches read 102-109 %.)
     auto lookup_key = [&](int it) { return min(v_begin + it * BN + key_off + 16 * warp, p.capacity - 1); };
     auto lookup_load = [&](int it) {
         if constexpr (TMA) {
@@ -657,11 +680,13 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
             if (lane == 0) s_blk[it % STAGES][warp] = page_pair(pend_key, pend_entry);
         }
     };
-    auto tma_tile = [&](int it) {  // contiguous: by warp 0; paged: by every warp
+    auto tma_tile = [&](int it) {  // contiguous and whole paged tiles: by warp 0; 16-key groups: by every warp
         if constexpr (TMA) {
             if (lane != 0) return;
-            if (paged)
+            if (groups)
                 tma_group(it % STAGES, s_blk[it % STAGES][warp]);
+            else if (whole)  // warp 0's pair: the tile's first key
+                tma_contig(it % STAGES, s_blk[it % STAGES][0].y, s_blk[it % STAGES][0].x);
             else
                 tma_contig(it % STAGES, v_begin + it * BN + key_off, cache_row);
         }
@@ -676,7 +701,7 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
             }
         }
         __syncthreads();
-        if (!early && (paged || warp == 0))
+        if (!early && (groups || warp == 0))
             for (int st = 0; st < EARLY && st < n_tiles; ++st) tma_tile(st);
         cp_async_commit();  // Q's group
     } else {
@@ -733,7 +758,7 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
         const int stage = it % STAGES;
         if constexpr (TMA) {
             __syncthreads();  // every warp is done with tile it - 1, whose stage tile it + STAGES - 1 takes
-            if ((paged || warp == 0) && it + STAGES - 1 < n_tiles) tma_tile(it + STAGES - 1);
+            if ((groups || warp == 0) && it + STAGES - 1 < n_tiles) tma_tile(it + STAGES - 1);
             if (paged && it + STAGES < n_tiles) {  // the slot's pairs were read above, by the same thread
                 lookup_store(it + STAGES);
                 if (it + STAGES + 1 < n_tiles) lookup_load(it + STAGES + 1);

@@ -754,6 +754,21 @@ def decode_tma_enabled() -> bool:
     return os.environ.get("CUFLASH_DECODE_TMA") != "0"
 
 
+def decode_page_tiles(page_size: int, block_n: int) -> bool:
+    """Whether the TMA decode kernel reads a paged cache in whole tiles (cuda_src/flash_decode.cu,
+    page_tiles): one box per panel of block_n rows, issued by one thread as for a contiguous cache,
+    where page_size is a multiple of block_n (every tile then lies in one page); else each warp
+    issues its 16-key group's boxes. CUFLASH_DECODE_PAGE_TILES=0: never (A/B). Session 28 (H200,
+    bench_decode, 32 query heads, head_dim 128): the 16-key groups read 82-86 % of the copy bandwidth
+    at long caches with pages of 16, 64 or 256 rows alike, contiguous caches 102-109 %. Read when a
+    decode plan is made."""
+    import os
+
+    if os.environ.get("CUFLASH_DECODE_PAGE_TILES") == "0":
+        return False
+    return page_size > 0 and page_size % block_n == 0
+
+
 def decode_wide_supported(head_dim: int) -> bool:
     """Whether the 8-warp decode kernel (128-key tiles) is built for head_dim: multiples of 16 from
     64 to 128 (its Q stays in registers; above 128 the 4-warp kernel is already at the register

@@ -109,7 +109,7 @@ DECODE_PARAMS = np.dtype(
     + [("table_stride", np.int64)]
     + [(n, np.int32) for n in ("batch", "nheads", "nheads_kv", "head_group", "seqlen_q", "cache_rows", "capacity",
                                "page_size", "fixed_seqlen", "seqlen_new", "rows", "num_row_tiles", "num_splits",
-                               "head_dim")]
+                               "head_dim", "page_tiles")]
     + [("scale_log2", np.float32), ("mask", MASK_PARAMS)],
     align=True,
 )
@@ -993,10 +993,13 @@ def _use_tma(k: DeviceTensor, v: DeviceTensor, block_n: int, dtype: str, pad: bo
     return all(_tma.layout_patch(t.shape, t.strides, block_n, dtype) is not None for t in (k, v))
 
 
-def decode_tma_rows(paged: bool, warps: int) -> int:
-    """The rows of a decode tensor map's box: a tile (16 * warps keys) of a contiguous cache, a 16-key
-    group of a paged one (cuda_src/flash_decode.cu, TMA)."""
-    return 16 if paged else 16 * warps
+def decode_tma_rows(paged: bool, warps: int, page_size: int = 0) -> int:
+    """The rows of a decode tensor map's box: a tile (16 * warps keys) of a contiguous cache, or of a
+    paged one whose page_size is a multiple of the tile (whole tiles, _config.decode_page_tiles), else
+    a 16-key group of a paged one (cuda_src/flash_decode.cu, TMA)."""
+    if paged and not _config.decode_page_tiles(page_size, 16 * warps):
+        return 16
+    return 16 * warps
 
 
 def use_decode_tma(k: DeviceTensor, v: DeviceTensor, dtype: str, target: str, paged: bool, num_sink_tokens: int,
@@ -1013,7 +1016,7 @@ def use_decode_tma(k: DeviceTensor, v: DeviceTensor, dtype: str, target: str, pa
         return False
     if not (_tma_ok(k) and _tma_ok(v)) or not _tma.available():
         return False
-    rows = {decode_tma_rows(paged, w) for w in (4, 8)}
+    rows = {decode_tma_rows(paged, w, k.shape[1] if paged else 0) for w in (4, 8)}
     return all(_tma.layout_patch(t.shape, t.strides, r, dtype) is not None for t in (k, v) for r in rows)
 
 
@@ -1397,7 +1400,8 @@ def decode_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: Device
     if tma:
         from . import _tma
 
-        rows = decode_tma_rows(a.page_size != 0, warps)
+        rows = decode_tma_rows(a.page_size != 0, warps, a.page_size)
+        p["page_tiles"] = int(a.page_size != 0 and rows == 16 * warps)  # whole tiles of a paged cache
         maps = [(name, t.ptr, _tma.MapCache(t.shape, t.strides, rows, dtype)) for name, t in (("map_k", k), ("map_v", v))]
         launches.append(TmaLaunch(spec.name, fn.ptr, grid, 32 * warps, smem, p, ptrs, device_id, maps))
     else:

@@ -366,14 +366,17 @@ def test_fused_combine(monkeypatch, layout, splits, sq, gqa, opts):
     ("contig", 1, True, 128, 8, None), ("paged16", 1, True, 64, 4, "all"), ("contig_idx", 1, True, 64, 1, "win20_0"),
     ("paged64", 3, True, 128, 2, "sinklogit"), ("contig", 40, True, 64, 8, None), ("paged256", 7, False, 96, 4, "alibi_bh"),
     ("contig", 0, True, 128, 4, "softcap"), ("paged48", 2, False, 128, 1, None), ("contig", 2, False, 128, 1, "sinktok"),
-    ("paged16", 0, True, 128, 4, "win20_0"), ("paged48", 1, True, 64, 2, "sinktok")])
+    ("paged16", 0, True, 128, 4, "win20_0"), ("paged48", 1, True, 64, 2, "sinktok"),
+    ("paged256", 3, True, 128, 4, "win20_0"), ("paged64", 1, False, 64, 8, None)])
 def test_decode_warps(monkeypatch, tma, warps, layout, splits, fused, d, gqa, option):
     """The 8-warp decode kernel (128-key tiles; head_dim 64 to 128, multiples of 16), which unsplit calls
     whose grid leaves an SM one block take, forced on every path (CUFLASH_DECODE_WARPS=8): split or not,
     the fused combine (merge_tile with 256 threads) or the combine kernel, each layout, the options;
     the 4-warp kernel on the same cases. Each with the TMA copies where they serve (sm_90a, head_dim
     64 / 128, no sink tokens beside a window; a paged cache by 16-key groups, whose first key a window
-    moves down to a multiple of 16) and with CUFLASH_DECODE_TMA=0. The cache slots past each entry's
+    moves down to a multiple of 16, or in whole tiles where the page size is a multiple of the tile's
+    keys (_config.decode_page_tiles: paged64 with 4 warps, paged256; the first key then moves down to
+    a multiple of the tile) and with CUFLASH_DECODE_TMA=0. The cache slots past each entry's
     length hold NaN and a paged table's unused entries garbage (make_case), which the TMA kernel
     loads with the last tile and must zero or clamp. Three calls per plan (the fused counters go back
     to zero). torch CUDA."""
@@ -400,6 +403,51 @@ def test_decode_warps(monkeypatch, tma, warps, layout, splits, fused, d, gqa, op
     sm90 = torch.cuda.get_device_capability() == (9, 0)
     tma_expected = tma == "1" and sm90 and d in (64, 128) and option not in ("sinktok", "all")
     assert any(n.endswith("_tma") for n in names) == tma_expected, names
+
+
+def test_decode_page_tiles_rule(monkeypatch):
+    """_config.decode_page_tiles and _launch.decode_tma_rows (CPU): a paged cache is read through TMA in
+    whole tiles (boxes of the tile's 16 x warps rows, page_tiles in the Params) where its page size is a
+    multiple of the tile, else in 16-key groups; contiguous caches always in whole tiles;
+    CUFLASH_DECODE_PAGE_TILES=0 turns whole paged tiles off."""
+    from cuflash import _config, _launch
+
+    monkeypatch.delenv("CUFLASH_DECODE_PAGE_TILES", raising=False)
+    assert _config.decode_page_tiles(64, 64) and _config.decode_page_tiles(256, 128)
+    assert not _config.decode_page_tiles(16, 64) and not _config.decode_page_tiles(48, 64)
+    assert not _config.decode_page_tiles(64, 128) and not _config.decode_page_tiles(0, 64)
+    assert [_launch.decode_tma_rows(True, w, ps) for w, ps in ((4, 64), (8, 64), (4, 16), (8, 256), (4, 48))] \
+        == [64, 16, 16, 128, 16]
+    assert _launch.decode_tma_rows(False, 4) == 64 and _launch.decode_tma_rows(False, 8) == 128
+    monkeypatch.setenv("CUFLASH_DECODE_PAGE_TILES", "0")
+    assert not _config.decode_page_tiles(256, 64)
+    assert _launch.decode_tma_rows(True, 4, 256) == 16 and _launch.decode_tma_rows(False, 4) == 64
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_tiles", ["1", "0"])
+def test_decode_paged_whole_tiles_plan(monkeypatch, page_tiles):
+    """A paged decode whose page size (256) is a multiple of the tile reads through TMA in whole tiles
+    (page_tiles = 1 in the launch's Params) on sm_90a, and in 16-key groups with
+    CUFLASH_DECODE_PAGE_TILES=0; both match the float64 reference (long ragged caches, splits, garbage
+    in the table's unused entries). torch CUDA."""
+    from cuflash import _kvcache, _launch
+
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device")
+    monkeypatch.setenv("CUFLASH_DECODE_PAGE_TILES", page_tiles)
+    _fresh_decode_plans(monkeypatch)
+    seed = _new_seed()
+    rng = np.random.default_rng(seed)
+    case = make_case(rng, dtype=BF16, batch=2, seqlen_q=1, nheads=32, nheads_kv=8, head_dim=128,
+                     layout="paged256", capacity=3000, seqlen_new=1, table_garbage=True)
+    _check(case, "cuda", True, {}, _ctx(seed, page_tiles=page_tiles), num_splits=4)
+    launches = [L for pl in _kvcache._DECODE_PLANS.values() for L in pl.launches if L.name.endswith("_tma")]
+    if torch.cuda.get_device_capability() == (9, 0):
+        assert launches, [L.name for pl in _kvcache._DECODE_PLANS.values() for L in pl.launches]
+    word = _launch._offsets(_launch.DECODE_TMA_PARAMS)["page_tiles"] // 4  # an int32 of the Params
+    for L in launches:
+        assert int(L.ints[word]) == int(page_tiles), L.name
 
 
 def test_warps_and_splits_rule():
