@@ -461,8 +461,19 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
             }
         }
     };
-    // A paged cache's block and row for a key, from its table entry (clamped into the cache).
-    auto page_pair = [&](int key, int entry) { return make_int2(min(max(entry, 0), p.cache_rows - 1), key % p.page_size); };
+    // A paged cache's (block, row) pair: the table entry (clamped into the cache) and the key's row in
+    // its page. page_of(key): (the key's table index, its row), one division through divmod_rt (an
+    // int division by the runtime page_size is about 20 dependent instructions, and lane 0 of a warp
+    // runs these on its way to the next tile's copy).
+    auto page_of = [&](int key) { return divmod_rt(key, p.page_size); };
+    auto page_pair = [&](int entry, int row) { return make_int2(min(max(entry, 0), p.cache_rows - 1), row); };
+    // Who issues which keys, and who looks them up. Issue: warp g's lane 0 issues group g (16-key
+    // groups), or warp 0's lane 0 the whole tile (from its first key). Lookups in the loop: the last
+    // warp's lanes, lane g for group g (or lane 0 for a whole tile), so that the table's loads and
+    // the divisions stay off the issuing lanes' path and run as one warp's SIMT step.
+    const int issue_off = whole ? 0 : 16 * warp;  // the first key of this warp's group in a tile
+    const bool looks_up = warp == WARPS - 1 && lane < (whole ? 1 : BN / 16);
+    const int look_off = whole ? 0 : 16 * lane;   // ... and of the looking-up lane's group
     auto tma_group = [&](int stage, int2 br) {  // this warp's 16 keys of a paged tile, by lane 0
         if constexpr (TMA) {
             const u32 bar = smem_addr(&s_full[stage]);
@@ -480,7 +491,7 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
     constexpr int GROUPS = BN / 16;   // a paged tile's 16-key groups: warp g's keys
     static_assert(GROUPS == WARPS && STAGES <= 32, "a group per warp; a lane per first tile");
     __shared__ int2 s_blk[TMA ? STAGES : 1][GROUPS];  // (block, row) of each group of the next tiles
-    int pend_key = 0, pend_entry = 0;  // paged, lane 0: the table entry of a later tile, in flight
+    int pend_row = 0, pend_entry = 0;  // paged, looks_up: a later tile's row and table entry, in flight
     if constexpr (TMA) {
         if (tid == 0) {
             tma_prefetch_desc(&p.map_k);
@@ -493,26 +504,40 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
                 for (int st = 0; st < EARLY; ++st) tma_contig(st, st * BN, b);
         }
         if (early && paged) {
-            int key[STAGES + 1], entry[STAGES + 1];  // tiles 0 .. STAGES
-            if (lane == 0) {
+            // Tiles 0 .. EARLY - 1: looked up and issued by the issuing lanes; tiles EARLY and STAGES:
+            // looked up by the lookup lanes (into the ring, and in flight for iteration 0).
+            const bool issues = lane == 0 && (!whole || warp == 0);
+            int row[STAGES + 1], entry[STAGES + 1];
+            if (issues) {
 #pragma unroll
-                for (int j = 0; j <= STAGES; ++j) {
-                    key[j] = min(j * BN + 16 * warp, p.capacity - 1);
-                    entry[j] = table_row[key[j] / p.page_size];
+                for (int j = 0; j < EARLY; ++j) {
+                    const int2 ir = page_of(min(j * BN + issue_off, p.capacity - 1));
+                    row[j] = ir.y;
+                    entry[j] = table_row[ir.x];
+                }
+            }
+            if (looks_up) {
+#pragma unroll
+                for (int j = EARLY; j <= STAGES; ++j) {
+                    const int2 ir = page_of(min(j * BN + look_off, p.capacity - 1));
+                    row[j] = ir.y;
+                    entry[j] = table_row[ir.x];
                 }
             }
             __syncthreads();  // the barriers' init, before every warp arms one
-            if (lane == 0) {
+            if (issues) {
 #pragma unroll
                 for (int st = 0; st < EARLY; ++st) {
-                    const int2 br = page_pair(key[st], entry[st]);
-                    if (!whole)
-                        tma_group(st, br);
-                    else if (warp == 0)  // warp 0's keys are each tile's first
+                    const int2 br = page_pair(entry[st], row[st]);
+                    if (whole)
                         tma_contig(st, br.y, br.x);
+                    else
+                        tma_group(st, br);
                 }
-                s_blk[EARLY][warp] = page_pair(key[EARLY], entry[EARLY]);  // issued in iteration 0
-                pend_key = key[STAGES];                                    // stored in iteration 0
+            }
+            if (looks_up) {
+                s_blk[EARLY][lane] = page_pair(entry[EARLY], row[EARLY]);  // issued in iteration 0
+                pend_row = row[STAGES];                                    // stored in iteration 0
                 pend_entry = entry[STAGES];
             }
         }
@@ -657,27 +682,31 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
     //   a kernel that only reads the same pages took 7.4 against 6.7). The (block, row) pairs go
     //   through the ring s_blk, STAGES tiles ahead, and the table itself is read one iteration earlier
     //   still, into a register: tile j's entry is loaded in iteration j - STAGES - 1 and stored into
-    //   s_blk in iteration j - STAGES, after the slot's pairs were read (by the same thread, at the
-    //   issue of tile j - STAGES), so the table's latency stays off the loop's path. Lane st < STAGES
-    //   of warp g looks up tile st's group g before the loop.
+    //   s_blk in iteration j - STAGES, after the slot's pairs were read (at the issue of tile j -
+    //   STAGES, in iteration j - 2 * STAGES + 1, before the block barriers in between), so the
+    //   table's latency stays off the loop's path. In the loop the last warp does every lookup, lane
+    //   g for group g: the issuing lanes only read their pair and issue. Before the loop, lane st <
+    //   STAGES of warp g looks up tile st's group g (or, issuing early, the issuing lanes look up
+    //   their first tiles).
     //   Whole paged tiles (page_tiles: page_size a multiple of BN, and the keys start at a multiple
     //   of BN, so a tile lies in one page): the maps' boxes are BN rows, and warp 0's lane 0 issues
-    //   each tile as the contiguous path does, at row key % page_size of the block of warp 0's pair
-    //   (the tile's first key); the barrier expects its one arrival. The other warps' pairs go
-    //   unused. (Session 28, H200: the 16-key groups read 82-86 % of the copy bandwidth at long
-    //   caches whatever the page size, where contiguous caches read 102-109 %.)
-    auto lookup_key = [&](int it) { return min(v_begin + it * BN + key_off + 16 * warp, p.capacity - 1); };
+    //   each tile as the contiguous path does, from the pair in slot 0 (the tile's first key); the
+    //   barrier expects its one arrival; the last warp's lane 0 does slot 0's lookups. (Session 29,
+    //   H200, 128 blocks of 8k keys: a paged cache read 1.17x the contiguous time with the pages in
+    //   order, the same addresses, and with pages of 32k rows, the same boxes; the lookups on the
+    //   issuing lane's path, with two int divisions each, were the difference.)
     auto lookup_load = [&](int it) {
         if constexpr (TMA) {
-            if (lane == 0) {
-                pend_key = lookup_key(it);
-                pend_entry = table_row[pend_key / p.page_size];
+            if (looks_up) {
+                const int2 ir = page_of(min(v_begin + it * BN + key_off + look_off, p.capacity - 1));
+                pend_row = ir.y;
+                pend_entry = table_row[ir.x];
             }
         }
     };
     auto lookup_store = [&](int it) {
         if constexpr (TMA) {
-            if (lane == 0) s_blk[it % STAGES][warp] = page_pair(pend_key, pend_entry);
+            if (looks_up) s_blk[it % STAGES][lane] = page_pair(pend_entry, pend_row);
         }
     };
     auto tma_tile = [&](int it) {  // contiguous and whole paged tiles: by warp 0; 16-key groups: by every warp
@@ -696,8 +725,8 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
         if (paged && !early) {
             if (STAGES < n_tiles) lookup_load(STAGES);
             if (lane < STAGES && lane < n_tiles) {  // lane st: tile st's group
-                const int key = lookup_key(lane);
-                s_blk[lane][warp] = page_pair(key, table_row[key / p.page_size]);
+                const int2 ir = page_of(min(v_begin + lane * BN + key_off + issue_off, p.capacity - 1));
+                s_blk[lane][warp] = page_pair(table_row[ir.x], ir.y);
             }
         }
         __syncthreads();

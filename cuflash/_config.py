@@ -760,13 +760,34 @@ def decode_page_tiles(page_size: int, block_n: int) -> bool:
     where page_size is a multiple of block_n (every tile then lies in one page); else each warp
     issues its 16-key group's boxes. CUFLASH_DECODE_PAGE_TILES=0: never (A/B). Session 28 (H200,
     bench_decode, 32 query heads, head_dim 128): the 16-key groups read 82-86 % of the copy bandwidth
-    at long caches with pages of 16, 64 or 256 rows alike, contiguous caches 102-109 %. Read when a
-    decode plan is made."""
+    at long caches with pages of 16, 64 or 256 rows alike, contiguous caches 102-109 %. Session 29
+    (H200, whole tiles, the table lookups off the issuing lane): 256-row pages 1.02x the contiguous
+    time by geomean over bench_decode's 74 shapes (worst 1.06); at five long-cache shapes of
+    bench/dev/paged_locality.py, whole tiles 1.00-1.03x, 16-key groups of the same pages 1.00-1.14x.
+    Read when a decode plan is made."""
     import os
 
     if os.environ.get("CUFLASH_DECODE_PAGE_TILES") == "0":
         return False
     return page_size > 0 and page_size % block_n == 0
+
+
+def decode_paged_groups_wide(blocks: int, splits: int, keys: int, sm_count: int) -> bool:
+    """Whether a paged decode that the 4-warp TMA kernel would read in 16-key groups (a page_size
+    that is not a multiple of its 64-key tile; decode_page_tiles) runs the 8-warp kernel instead, at
+    the same split count: where the 4-warp plan gives each SM at most one block (blocks x splits <=
+    sm_count) and a block sees many keys (at least 8192 a split, or 2048 unsplit). Its 128-key tiles
+    keep twice the bytes in flight, and its eight issuing lanes share a tile's 16-row boxes. H200,
+    session 29 (bench/dev/s29_warps_ab.sh: 16-row pages, head_dim 128, 32 query heads, bench_decode's
+    grid up to batch 64 and 32k keys, CUFLASH_DECODE_WARPS=8 against the 4-warp plan, two runs each):
+    0.91-0.97x the time at the nine points this takes (128 blocks unsplit with 2048-32768 keys, 32 x
+    4 and 64 x 2 splits of 8192 and 16384 keys); at fewer keys a block, 0.99-1.04x (16 x 8 splits of
+    1024-4096 keys 1.02), and where the grid has more blocks than SMs, up to 1.25x (512-key caches).
+    Measured at head_dim 128 (the callers ask only there)."""
+    if splits < 1 or blocks * splits > sm_count:
+        return False
+    per_split = -(-keys // splits)
+    return per_split >= 8192 or (splits == 1 and keys >= 2048)
 
 
 def decode_wide_supported(head_dim: int) -> bool:
@@ -895,11 +916,14 @@ def decode_deep_tma(target: str, head_dim: int, grid: int, keys: int, sm_count: 
     512-key caches on 256-512 blocks, and paged caches 2 % slower on average; in session 16 this
     rule against 3 stages (the bench_decode grid twice on one card): the 20 grid points it takes
     0.959-0.992x the time (geomean 0.975), the 21 others above 100 us 0.998. CUFLASH_DECODE_DEEP=0:
-    never (A/B)."""
+    never, 1: wherever the kernel is built (A/B measurements)."""
     import os
 
-    if os.environ.get("CUFLASH_DECODE_DEEP") == "0":
+    force = os.environ.get("CUFLASH_DECODE_DEEP")
+    if force == "0":
         return False
+    if force == "1":
+        return decode_deep_supported(target, head_dim)
     return decode_deep_supported(target, head_dim) and not paged and grid > 2 * sm_count and keys >= 2048
 
 

@@ -624,8 +624,13 @@ class DecodePlan:
                 return 4, splits
             if forced_warps:
                 return forced_warps, splits
-            return _config.decode_warps_and_splits(blocks, splits, _sm_count(dev), forced, paged_copies, keys,
-                                                   one_per_sm=one)
+            warps, splits = _config.decode_warps_and_splits(blocks, splits, _sm_count(dev), forced, paged_copies,
+                                                            keys, one_per_sm=one)
+            if (warps == 4 and one and c.paged and not forced
+                    and not _config.decode_page_tiles(c.page_size, _config.DECODE_BLOCK_N)
+                    and _config.decode_paged_groups_wide(blocks, splits, keys, _sm_count(dev))):
+                warps = 8  # 16-key groups of a paged cache (TMA): the 8-warp kernel at the same count
+            return warps, splits
 
         def variant(splits, fused_max_parts):
             """(num_splits, scratch floats, launches, launches with the fused combine or None) of the

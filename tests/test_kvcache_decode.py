@@ -450,6 +450,47 @@ def test_decode_paged_whole_tiles_plan(monkeypatch, page_tiles):
         assert int(L.ints[word]) == int(page_tiles), L.name
 
 
+def test_paged_groups_wide_rule():
+    """_config.decode_paged_groups_wide (CPU): a paged decode read in 16-key groups takes the 8-warp
+    kernel only where the 4-warp plan leaves each SM at most one block and a block sees at least 8192
+    keys a split, or 2048 unsplit."""
+    from cuflash._config import decode_paged_groups_wide as rule
+
+    assert rule(128, 1, 2048, 132) and rule(128, 1, 32768, 132) and rule(32, 4, 32768, 132)
+    assert rule(64, 2, 32768, 132) and rule(33, 4, 32768, 132)
+    assert not rule(128, 1, 2047, 132) and not rule(133, 1, 32768, 132) and not rule(34, 4, 32768, 132)
+    assert not rule(16, 8, 32768, 132) and not rule(64, 2, 8192, 132) and not rule(32, 4, 8192, 132)
+    assert not rule(4, 32, 32768, 132) and not rule(128, 1, 512, 132) and not rule(64, 0, 32768, 132)
+    assert rule(32, 4, 32765, 132) and not rule(32, 4, 32764, 132)  # ceil(keys / splits) >= 8192
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["paged16", "paged48", "paged64"])
+def test_decode_paged_groups_wide_plan(monkeypatch, layout):
+    """A paged decode that the 4-warp TMA kernel would read in 16-key groups (pages of 16 or 48 rows),
+    on 128 blocks of 2048 keys (batch 4, 32 kv heads, head_dim 128), runs the 8-warp kernel on sm_90a
+    where the GPU has at least 128 SMs; 64-row pages keep the 4-warp kernel, in whole tiles. Each
+    matches the float64 reference (ragged lengths with an append, garbage in the table's unused
+    entries). torch CUDA."""
+    from cuflash import _kvcache
+
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device")
+    for var in ("CUFLASH_DECODE_WARPS", "CUFLASH_DECODE_PAGE_TILES", "CUFLASH_DECODE_TMA"):
+        monkeypatch.delenv(var, raising=False)
+    _fresh_decode_plans(monkeypatch)
+    seed = _new_seed()
+    rng = np.random.default_rng(seed)
+    case = make_case(rng, dtype=BF16, batch=4, seqlen_q=1, nheads=32, nheads_kv=32, head_dim=128,
+                     layout=layout, capacity=2048, seqlen_new=1, table_garbage=True)
+    _check(case, "cuda", True, {}, _ctx(seed, layout=layout))
+    names = {L.name for pl in _kvcache._DECODE_PLANS.values() for L in pl.launches}
+    props = torch.cuda.get_device_properties(0)
+    if (props.major, props.minor) == (9, 0) and props.multi_processor_count >= 128:
+        assert any(n.endswith("_w8_tma") for n in names) == (layout != "paged64"), names
+        assert all(n.endswith("_tma") for n in names if n.startswith("decode_b") or n.startswith("decode_f")), names
+
+
 def test_warps_and_splits_rule():
     """_config.decode_warps_and_splits (CPU): the 8-warp kernel takes half the 4-warp kernel's splits
     where that count is at most 4 and the grid then gives no SM a second block (a paged cache: only
