@@ -781,9 +781,9 @@ def decode_paged_groups_wide(blocks: int, splits: int, keys: int, sm_count: int)
     session 29 (bench/dev/s29_warps_ab.sh: 16-row pages, head_dim 128, 32 query heads, bench_decode's
     grid up to batch 64 and 32k keys, CUFLASH_DECODE_WARPS=8 against the 4-warp plan, two runs each):
     0.91-0.97x the time at the nine points this takes (128 blocks unsplit with 2048-32768 keys, 32 x
-    4 and 64 x 2 splits of 8192 and 16384 keys); at fewer keys a block, 0.99-1.04x (16 x 8 splits of
-    1024-4096 keys 1.02), and where the grid has more blocks than SMs, up to 1.25x (512-key caches).
-    Measured at head_dim 128 (the callers ask only there)."""
+    4 and 64 x 2 splits of 8192 and 16384 keys); at fewer keys a split, 0.94-1.04x (16 x 8 splits of
+    1024-4096 keys 1.02); where the grid has more blocks than SMs, 0.96-1.25x (1.17-1.25 at 512-key
+    caches). Measured at head_dim 128 (the callers ask only there)."""
     if splits < 1 or blocks * splits > sm_count:
         return False
     per_split = -(-keys // splits)
