@@ -463,8 +463,8 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
     };
     // A paged cache's (block, row) pair: the table entry (clamped into the cache) and the key's row in
     // its page. page_of(key): (the key's table index, its row), one division through divmod_rt (an
-    // int division by the runtime page_size is about 20 dependent instructions, and lane 0 of a warp
-    // runs these on its way to the next tile's copy).
+    // int division by the runtime page_size is about 20 dependent instructions; the lookup lanes run
+    // one per tile, off the issuing lanes' path).
     auto page_of = [&](int key) { return divmod_rt(key, p.page_size); };
     auto page_pair = [&](int entry, int row) { return make_int2(min(max(entry, 0), p.cache_rows - 1), row); };
     // Who issues which keys, and who looks them up. Issue: warp g's lane 0 issues group g (16-key
@@ -788,7 +788,8 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
         if constexpr (TMA) {
             __syncthreads();  // every warp is done with tile it - 1, whose stage tile it + STAGES - 1 takes
             if ((groups || warp == 0) && it + STAGES - 1 < n_tiles) tma_tile(it + STAGES - 1);
-            if (paged && it + STAGES < n_tiles) {  // the slot's pairs were read above, by the same thread
+            // Lookups: the slot's pairs were read at the issue in iteration it - STAGES + 1 (a barrier since).
+            if (paged && it + STAGES < n_tiles) {
                 lookup_store(it + STAGES);
                 if (it + STAGES + 1 < n_tiles) lookup_load(it + STAGES + 1);
             }
