@@ -282,34 +282,45 @@ class AttentionPlan:
     check that the arrays match the signature (a cheap key comparison) and raise ValueError
     otherwise; the checks of the planned call are not repeated."""
 
-    def __init__(self, ad, plan, key_of, describe: str):
-        self._ad, self._plan, self._key_of = ad, plan, key_of
-        self._key = key_of(None)
+    def __init__(self, ad, plan, example: tuple, names: tuple, describe: str):
+        # names: the option arrays passed again on each call (by keyword, in any order); a call
+        # matches when q, k, v and those arrays have the signatures (ad.sigs) of the example's,
+        # (q, k, v, {name: array}) of the call the plan was made for; the plan fixes the scalars.
+        self._ad, self._plan, self._names = ad, plan, names
+        q, k, v, arrays = example
+        self._key = ad.sigs((q, k, v) + tuple(arrays[n] for n in names))
         self._describe = describe
         self.call = plan.call
 
     def __repr__(self):
         return f"<cuflash.AttentionPlan {self._describe}>"
 
-    def _check(self, arrays):
+    def _check(self, q, k, v, arrays):
+        names = self._names
         try:
-            same = self._key_of(arrays) == self._key
-        except Exception:
+            if len(arrays) != len(names):
+                same = False
+            elif names:
+                same = self._ad.sigs((q, k, v) + tuple([arrays[n] for n in names])) == self._key
+            else:
+                same = self._ad.sigs((q, k, v)) == self._key
+        except Exception:  # a missing name, a None, an array of another library
             same = False
         if not same:
-            got = ", ".join(f"{n} {_brief(x)}" for n, x in arrays.items() if x is not None)
+            got = ", ".join(f"{n} {_brief(x)}" for n, x in dict(arrays, q=q, k=k, v=v).items() if x is not None)
             raise ValueError(f"q, k, v: this plan was made for {self._describe}; got {got}")
 
     def __call__(self, q, k, v, *, return_lse: bool = False, **arrays):
         """out (and lse with return_lse) for q, k, v and the plan's option arrays (passed again by
-        name: q_lengths, kv_lengths, cu_seqlens_q, cu_seqlens_k, sink_logits, alibi_slopes)."""
-        self._check(dict(arrays, q=q, k=k, v=v))
-        out, lse = self._ad.forward(self._plan, q, k, v, arrays)
+        name: q_lengths, kv_lengths, cu_seqlens_q, cu_seqlens_k, sink_logits, alibi_slopes). lse is
+        computed only where asked for, or where autograd keeps it for the backward."""
+        self._check(q, k, v, arrays)
+        out, lse = self._ad.forward(self._plan, q, k, v, arrays, return_lse)
         return (out, lse) if return_lse else out
 
     def backward(self, dout, q, k, v, out, lse, **arrays):
         """(dq, dk, dv), plus d sink_logits when the plan has sink logits."""
-        self._check(dict(arrays, q=q, k=k, v=v))
+        self._check(q, k, v, arrays)
         dq, dk, dv, dsink = self._ad.backward(self._plan, dout, q, k, v, out, lse, arrays)
         return (dq, dk, dv, dsink) if self._plan.has_sink else (dq, dk, dv)
 
@@ -336,16 +347,8 @@ def plan(q, k, v, causal: bool = False, softmax_scale: float | None = None, dete
     ad = _adapter(q)
     opts = _options(q_lengths, kv_lengths, window, num_sink_tokens, sink_logits, alibi_slopes, softcap)
     p = ad.forward_plan(q, k, v, causal, softmax_scale, deterministic, False, opts)
-    scalars = dict(window=window, num_sink_tokens=num_sink_tokens, softcap=softcap)
-    given = {n: x for n, x in (opts or {}).items() if n not in scalars}
-
-    def key_of(arrays):
-        a = dict(given, q=q, k=k, v=v) if arrays is None else arrays
-        o = None if opts is None else dict(scalars, **{n: a.get(n) for n in given})
-        return (ad.forward_key(a["q"], a["k"], a["v"], causal, softmax_scale, deterministic, False, o),
-                tuple(n for n, x in a.items() if x is not None and n not in ("q", "k", "v")))
-
-    return AttentionPlan(ad, p, key_of, _brief(q) + f", causal={causal}")
+    given = {n: x for n, x in (opts or {}).items() if n not in ("window", "num_sink_tokens", "softcap")}
+    return AttentionPlan(ad, p, (q, k, v, given), tuple(given), _brief(q) + f", causal={causal}")
 
 
 def plan_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, causal: bool = False,
@@ -358,17 +361,7 @@ def plan_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
     opts = _options(None, None, window, num_sink_tokens, sink_logits, alibi_slopes, softcap) or {}
     p = ad.varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                        deterministic, False, opts)
-    scalars = dict(window=window, num_sink_tokens=num_sink_tokens, softcap=softcap)
-    given = {n: x for n, x in opts.items() if n not in scalars}
+    given = {n: x for n, x in opts.items() if n not in ("window", "num_sink_tokens", "softcap")}
     given.update(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    return AttentionPlan(ad, p, (q, k, v, given), tuple(given), _brief(q) + f", packed, causal={causal}")
 
-    def key_of(arrays):
-        from ._adapters._base import any_sig
-
-        a = dict(given, q=q, k=k, v=v) if arrays is None else arrays
-        o = dict(scalars, **{n: a.get(n) for n in given if not n.startswith("cu_")})
-        return (ad.forward_key(a["q"], a["k"], a["v"], causal, softmax_scale, deterministic, False, o),
-                any_sig(a.get("cu_seqlens_q")), any_sig(a.get("cu_seqlens_k")),
-                tuple(n for n, x in a.items() if x is not None and n not in ("q", "k", "v")))
-
-    return AttentionPlan(ad, p, key_of, _brief(q) + f", packed, causal={causal}")

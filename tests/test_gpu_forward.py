@@ -448,6 +448,42 @@ def test_launch_into_nan_prefilled_buffers(cf, d, sq, sk, hkv, causal):
     assert_forward_close(out, lse, q, k, v, causal, d ** -0.5, seed_msg(seed, "NaN-prefilled buffers"))
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_explicit_plan(cf, cupy_mod, causal):
+    """cuflash.plan made on one set of arrays, called on fresh ones of the same signature (outputs
+    from poisoned allocators): out and lse against the float64 reference, without lse too; with
+    inputs that require grad (deterministic) the gradients equal attention's bit for bit, and
+    p.backward's; on CuPy arrays the plan's out equals the torch call's bit for bit."""
+    seed = fresh_seed()
+    msg = seed_msg(seed, f"explicit plan causal={causal}")
+    q, k, v = make_qkv(2, 200, 333, 4, 2, 128, torch.bfloat16)
+    p = cf.plan(q, k, v, causal=causal, deterministic=True)
+    q, k, v = make_qkv(2, 200, 333, 4, 2, 128, torch.bfloat16)
+    poison_allocators(_nbytes(q) * 4)
+    out, lse = p(q, k, v, return_lse=True)
+    assert_like(out, q, msg)
+    assert_forward_close(out, lse, q, k, v, causal, 128 ** -0.5, msg)
+    poison_allocators(_nbytes(q) * 4)
+    out1 = p(q, k, v)
+    assert not isinstance(out1, tuple), msg
+    assert torch.equal(out1, out), f"{msg}: out without lse differs from out with lse"
+    qg, kg, vg = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    dout = torch.randn_like(out)
+    grads_plan = torch.autograd.grad(p(qg, kg, vg), (qg, kg, vg), dout)
+    grads_api = torch.autograd.grad(cf.attention(qg, kg, vg, causal=causal, deterministic=True), (qg, kg, vg), dout)
+    grads_direct = p.backward(dout, q, k, v, out, lse)
+    for name, a, b, c in zip(("dq", "dk", "dv"), grads_plan, grads_api, grads_direct):
+        assert torch.equal(a, b) and torch.equal(a, c), f"{msg}: {name} through the plan differs"
+        assert torch.isfinite(a).all().item(), f"{msg}: {name} not finite"
+    cp = cupy_mod
+    qc, kc, vc = (cp.from_dlpack(t) for t in (q, k, v))
+    pc = cf.plan(qc, kc, vc, causal=causal, deterministic=True)
+    oc = pc(qc, kc, vc)
+    assert isinstance(oc, cp.ndarray), f"{msg}: CuPy plan returned {type(oc)}"
+    torch.cuda.synchronize()
+    assert torch.equal(torch.from_dlpack(oc), out), f"{msg}: CuPy plan's out differs from torch's"
+
+
 # ---------------------------------------------------------------------------------------------
 # Streams
 # ---------------------------------------------------------------------------------------------

@@ -724,6 +724,53 @@ def test_explicit_plan_rejects_other_signature(dev):
     assert len(launched) == n
 
 
+def test_explicit_plan_options_lse_and_varlen(dev):
+    """An explicit plan with option arrays: later calls pass them again by keyword in any order, as
+    other arrays of the same signatures (two arrays where the example had one array twice), and
+    their pointers reach MaskParams; lse is written only with return_lse; a missing, extra or
+    differently shaped option array is a ValueError before any launch. plan_varlen: the offsets
+    are passed again and patched in."""
+    ad, launched = dev
+    rng = np.random.default_rng()
+    b, s, h, d = 2, 48, 4, 64
+    q, k, v = arr(rng, (b, s, h, d)), arr(rng, (b, s, 2, d)), arr(rng, (b, s, 2, d))
+    lengths = np.array([48, 5], np.int32).view(Dev)
+    p = cuflash.plan(q, k, v, causal=True, q_lengths=lengths, kv_lengths=lengths, window=(9, 0))
+    ql, kl = np.array([40, 7], np.int32).view(Dev), np.array([30, 48], np.int32).view(Dev)
+    q2, k2, v2 = arr(rng, q.shape), arr(rng, k.shape), arr(rng, v.shape)
+    out = p(q2, k2, v2, kv_lengths=kl, q_lengths=ql)
+    L = launched[-1]
+    check_tensor(L["p"], "q", q2)
+    check_tensor(L["p"], "o", out)
+    m = L["p"]["mask"]
+    assert int(m["q_lengths"]) == addr(ql) and int(m["kv_lengths"]) == addr(kl)
+    assert (int(m["window_left"]), int(m["window_right"])) == (9, 0)
+    assert int(L["p"]["lse"]) == 0, "lse written though not asked for"
+    out, lse = p(q2, k2, v2, q_lengths=ql, kv_lengths=kl, return_lse=True)
+    assert int(launched[-1]["p"]["lse"]) == addr(lse) and lse.shape == (b, h, s)
+    n = len(launched)
+    for kw in (dict(q_lengths=ql), dict(q_lengths=ql, kv_lengths=kl, alibi_slopes=arr(rng, (h,), np.float32)),
+               dict(q_lengths=ql, kv_lengths=np.array([1, 2, 3], np.int32).view(Dev)),
+               dict(q_lengths=ql, kv_lengths=None)):
+        with pytest.raises(ValueError, match=r"q, k, v: this plan was made for"):
+            p(q2, k2, v2, **kw)
+    p0 = cuflash.plan(q, k, v)
+    with pytest.raises(ValueError, match=r"this plan was made for"):
+        p0(q2, k2, v2, kv_lengths=kl)
+    assert len(launched) == n
+    total = 50
+    q, k, v = arr(rng, (total, h, d)), arr(rng, (total, h, d)), arr(rng, (total, h, d))
+    cu = np.array([0, 13, 50], np.int32).view(Dev)
+    pv = cuflash.plan_varlen(q, k, v, cu, cu, 37, 37, causal=True)
+    cq, ck = np.array([0, 20, 50], np.int32).view(Dev), np.array([0, 9, 50], np.int32).view(Dev)
+    out = pv(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck)
+    fwd = launched[n]
+    assert int(fwd["p"]["mask"]["cu_seqlens_q"]) == addr(cq) and int(fwd["p"]["mask"]["cu_seqlens_k"]) == addr(ck)
+    assert int(fwd["p"]["lse"]) == 0 and out.shape == (total, h, d)
+    with pytest.raises(ValueError, match=r"this plan was made for"):
+        pv(q, k, v, cu_seqlens_q=cq)
+
+
 def test_bad_input_never_launches(dev):
     ad, launched = dev
     rng = np.random.default_rng()

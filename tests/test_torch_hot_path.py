@@ -206,3 +206,40 @@ def test_padded_lengths_same_tensor_marker(torch_dev):
             with pytest.raises(err, match=text):
                 cuflash.attention(q, k, v, causal=True, q_lengths=ql, kv_lengths=bad)
     assert len(launched) == n
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_explicit_plan_torch_route(torch_dev, grad):
+    """cuflash.plan on torch tensors: without grad a call writes no lse unless asked for; with
+    inputs that require grad it records the autograd node (lse kept for the backward) and
+    autograd's backward launches with the plan's forward pointers; p.backward runs the backward
+    directly. Calls with another signature raise before any launch."""
+    torch, launched = torch_dev
+    mk = lambda *s: torch.randn(*s, dtype=torch.bfloat16).requires_grad_(grad)  # noqa: E731
+    q, k, v = mk(2, 40, 4, 64), mk(2, 56, 2, 64), mk(2, 56, 2, 64)
+    p = cuflash.plan(q, k, v, causal=True)
+    q2, k2, v2 = mk(2, 40, 4, 64), mk(2, 56, 2, 64), mk(2, 56, 2, 64)
+    out = p(q2, k2, v2)
+    fwd = launched[-1]["p"]
+    assert int(fwd["q"]) == q2.data_ptr() and int(fwd["k"]) == k2.data_ptr() and int(fwd["o"]) == out.data_ptr()
+    if not grad:
+        assert out.grad_fn is None and int(fwd["lse"]) == 0
+    else:
+        assert type(out.grad_fn).__name__ == "_AttentionBackward" and int(fwd["lse"]) != 0
+        n = len(launched)
+        dq, dk, dv = torch.autograd.grad(out, (q2, k2, v2), torch.randn_like(out))
+        assert len(launched) - n == 3
+        for L in launched[n:]:
+            assert int(L["p"]["o"]) == out.data_ptr() and int(L["p"]["lse"]) == int(fwd["lse"])
+            assert int(L["p"]["dq"]) == dq.data_ptr() and int(L["p"]["dk"]) == dk.data_ptr()
+    with torch.no_grad():
+        out, lse = p(q2, k2, v2, return_lse=True)
+        assert int(launched[-1]["p"]["lse"]) == lse.data_ptr() and lse.shape == (2, 4, 40)
+        n = len(launched)
+        dq, dk, dv = p.backward(torch.randn_like(out), q2, k2, v2, out, lse)
+        assert int(launched[n]["p"]["lse"]) == lse.data_ptr() and dk.shape == k2.shape
+    n = len(launched)
+    for bad in ((mk(2, 41, 4, 64), k2, v2), (q2.float(), k2, v2), (q2, k2.transpose(1, 2), v2)):
+        with pytest.raises(ValueError, match=r"q, k, v: this plan was made for"):
+            p(*bad)
+    assert len(launched) == n

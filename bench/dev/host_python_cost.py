@@ -23,6 +23,8 @@ Rows (bench_host's shape by default: bf16, 2 heads, head_dim 64, 128 tokens):
   fwdbwd            out = attention(q, k, v, causal=True) on inputs that require grad, then
                     torch.autograd.grad(out, (q, k, v), dout) (on CPU tensors the engine runs the
                     backward on the calling thread: a GPU host adds its device-thread hand-off)
+  plan, plan_grad, plan_lengths   the explicit plan API: p = cuflash.plan(...) once, then p(q, k, v)
+                    per call (plain, plain_grad and lengths's calls; compared with those rows)
 
 Method: a warm-up, then --rounds rounds of --calls back-to-back calls per row, round-robin over the
 rows; us/call = median over the rounds (min beside it). Also the kernel launches each call makes (a
@@ -137,6 +139,9 @@ def make_rows(args):
         out = att(qg, kg, vg, causal=True)
         return torch.autograd.grad(out, (qg, kg, vg), dout)
 
+    pl, plg = cuflash.plan(q, k, v, causal=True), cuflash.plan(qg, kg, vg, causal=True)
+    pll = cuflash.plan(q, k, v, causal=True, q_lengths=lengths, kv_lengths=lengths)
+
     return {
         "plain": lambda: att(q, k, v, causal=True),
         "varlen": lambda: attv(qp, kp, vp, cu, cu, s, s, causal=True),
@@ -148,6 +153,9 @@ def make_rows(args):
         "window": lambda: att(q, k, v, causal=True, window=(32, 0)),
         "softcap": lambda: att(q, k, v, causal=True, softcap=30.0),
         "fwdbwd": fwdbwd,
+        "plan": lambda: pl(q, k, v),
+        "plan_grad": lambda: plg(qg, kg, vg),
+        "plan_lengths": lambda: pll(q, k, v, q_lengths=lengths, kv_lengths=lengths),
     }
 
 
@@ -193,7 +201,8 @@ def main(argv=None):
     for name in rows:
         med, lo = statistics.median(times[name]), min(times[name])
         res[name] = dict(us_median=med, us_min=lo, launches=launches[name], rounds=times[name])
-        ref = "plain_grad" if name.endswith("_grad") else None if name == "fwdbwd" else "plain"
+        ref = ("plain_grad" if name.endswith("_grad") else None if name == "fwdbwd"
+               else "lengths" if name == "plan_lengths" else "plain")
         extra = ""
         if name != ref and ref in times:
             rm = statistics.median(times[ref])

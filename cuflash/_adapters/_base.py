@@ -110,6 +110,10 @@ class Adapter:
         """A hashable key that is equal for two arrays only when their infos are."""
         raise NotImplementedError
 
+    def sigs(self, xs: tuple) -> tuple:
+        """The signatures of several arrays as one key (an explicit plan's check)."""
+        return tuple(map(self.sig, xs))
+
     def ptr(self, x, keep: list) -> int:
         raise NotImplementedError
 

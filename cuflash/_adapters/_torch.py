@@ -358,6 +358,12 @@ class TorchAdapter(Adapter):
     def sig(self, x) -> tuple:
         return (x.dtype, x.shape, x.stride(), x.device, x.data_ptr() & 15)
 
+    def sigs(self, xs: tuple) -> tuple:
+        key = ()
+        for x in xs:  # flat, as _forward_key
+            key += (x.dtype, x.shape, x.stride(), x.device, x.data_ptr() & 15)
+        return key
+
     def forward_key(self, q, k, v, causal, softmax_scale, deterministic, return_lse, opts) -> tuple:
         return _forward_key(q, k, v, causal, softmax_scale, deterministic, return_lse, opts)
 
