@@ -52,7 +52,8 @@
 // a window, so that a tile's keys are consecutive): tensor-map boxes complete on the stage's
 // mbarrier: warp 0 issues one per 64-column panel of K and of V (a contiguous cache, or a paged one
 // whose page_size is a multiple of the tile: page_tiles), or each warp one per panel for its 16-key
-// group (another paged one: a group never straddles a page); the tiles are dense SW128
+// group (another paged one: a group never straddles a page; at head_dim 128 one 5-D box for both
+// panels, into group-major tiles: GROUP_BOX); the tiles are dense SW128
 // panels that the warps read with ldmatrix at swizzled addresses. The TMA unit reads a cache faster
 // than the threads' 16-byte copies: H200, batch 64, 8k keys, 32 kv heads, reads alone
 // (bench/dev/decode_read_bw.py) 4.66 TB/s against 4.26-4.31, the copy 4.23.
@@ -119,8 +120,9 @@ struct DecodeParams {
 // The TMA kernel's Params (sm_90a): DecodeParams, then the tensor maps of the K and V caches,
 // (cache_rows, capacity, nheads_kv, head_dim) described as 4-D (head_dim, capacity, nheads_kv,
 // cache_rows) with a {64, BN, 1, 1} box and the 128-byte swizzle (cuflash/_tma.py kv_map); a paged
-// cache's (num_blocks, page_size, ...) likewise, with {64, 16, 1, 1} boxes, or {64, BN, 1, 1} where
-// page_tiles.
+// cache's (num_blocks, page_size, ...) likewise, with {64, 16, 1, 1} boxes (at head_dim 128 5-D
+// (64, page_size, 2 panels, nheads_kv, num_blocks) with {64, 16, 2, 1, 1} boxes), or {64, BN, 1, 1}
+// where page_tiles.
 struct DecodeTmaParams : DecodeParams {
     TmaDesc map_k;
     TmaDesc map_v;
@@ -474,16 +476,40 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
     const int issue_off = whole ? 0 : 16 * warp;  // the first key of this warp's group in a tile
     const bool looks_up = warp == WARPS - 1 && lane < (whole ? 1 : BN / 16);
     const int look_off = whole ? 0 : 16 * lane;   // ... and of the looking-up lane's group
+    // Tiles of 16-key groups at head_dim 128 (GROUP_BOX) are group-major: group g's 16 rows of both
+    // panels at g * GROUP_BYTES, panel after panel (2 KB each, SW128), as one 5-D box fills them
+    // (cuflash/_tma.py kv_map with panels=2), one copy per group and tensor where a box per panel
+    // took two: a 64-key tile is 8 copies instead of 16. Every other tile is panel-major
+    // (decode_sw128<BN>). kv_off(r, c): the byte offset of chunk c of row r of this warp's 16 keys.
+    constexpr bool GROUP_BOX = TMA && HEAD_DIM == 128;
+    constexpr u32 GROUP_BYTES = 16 * HEAD_DIM * 2;
+    const bool gmajor = GROUP_BOX && groups;
+    const u32 kv_wbase = gmajor ? warp * GROUP_BYTES : warp * WN * 128;
+    const u32 kv_pstride = gmajor ? 16 * 128 : BN * 128;
+    auto kv_off = [&](int r, int c) -> u32 {
+        return kv_wbase + (c >> 3) * kv_pstride + r * 128 + (((c & 7) ^ (r & 7)) << 4);
+    };
+    auto tile_off = [&](int r, int c) -> u32 {  // chunk c of row r of the tile
+        if (gmajor)
+            return (u32)((r >> 4) * GROUP_BYTES + (c >> 3) * (16 * 128) + (r & 15) * 128 + (((c & 7) ^ (r & 7)) << 4));
+        return decode_sw128<BN>(r, c);
+    };
     auto tma_group = [&](int stage, int2 br) {  // this warp's 16 keys of a paged tile, by lane 0
         if constexpr (TMA) {
             const u32 bar = smem_addr(&s_full[stage]);
             const u32 dK = smem_addr(sK + stage * Tr::SKV_ELEMS), dV = smem_addr(sV + stage * Tr::SKV_ELEMS);
             mbar_arrive_expect_tx(bar, tile_bytes / WARPS);
+            if constexpr (GROUP_BOX) {  // one 5-D box per group: both panels, group-major (kv_off)
+                const u32 off = warp * GROUP_BYTES;
+                tma_load_5d(dK + off, &p.map_k, bar, 0, br.y, 0, h_kv, br.x);
+                tma_load_5d(dV + off, &p.map_v, bar, 0, br.y, 0, h_kv, br.x);
+            } else {
 #pragma unroll
-            for (int c = 0; c < HEAD_DIM / 64; ++c) {
-                const u32 off = c * BN * 128 + warp * 16 * 128;
-                tma_load_4d(dK + off, &p.map_k, bar, 64 * c, br.y, h_kv, br.x);
-                tma_load_4d(dV + off, &p.map_v, bar, 64 * c, br.y, h_kv, br.x);
+                for (int c = 0; c < HEAD_DIM / 64; ++c) {
+                    const u32 off = c * BN * 128 + warp * 16 * 128;
+                    tma_load_4d(dK + off, &p.map_k, bar, 64 * c, br.y, h_kv, br.x);
+                    tma_load_4d(dV + off, &p.map_v, bar, 64 * c, br.y, h_kv, br.x);
+                }
             }
         }
     };
@@ -674,20 +700,23 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
     // shared memory before use (its K rows only give scores that the mask drops).
     //   A paged cache: the maps describe (num_blocks, page_size, nheads_kv, head_dim) with 16-row
     //   boxes, and a tile is BN / 16 boxes per panel, group g's from block table_row[key / page_size]
-    //   (clamped), row key % page_size. Group g is warp g's 16 keys, and lane 0 of warp g does all of
-    //   its work: it arms the stage's barrier for the group's bytes (the barrier expects one arrival
-    //   per warp) and issues the group's boxes, so no warp issues more than one group's copies (warp
-    //   0 issuing all 32 boxes of a 128-key tile at head_dim 128, the other warps waiting for it at
-    //   the next barrier, took 14.1 us on an H100 at 128 blocks of 512 keys against 10.6 contiguous;
-    //   a kernel that only reads the same pages took 7.4 against 6.7). The (block, row) pairs go
-    //   through the ring s_blk, STAGES tiles ahead, and the table itself is read one iteration earlier
-    //   still, into a register: tile j's entry is loaded in iteration j - STAGES - 1 and stored into
-    //   s_blk in iteration j - STAGES, after the slot's pairs were read (at the issue of tile j -
-    //   STAGES, in iteration j - 2 * STAGES + 1, before the block barriers in between), so the
-    //   table's latency stays off the loop's path. In the loop the last warp does every lookup, lane
-    //   g for group g: the issuing lanes only read their pair and issue. Before the loop, lane st <
-    //   STAGES of warp g looks up tile st's group g (or, issuing early, the issuing lanes look up
-    //   their first tiles).
+    //   (clamped), row key % page_size; at head_dim 128 one 5-D box per group and tensor for both
+    //   panels (GROUP_BOX; H200, session 30, 16-row pages, paged / contiguous at 1 x 8k x 1, 4 x 8k x
+    //   4, 1 x 32k x 4 and 16 x 8k x 8: 1.11-1.13 with a box per panel, 1.05-1.08 with one per group).
+    //   Group g is warp g's 16 keys, and lane 0 of warp g does all of its work: it arms the stage's
+    //   barrier for the group's bytes (the barrier expects one arrival per warp) and issues the group's
+    //   boxes, so no warp issues more than one group's copies (warp 0 issuing all 32 boxes of a 128-key
+    //   tile at head_dim 128, the other warps waiting for it at the next barrier, took 14.1 us on an
+    //   H100 at 128 blocks of 512 keys against 10.6 contiguous; a kernel that only reads the same pages
+    //   took 7.4 against 6.7; on an H200 in session 30, warp 0's lanes issuing every group's boxes at
+    //   once slowed the 4-warp plans by about 15 %). The (block, row) pairs go through the ring s_blk,
+    //   STAGES tiles ahead, and the table itself is read one iteration earlier still, into a register:
+    //   tile j's entry is loaded in iteration j - STAGES - 1 and stored into s_blk in iteration j -
+    //   STAGES, after the slot's pairs were read (at the issue of tile j - STAGES, in iteration j - 2 *
+    //   STAGES + 1, before the block barriers in between), so the table's latency stays off the loop's
+    //   path. In the loop the last warp does every lookup, lane g for group g: the issuing lanes only
+    //   read their pair and issue. Before the loop, lane st < STAGES of warp g looks up tile st's group
+    //   g (or, issuing early, the issuing lanes look up their first tiles).
     //   Whole paged tiles (page_tiles: page_size a multiple of BN, and the keys start at a multiple
     //   of BN, so a tile lies in one page): the maps' boxes are BN rows, and warp 0's lane 0 issues
     //   each tile as the contiguous path does, from the pair in slot 0 (the tile's first key); the
@@ -799,7 +828,7 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
                 const u32 tV = smem_addr(sV + stage * Tr::SKV_ELEMS);
                 for (int c = tid; c < (BN - valid) * CHUNKS; c += THREADS)
                     asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};"
-                                 :: "r"(tV + decode_sw128<BN>(valid + c / CHUNKS, c % CHUNKS)), "r"(0u) : "memory");
+                                 :: "r"(tV + tile_off(valid + c / CHUNKS, c % CHUNKS)), "r"(0u) : "memory");
                 __syncthreads();
             }
         } else {
@@ -813,7 +842,7 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
         const T* sKw = sK + stage * Tr::SKV_ELEMS + warp * WN * PITCH;
         const T* sVw = sV + stage * Tr::SKV_ELEMS + warp * WN * PITCH;
         const u32 sKt = smem_addr(sK + stage * Tr::SKV_ELEMS), sVt = smem_addr(sV + stage * Tr::SKV_ELEMS);
-        const int lrow = warp * WN + lane % 8, li = lane / 8;  // (TMA) this lane's ldmatrix row, matrix
+        const int lrow = lane % 8, li = lane / 8;  // (TMA) this lane's ldmatrix row in the warp's 16 keys, matrix
 
         // ---- S = Q K^T for this warp's 16 keys ----
         float s[1][N_TILES][4];
@@ -831,7 +860,7 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
             for (int kc = 0; kc < HEAD_DIM / 16; ++kc) {
                 u32 bk[4];
                 if constexpr (TMA)  // load_b_pair_k16<false>'s rows and columns, in the SW128 panels
-                    ldmatrix_x4(bk, sKt + decode_sw128<BN>(lrow + (li / 2) * 8, 2 * kc + li % 2));
+                    ldmatrix_x4(bk, sKt + kv_off(lrow + (li / 2) * 8, 2 * kc + li % 2));
                 else
                     load_b_pair_k16<false>(bk, sKw, PITCH, kc * 16, 0, lane);
                 Ops::mma16816(s[0][0], qa[kc], bk[0], bk[1]);
@@ -903,7 +932,7 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
         for (int dp = 0; dp < D_TILES / 2; ++dp) {
             u32 bv[4];
             if constexpr (TMA)  // load_b_pair_k16<true>'s rows and columns, in the SW128 panels
-                ldmatrix_x4_trans(bv, sVt + decode_sw128<BN>(lrow + (li % 2) * 8, 2 * dp + li / 2));
+                ldmatrix_x4_trans(bv, sVt + kv_off(lrow + (li % 2) * 8, 2 * dp + li / 2));
             else
                 load_b_pair_k16<true>(bv, sVw, PITCH, 0, dp * 16, lane);
             Ops::mma16816(acc_o[2 * dp], pa, bv[0], bv[1]);

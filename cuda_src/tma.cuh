@@ -73,6 +73,15 @@ __device__ __forceinline__ void tma_load_4d(u32 dst, const TmaDesc* map, u32 bar
         : "memory");
 }
 
+// The same for a 5-D map (c0 innermost .. c4).
+__device__ __forceinline__ void tma_load_5d(u32 dst, const TmaDesc* map, u32 bar, int c0, int c1, int c2, int c3,
+                                            int c4) {
+    asm volatile(
+        "cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6, %7}], [%2];"
+        :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4)
+        : "memory");
+}
+
 // Bulk reduction (no tensor map): adds `bytes` (a multiple of 16, both addresses 16-byte aligned)
 // of float32 from shared memory into global memory, element by element, in L2. Tracked per thread in
 // bulk groups: commit after issuing; wait_group_read<N> returns once at most N of this thread's

@@ -1002,6 +1002,13 @@ def decode_tma_rows(paged: bool, warps: int, page_size: int = 0) -> int:
     return 16 * warps
 
 
+def decode_tma_panels(rows: int, warps: int, head_dim: int) -> int:
+    """The 64-column panels one box of a decode tensor map fills: both panels of head_dim 128 for a
+    paged cache's 16-key groups (rows < the tile: one 5-D box per group, the kernel's group-major
+    tiles; cuda_src/flash_decode.cu GROUP_BOX), else 1 (a box per panel)."""
+    return head_dim // 64 if rows < 16 * warps and head_dim == 128 else 1
+
+
 def use_decode_tma(k: DeviceTensor, v: DeviceTensor, dtype: str, target: str, paged: bool, num_sink_tokens: int,
                    window_left: int) -> bool:
     """Whether a decode reads its caches through TMA (cuda_src/flash_decode.cu, TMA): sm_90a, head_dim
@@ -1016,8 +1023,9 @@ def use_decode_tma(k: DeviceTensor, v: DeviceTensor, dtype: str, target: str, pa
         return False
     if not (_tma_ok(k) and _tma_ok(v)) or not _tma.available():
         return False
-    rows = {decode_tma_rows(paged, w, k.shape[1] if paged else 0) for w in (4, 8)}
-    return all(_tma.layout_patch(t.shape, t.strides, r, dtype) is not None for t in (k, v) for r in rows)
+    boxes = {(r, decode_tma_panels(r, w, k.shape[3]))
+             for w in (4, 8) for r in (decode_tma_rows(paged, w, k.shape[1] if paged else 0),)}
+    return all(_tma.layout_patch(t.shape, t.strides, r, dtype, n) is not None for t in (k, v) for r, n in boxes)
 
 
 def _use_bwd_ws(q: DeviceTensor, dout: DeviceTensor, k: DeviceTensor, v: DeviceTensor, dtype: str,
@@ -1401,8 +1409,10 @@ def decode_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: Device
         from . import _tma
 
         rows = decode_tma_rows(a.page_size != 0, warps, a.page_size)
+        panels = decode_tma_panels(rows, warps, head_dim)
         p["page_tiles"] = int(a.page_size != 0 and rows == 16 * warps)  # whole tiles of a paged cache
-        maps = [(name, t.ptr, _tma.MapCache(t.shape, t.strides, rows, dtype)) for name, t in (("map_k", k), ("map_v", v))]
+        maps = [(name, t.ptr, _tma.MapCache(t.shape, t.strides, rows, dtype, panels=panels))
+                for name, t in (("map_k", k), ("map_v", v))]
         launches.append(TmaLaunch(spec.name, fn.ptr, grid, 32 * warps, smem, p, ptrs, device_id, maps))
     else:
         launches.append(Launch(spec.name, fn.ptr, grid, 32 * warps, smem, p, ptrs, device_id))

@@ -141,11 +141,14 @@ def ensure_context(device_id: int) -> None:
         lib.cuCtxSetCurrent(ctx)
 
 
-def kv_map_args(ptr: int, shape, strides, rows: int, dtype: str):
+def kv_map_args(ptr: int, shape, strides, rows: int, dtype: str, panels: int = 1):
     """(dims, strides in bytes, box) of `kv_map`'s encode: a (batch, seqlen, heads, head_dim) tensor
     with element strides (batch, row, head, 1) as 4-D (head_dim, seqlen, heads, batch), box {64, rows,
     1, 1}. head_dim must be a multiple of 8; a kernel copies one 64-column panel at a time, and where
-    head_dim is not a multiple of 64 (head_dim pad-up) the columns past it arrive as zeros."""
+    head_dim is not a multiple of 64 (head_dim pad-up) the columns past it arrive as zeros.
+    panels > 1 (head_dim = 64 * panels): 5-D (64, seqlen, panels, heads, batch), box {64, rows,
+    panels, 1, 1}: one copy fills the `panels` SW128 panels of `rows` rows, one after another (the
+    paged decode's 16-key groups, cuda_src/flash_decode.cu)."""
     batch, seqlen, heads, head_dim = shape
     bs, rs, hs, es = strides
     if es != 1:
@@ -155,12 +158,17 @@ def kv_map_args(ptr: int, shape, strides, rows: int, dtype: str):
                          f"kernel's columns past it read as zeros); got {head_dim}")
     if dtype not in _DTYPES:
         raise ValueError(f"tensor map: expected a 16-bit dtype {sorted(_DTYPES)}; got {dtype}")
+    if panels > 1:
+        if head_dim != 64 * panels:
+            raise ValueError(f"tensor map: expected head_dim {64 * panels} for {panels} panels in one box; got "
+                             f"{head_dim}")
+        return (64, seqlen, panels, heads, batch), (2 * rs, 128, 2 * hs, 2 * bs), (64, rows, panels, 1, 1)
     return (head_dim, seqlen, heads, batch), (2 * rs, 2 * hs, 2 * bs), (64, rows, 1, 1)
 
 
-def kv_map(ptr: int, shape, strides, rows: int, dtype: str) -> bytes:
+def kv_map(ptr: int, shape, strides, rows: int, dtype: str, panels: int = 1) -> bytes:
     """The tensor map of a K- or V-like tensor for panel-wise TMA loads (see the module docstring)."""
-    dims, strides_bytes, box = kv_map_args(ptr, shape, strides, rows, dtype)
+    dims, strides_bytes, box = kv_map_args(ptr, shape, strides, rows, dtype, panels)
     return encode_tiled(ptr, dtype, dims, strides_bytes, box)
 
 
@@ -221,13 +229,13 @@ def learn_patch(encode) -> MapPatch | None:
     return None
 
 
-def layout_patch(shape, strides, rows: int, dtype: str) -> MapPatch | None:
+def layout_patch(shape, strides, rows: int, dtype: str, panels: int = 1) -> MapPatch | None:
     """learn_patch for kv_map's layout, learned once per process and layout."""
-    key = (tuple(shape), tuple(strides), rows, dtype)
+    key = (tuple(shape), tuple(strides), rows, dtype, panels)
     with _patches_lock:
         if key in _patches:
             return _patches[key]
-    dims, strides_bytes, box = kv_map_args(16, shape, strides, rows, dtype)
+    dims, strides_bytes, box = kv_map_args(16, shape, strides, rows, dtype, panels)
     try:
         patch = learn_patch(lambda ptr: encode_tiled(ptr, dtype, dims, strides_bytes, box))
     except TmaNoContext:
@@ -243,10 +251,11 @@ class MapCache:
     otherwise each new pointer costs an encode, and the cache keeps the most recent `size` maps (a
     training loop's activations come with ever new pointers)."""
 
-    def __init__(self, shape, strides, rows: int, dtype: str, size: int = 8):
+    def __init__(self, shape, strides, rows: int, dtype: str, size: int = 8, panels: int = 1):
         self.shape, self.strides, self.rows, self.dtype, self.size = tuple(shape), tuple(strides), rows, dtype, size
-        kv_map_args(16, shape, strides, rows, dtype)  # the layout's errors now, not at the first call
-        self.patch = layout_patch(shape, strides, rows, dtype)
+        self.panels = panels
+        kv_map_args(16, shape, strides, rows, dtype, panels)  # the layout's errors now, not at the first call
+        self.patch = layout_patch(shape, strides, rows, dtype, panels)
         self._maps: dict[int, bytes] = {}
 
     def get(self, ptr: int) -> bytes:
@@ -254,7 +263,7 @@ class MapCache:
             return self.patch.map(ptr)
         m = self._maps.get(ptr)
         if m is None:
-            m = kv_map(ptr, self.shape, self.strides, self.rows, self.dtype)
+            m = kv_map(ptr, self.shape, self.strides, self.rows, self.dtype, self.panels)
             if len(self._maps) >= self.size:
                 self._maps.pop(next(iter(self._maps)))
             self._maps[ptr] = m

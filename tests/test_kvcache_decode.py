@@ -419,6 +419,9 @@ def test_decode_page_tiles_rule(monkeypatch):
     assert [_launch.decode_tma_rows(True, w, ps) for w, ps in ((4, 64), (8, 64), (4, 16), (8, 256), (4, 48))] \
         == [64, 16, 16, 128, 16]
     assert _launch.decode_tma_rows(False, 4) == 64 and _launch.decode_tma_rows(False, 8) == 128
+    # one 5-D box for both panels of a 16-key group at head_dim 128, a box per panel elsewhere
+    assert [_launch.decode_tma_panels(r, w, d) for r, w, d in ((16, 4, 128), (16, 8, 128), (16, 4, 64), (64, 4, 128),
+                                                               (128, 8, 128))] == [2, 2, 1, 1, 1]
     monkeypatch.setenv("CUFLASH_DECODE_PAGE_TILES", "0")
     assert not _config.decode_page_tiles(256, 64)
     assert _launch.decode_tma_rows(True, 4, 256) == 16 and _launch.decode_tma_rows(False, 4) == 64

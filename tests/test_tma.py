@@ -137,6 +137,20 @@ def test_kv_map_describes_the_tensor_as_4d(driver):
     assert (c["swizzle"], c["oob"], c["interleave"]) == (_tma.SWIZZLE_128B, _tma.OOB_FILL_ZEROS, 0)
 
 
+def test_kv_map_two_panels_in_one_box(driver):
+    # panels=2 (the paged decode's 16-key groups at head_dim 128): 5-D (64, seqlen, 2 panels, heads,
+    # batch), the panel dimension 128 bytes apart, box {64, rows, 2, 1, 1}; head_dim must be 128.
+    m = _tma.kv_map(0x10000, (5, 16, 3, 128), (16 * 384, 384, 128, 1), 16, "float16", panels=2)
+    assert len(m) == 128
+    (c,) = driver
+    assert c["rank"] == 5 and c["dims"] == [64, 16, 2, 3, 5]
+    assert c["strides"] == [2 * 384, 128, 2 * 128, 2 * 16 * 384]
+    assert c["box"] == [64, 16, 2, 1, 1] and c["swizzle"] == _tma.SWIZZLE_128B
+    with pytest.raises(ValueError, match="head_dim 128 for 2 panels"):
+        _tma.kv_map(0x10000, (5, 16, 3, 64), (16 * 192, 192, 64, 1), 16, "float16", panels=2)
+    assert len(driver) == 1
+
+
 @pytest.mark.parametrize("shape, strides, dtype, match", [
     ((2, 64, 4, 100), (64 * 400, 400, 100, 1), "float16", "head_dim a multiple of 8"),
     ((2, 64, 4, 64), (64 * 512, 512, 128, 2), "float16", "unit-stride last dimension"),

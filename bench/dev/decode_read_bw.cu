@@ -87,15 +87,6 @@ __global__ void __launch_bounds__(128) read_cpasync(const __grid_constant__ Read
     if (tid == 0) p.sink[blockIdx.x] = acc;
 }
 
-// Box at coordinates (c0 innermost .. c4) of a 5-D map (tma.cuh's tma_load_4d with one more).
-__device__ __forceinline__ void tma_load_5d(u32 dst, const TmaDesc* map, u32 bar, int c0, int c1, int c2, int c3,
-                                            int c4) {
-    asm volatile(
-        "cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6, %7}], [%2];"
-        :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4)
-        : "memory");
-}
-
 template <int BN, int STAGES, int ROWS, int MODE>
 __global__ void __launch_bounds__(128) read_tma_rows(const __grid_constant__ ReadBwParams p) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
