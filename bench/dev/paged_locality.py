@@ -40,12 +40,17 @@ for shape in args.shapes:
         calls = {"contig": lambda: cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=lens)}
         for name, t in tables.items():
             calls[name] = lambda t=t: cuflash.attention_with_kvcache(q, kp, vp, cache_seqlens=lens, block_table=t)
+        # The same values up to a few bf16 roundings of the largest: a paged cache may take another plan than the
+        # contiguous one (16-row pages: the 8-warp kernel where _config.decode_paged_groups_wide
+        # says so), which sums in another order.
         ref = calls["contig"]()
         got = calls["in order"]()
-        assert torch.equal(got, ref), (shape, ps, (got.float() - ref.float()).abs().max().item())
+        err = (got.float() - ref.float()).abs().max().item()
+        assert err <= 2 ** -6 * ref.float().abs().max().item() + 1e-5, (shape, ps, err)
         t = tables["random"].long()  # the random table's logical cache, gathered: the same result
         ref_r = cuflash.attention_with_kvcache(q, kp[t].view(b, L, hk, d), vp[t].view(b, L, hk, d), cache_seqlens=lens)
-        assert torch.equal(calls["random"](), ref_r), (shape, ps, "random")
+        err = (calls["random"]().float() - ref_r.float()).abs().max().item()
+        assert err <= 2 ** -6 * ref_r.float().abs().max().item() + 1e-5, (shape, ps, "random", err)
         del ref_r
         if args.ncu:
             torch.cuda.synchronize()
