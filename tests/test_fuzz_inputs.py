@@ -13,7 +13,8 @@ Every mutation carries a tag: `valid` (the call must return a correct result), `
 raise ValueError or TypeError: README states it), `either` (returning a correct result and raising
 ValueError / TypeError are both acceptable), `unchecked` (valid, but the result depends on values
 that cuflash defines only loosely, e.g. cu_seqlens on the GPU that are not read back: the result
-must only be finite, or a ValueError). Then, for every call:
+must only be finite, or a ValueError; only free of NaN where a backward's out and lse no longer
+belong to its inputs as well). Then, for every call:
   * it returns or raises ValueError / TypeError, nothing else, within CALL_TIMEOUT_S (a hang fails);
   * a returned result is checked against the float64 reference computed from the arrays that were
     passed (the accuracy rules of tests/test_cpu_features.py, or tests/test_gpu_features.py on the
@@ -770,6 +771,11 @@ def _prepare(call: Call, a, result, backend, category):
             assert np.isfinite(np.asarray(x).astype(np.float32)).all(), f"non-finite result; {ctx}"
         COUNTS["returned (loosely defined values: finite)"] += 1
         return
+    if category == "unchecked_stale":  # and out, lse not of these inputs: no NaN (see _category)
+        for x in [out] + (grads or []):
+            assert not np.isnan(np.asarray(x).astype(np.float32)).any(), f"a finite input gave NaN; {ctx}"
+        COUNTS["returned (loosely defined values, stale out and lse: no NaN)"] += 1
+        return
     # out is a convex combination of values (and the sink's 0): |out| <= max |v| (+ rounding).
     out32 = out.astype(np.float32)
     assert np.isfinite(out32).all(), f"finite input gave a non-finite out; {ctx}"
@@ -874,7 +880,10 @@ EXTREME = {"huge", 1e4, 1e30}
 def _category(call: Call, stale: bool) -> str:
     """How closely a returned result can be checked (see the module docstring)."""
     if "unchecked" in call.tags:
-        return "unchecked"
+        # A backward whose out and lse no longer belong to its inputs is garbage in: its P is capped
+        # at 1 where s - lse > 0, so dK = scale dS^T Q may overflow the input dtype (q at 6e4, float16:
+        # |dK| 7.8e4 in float64 for the case in REGRESSIONS). No NaN is all it can promise.
+        return "unchecked_stale" if stale else "unchecked"
     if stale:
         return "stale"  # out and lse no longer belong to the inputs: garbage in
     if any(variant in EXTREME for _, _, variant in call.mutations if isinstance(variant, (str, float))):
@@ -1016,6 +1025,16 @@ REGRESSIONS = [
          Problem(seed=7, dtype="float16", batch=3, seqlen_q=33, seqlen_k=70, nheads_kv=2, group=1, head_dim=64,
                  causal=True, scale=None, layouts=("contiguous",) * 4),
          (("q", "value", "huge"), ("k", "value", "huge")), ("valid", "valid")),
+    # A stale backward (q set to +-6e4 after the forward gave out and lse) with a bad cu_seqlens_k:
+    # the fuzzer demanded finite gradients of it, but with the old lse P is capped at 1 where it
+    # should be tiny, and dK = scale dS^T Q overflows float16 (|dK| 7.8e4 in float64, the kernels'
+    # formula). The test's rule was wrong, not the kernel: such calls now must only give no NaN
+    # (_category). Found on an H200, session 30 (quick suite, Hypothesis blob in bench/NOTES.md).
+    Call("attention_varlen_backward",
+         Problem(seed=0, dtype="float16", batch=12, seqlen_q=3, seqlen_k=3, nheads_kv=1, group=1, head_dim=8,
+                 causal=False, scale=None, layouts=("contiguous",) * 4,
+                 seq_q=[0, 0, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0], seq_k=[0, 0, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0]),
+         (("cu_seqlens_k", "set", "negative_start"), ("q", "value", "huge")), ("unchecked", "valid")),
 ]
 
 
