@@ -275,6 +275,10 @@ def lengths_from_padding_mask(mask):
     return lengths
 
 
+# The options an explicit plan fixes (scalars); the others are arrays, passed again on each call.
+_PLAN_SCALARS = ("window", "num_sink_tokens", "softcap")
+
+
 class AttentionPlan:
     """A call signature validated and planned once, held by the caller (see `plan`).
 
@@ -347,7 +351,7 @@ def plan(q, k, v, causal: bool = False, softmax_scale: float | None = None, dete
     ad = _adapter(q)
     opts = _options(q_lengths, kv_lengths, window, num_sink_tokens, sink_logits, alibi_slopes, softcap)
     p = ad.forward_plan(q, k, v, causal, softmax_scale, deterministic, False, opts)
-    given = {n: x for n, x in (opts or {}).items() if n not in ("window", "num_sink_tokens", "softcap")}
+    given = {n: x for n, x in (opts or {}).items() if n not in _PLAN_SCALARS}
     return AttentionPlan(ad, p, (q, k, v, given), tuple(given), _brief(q) + f", causal={causal}")
 
 
@@ -361,7 +365,7 @@ def plan_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
     opts = _options(None, None, window, num_sink_tokens, sink_logits, alibi_slopes, softcap) or {}
     p = ad.varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                        deterministic, False, opts)
-    given = {n: x for n, x in opts.items() if n not in ("window", "num_sink_tokens", "softcap")}
+    given = {n: x for n, x in opts.items() if n not in _PLAN_SCALARS}
     given.update(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     return AttentionPlan(ad, p, (q, k, v, given), tuple(given), _brief(q) + f", packed, causal={causal}")
 
