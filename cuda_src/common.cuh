@@ -206,4 +206,32 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
+
+// Thread block clusters (sm_90; the host launches a cluster with cuLaunchKernelEx's cluster
+// attribute). cluster_sync: every thread of every block of the cluster arrives, then waits for the
+// others, with release / acquire order on shared memory (each block's writes before it are seen by
+// the others' reads after it). cluster_map: the address in block `rank`'s shared memory that matches
+// `addr` in this block's (distributed shared memory), read with ld_cluster_*.
+#if __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+__device__ __forceinline__ u32 cluster_map(u32 addr, int rank) {
+    u32 r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
+    return r;
+}
+__device__ __forceinline__ float ld_cluster_f32(u32 addr) {
+    float x;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(x) : "r"(addr) : "memory");
+    return x;
+}
+__device__ __forceinline__ float4 ld_cluster_v4(u32 addr) {
+    float4 x;
+    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(x.x), "=f"(x.y), "=f"(x.z), "=f"(x.w) : "r"(addr) : "memory");
+    return x;
+}
+#endif
+
 }  // namespace cuflash

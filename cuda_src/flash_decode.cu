@@ -34,6 +34,14 @@
 // partials, counts itself on its row tile's counter (__threadfence first); the block that counts
 // last merges all the tile's rows at once (merge_tile) and sets the counter back to 0. The
 // counters are zero before the first call (the host clears them once) and after every call.
+// With cluster_merge (sm_90, num_splits <= CLUSTER_MAX) neither: the host launches the grid in
+// clusters of num_splits blocks, so a row tile's splits are one cluster (block = ... * num_splits +
+// split, cluster rank = split); each block leaves its partials (O divided by its row sums, and
+// log2-sum-exp) in its own shared memory, and after a cluster barrier the cluster's blocks merge the
+// tile together, each taking a share of its (row, 4 columns) items and reading the S partials of an
+// item from the S blocks' shared memory (cluster_merge_tile); a second barrier keeps every block's
+// shared memory alive until the others have read it. No partials in global memory, no counter, no
+// second kernel.
 //
 // Inside a block. WARPS warps (4, or 8 where the grid leaves SMs with a single block: twice the
 // warps to hide latencies and twice the bytes in flight) split each BN = 16 * WARPS-key tile
@@ -113,6 +121,8 @@ struct DecodeParams {
     int head_dim;       // the append kernel's (the others have it as a template argument)
     int page_tiles;     // TMA, paged: 1 where page_size is a multiple of the tile's BN keys (the maps'
                         // boxes are then BN rows: a tile is one box per panel, from one table entry)
+    int cluster_merge;  // sm_90, 2 <= num_splits <= CLUSTER_MAX (8): the splits of a row tile are one
+                        // thread block cluster, merged through distributed shared memory
     float scale_log2;   // softmax_scale * log2(e)
     MaskParams mask;    // window, sink tokens, sink logits, ALiBi, softcap (the rest unused)
 };
@@ -362,6 +372,67 @@ __device__ __forceinline__ void merge_tile(const DecodeParams& p, int b, int h_k
     }
 }
 
+// The cluster merge (cluster_merge): block `rank` of the row tile's cluster of S = num_splits blocks
+// takes items i = rank * THREADS + tid, + S * THREADS, ... of the tile's R x HEAD_DIM / 4 (row, 4
+// columns) items; for each it reads the S blocks' log2-sum-exp of the row (s_lse) and their 4
+// columns of the row's partial O (sO: 16 rows of HEAD_DIM floats) from their shared memory, and
+// writes out = sum_s w_s O_s, w_s = exp2(lse_s - base) / (sum_s exp2(lse_s - base) + exp2(sink -
+// base)), summed in split order (deterministic), and the row's lse (natural log) with its first
+// item. The same weights as merge_tile and combine_row. Not inlined: inlined, it moved ptxas to spill
+// 4-12 bytes in the 4-warp kernels at head_dim 40 and 48 (sm_90a), which a call does not.
+// At most 8 blocks, the portable cluster size. (Built for 16, non-portable, every cluster merge of 2
+// to 8 blocks took 0.4-1.1 us longer per step on an H200, session 31, and 16-block clusters were no
+// faster than the fused combine or the combine kernel.)
+constexpr int CLUSTER_MAX = 8;
+
+#if __CUDA_ARCH__ >= 900
+template <typename T, int HEAD_DIM, int THREADS>
+__device__ __noinline__ void cluster_merge_tile(const DecodeParams& p, int b, int h_kv, int r0, int r_end, int rank,
+                                                   u32 sO, u32 s_lse) {
+    constexpr int CQ = HEAD_DIM / 4;
+    const int S = p.num_splits, R = r_end - r0, G = p.head_group;
+    for (int i = rank * THREADS + (int)threadIdx.x; i < R * CQ; i += S * THREADS) {
+        const int rr = i / CQ, c = i % CQ;
+        const int2 qh = divmod_rt(r0 + rr, G);
+        const int qi = qh.x, head = h_kv * G + qh.y;
+        const float sk2 = p.mask.sink_logits != nullptr ? p.mask.sink_logits[head] * CUFLASH_LOG2E : -CUFLASH_INF;
+        // The S lse (their loads in flight together), their maximum, then the S partials weighted.
+        float mx = sk2;
+#pragma unroll
+        for (int s = 0; s < CLUSTER_MAX; ++s)
+            if (s < S) mx = fmaxf(mx, ld_cluster_f32(cluster_map(s_lse + 4 * rr, s)));
+        const float base = exp_base(mx);
+        float lt = fast_exp2(sk2 - base);
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int s = 0; s < CLUSTER_MAX; ++s) {
+            if (s < S) {
+                const float ws = fast_exp2(ld_cluster_f32(cluster_map(s_lse + 4 * rr, s)) - base);  // 0: no key
+                const float4 v = ld_cluster_v4(cluster_map(sO + 4 * (rr * HEAD_DIM + 4 * c), s));
+                lt += ws;
+                acc.x += ws * v.x;
+                acc.y += ws * v.y;
+                acc.z += ws * v.z;
+                acc.w += ws * v.w;
+            }
+        }
+        const bool empty = lt == 0.f;
+        const float inv = empty ? 0.f : 1.f / lt;
+        acc.x *= inv;
+        acc.y *= inv;
+        acc.z *= inv;
+        acc.w *= inv;
+        T* gO = static_cast<T*>(p.o) + b * p.o_batch_stride + qi * p.o_row_stride + head * p.o_head_stride;
+        u32* dst = reinterpret_cast<u32*>(gO + 4 * c);
+        dst[0] = ElemOps<T>::pack(acc.x, acc.y);
+        dst[1] = ElemOps<T>::pack(acc.z, acc.w);
+        if (c == 0 && p.lse != nullptr)
+            p.lse[((i64)b * p.nheads + head) * p.seqlen_q + qi] =
+                empty ? -CUFLASH_INF : (base + fast_log2(lt)) * 0.6931471805599453f;
+    }
+}
+#endif
+
 template <typename T, int HEAD_DIM, int STAGES, int WARPS, bool TMA>
 __global__ void __launch_bounds__(WARPS * 32)
 flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p) {
@@ -385,6 +456,15 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
         sV = sK + STAGES * Tr::SKV_ELEMS;
     }
     __shared__ float s_m[Tr::WARPS][16], s_l[Tr::WARPS][16], s_lp[Tr::WARPS][16];
+#if __CUDA_ARCH__ >= 900
+    // The cluster merge is built (it runs where p.cluster_merge); not at head_dim 8, where its call
+    // took a stack frame and spilled (sm_90a), and the host never asks (as for the fused combine).
+    constexpr bool CLUSTER = HEAD_DIM >= 16;
+    __shared__ float s_clse[16];    // the cluster merge: this split's log2-sum-exp of each row
+#else
+    constexpr bool CLUSTER = false;
+    float* s_clse = nullptr;
+#endif
     __shared__ alignas(8) unsigned long long s_full[TMA ? STAGES : 1];  // TMA: stage s's tile landed
 
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, t4 = lane % 4;
@@ -402,7 +482,7 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
     // last one is the caller's (the next call's, in a loop of decode calls), and its blocks, placed
     // on the SMs while these run, sat two on some SMs and none on others, where the split rule puts
     // one on each (H100, session 15: 16 x 8192 x 8, 128 blocks, 98.7 -> 111.0 us per call).
-    if (p.num_splits > 1 && p.split_counters == nullptr) pdl_launch_dependents();
+    if (p.num_splits > 1 && p.split_counters == nullptr && !p.cluster_merge) pdl_launch_dependents();
     pdl_wait();
     // The entry's length, loaded now and clamped below the early copies (which do not need it).
     const int L_raw = decode_length_raw(p, b);
@@ -1024,6 +1104,15 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
             *reinterpret_cast<uint4*>(gO) = pk;
             if (col == 0 && p.lse != nullptr)
                 p.lse[row_index] = empty ? -CUFLASH_INF : (m_new + fast_log2(lt)) * 0.6931471805599453f;
+        } else if (CLUSTER && p.cluster_merge) {
+            // The partial stays in this block's shared memory for the cluster merge: its 8 columns of
+            // the row in warp 0's slice of sO, which only this thread has read; the row's lse in s_clse.
+            const bool empty = l == 0.f;
+            const float sc = empty ? 0.f : 1.f / lp;
+            float4* dst = reinterpret_cast<float4*>(sO + rr * HEAD_DIM + col);
+            dst[0] = make_float4(o[0] * sc, o[1] * sc, o[2] * sc, o[3] * sc);
+            dst[1] = make_float4(o[4] * sc, o[5] * sc, o[6] * sc, o[7] * sc);
+            if (col == 0) s_clse[rr] = empty ? -CUFLASH_INF : mx + fast_log2(l);
         } else {
             const bool empty = l == 0.f;
             const float sc = empty ? 0.f : 1.f / lp;
@@ -1034,6 +1123,18 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
             if (col == 0) p.lse_part[part] = empty ? -CUFLASH_INF : mx + fast_log2(l);
         }
     }
+
+#if __CUDA_ARCH__ >= 900
+    // ---- the cluster merge (cluster_merge): the row tile's splits, one cluster, merge together ----
+    if (CLUSTER && p.num_splits > 1 && p.cluster_merge) {
+        u32 rank;
+        asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+        cluster_sync();  // every block's partials are in its shared memory
+        cluster_merge_tile<T, HEAD_DIM, THREADS>(p, b, h_kv, r0, r_end, (int)rank, smem_addr(sO), smem_addr(s_clse));
+        cluster_sync();  // no block exits while another may still read its shared memory
+        return;
+    }
+#endif
 
     // ---- the fused combine (split_counters given): the last of this row tile's splits merges them ----
     // (Not at head_dim 8, where ptxas spilled the inlined combine on sm_90a; the host never asks.)

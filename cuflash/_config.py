@@ -738,8 +738,9 @@ def decode_smem_bytes(head_dim: int, stages: int, warps: int = 4, tma: bool = Fa
 
 def decode_static_smem_bytes(stages: int, warps: int, tma: bool = False) -> int:
     """The decode kernel's static shared memory, rounded up: the offset tables s_off (stages x 2 x
-    16 * warps int64; one stage's with TMA), the warps' (m, l, lp), the TMA barriers and a flag."""
-    return (1 if tma else stages) * 2 * 16 * warps * 8 + 3 * warps * 16 * 4 + 8 * stages + 64
+    16 * warps int64; one stage's with TMA), the warps' (m, l, lp), the TMA barriers, a flag and the
+    cluster merge's 16 lse."""
+    return (1 if tma else stages) * 2 * 16 * warps * 8 + 3 * warps * 16 * 4 + 8 * stages + 64 + 64
 
 
 # Head dims of the TMA decode kernel (sm_90a): whole 64-column panels, Q in registers.
@@ -832,7 +833,7 @@ DECODE_ONE_PER_SM_HEAD_DIMS = (128,)
 
 def decode_warps_and_splits(blocks: int, splits: int, sm_count: int, forced: bool,
                             paged: bool = False, keys: int | None = None,
-                            one_per_sm: bool = False) -> tuple[int, int]:
+                            one_per_sm: bool = False, cluster: int = 0) -> tuple[int, int]:
     """(warps, num_splits) of a decode whose 4-warp kernel would take `splits` splits (decode_num_splits'
     choice, or the caller's forced count): the 8-warp kernel where its grid gives no SM a second block,
     so that each SM runs 8 warps instead of a lone block's 4 (one per scheduler, nothing to hide its
@@ -874,10 +875,21 @@ def decode_warps_and_splits(blocks: int, splits: int, sm_count: int, forced: boo
     splits 12.9 against 13.1, 4 x 8192 x 32 13.6 against 13.5; 128 blocks unsplit: 1024 keys 29.9 /
     30.8 against 29.0 / 29.6, 2048 keys 51.6 / 52.5 against 50.2 / 50.6, 8192 keys 182.6 / 185.4
     against 180.3 / 179.3; 512 keys 10.5 against 12.0 (the (4, 512) region). 64 blocks of 2048
-    keys: 8 warps unsplit 31.4 against 33.2-33.3 for 4 warps at 1 or 2 splits."""
+    keys: 8 warps unsplit 31.4 against 33.2-33.3 for 4 warps at 1 or 2 splits.
+    cluster (one_per_sm; the most splits the cluster merge serves, 0: none): the 4-warp kernel keeps
+    its count where it splits into one block per SM and each split is one of its tiles (64 keys),
+    ahead of the 8-warp unsplit region: the cluster merge costs such splits no second kernel and no
+    trip through global memory. H200, session 31 (bench/dev/decode_splits.py, bench_decode.py; 32
+    query heads, head_dim 128, GPU us per step, 4 warps in clusters against 8 warps unsplit): 1 x
+    512 x 4 (8 blocks, 8 splits) 7.9 against 9.8; 1 x 512 x 8 8.1 / 9.8; 4 x 512 x 8 (16 blocks, 8
+    splits) 9.3 / 9.8; not at two tiles a split: 1 x 512 x 1 (32 blocks, 4 splits) 9.7-10.0 / 9.9,
+    4 x 512 x 4 10.0-10.2 / 9.9-10.0; 16 x 512 x 8 (64 blocks, 2 splits of 256 keys) 10.8 / 10.0."""
     if forced:
         return (8, splits) if splits <= 2 and blocks * splits <= sm_count else (4, splits)
     if paged and splits > 1:
+        return 4, splits
+    if (cluster and one_per_sm and keys is not None and 1 < splits <= cluster and blocks * splits <= sm_count
+            and -(-keys // splits) <= DECODE_BLOCK_N):
         return 4, splits
     if keys is not None and blocks <= sm_count and any(
             blocks >= nb and keys <= nk and (not one_per_sm or nk <= 512 or 2 * blocks <= sm_count)
@@ -985,6 +997,24 @@ def decode_fused_combine() -> bool:
     import os
 
     return os.environ.get("CUFLASH_DECODE_FUSED_COMBINE") != "0"
+
+
+DECODE_CLUSTER_MAX = 8  # the most splits one cluster merges (cuda_src/flash_decode.cu CLUSTER_MAX: the portable size)
+# ... and the most keys a split may see for its row tile's splits to be merged in a cluster: past it
+# the fused combine or the combine kernel was faster (H200, session 31, bench/dev/cluster_ab.py, GPU us
+# per step, fused / cluster: 1 x 8192 x 1 in 4 splits of 2048 keys 38.1 / 41.3; 1 x 2048 x 1 in 4 of
+# 512, 15.1 / 15.5; 4 x 2048 x 8 in 8 of 256, 12.7 / 12.1).
+DECODE_CLUSTER_KEYS = 256
+
+
+def decode_cluster() -> bool:
+    """Whether split decodes on sm_90 with at most DECODE_CLUSTER_MAX splits run each row tile's
+    splits as one thread block cluster that merges them through distributed shared memory
+    (cuda_src/flash_decode.cu cluster_merge_tile), instead of the fused combine or the combine
+    kernel: the default; CUFLASH_DECODE_CLUSTER=0 turns it off."""
+    import os
+
+    return os.environ.get("CUFLASH_DECODE_CLUSTER") != "0"
 
 
 def decode_num_splits(blocks: int, keys: int, sm_count: int, blocks_per_sm: int, max_splits: int = 64,

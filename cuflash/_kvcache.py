@@ -543,7 +543,11 @@ class DecodePlan:
         keys = c.capacity if f.window_left < 0 else min(c.capacity, f.window_left + sq + max(f.window_right, 0)
                                                          + f.num_sink_tokens)
         self.fused = _config.decode_fused_combine() and d >= 16  # (flash_decode.cu: not at head_dim 8)
+        # The cluster merge (sm_90: a row tile's splits, at most DECODE_CLUSTER_MAX, are one cluster),
+        # which serves the counts it can in place of the fused combine and the combine kernel.
+        self.cluster = cc >= (9, 0) and d >= 16 and _config.decode_cluster() and _launch.launch_ex_available()
         self.tile_rows = min(rows, _config.DECODE_ROWS)
+        self.keys = keys  # the most keys one block may see
         self.counter_count = blocks
         self.counters = {}  # stream -> the fused combine's counters (cupy memory, zeroed once)
         self.templates = {}  # adapter lib -> its empty_from cache
@@ -566,17 +570,18 @@ class DecodePlan:
             # split costs an eager call no extra launch, and GPU time decides there too.
             graph_splits = _config.decode_num_splits(blocks, keys, _sm_count(dev), 2, host_bound_rule=False,
                                                      paged=paged_copies, one_per_sm=one)
-            if self._fusable(graph_splits):
+            if self._merged(graph_splits):
                 num_splits = graph_splits
             else:
                 num_splits = _config.decode_num_splits(blocks, keys, _sm_count(dev), 2, host_bound_rule=True,
                                                        paged=paged_copies, one_per_sm=one)
-                fusable_max = _config.DECODE_FUSED_MAX_PARTS // self.tile_rows
-                if num_splits == 1 and self.fused and fusable_max >= 2:
-                    # The count GPU time asks for is past the fused combine's limit, and the eager
-                    # rule would not split at all (a combine kernel's launch): the best count the
-                    # fused combine serves instead. H200, session 11: batch 1, 1024 keys, GQA 8 ran
-                    # unsplit at 21.4 us, where 8 splits of 512 keys took 9.7.
+                fusable_max = max(_config.DECODE_FUSED_MAX_PARTS // self.tile_rows if self.fused else 0,
+                                  _config.DECODE_CLUSTER_MAX if self.cluster else 0)
+                if num_splits == 1 and fusable_max >= 2:
+                    # The count GPU time asks for is past the fused combine's (and the cluster
+                    # merge's) limit, and the eager rule would not split at all (a combine kernel's
+                    # launch): the best count they serve instead. H200, session 11: batch 1, 1024
+                    # keys, GQA 8 ran unsplit at 21.4 us, where 8 splits of 512 keys took 9.7.
                     num_splits = _config.decode_num_splits(blocks, keys, _sm_count(dev), 2, host_bound_rule=False,
                                                            paged=paged_copies, max_splits=fusable_max,
                                                            one_per_sm=one)
@@ -625,7 +630,8 @@ class DecodePlan:
             if forced_warps:
                 return forced_warps, splits
             warps, splits = _config.decode_warps_and_splits(blocks, splits, _sm_count(dev), forced, paged_copies,
-                                                            keys, one_per_sm=one)
+                                                            keys, one_per_sm=one,
+                                                            cluster=_config.DECODE_CLUSTER_MAX if self.cluster else 0)
             if (warps == 4 and one and c.paged and not forced
                     and not _config.decode_page_tiles(c.page_size, _config.DECODE_BLOCK_N)
                     and _config.decode_paged_groups_wide(blocks, splits, keys, _sm_count(dev))):
@@ -638,17 +644,24 @@ class DecodePlan:
             fused combine where rows x splits <= fused_max_parts."""
             out_t = DeviceTensor(Slot(_D_OUT), self.out_shape, contiguous_strides(self.out_shape))
             warps, splits = warps_and_splits(splits)
+            clustered = self._clustered(splits)
             deep = (self.tma and warps == 4 and not forced_warps
                     and _config.decode_deep_tma(target, d, blocks * splits, -(-keys // splits), _sm_count(dev),
                                                     c.paged))
 
-            def launches(counters):
+            def launches(counters, cluster=False):
                 return _launch.decode_launches(tensor("q", _D_Q), tensor("k_cache", _D_KC), tensor("v_cache", _D_VC),
                                                out_t, dataclasses.replace(args0, num_splits=splits,
-                                                                          split_counters=counters),
+                                                                          split_counters=counters, cluster=cluster),
                                                c.dtype, c.scale, mask, dev, cc, warps, self.tma, deep)
-            fused = launches(Slot(_D_COUNTERS)) if self._fusable(splits, fused_max_parts) else None
-            return splits, _launch.decode_scratch_floats(b, h, sq, d, splits), launches(0), fused
+            main = launches(0, True) if clustered else None
+            if clustered and not _launch.cluster_fits(main[-1]):  # (the decode launch: no combine follows)
+                clustered, main = False, None
+            if main is None:
+                main = launches(0)
+            fusable = not clustered and self._fusable(splits, fused_max_parts)
+            fused = launches(Slot(_D_COUNTERS)) if fusable else None
+            return splits, _launch.decode_scratch_floats(b, h, sq, d, splits, clustered), main, fused
 
         # A CUDA graph fuses fewer parts than an eager call (_config.DECODE_GRAPH_FUSED_MAX_PARTS).
         graph_max = _config.DECODE_GRAPH_FUSED_MAX_PARTS
@@ -657,6 +670,18 @@ class DecodePlan:
         self.graph = self.eager if same else variant(graph_splits, graph_max)
         self.pdl = any(L.pdl is not None for L in self.graph[2])  # (_launch.as_pdl: calls of 2-3 kernels)
         self.num_splits, self.scratch_floats, self.launches = self.eager[:3]  # the eager variant's
+
+    def _clustered(self, splits: int) -> bool:
+        """Whether the cluster merge serves `splits` (sm_90, 2 to DECODE_CLUSTER_MAX splits, each seeing
+        at most DECODE_CLUSTER_KEYS keys; variant() then checks that the grid's clusters all fit)."""
+        from . import _config
+
+        return (self.cluster and 1 < splits <= _config.DECODE_CLUSTER_MAX
+                and -(-self.keys // splits) <= _config.DECODE_CLUSTER_KEYS)
+
+    def _merged(self, splits: int, max_parts: int | None = None) -> bool:
+        """Whether `splits` are merged without a second kernel (the cluster merge or the fused combine)."""
+        return self._clustered(splits) or self._fusable(splits, max_parts)
 
     def _fusable(self, splits: int, max_parts: int | None = None) -> bool:
         """Whether the fused combine serves `splits` (rows x splits <= max_parts, by default

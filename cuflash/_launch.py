@@ -109,7 +109,7 @@ DECODE_PARAMS = np.dtype(
     + [("table_stride", np.int64)]
     + [(n, np.int32) for n in ("batch", "nheads", "nheads_kv", "head_group", "seqlen_q", "cache_rows", "capacity",
                                "page_size", "fixed_seqlen", "seqlen_new", "rows", "num_row_tiles", "num_splits",
-                               "head_dim", "page_tiles")]
+                               "head_dim", "page_tiles", "cluster_merge")]
     + [("scale_log2", np.float32), ("mask", MASK_PARAMS)],
     align=True,
 )
@@ -624,7 +624,7 @@ class Launch:
     holds a lock around its launches)."""
 
     __slots__ = ("name", "fn", "grid", "threads", "smem", "words", "ints", "argv", "argv_ptr", "patches", "sets",
-                 "device_id", "pdl")
+                 "device_id", "pdl", "ex", "cluster")
 
     def __init__(self, name: str, fn_ptr: int, grid: int, threads: int, smem: int, params: np.ndarray,
                  pointers: dict, device_id: int):
@@ -645,6 +645,8 @@ class Launch:
         self.patches = tuple(patches)
         self.sets = ()
         self.pdl = None  # a PdlConfig: launched through cuLaunchKernelEx as a programmatic dependent
+        self.ex = None   # a PdlConfig without the PDL attribute (a cluster launch): every plain launch goes through it
+        self.cluster = 1  # blocks per cluster (set_cluster)
 
     def fire(self, stream: int, ptrs, pdl: bool = True) -> None:
         """pdl=False: the plain launch even where the launch has a PdlConfig."""
@@ -657,32 +659,46 @@ class Launch:
             words[word] = ptrs[slot] + add
         if pdl and self.pdl is not None:
             self.pdl.launch(stream)
+        elif self.ex is not None:
+            self.ex.launch(stream)
         else:
             _launch_kernel(self.fn, self.grid, 1, 1, self.threads, 1, 1, self.smem, stream, self.argv_ptr, 0)
 
 
 class PdlConfig:
-    """A CUlaunchConfig with one attribute, CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h),
-    for cuLaunchKernelEx through ctypes on libcuda: the kernel may start while the kernel before it in
-    the stream finishes, once that one's blocks have all called pdl_launch_dependents
-    (cuda_src/common.cuh) or exited, and waits for it with pdl_wait before it reads what that one wrote. Saves
-    the gap between a kernel's end and the next one's start (launch, block scheduling, prologue).
+    """A CUlaunchConfig for cuLaunchKernelEx through ctypes on libcuda, with the attributes:
+    - CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h; pdl=True): the kernel may start
+      while the kernel before it in the stream finishes, once that one's blocks have all called
+      pdl_launch_dependents (cuda_src/common.cuh) or exited, and waits for it with pdl_wait before it
+      reads what that one wrote. Saves the gap between a kernel's end and the next one's start
+      (launch, block scheduling, prologue).
+    - CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION (cluster > 1): the grid runs in clusters of `cluster`
+      consecutive blocks, each cluster on the SMs of one GPC, sharing their shared memory.
     Layout (64-bit): gridDim x/y/z, blockDim x/y/z, sharedMemBytes (7 x u32 at byte 0), hStream
-    (byte 32), attrs (40), numAttrs (48); the attribute at byte 56: id (u32), 4 bytes of padding,
-    the 64-byte value union (programmaticStreamSerializationAllowed: u32 at byte 64)."""
+    (byte 32), attrs (40), numAttrs (48); the attributes from byte 56, 72 bytes each: id (u32), 4
+    bytes of padding, the 64-byte value union (programmaticStreamSerializationAllowed: a u32;
+    clusterDim: x, y, z as u32)."""
 
     __slots__ = ("buf", "args")
 
-    def __init__(self, grid: int, threads: int, smem: int, fn: int, argv_ptr: int):
+    def __init__(self, grid: int, threads: int, smem: int, fn: int, argv_ptr: int, pdl: bool = True,
+                 cluster: int = 1):
         import ctypes
 
-        buf = np.zeros(16, dtype=np.uint64)  # 56 bytes of config + a 72-byte attribute
+        attrs = []
+        if pdl:
+            attrs.append((_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, (1,)))
+        if cluster > 1:
+            attrs.append((_CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, (cluster, 1, 1)))
+        buf = np.zeros(7 + 9 * max(1, len(attrs)), dtype=np.uint64)  # 56 bytes of config + 72 per attribute
         u32 = buf.view(np.uint32)
         u32[0:7] = (grid, 1, 1, threads, 1, 1, smem)
         buf[5] = buf.ctypes.data + 56  # attrs
-        u32[12] = 1                    # numAttrs
-        u32[14] = _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-        u32[16] = 1                    # allowed
+        u32[12] = len(attrs)           # numAttrs
+        for i, (ident, value) in enumerate(attrs):
+            at = 14 + 18 * i           # the attribute's first u32
+            u32[at] = ident
+            u32[at + 2:at + 2 + len(value)] = value
         self.buf = buf
         # cuLaunchKernelEx's arguments, fixed for the launch (the stream goes into the config): made
         # once as ctypes objects, which the call passes without converting.
@@ -709,17 +725,23 @@ def _error_name(rc: int) -> str:
 
 
 _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
-_launch_ex = None  # libcuda's cuLaunchKernelEx (ctypes), loaded by pdl_available
+_CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
+_launch_ex = None  # libcuda's cuLaunchKernelEx (ctypes), loaded by launch_ex_available
 
 
 def pdl_available(cc: tuple[int, int]) -> bool:
     """Whether launches on a device of compute capability `cc` may be programmatic dependents
     (PdlConfig): sm_90 or later, the driver exports cuLaunchKernelEx, and CUFLASH_PDL is not 0."""
-    global _launch_ex
     import os
 
     if cc < (9, 0) or os.environ.get("CUFLASH_PDL") == "0":
         return False
+    return launch_ex_available()
+
+
+def launch_ex_available() -> bool:
+    """Whether the driver exports cuLaunchKernelEx (loaded once, through ctypes)."""
+    global _launch_ex
     if _launch_ex is None:
         import ctypes
 
@@ -742,8 +764,51 @@ def as_pdl(launches: list, cc: tuple[int, int]) -> list:
     used (run_launches' pdl; DecodePlan.run: in a graph capture)."""
     if pdl_available(cc):
         for L in launches:
-            L.pdl = PdlConfig(L.grid, L.threads, L.smem, L.fn, L.argv_ptr)
+            L.pdl = PdlConfig(L.grid, L.threads, L.smem, L.fn, L.argv_ptr, cluster=L.cluster)
     return launches
+
+
+_CLUSTER_FITS: dict = {}  # (function, threads, smem, cluster) -> the most clusters resident at once
+
+
+def _max_active_clusters(fn: int, grid: int, threads: int, smem: int, cluster: int) -> int:
+    """How many clusters of `cluster` blocks of the function can be resident at once on the current
+    device (the driver's cuOccupancyMaxActiveClusters, ctypes on libcuda); 0 where the driver refuses."""
+    import ctypes
+
+    lib = ctypes.CDLL("libcuda.so.1")
+    cfg = PdlConfig(grid, threads, smem, fn, 0, pdl=False, cluster=cluster)
+    n = ctypes.c_int(0)
+    lib.cuOccupancyMaxActiveClusters.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    rc = lib.cuOccupancyMaxActiveClusters(ctypes.byref(n), ctypes.c_void_p(fn),
+                                          ctypes.c_void_p(int(cfg.buf.ctypes.data)))
+    return n.value if rc == 0 else 0
+
+
+def cluster_fits(launch: "Launch") -> bool:
+    """Whether every cluster of a cluster launch (set_cluster) is resident at once: grid / cluster
+    clusters at most what the driver says fit (cached per function, block, shared memory and cluster
+    size). A grid of more clusters than that runs in waves: on an H200 (session 31; the driver's
+    answer for the 4-warp TMA kernel at head_dim 128: 30 clusters of 8) 32 blocks of 512 keys in
+    clusters of 8 (32 clusters) took 15.3 us per step against 10.5 for the fused combine, and 4 x 512 x
+    8 in 8 splits with the dynamic shared memory raised to one block per SM (15 clusters of 8 fit
+    then) 14.0 against 9.0 as launched (bench/dev/cluster_ab.py)."""
+    key = (launch.fn, launch.threads, launch.smem, launch.cluster)
+    n = _CLUSTER_FITS.get(key)
+    if n is None:
+        n = _CLUSTER_FITS[key] = _max_active_clusters(launch.fn, launch.grid, launch.threads, launch.smem,
+                                                      launch.cluster)
+    return launch.grid // launch.cluster <= n
+
+
+def set_cluster(launch: "Launch", cluster: int) -> "Launch":
+    """Makes every launch of `launch` a cluster launch of `cluster` consecutive blocks (cuLaunchKernelEx;
+    launch_ex_available must hold, and the grid be a multiple of `cluster`). Before as_pdl."""
+    assert launch.grid % cluster == 0 and launch_ex_available(), (launch.grid, cluster)
+    launch.cluster = cluster
+    launch.ex = PdlConfig(launch.grid, launch.threads, launch.smem, launch.fn, launch.argv_ptr, pdl=False,
+                          cluster=cluster)
+    return launch
 
 
 class TmaLaunch(Launch):
@@ -1337,11 +1402,15 @@ class DecodeArgs:
     fixed_seqlen: int
     num_splits: int
     split_counters: "int | Slot" = 0  # the fused combine's counters (cuda_src/flash_decode.cu); 0: a combine kernel
+    cluster: bool = False          # the splits merged in a cluster (sm_90, num_splits <= DECODE_CLUSTER_MAX): no
+                                   # scratch, no counters, no combine kernel
 
 
-def decode_scratch_floats(batch: int, nheads: int, seqlen_q: int, head_dim: int, num_splits: int) -> int:
-    """float32 scratch of a split decode: o_part then lse_part (0 without splitting)."""
-    if num_splits <= 1:
+def decode_scratch_floats(batch: int, nheads: int, seqlen_q: int, head_dim: int, num_splits: int,
+                          cluster: bool = False) -> int:
+    """float32 scratch of a split decode: o_part then lse_part (0 without splitting, or with the cluster
+    merge)."""
+    if num_splits <= 1 or cluster:
         return 0
     return num_splits * batch * nheads * seqlen_q * (head_dim + 1)
 
@@ -1381,8 +1450,10 @@ def decode_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: Device
     ptrs["lse"] = a.lse
     ptrs["cache_seqlens"], ptrs["cache_batch_idx"], ptrs["block_table"] = (a.cache_seqlens, a.cache_batch_idx,
                                                                            a.block_table)
+    cluster = a.cluster and a.num_splits > 1
+    assert not (cluster and a.split_counters) and (not cluster or a.num_splits <= _config.DECODE_CLUSTER_MAX)
     ptrs["split_counters"] = a.split_counters if a.num_splits > 1 else 0
-    if a.num_splits > 1:
+    if a.num_splits > 1 and not cluster:
         ptrs["o_part"] = a.scratch
         ptrs["lse_part"] = a.scratch + 4 * a.num_splits * batch * nheads * seqlen_q * head_dim
     else:
@@ -1392,7 +1463,7 @@ def decode_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: Device
                         ("seqlen_q", seqlen_q), ("cache_rows", a.cache_rows), ("capacity", a.capacity),
                         ("page_size", a.page_size), ("fixed_seqlen", a.fixed_seqlen), ("seqlen_new", seqlen_new),
                         ("rows", rows), ("num_row_tiles", row_tiles), ("num_splits", a.num_splits),
-                        ("head_dim", head_dim)):
+                        ("head_dim", head_dim), ("cluster_merge", int(cluster))):
         p[name] = value
     p["scale_log2"] = softmax_scale * LOG2E
     ptrs.update(_set_mask(p, mask, softmax_scale, nheads, seqlen_q))
@@ -1416,7 +1487,10 @@ def decode_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: Device
         launches.append(TmaLaunch(spec.name, fn.ptr, grid, 32 * warps, smem, p, ptrs, device_id, maps))
     else:
         launches.append(Launch(spec.name, fn.ptr, grid, 32 * warps, smem, p, ptrs, device_id))
-    if a.num_splits > 1 and not a.split_counters:  # (fused: the decode kernel's last split block combines)
+    if cluster:  # a row tile's splits: one cluster of consecutive blocks, which merge them
+        set_cluster(launches[-1], a.num_splits)
+    # (fused: the decode kernel's last split block combines; cluster: the cluster's blocks)
+    if a.num_splits > 1 and not a.split_counters and not cluster:
         spec = decode_combine_specialization(dtype, head_dim)
         fn = _compile.get_function(spec, target, device_id, 0)
         launches.append(Launch(spec.name, fn.ptr, batch * nheads * seqlen_q, 128, 0, p, ptrs, device_id))

@@ -119,16 +119,24 @@ def _capture(graph):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout,fused", [("contig", True), ("paged16", True), ("contig", False)])
-def test_cuda_graph_replay(monkeypatch, layout, fused):
+@pytest.mark.parametrize("layout,mode", [("contig", "fused"), ("paged16", "fused"), ("contig", "combine"),
+                                         ("contig", "cluster"), ("paged16", "cluster")])
+def test_cuda_graph_replay(monkeypatch, layout, mode):
     """A decode step (append one token, attend) captured once in a CUDA graph, replayed after the
     lengths on the device change: each replay matches the reference of its own lengths. With the
-    fused combine (the default) and without (CUFLASH_DECODE_FUSED_COMBINE=0)."""
+    fused combine, without it (the combine kernel, CUFLASH_DECODE_FUSED_COMBINE=0), and with the
+    cluster merge (sm_90; the default there: a cluster launch captured after the append as a
+    programmatic dependent)."""
     from cuflash import _kvcache
 
     if not torch.cuda.is_available():
         pytest.skip("torch has no CUDA device")
+    cluster = mode == "cluster"
+    if cluster and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the cluster merge needs sm_90")
+    fused = mode == "fused"
     monkeypatch.setenv("CUFLASH_DECODE_FUSED_COMBINE", "1" if fused else "0")
+    monkeypatch.setenv("CUFLASH_DECODE_CLUSTER", "1" if cluster else "0")
     _fresh_decode_plans(monkeypatch)
     seed = _new_seed()
     rng = np.random.default_rng(seed)
@@ -136,21 +144,27 @@ def test_cuda_graph_replay(monkeypatch, layout, fused):
                      capacity=1024, seqlen_new=1, seqlens=np.array([5, 100, 200], np.int32))
     args = {n: _to(x, "cuda") for n, x in case.args().items()}
     static_seqlens = args["cache_seqlens"]
+    # The cluster merge at a forced count of 5 (6 blocks x 5: surely resident at once); the library's
+    # own count here is 16, which _launch.cluster_fits may refuse.
+    ns = 5 if cluster else 0
     for _ in range(2):  # warm-up outside the graph: compile, plan
         attention_with_kvcache(**dict(args, k_cache=args["k_cache"].clone(), v_cache=args["v_cache"].clone()),
-                               causal=True)
+                               causal=True, num_splits=ns)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with _capture(graph):
-        out = attention_with_kvcache(**args, causal=True)
+        out = attention_with_kvcache(**args, causal=True, num_splits=ns)
     # This short cache (6 blocks of 1024 keys: past _config.DECODE_WIDE_UNSPLIT, which runs 256 keys
     # unsplit) is split under capture (GPU time decides there); eager calls split it too with the
     # fused combine (a split then adds no launch), not without (decode_num_splits' host_bound_rule).
     # The replays below check the graph's own split count.
     plans = [pl for pl in _kvcache._DECODE_PLANS.values()
              if pl.out_shape == tuple(case.q.shape) and pl.call.capacity == 1024]
-    assert plans and all((pl.eager[0] > 1) == fused and pl.graph[0] > 1 for pl in plans), [
+    assert plans and all((pl.eager[0] > 1) == (fused or cluster) and pl.graph[0] > 1 for pl in plans), [
         (pl.eager[0], pl.graph[0]) for pl in plans]
+    if cluster:  # the graph's decode launch: clusters of its split count, after the append
+        assert all(pl.graph[0] == 5 and [L.cluster for L in pl.graph[2]] == [1, 5] for pl in plans), [
+            (pl.graph[0], [L.cluster for L in pl.graph[2]]) for pl in plans]
     # sm_90: the captured kernels after the append are programmatic dependents (each waits for the one
     # before it)
     assert all(pl.pdl == (torch.cuda.get_device_capability() >= (9, 0)) for pl in plans)
@@ -170,19 +184,23 @@ def test_cuda_graph_replay(monkeypatch, layout, fused):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("splits", [0, 7])
-def test_cuda_graph_two_steps(monkeypatch, splits):
+@pytest.mark.parametrize("splits,cluster", [(0, "0"), (7, "0"), (7, "1")])
+def test_cuda_graph_two_steps(monkeypatch, splits, cluster):
     """Two decode steps (append a token, attend) captured in one CUDA graph: the second step's append
     writes the cache while, without the ordering of the stream, the first step's kernels could still
     read it, and its decode reads the token the first appended. On sm_90 a call's kernels after its
     append are programmatic dependents, started while the kernel before them finishes: each must
     wait for it (cuda_src/flash_decode.cu, pdl_wait). Both outputs and the cache match the reference; splits 7
-    runs the combine kernel (CUFLASH_DECODE_FUSED_COMBINE=0), 0 the library's choice."""
+    runs the combine kernel (CUFLASH_DECODE_FUSED_COMBINE=0), or the cluster merge (cluster "1", sm_90:
+    a cluster launch that is also a programmatic dependent), 0 the library's choice."""
     from cuflash import _kvcache
 
     if not torch.cuda.is_available():
         pytest.skip("torch has no CUDA device")
+    if cluster == "1" and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the cluster merge needs sm_90")
     monkeypatch.setenv("CUFLASH_DECODE_FUSED_COMBINE", "0" if splits else "1")
+    monkeypatch.setenv("CUFLASH_DECODE_CLUSTER", cluster)
     _fresh_decode_plans(monkeypatch)
     seed = _new_seed()
     rng = np.random.default_rng(seed)
@@ -208,6 +226,8 @@ def test_cuda_graph_two_steps(monkeypatch, splits):
     torch.cuda.synchronize()
     plans = [pl for pl in _kvcache._DECODE_PLANS.values() if pl.out_shape == tuple(case.q.shape)]
     assert plans and all(pl.pdl == (torch.cuda.get_device_capability() >= (9, 0)) for pl in plans)
+    if cluster == "1":  # append, then the decode in clusters of 7 blocks, launched as a programmatic dependent
+        assert all([L.cluster for L in pl.graph[2]] == [1, 7] and pl.graph[2][1].pdl is not None for pl in plans)
     ref1 = kvcache_reference(case.q, kc0, vc0, case.k, case.v, lengths, None, None, True, None)
     ref2 = kvcache_reference(case.q, ref1.k_cache, ref1.v_cache, _back(k2), _back(v2), lengths + 1, None, None, True,
                              None)
@@ -340,6 +360,7 @@ def test_fused_combine(monkeypatch, layout, splits, sq, gqa, opts):
     if not torch.cuda.is_available():
         pytest.skip("torch has no CUDA device")
     monkeypatch.setenv("CUFLASH_DECODE_FUSED_COMBINE", "1")
+    monkeypatch.setenv("CUFLASH_DECODE_CLUSTER", "0")  # the paths without the cluster merge
     default_limit = opts.get("default_limit", False)
     if not default_limit:
         monkeypatch.setattr(_config, "DECODE_FUSED_MAX_PARTS", 1 << 30)
@@ -357,6 +378,22 @@ def test_fused_combine(monkeypatch, layout, splits, sq, gqa, opts):
         assert all(pl.eager[3] is None and not pl.counters for pl in plans), [pl.counters for pl in plans]
     else:
         assert splits == 1 or any(pl.counters for pl in plans), "the fused path made its counters"
+
+
+def _three_decode_calls(layout, splits, sq, gqa, d, option, capacity, **ctx):
+    """Three decode calls of one plan against the float64 reference, each with fresh inputs (fp16, bf16,
+    fp16): batch 3, 4 kv heads with `gqa` query heads each, the named option, an appended token, NaN
+    in the cache slots past each length and garbage in a paged table's unused entries (make_case)."""
+    seed = _new_seed()
+    for call in range(3):
+        rng = np.random.default_rng([seed, call])
+        dtype = BF16 if call % 2 else FP16
+        kw, qk_scale = _features(rng, option or "none", 3, 4 * gqa)
+        case = make_case(rng, dtype=dtype, batch=3, seqlen_q=sq, nheads=4 * gqa, nheads_kv=4, head_dim=d,
+                         layout=layout, capacity=capacity, seqlen_new=1, qk_scale=qk_scale,
+                         table_garbage=layout.startswith("paged"))
+        _check(case, "cuda", True, kw,
+               _ctx(seed, call=call, layout=layout, splits=splits, d=d, option=option, **ctx), num_splits=splits)
 
 
 @pytest.mark.gpu
@@ -387,22 +424,65 @@ def test_decode_warps(monkeypatch, tma, warps, layout, splits, fused, d, gqa, op
     monkeypatch.setenv("CUFLASH_DECODE_WARPS", warps)
     monkeypatch.setenv("CUFLASH_DECODE_TMA", tma)
     monkeypatch.setenv("CUFLASH_DECODE_FUSED_COMBINE", "1" if fused else "0")
+    monkeypatch.setenv("CUFLASH_DECODE_CLUSTER", "0")  # the paths without the cluster merge
     _fresh_decode_plans(monkeypatch)
-    seed = _new_seed()
-    for call in range(3):
-        rng = np.random.default_rng([seed, call])
-        dtype = BF16 if call % 2 else FP16
-        kw, qk_scale = _features(rng, option or "none", 3, 4 * gqa)
-        case = make_case(rng, dtype=dtype, batch=3, seqlen_q=2, nheads=4 * gqa, nheads_kv=4, head_dim=d,
-                         layout=layout, capacity=700, seqlen_new=1, qk_scale=qk_scale,
-                         table_garbage=layout.startswith("paged"))
-        _check(case, "cuda", True, kw,
-               _ctx(seed, call=call, warps=warps, layout=layout, splits=splits, d=d, option=option), num_splits=splits)
+    _three_decode_calls(layout, splits, 2, gqa, d, option, 700, warps=warps)
     names = {L.name for pl in _kvcache._DECODE_PLANS.values() for L in pl.launches}
     assert any("_w8" in n for n in names) == (warps == "8"), names
     sm90 = torch.cuda.get_device_capability() == (9, 0)
     tma_expected = tma == "1" and sm90 and d in (64, 128) and option not in ("sinktok", "all")
     assert any(n.endswith("_tma") for n in names) == tma_expected, names
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tma", ["1", "0"])
+@pytest.mark.parametrize("warps", ["4", "8"])
+@pytest.mark.parametrize("layout,splits,sq,gqa,d,option", [
+    ("contig", 2, 1, 8, 128, None), ("contig", 8, 1, 4, 128, None), ("paged16", 3, 1, 1, 128, None),
+    ("paged64", 8, 2, 4, 128, "sinklogit"), ("contig_idx", 5, 3, 2, 64, "win20_0"), ("contig", 7, 2, 8, 128, "all"),
+    ("paged16", 6, 1, 4, 64, "alibi_bh"), ("contig", 4, 1, 8, 256, "softcap"), ("paged48", 8, 2, 2, 40, "sinktok"),
+    ("contig", 0, 1, 8, 128, None), ("paged16", 0, 1, 4, 128, None), ("contig", 9, 1, 4, 128, None)])
+def test_cluster_merge(monkeypatch, tma, warps, layout, splits, sq, gqa, d, option):
+    """The cluster merge (sm_90, the default there: cuda_src/flash_decode.cu cluster_merge_tile): a row
+    tile's 2 to 8 splits run as one thread block cluster and merge their partials through each
+    other's shared memory, with no scratch and no second kernel. Forced counts 2 to 8 (and 9, past the
+    cluster's size: the fused combine or the combine kernel) and the library's own count, on every
+    layout, 4 and 8 warps, TMA or not, head_dim 40 to 256, several row tiles (seqlen_q x GQA > 16),
+    entries of 0 and 1 keys (splits that see no key), and the options, sink logits among them (the
+    merge adds the sink to the splits' sum). The slots past each length hold NaN (make_case); three
+    calls per plan, fp16 and bf16. Counts of 2 to 8 here (at most 250 keys a split, under
+    _config.DECODE_CLUSTER_KEYS) must run as clusters; the library's own count does where the rule
+    and the driver (_launch.cluster_fits: the grid's clusters all resident at once) allow. torch
+    CUDA."""
+    from cuflash import _config, _kvcache, _launch
+
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device")
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the cluster merge needs sm_90")
+    monkeypatch.setenv("CUFLASH_DECODE_WARPS", warps)
+    monkeypatch.setenv("CUFLASH_DECODE_TMA", tma)
+    monkeypatch.delenv("CUFLASH_DECODE_CLUSTER", raising=False)  # the default: on
+    monkeypatch.delenv("CUFLASH_DECODE_FUSED_COMBINE", raising=False)
+    _fresh_decode_plans(monkeypatch)
+    _three_decode_calls(layout, splits, sq, gqa, d, option, 500, warps=warps, tma=tma)
+    plans = list(_kvcache._DECODE_PLANS.values())
+    assert plans
+    for pl in plans:
+        n, launches = pl.eager[0], pl.eager[2]
+        (dec,) = [L for L in launches if "combine" not in L.name and "append" not in L.name]
+        if dec.cluster > 1:  # the cluster merge: no scratch, no combine kernel
+            assert dec.cluster == n <= _config.DECODE_CLUSTER_MAX and pl.eager[1] == 0 and len(launches) == 2
+        else:  # one split, more than a cluster holds, long splits, or clusters that do not all fit at once
+            fits = [v for (fn, threads, smem, c), v in _launch._CLUSTER_FITS.items()
+                    if fn == dec.fn and threads == dec.threads and c == n]
+            assert (n == 1 or n > _config.DECODE_CLUSTER_MAX or -(-pl.keys // n) > _config.DECODE_CLUSTER_KEYS
+                    or (fits and dec.grid // n > fits[0])), (n, pl.keys, fits)
+        if splits:
+            assert n == splits
+            # 12 blocks x 8 at most: every such grid fits at once on an H100 / H200 (15 clusters of 8
+            # one-per-SM blocks do)
+            assert splits > 8 or dec.cluster == n
 
 
 def test_decode_page_tiles_rule(monkeypatch):
@@ -581,3 +661,17 @@ def test_one_per_sm_rule():
     assert rule(32, 4, 132, False, True, keys=2048, one_per_sm=True) == (4, 4)
     # Without one_per_sm the rule is unchanged.
     assert rule(128, 1, 132, False, keys=2048) == (8, 1) and rule(32, 8, 132, False, keys=2048) == (4, 8)
+    # With the cluster merge (cluster=8, session 31): the 4-warp kernel keeps a count of one block per
+    # SM whose splits see at most 64 keys (a tile), ahead of the 8-warp unsplit region; not past one
+    # block per SM, a tile a split, the cluster's size, and not for forced counts or without one_per_sm.
+    assert rule(8, 8, 132, False, keys=512, one_per_sm=True, cluster=8) == (4, 8)
+    assert rule(4, 8, 132, False, keys=512, one_per_sm=True, cluster=8) == (4, 8)
+    assert rule(16, 8, 132, False, keys=512, one_per_sm=True, cluster=8) == (4, 8)
+    assert rule(32, 4, 132, False, keys=512, one_per_sm=True, cluster=8) == (8, 1)  # 128 keys a split
+    assert rule(64, 2, 132, False, keys=512, one_per_sm=True, cluster=8) == (8, 1)  # 256 keys a split
+    assert rule(34, 4, 132, False, keys=512, one_per_sm=True, cluster=8) == (8, 1)  # 136 blocks
+    assert rule(4, 32, 132, False, keys=2048, one_per_sm=True, cluster=8) == (4, 32)  # past the cluster
+    assert rule(32, 4, 132, False, keys=2048, one_per_sm=True, cluster=8) == (8, 4)  # 512 keys a split
+    assert rule(8, 8, 132, False, keys=512, one_per_sm=True, cluster=0) == (8, 1)
+    assert rule(8, 8, 132, True, keys=512, one_per_sm=True, cluster=8) == (4, 8)
+    assert rule(8, 8, 132, False, keys=512, cluster=8) == (8, 1)

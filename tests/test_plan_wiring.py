@@ -131,24 +131,35 @@ def dev(monkeypatch):
         params_ptr = ctypes.c_uint64.from_address(argv_ptr).value
         raw = ctypes.string_at(params_ptr, dtype.itemsize)
         launched.append(dict(name=name, grid=gx, threads=bx, smem=smem, stream=stream,
-                             p=np.frombuffer(raw, dtype=dtype)[0], pdl=False))
+                             p=np.frombuffer(raw, dtype=dtype)[0], pdl=False, cluster=1))
 
     def launch_ex(cfg_ptr, fn, argv_ptr, extra):
         """cuLaunchKernelEx: the CUlaunchConfig read at cuda.h's offsets (LaunchConfig below)."""
         cfg_ptr, fn, argv_ptr = (x.value for x in (cfg_ptr, fn, argv_ptr))  # (ctypes.c_void_p, as ctypes passes)
         cfg = LaunchConfig.from_address(cfg_ptr)
-        assert cfg.numAttrs == 1 and extra is None
-        attr = LaunchAttribute.from_address(cfg.attrs)
-        assert attr.id == 6 and attr.allowed == 1, "CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, on"
+        assert 1 <= cfg.numAttrs <= 2 and extra is None
+        pdl, cluster = False, 1
+        for i in range(cfg.numAttrs):
+            attr = LaunchAttribute.from_address(cfg.attrs + i * ctypes.sizeof(LaunchAttribute))
+            if attr.id == 6:  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+                assert attr.allowed == 1 and not pdl
+                pdl = True
+            else:
+                assert attr.id == 4 and cluster == 1, attr.id  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+                cluster, cy, cz = (ctypes.c_uint * 3).from_address(ctypes.addressof(attr) + 8)
+                assert cluster > 1 and (cy, cz) == (1, 1) and cfg.gridDimX % cluster == 0
         assert (cfg.gridDimY, cfg.gridDimZ, cfg.blockDimY, cfg.blockDimZ) == (1, 1, 1, 1)
         launch_kernel(fn, cfg.gridDimX, 1, 1, cfg.blockDimX, 1, 1, cfg.sharedMemBytes, cfg.hStream, argv_ptr, 0)
-        launched[-1]["pdl"] = True
+        launched[-1]["pdl"], launched[-1]["cluster"] = pdl, cluster
         return 0
 
     monkeypatch.setattr(_gpu, "compute_capability", lambda device_id: (9, 0))
     monkeypatch.setattr(_compile, "get_function", get_function)
     monkeypatch.setattr(_launch, "_launch_kernel", launch_kernel)
     monkeypatch.setattr(_launch, "_launch_ex", launch_ex)  # (pdl_available: True on "sm_90")
+    # Every cluster fits (the driver's occupancy query; test_kvcache_cluster_that_does_not_fit)
+    monkeypatch.setattr(_launch, "_max_active_clusters", lambda fn, grid, threads, smem, cluster: 1 << 20)
+    monkeypatch.setattr(_launch, "_CLUSTER_FITS", {})
     monkeypatch.delenv("CUFLASH_PDL", raising=False)
     monkeypatch.setattr(_plan, "_current_device", lambda: 0)
     monkeypatch.setattr(_kvcache, "_sm_count", lambda device_id: 132)  # an H100's (persistent grids)
@@ -1168,17 +1179,21 @@ def test_kvcache_prefill_path_wiring(dev, seqlens_kind):
 @pytest.mark.parametrize("layout", ["contig", "contig_idx", "paged"])
 @pytest.mark.parametrize("splits", [1, 5])
 @pytest.mark.parametrize("warps", ["", "4", "8"])
-def test_kvcache_decode_wiring(dev, monkeypatch, layout, splits, warps):
+@pytest.mark.parametrize("cluster", ["0", "1"])
+def test_kvcache_decode_wiring(dev, monkeypatch, layout, splits, warps, cluster):
     """attention_with_kvcache on a GPU through the decode kernels (cuda_src/flash_decode.cu): the
     append, decode and combine launches read the caller's caches, index arrays and new tokens in place,
     with their strides; the split scratch holds o_part then lse_part; the heuristic is not asked when
     num_splits is forced. The decode kernel has 8 warps (256 threads, 3 stages at head_dim 64) where
     the grid leaves SMs one block at most and the call is unsplit (6 blocks here), or as
-    CUFLASH_DECODE_WARPS forces; else 4."""
+    CUFLASH_DECODE_WARPS forces; else 4. With the cluster merge (the default on sm_90; cluster "1")
+    a split call is one decode launch in clusters of num_splits blocks, cluster_merge set, no
+    scratch and no combine kernel; CUFLASH_DECODE_CLUSTER=0 keeps the combine kernel."""
     from cuflash import _kvcache
 
     monkeypatch.setattr(_kvcache, "_sm_count", lambda device_id: 132)
     monkeypatch.setenv("CUFLASH_DECODE_FUSED_COMBINE", "0")  # the combine kernel's path
+    monkeypatch.setenv("CUFLASH_DECODE_CLUSTER", cluster)
     monkeypatch.setenv("CUFLASH_DECODE_WARPS", warps)
     _fresh_decode_plans(monkeypatch)  # plans made here read the settings above
     ad, launched = dev
@@ -1200,7 +1215,9 @@ def test_kvcache_decode_wiring(dev, monkeypatch, layout, splits, warps):
     names = [L["name"] for L in launched]
     wide = warps == "8" or (warps == "" and splits == 1)
     kernel = "decode_f16_d64_s3_w8" if wide else "decode_f16_d64_s4"
-    assert names == ["decode_append", kernel] + (["decode_combine_f16_d64"] if splits > 1 else [])
+    clustered = cluster == "1" and splits > 1
+    assert names == ["decode_append", kernel] + (["decode_combine_f16_d64"] if splits > 1 and not clustered else [])
+    assert [L["cluster"] for L in launched] == [1, splits if clustered else 1] + [1] * (len(launched) - 2)
     for L in launched:
         p = L["p"]
         assert int(p["k"]) == addr(k_cache) and int(p["v"]) == addr(v_cache), "the caches, in place"
@@ -1219,26 +1236,62 @@ def test_kvcache_decode_wiring(dev, monkeypatch, layout, splits, warps):
         assert int(p["mask"]["window_right"]) == 0 and float(p["mask"]["softcap"]) == 5.0
         out = next(a for a in ad.allocs if a.shape == q.shape)
         assert int(p["o"]) == addr(out)
-        if splits > 1:
+        assert int(p["cluster_merge"]) == int(clustered)
+        if splits > 1 and not clustered:
             scratch = next(a for a in ad.allocs if a.dtype == np.float32 and a.ndim == 1)
             assert scratch.size == splits * b * h * sq * (d + 1)
             assert int(p["o_part"]) == addr(scratch)
             assert int(p["lse_part"]) == addr(scratch) + 4 * splits * b * h * sq * d
         else:
             assert int(p["o_part"]) == 0 and int(p["lse_part"]) == 0
+            assert not any(a.dtype == np.float32 and a.ndim == 1 for a in ad.allocs), "no scratch"
     assert launched[1]["grid"] == b * hkv * 1 * splits and launched[1]["threads"] == (256 if wide else 128)
     # an eager call: plain launches (PDL only in a graph capture: test_decode_pdl_launches)
     assert not any(L["pdl"] for L in launched) and all(L["stream"] == 77 for L in launched)
 
 
-@pytest.mark.parametrize("case", ["capturing", "eager", "off", "sm_80"])
+@pytest.mark.parametrize("fit", [7, 8])
+def test_kvcache_cluster_that_does_not_fit(dev, monkeypatch, fit):
+    """The cluster merge only where every cluster of the grid is resident at once (_launch.cluster_fits,
+    the driver's cuOccupancyMaxActiveClusters, asked once per function, block, shared memory and
+    cluster size): 8 clusters of 5 blocks against room for 7 take the combine kernel (no fused
+    combine here) with its scratch; room for 8, the cluster launch."""
+    from cuflash import _launch
+
+    asked = []
+    monkeypatch.setattr(_launch, "_max_active_clusters",
+                        lambda fn, grid, threads, smem, cluster: asked.append((grid, cluster)) or fit)
+    monkeypatch.setenv("CUFLASH_DECODE_FUSED_COMBINE", "0")
+    monkeypatch.delenv("CUFLASH_DECODE_CLUSTER", raising=False)
+    _fresh_decode_plans(monkeypatch)
+    ad, launched = dev
+    rng = np.random.default_rng()
+    b, h, hkv, d = 4, 8, 2, 64
+    q = arr(rng, (b, 1, h, d))
+    k_cache, v_cache = arr(rng, (b, 400, hkv, d)), arr(rng, (b, 400, hkv, d))
+    seqlens = np.array([3, 0, 50, 399], np.int32).view(Dev)
+    for _ in range(2):
+        cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, num_splits=5)
+    assert asked == [(b * hkv * 5, 5)], asked  # once: the answer is cached
+    names = [L["name"] for L in launched[-2:] if L["name"].startswith("decode_")]
+    if fit == 8:
+        assert [L["cluster"] for L in launched] == [5, 5] and "decode_combine_f16_d64" not in names
+        assert not any(a.dtype == np.float32 and a.ndim == 1 for a in ad.allocs), "no scratch"
+    else:
+        assert [L["cluster"] for L in launched] == [1] * 4 and names[-1] == "decode_combine_f16_d64"
+        assert int(launched[0]["p"]["cluster_merge"]) == 0 and int(launched[0]["p"]["o_part"]) != 0
+
+
+@pytest.mark.parametrize("case", ["capturing", "eager", "off", "sm_80", "capturing_cluster", "eager_cluster"])
 def test_decode_pdl_launches(dev, monkeypatch, case):
     """Programmatic dependent launch: on sm_90, in a stream that is being captured into a CUDA graph,
     the decode kernels after a call's first (decode and combine after the append: each calls pdl_wait
     before its first read and write, cuda_src/flash_decode.cu) launch through cuLaunchKernelEx with
     the attribute, with the grid, block and shared memory of the plain launch (DecodePlan.run); the
     first kernel, eager calls, CUFLASH_PDL=0 and devices before sm_90 keep cuLaunchKernel; the
-    forward's kernels (no pdl_wait) never take it.
+    forward's kernels (no pdl_wait) never take it. With the cluster merge (the "_cluster" cases) the
+    decode kernel is one cluster launch, always through cuLaunchKernelEx: in a capture with both
+    attributes (PDL and the cluster's size), eagerly with the cluster's alone.
     The config's bytes are read back through ctypes structures written from cuda.h (the fake
     cuLaunchKernelEx of the fixture)."""
     from cuflash import _kvcache
@@ -1253,6 +1306,9 @@ def test_decode_pdl_launches(dev, monkeypatch, case):
     monkeypatch.setattr(_kvcache, "stream_capturing", lambda stream: case != "eager")
     _fresh_decode_plans(monkeypatch)
     monkeypatch.setenv("CUFLASH_DECODE_FUSED_COMBINE", "0")
+    cluster = case.endswith("_cluster")
+    case = case.removesuffix("_cluster")
+    monkeypatch.setenv("CUFLASH_DECODE_CLUSTER", "1" if cluster else "0")
     ad, launched = dev
     rng = np.random.default_rng()
     b, h, hkv, d = 2, 8, 2, 64
@@ -1261,10 +1317,16 @@ def test_decode_pdl_launches(dev, monkeypatch, case):
     k_new, v_new = arr(rng, (b, 1, hkv, d)), arr(rng, (b, 1, hkv, d))
     seqlens = np.array([3, 40], np.int32).view(Dev)
     cuflash.attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, seqlens, num_splits=3)
-    assert [L["name"].split("_")[1] for L in launched] == ["append", "f16", "combine"]
-    assert [L["pdl"] for L in launched] == [False] + [case == "capturing"] * 2  # (the call's first: plain)
-    assert launched[1]["grid"] == b * hkv * 3 and launched[2]["grid"] == b * h
-    assert [L["threads"] for L in launched] == [256, 128, 128] and launched[1]["smem"] > 0
+    if cluster:
+        assert [L["name"].split("_")[1] for L in launched] == ["append", "f16"]
+        assert [L["pdl"] for L in launched] == [False, case == "capturing"]
+        assert [L["cluster"] for L in launched] == [1, 3] and int(launched[1]["p"]["cluster_merge"]) == 1
+    else:
+        assert [L["name"].split("_")[1] for L in launched] == ["append", "f16", "combine"]
+        assert [L["pdl"] for L in launched] == [False] + [case == "capturing"] * 2  # (the call's first: plain)
+        assert launched[2]["grid"] == b * h and [L["cluster"] for L in launched] == [1, 1, 1]
+    assert launched[1]["grid"] == b * hkv * 3
+    assert [L["threads"] for L in launched] == [256, 128, 128][:len(launched)] and launched[1]["smem"] > 0
     n0 = len(launched)
     cuflash.attention(arr(rng, (1, 64, 2, 64)), arr(rng, (1, 64, 2, 64)), arr(rng, (1, 64, 2, 64)))
     assert launched[n0:] and not any(L["pdl"] for L in launched[n0:])
@@ -1282,6 +1344,7 @@ def test_kvcache_fused_combine_wiring(dev, monkeypatch, counters):
     monkeypatch.setattr(_kvcache.DecodePlan, "_counters", lambda self, stream: counters)
     _fresh_decode_plans(monkeypatch)  # plans made here read the setting below
     monkeypatch.setenv("CUFLASH_DECODE_FUSED_COMBINE", "1")
+    monkeypatch.setenv("CUFLASH_DECODE_CLUSTER", "0")  # the paths without the cluster merge
     ad, launched = dev
     rng = np.random.default_rng()
     b, h, hkv, d = 3, 8, 2, 64
@@ -1306,6 +1369,7 @@ def test_kvcache_repeat_call_takes_the_fast_path(dev, monkeypatch):
 
     monkeypatch.setattr(_kvcache, "_sm_count", lambda device_id: 132)
     monkeypatch.setenv("CUFLASH_DECODE_FUSED_COMBINE", "0")  # the combine kernel's path
+    monkeypatch.setenv("CUFLASH_DECODE_CLUSTER", "0")  # the paths without the cluster merge
     ad, launched = dev
     rng = np.random.default_rng()
     calls = []
@@ -1344,6 +1408,7 @@ def test_kvcache_graph_capture_takes_its_own_split_count(dev, monkeypatch, fused
 
     monkeypatch.setattr(_kvcache, "_sm_count", lambda device_id: 132)
     monkeypatch.setenv("CUFLASH_DECODE_FUSED_COMBINE", "1" if fused else "0")
+    monkeypatch.setenv("CUFLASH_DECODE_CLUSTER", "0")  # the paths without the cluster merge
     _fresh_decode_plans(monkeypatch)
     ad, launched = dev
     rng = np.random.default_rng()
@@ -1384,6 +1449,7 @@ def test_kvcache_fused_cap_instead_of_no_split(dev, monkeypatch):
     seqlens = np.array([1000], np.int32).view(Dev)
     for fused, want in (("1", ["decode_f16_d64_s4"]), ("0", ["decode_f16_d64_s3_w8"])):
         monkeypatch.setenv("CUFLASH_DECODE_FUSED_COMBINE", fused)
+        monkeypatch.setenv("CUFLASH_DECODE_CLUSTER", "0")  # the paths without the cluster merge
         _fresh_decode_plans(monkeypatch)
         del launched[:]
         cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens)
@@ -1457,6 +1523,7 @@ def test_kvcache_launch_failure_names_kernel_and_call(dev, monkeypatch):
 
     monkeypatch.setattr(_kvcache, "_sm_count", lambda device_id: 132)
     monkeypatch.setenv("CUFLASH_DECODE_FUSED_COMBINE", "0")  # the combine kernel's path
+    monkeypatch.setenv("CUFLASH_DECODE_CLUSTER", "0")  # the paths without the cluster merge
     ad, launched = dev
     rng = np.random.default_rng()
     q, kc, vc = arr(rng, (2, 1, 8, 64)), arr(rng, (2, 64, 2, 64)), arr(rng, (2, 64, 2, 64))

@@ -47,6 +47,8 @@ def main():
                     help="cp.async pipeline stages of the decode kernel (0: the library's choice)")
     ap.add_argument("--warps", type=int, nargs="+", default=[0], choices=[0, 4, 8],
                     help="the decode kernel's warps (0: the library's choice; CUFLASH_DECODE_WARPS)")
+    ap.add_argument("--cluster", nargs="+", default=["lib"], choices=["lib", "0", "1"],
+                    help="the cluster merge (CUFLASH_DECODE_CLUSTER; lib: the library's default)")
     ap.add_argument("--calls", type=int, default=50)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json")
@@ -79,11 +81,15 @@ def main():
             layouts.append(("paged16", dict(k_cache=kc.view(nblk, page, hk, d), v_cache=vc.view(nblk, page, hk, d),
                                              block_table=table)))
         kv_bytes = 2 * b * L * hk * d * 2
-        for lname, kw, st, w in [(lname, kw, st, w) for lname, kw in layouts for st in args.stages
-                                 for w in args.warps]:
+        for lname, kw, st, w, cl in [(lname, kw, st, w, cl) for lname, kw in layouts for st in args.stages
+                                     for w in args.warps for cl in args.cluster]:
             # A forced depth or warp count: every plan is made anew with it (both are in the kernel's name).
             _config.decode_stages = library_stages if st == 0 else (lambda target, head_dim, st=st: st)
             os.environ["CUFLASH_DECODE_WARPS"] = str(w)
+            if cl == "lib":
+                os.environ.pop("CUFLASH_DECODE_CLUSTER", None)
+            else:
+                os.environ["CUFLASH_DECODE_CLUSTER"] = cl
             _kvcache._FAST_PLANS.clear()
             _kvcache._DECODE_PLANS.clear()
             for s in args.splits:
@@ -93,11 +99,14 @@ def main():
                             if p.out_shape == (b, 1, h, d) and p.call.capacity == L and p.call.nheads_kv == hk
                             and p.call.paged == (lname != "contig") and p.num_splits == (s or p.num_splits))
                 chosen = plan.num_splits
-                kernel = next(L_.name for L_ in plan.launches if L_.name.startswith("decode_") and "combine" not in
-                              L_.name and "append" not in L_.name)
-                rows.append(dict(shape=shape, layout=lname, kernel=kernel, splits=s, chosen=chosen, ms=ms,
-                                 gbps=kv_bytes / ms / 1e6))
-                print(f"{shape:>12} {lname:8} {kernel:22} splits {s:3d} ({chosen:3d})  {ms * 1e3:9.1f} us  "
+                dec = next(L_ for L_ in plan.launches if L_.name.startswith("decode_") and "combine" not in
+                           L_.name and "append" not in L_.name)
+                kernel = dec.name
+                merge = ("-" if chosen == 1 else "cluster" if dec.cluster > 1 else
+                         "fused" if plan.eager[3] is not None else "kernel")
+                rows.append(dict(shape=shape, layout=lname, kernel=kernel, splits=s, chosen=chosen, merge=merge,
+                                 cluster=cl, ms=ms, gbps=kv_bytes / ms / 1e6))
+                print(f"{shape:>12} {lname:8} {kernel:22} splits {s:3d} ({chosen:3d}) {merge:7} {ms * 1e3:9.1f} us  "
                       f"{kv_bytes / ms / 1e6:7.0f} GB/s", flush=True)
     if args.json:
         with open(args.json, "w") as f:
