@@ -81,7 +81,6 @@ def main():
                 if not _launch.cluster_fits(dec):
                     note = "not all resident"
         ms = gpu_ms_per_call(torch, fn, args.calls, args.rounds)
-        # the answer against the fused combine's, each call
         return ms, note
 
     def phase(name, counts, variants):
