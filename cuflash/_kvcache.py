@@ -570,6 +570,14 @@ class DecodePlan:
             # split costs an eager call no extra launch, and GPU time decides there too.
             graph_splits = _config.decode_num_splits(blocks, keys, _sm_count(dev), 2, host_bound_rule=False,
                                                      paged=paged_copies, one_per_sm=one)
+            cap = _config.DECODE_CLUSTER_MAX
+            if one and graph_splits > cap and self._fusable(graph_splits) and self._clustered(cap):
+                # Rather than the fused combine over more splits than a cluster holds, a cluster's
+                # worth where its splits stay short. H200, session 31 (bench/dev/decode_splits.py, GPU
+                # us per step): 1 x 2048 x 4 (8 blocks, 4 rows) 16 fused splits 11.2, 8 in clusters
+                # 10.5 (16-row pages 11.6 / 11.0). (Not in place of the combine kernel: 1 x 2048 x 8,
+                # 16 splits 10.2-10.3, 8 in clusters 10.7.)
+                graph_splits = cap
             if self._merged(graph_splits):
                 num_splits = graph_splits
             else:

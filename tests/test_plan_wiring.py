@@ -1457,6 +1457,34 @@ def test_kvcache_fused_cap_instead_of_no_split(dev, monkeypatch):
         assert int(launched[0]["p"]["num_splits"]) == (8 if fused == "1" else 1)
 
 
+def test_kvcache_cluster_instead_of_many_fused_splits(dev, monkeypatch):
+    """On sm_90a at head_dim 128 (the TMA kernel, one block per SM), where the split count asks for more
+    splits than a cluster holds and the fused combine would merge them, a cluster's worth of splits
+    (8) runs instead, merged in clusters: batch 1, 2048 keys, 8 kv heads, GQA 4 (16 fused splits
+    before). Not where the combine kernel serves the count (GQA 8: 16 splits, 8 rows each), nor with
+    CUFLASH_DECODE_CLUSTER=0, nor for a forced count."""
+    from cuflash import _kvcache
+
+    fake_tma_driver(monkeypatch, lambda ptr, i, dims, box, strides: (
+        ptr if i == 0 else 31 * i + dims[1] + box[1] + strides[0]), lambda ptr, *rest: ptr)
+    monkeypatch.setattr(_kvcache, "stream_capturing", lambda stream: False)
+    monkeypatch.delenv("CUFLASH_DECODE_FUSED_COMBINE", raising=False)
+    ad, launched = dev
+    rng = np.random.default_rng()
+    kc, vc = arr(rng, (1, 2048, 8, 128)), arr(rng, (1, 2048, 8, 128))
+    seqlens = np.array([2000], np.int32).view(Dev)
+    for gqa, cluster, forced, want in ((4, "1", 0, (8, 8)), (4, "0", 0, (16, 1)), (8, "1", 0, (16, 1)),
+                                       (4, "1", 16, (16, 1))):
+        monkeypatch.setenv("CUFLASH_DECODE_CLUSTER", cluster)
+        _fresh_decode_plans(monkeypatch)
+        cuflash.attention_with_kvcache(arr(rng, (1, 1, 8 * gqa, 128)), kc, vc, cache_seqlens=seqlens,
+                                       num_splits=forced)
+        (pl,) = _kvcache._DECODE_PLANS.values()
+        dec = next(L for L in pl.eager[2] if "combine" not in L.name)
+        assert pl.tma and dec.name.endswith("_tma"), dec.name
+        assert (pl.eager[0], dec.cluster) == want, (gqa, cluster, forced, pl.eager[0], dec.cluster)
+
+
 def test_paged_prefill_gpu_wiring(dev):
     """attention_varlen with a block_table on a GPU: two
     gathers copy the pages to packed arrays (batch * max_seqlen_k rows) and write the rebased offsets,
