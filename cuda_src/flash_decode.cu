@@ -71,7 +71,10 @@
 // Launch order. A call runs append -> decode -> combine (each where it applies). Each kernel waits
 // for the grid before it (pdl_wait, common.cuh) ahead of its first global read and write, so that
 // on sm_90, in a CUDA graph, the host launches the kernels after the first as programmatic
-// dependents (cuflash/_launch.py PdlConfig): they start while the one before them finishes.
+// dependents (cuflash/_launch.py PdlConfig): they start while the one before them finishes. An
+// eager call launches all of its kernels so where the previous call's decode kernel has not begun
+// yet (the stream is busy: its last block writes the call's number into host memory as it starts,
+// DecodeParams::started), and none of them otherwise.
 #include "common.cuh"
 #include "mask.cuh"
 #include "softmax.cuh"
@@ -96,6 +99,10 @@ struct DecodeParams {
     const void* v_new;
     int* split_counters;        // null, or (batch * nheads_kv * num_row_tiles) ints, zero between calls:
                                 // the last split block of each row tile combines the splits itself
+    unsigned long long* started;  // null, or a word of mapped host memory: the decode kernel's last
+    unsigned long long seq;       // block writes seq there as it starts (where seq != 0: an eager call
+                                  // on sm_90), so the host's next call can tell whether this one has
+                                  // begun (cuflash/_kvcache.py DecodePlan.run: busy streams launch PDL)
 
     i64 q_batch_stride, q_row_stride, q_head_stride;
     i64 k_batch_stride, k_row_stride, k_head_stride;
@@ -483,6 +490,10 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
     // on the SMs while these run, sat two on some SMs and none on others, where the split rule puts
     // one on each (H100, session 15: 16 x 8192 x 8, 128 blocks, 98.7 -> 111.0 us per call).
     if (p.num_splits > 1 && p.split_counters == nullptr && !p.cluster_merge) pdl_launch_dependents();
+    // "This call's kernel has begun", for the host's next call (DecodeParams::started): the last
+    // block, the last to be placed, so the whole grid is on the SMs.
+    if (p.seq != 0 && tid == 0 && blockIdx.x == gridDim.x - 1)
+        *reinterpret_cast<volatile unsigned long long*>(p.started) = p.seq;
     pdl_wait();
     // The entry's length, loaded now and clamped below the early copies (which do not need it).
     const int L_raw = decode_length_raw(p, b);

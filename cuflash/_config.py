@@ -1007,6 +1007,15 @@ DECODE_CLUSTER_MAX = 8  # the most splits one cluster merges (cuda_src/flash_dec
 DECODE_CLUSTER_KEYS = 256
 
 
+def decode_eager_pdl() -> bool:
+    """Whether eager decode calls on sm_90 launch their kernels as programmatic dependents where the
+    stream is busy (cuflash/_kvcache.py DecodePlan.run): the default; CUFLASH_DECODE_EAGER_PDL=0
+    turns it off (A/B measurements), CUFLASH_PDL=0 turns off PDL altogether. Read when a plan is made."""
+    import os
+
+    return os.environ.get("CUFLASH_DECODE_EAGER_PDL") != "0"
+
+
 def decode_cluster() -> bool:
     """Whether split decodes on sm_90 with at most DECODE_CLUSTER_MAX splits run each row tile's
     splits as one thread block cluster that merges them through distributed shared memory

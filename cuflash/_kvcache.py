@@ -490,6 +490,7 @@ def _sm_count(device_id: int) -> int:
 # Pointer slots of a decode plan's launches.
 _D_Q, _D_KC, _D_VC, _D_OUT, _D_LSE, _D_SCRATCH, _D_SEQLENS, _D_BIDX, _D_TABLE, _D_K, _D_V, _D_ALIBI, _D_SINK = range(13)
 _D_COUNTERS = 13  # the fused combine's counters: the plan's own buffer, not an array of the call
+_D_SEQ = 14       # the call's number (DecodePlan.run; DecodeParams::seq), not a pointer
 _D_ARRAYS = ("q", "k_cache", "v_cache", "out", "lse", "scratch", "cache_seqlens", "cache_batch_idx", "block_table",
              "k", "v", "alibi_slopes", "sink_logits")
 
@@ -550,6 +551,13 @@ class DecodePlan:
         self.keys = keys  # the most keys one block may see
         self.counter_count = blocks
         self.counters = {}  # stream -> the fused combine's counters (cupy memory, zeroed once)
+        # Eager calls on sm_90 launch as programmatic dependents where the stream is busy: where the
+        # decode kernel of this plan's previous call has not begun when the next call is made (its
+        # last block writes the call's number into this word of host memory as it starts; run()).
+        self.started, started_ptr = None, 0
+        if _launch.pdl_available(cc) and _config.decode_eager_pdl():
+            self.started, started_ptr = _launch.started_word(dev)
+        self.seq = 0
         self.templates = {}  # adapter lib -> its empty_from cache
         forced = num_splits != 0
         target = _config.compile_arch(*cc)
@@ -572,13 +580,15 @@ class DecodePlan:
                                                      paged=paged_copies, one_per_sm=one)
             cap = _config.DECODE_CLUSTER_MAX
             if one and graph_splits > cap and self._fusable(graph_splits) and self._clustered(cap):
-                # Rather than the fused combine over more splits than a cluster holds, a cluster's
-                # worth where its splits stay short. H200, session 31 (bench/dev/decode_splits.py, GPU
-                # us per step): 1 x 2048 x 4 (8 blocks, 4 rows) 16 fused splits 11.2, 8 in clusters
+                # Eager calls: rather than the fused combine over more splits than a cluster holds, a
+                # cluster's worth where its splits stay short. H200, session 31 (bench/dev/decode_splits.py,
+                # GPU us per step): 1 x 2048 x 4 (8 blocks, 4 rows) 16 fused splits 11.2, 8 in clusters
                 # 10.5 (16-row pages 11.6 / 11.0). (Not in place of the combine kernel: 1 x 2048 x 8,
-                # 16 splits 10.2-10.3, 8 in clusters 10.7.)
-                graph_splits = cap
-            if self._merged(graph_splits):
+                # 16 splits 10.2-10.3, 8 in clusters 10.7.) A graph keeps its count, which it merges in
+                # the combine kernel, a programmatic dependent there: 1 x 2048 x 4 replayed in 9.3 us
+                # (session 31's grid) against 10.5 in clusters (session 32's).
+                num_splits = cap
+            elif self._merged(graph_splits):
                 num_splits = graph_splits
             else:
                 num_splits = _config.decode_num_splits(blocks, keys, _sm_count(dev), 2, host_bound_rule=True,
@@ -614,7 +624,8 @@ class DecodePlan:
                           k_new=tensor("k", _D_K) if c.appends else None,
                           v_new=tensor("v", _D_V) if c.appends else None,
                           cache_rows=c.cache_rows, capacity=c.capacity, page_size=c.page_size,
-                          fixed_seqlen=c.fixed_seqlen or 0, num_splits=num_splits)
+                          fixed_seqlen=c.fixed_seqlen or 0, num_splits=num_splits,
+                          started=started_ptr, seq=Slot(_D_SEQ) if started_ptr else 0)
         used = {"q", "k_cache", "v_cache", "out"}
         used.update(n for n, on in (("lse", c.return_lse), ("scratch", max(num_splits, graph_splits) > 1),
                                     ("cache_seqlens", c.fixed_seqlen is None), ("cache_batch_idx", c.has_batch_idx),
@@ -622,7 +633,7 @@ class DecodePlan:
                                     ("alibi_slopes", alibi is not None),
                                     ("sink_logits", infos.get("sink_logits") is not None)) if on)
         self.used = frozenset(used)
-        self.zero_ptrs = [0] * (len(_D_ARRAYS) + 1)  # + the counters' slot
+        self.zero_ptrs = [0] * (len(_D_ARRAYS) + 2)  # + the counters' and the call number's slots
         self.input_slots = tuple((i, n) for i, n in enumerate(_D_ARRAYS)
                                  if n in used and n not in ("out", "lse", "scratch"))
 
@@ -676,7 +687,7 @@ class DecodePlan:
         self.eager = variant(num_splits, _config.DECODE_FUSED_MAX_PARTS)
         same = graph_splits == num_splits and self._fusable(num_splits) == self._fusable(num_splits, graph_max)
         self.graph = self.eager if same else variant(graph_splits, graph_max)
-        self.pdl = any(L.pdl is not None for L in self.graph[2])  # (_launch.as_pdl: calls of 2-3 kernels)
+        self.pdl = any(L.pdl is not None for L in self.graph[2][1:])  # (_launch.as_pdl: calls of 2-3 kernels)
         self.num_splits, self.scratch_floats, self.launches = self.eager[:3]  # the eager variant's
 
     def _clustered(self, splits: int) -> bool:
@@ -745,16 +756,23 @@ class DecodePlan:
             ptrs[_D_LSE] = ad.ptr(lse, keep)
         stream = ad.stream(dev)
         splits, scratch_floats, launches, fused = self.eager
-        capturing = (self.pdl or self.graph is not self.eager) and stream_capturing(stream)
+        # Programmatic dependent launch (_launch.PdlConfig). In a CUDA graph, between the call's own
+        # kernels (append -> decode -> combine): each starts while the one before it finishes (H100,
+        # session 15: a replay 0.3-1.8 us faster where a call has two or three kernels). Eager calls:
+        # every kernel where the stream is busy, none where it may be idle. Back to back, PDL ran
+        # 1.1-2.2 us a call faster, but a single call on an idle GPU 3.3-5.3 us slower (H200, session
+        # 32; cudaStreamQuery as the test cost more than it saved, session 15). The test here costs
+        # no CUDA call: the stream counts as busy while the previous call's decode kernel has not
+        # begun (its number is not yet in `started`), which holds where the host runs ahead of the GPU.
+        started = self.started
+        busy = started is not None and started.value != self.seq
+        capturing = (self.pdl or busy or self.graph is not self.eager) and stream_capturing(stream)
         if self.graph is not self.eager and capturing:
             splits, scratch_floats, launches, fused = self.graph
-        # Programmatic dependent launch (_launch.PdlConfig) between the call's own kernels (append ->
-        # decode -> combine), in a CUDA graph only: there each starts while the one before it
-        # finishes (H100, session 15: a replay 0.3-1.8 us faster where a call has two or three
-        # kernels). Eager calls launch plainly: back to back they ran 1.2-4.4 us faster with PDL, but
-        # a single call on an idle GPU 1.0-5.9 us slower, and launching PDL only where the stream had work
-        # queued (cudaStreamQuery) did not recover it (bench/NOTES.md, session 15).
-        pdl = self.pdl and capturing
+        pdl = self.pdl and capturing or busy and not capturing
+        if started is not None and not capturing:
+            self.seq += 1  # (a captured call writes nothing: seq 0)
+            ptrs[_D_SEQ] = self.seq
         if fused is not None:
             counters = self._counters(stream)
             if counters:  # (none yet while a capture is running: the combine kernel then)
@@ -765,7 +783,7 @@ class DecodePlan:
             ptrs[_D_SCRATCH] = ad.ptr(scratch, keep)
         for i, n in self.input_slots:
             ptrs[i] = ad.ptr(arrays[n], keep)
-        run_launches(self, stream, ptrs, launches, lambda: self._what(splits), pdl)
+        run_launches(self, stream, ptrs, launches, lambda: self._what(splits), pdl, not capturing)
         return ad.export(out), (None if lse is None else ad.export(lse))
 
 

@@ -104,7 +104,7 @@ _TAIL_CHECKS_PARAMS = _compile.params_layout_checks("cuflash", "TailParams", TAI
 # Mirror of cuflash::DecodeParams (cuda_src/flash_decode.cu).
 DECODE_PARAMS = np.dtype(
     [(n, np.uint64) for n in ("q", "k", "v", "o", "lse", "o_part", "lse_part", "cache_seqlens", "cache_batch_idx",
-                              "block_table", "k_new", "v_new", "split_counters")]
+                              "block_table", "k_new", "v_new", "split_counters", "started", "seq")]
     + [(f"{t}_{s}_stride", np.int64) for t in ("q", "k", "v", "o", "kn", "vn") for s in ("batch", "row", "head")]
     + [("table_stride", np.int64)]
     + [(n, np.int32) for n in ("batch", "nheads", "nheads_kv", "head_group", "seqlen_q", "cache_rows", "capacity",
@@ -1404,6 +1404,9 @@ class DecodeArgs:
     split_counters: "int | Slot" = 0  # the fused combine's counters (cuda_src/flash_decode.cu); 0: a combine kernel
     cluster: bool = False          # the splits merged in a cluster (sm_90, num_splits <= DECODE_CLUSTER_MAX): no
                                    # scratch, no counters, no combine kernel
+    started: int = 0               # a word of mapped host memory (started_word), or 0: then every launch but the
+                                   # call's first gets a PdlConfig; else all of them (DecodePlan.run chooses)
+    seq: "int | Slot" = 0          # the call's number, which the decode kernel writes to `started` (0: none)
 
 
 def decode_scratch_floats(batch: int, nheads: int, seqlen_q: int, head_dim: int, num_splits: int,
@@ -1453,6 +1456,7 @@ def decode_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: Device
     cluster = a.cluster and a.num_splits > 1
     assert not (cluster and a.split_counters) and (not cluster or a.num_splits <= _config.DECODE_CLUSTER_MAX)
     ptrs["split_counters"] = a.split_counters if a.num_splits > 1 else 0
+    ptrs["started"], ptrs["seq"] = a.started, a.seq
     if a.num_splits > 1 and not cluster:
         ptrs["o_part"] = a.scratch
         ptrs["lse_part"] = a.scratch + 4 * a.num_splits * batch * nheads * seqlen_q * head_dim
@@ -1496,10 +1500,35 @@ def decode_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: Device
         launches.append(Launch(spec.name, fn.ptr, batch * nheads * seqlen_q, 128, 0, p, ptrs, device_id))
     # Every decode kernel waits for the grid before it (pdl_wait) ahead of its first global read and
     # write; the kernels after the call's first are programmatic dependents (DecodePlan.run launches
-    # them so in a graph capture): each may start while the one before it finishes. Not the first:
-    # after a kernel of the caller's, in a graph, it gained nothing (H100, session 15: 10.8 -> 11.0 us
-    # per replay after a copy kernel, one decode kernel; bench/NOTES.md).
-    return launches[:1] + as_pdl(launches[1:], cc)
+    # them so in a graph capture): each may start while the one before it finishes. Not the first
+    # in a graph: after a kernel of the caller's it gained nothing there (H100, session 15: 10.8 ->
+    # 11.0 us per replay after a copy kernel, one decode kernel; bench/NOTES.md). With `started`, the
+    # first gets a config too, for eager calls on a busy stream (DecodePlan.run).
+    return as_pdl(launches, cc) if a.started else launches[:1] + as_pdl(launches[1:], cc)
+
+
+_STARTED_PAGES: dict = {}  # device id -> [host pointer of a page of mapped host memory, words handed out]
+
+
+def started_word(device_id: int):
+    """(a ctypes c_uint64 on a fresh word of mapped, pinned host memory, its address) for a decode
+    plan's DecodeParams::started: the kernel writes the call's number there, the host reads it with
+    no CUDA call. Allocated 512 words a page (cudaHostAlloc, portable and mapped: with unified
+    addressing the host pointer is the device's too), never freed (plans live as long as the
+    process)."""
+    import ctypes
+
+    page = _STARTED_PAGES.get(device_id)
+    if page is None or page[1] == 512:
+        import cupy
+
+        with cupy.cuda.Device(device_id):
+            ptr = cupy.cuda.runtime.hostAlloc(4096, 3)  # cudaHostAllocPortable | cudaHostAllocMapped
+        ctypes.memset(ptr, 0, 4096)
+        page = _STARTED_PAGES[device_id] = [ptr, 0]
+    addr = page[0] + 8 * page[1]
+    page[1] += 1
+    return ctypes.c_uint64.from_address(addr), addr
 
 
 def gather_specialization():

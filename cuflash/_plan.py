@@ -343,24 +343,25 @@ class LaunchError(RuntimeError):
     """A kernel launch the driver refused: names the specialization, its launch shape and the call."""
 
 
-def run_launches(plan, stream: int, ptrs, launches, what=None, pdl: bool = True) -> None:
+def run_launches(plan, stream: int, ptrs, launches, what=None, pdl: bool = True, pdl_first: bool = True) -> None:
     """Fires launches of a plan on the stream, under the plan's lock, with its device current (switched
     only when it is not: the switch costs more than the launch). A launch the driver refuses raises
     LaunchError naming the kernel and the call (the outputs the caller allocated are then its to
     drop). what: a function giving the call's description for that message (default: the attention
-    call of plan.call); only called on an error. pdl=False: plain launches only (Launch.fire)."""
+    call of plan.call); only called on an error. pdl=False: plain launches only (Launch.fire);
+    pdl_first=False: the first launch plain, the others as pdl says."""
     launch = None
     try:
         with plan._lock:
             if _current_device() == plan.device_id:
                 for launch in launches:
-                    launch.fire(stream, ptrs, pdl)
+                    launch.fire(stream, ptrs, pdl and (pdl_first or launch is not launches[0]))
             else:
                 import cupy
 
                 with cupy.cuda.Device(plan.device_id):
                     for launch in launches:
-                        launch.fire(stream, ptrs, pdl)
+                        launch.fire(stream, ptrs, pdl and (pdl_first or launch is not launches[0]))
     except Exception as e:
         if launch is None:
             raise

@@ -184,6 +184,84 @@ def test_cuda_graph_replay(monkeypatch, layout, mode):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["contig", "paged16"])
+@pytest.mark.parametrize("splits,merge", [(0, "lib"), (7, "kernel"), (3, "fused"), (5, "cluster")])
+def test_eager_steps_on_a_busy_stream(monkeypatch, layout, splits, merge):
+    """Eager decode steps while the stream is busy (a sleep kernel queued first, so the host runs
+    ahead): on sm_90 every step after the first finds the previous step's decode kernel not begun
+    (the plan's `started` word) and launches all of its kernels as programmatic dependents, each
+    after kernels of the caller's that write q and cache_seqlens, which it must wait for
+    (cuda_src/flash_decode.cu, pdl_wait). Each step appends a token and attends; the outputs and the
+    cache match the reference step by step; merges: the library's, the combine kernel, the fused
+    combine, the cluster merge (sm_90). After the synchronize the word holds the last step's number."""
+    from cuflash import _kvcache, _launch
+
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device")
+    sm90 = torch.cuda.get_device_capability() >= (9, 0)
+    if merge == "cluster" and not sm90:
+        pytest.skip("the cluster merge needs sm_90")
+    monkeypatch.setenv("CUFLASH_DECODE_FUSED_COMBINE", "1" if merge in ("fused", "lib") else "0")
+    monkeypatch.setenv("CUFLASH_DECODE_CLUSTER", "1" if merge in ("cluster", "lib") else "0")
+    monkeypatch.delenv("CUFLASH_DECODE_EAGER_PDL", raising=False)
+    _fresh_decode_plans(monkeypatch)
+    fired = []
+    real = _launch.PdlConfig.launch
+    monkeypatch.setattr(_launch.PdlConfig, "launch", lambda self, stream: (fired.append(self), real(self, stream)))
+    seed = _new_seed()
+    rng = np.random.default_rng(seed)
+    steps = 4
+    lengths = np.array([300, 17, 900], np.int32)
+    case = make_case(rng, dtype=BF16, batch=3, seqlen_q=1, nheads=16, nheads_kv=2, head_dim=128, layout=layout,
+                     capacity=1024, seqlen_new=1, seqlens=lengths)
+    args = {n: _to(x, "cuda") for n, x in case.args().items()}
+    qs = [(case.q * (1.0 + 0.25 * i)).astype(case.q.dtype) for i in range(steps)]
+    ks = [(case.k * (0.5 + i)).astype(case.k.dtype) for i in range(steps)]
+    vs = [(case.v * (1.0 - 0.5 * i)).astype(case.v.dtype) for i in range(steps)]
+    q_src = [_to(x, "cuda") for x in qs]
+    k_new, v_new = [_to(x, "cuda") for x in ks], [_to(x, "cuda") for x in vs]
+    kc0, vc0 = _back(args["k_cache"]).copy(), _back(args["v_cache"]).copy()
+    for _ in range(2):  # warm-up: compile, plan (on copies of the caches)
+        attention_with_kvcache(**dict(args, k_cache=args["k_cache"].clone(), v_cache=args["v_cache"].clone()),
+                               causal=True, num_splits=splits)
+    torch.cuda.synchronize()
+    fired.clear()  # (the second warm-up call may have found the first one's kernel not begun)
+    q, seqlens = args["q"], args["cache_seqlens"]
+    outs = []
+    torch.cuda._sleep(400_000_000)  # ~0.2 s: the host queues every step before the GPU reaches the first
+    for i in range(steps):
+        q.copy_(q_src[i])            # kernels of the caller's that write what the step reads
+        if i:
+            seqlens.add_(1)
+        outs.append(attention_with_kvcache(**dict(args, k=k_new[i], v=v_new[i]), causal=True, num_splits=splits))
+    queued = list(fired)  # the configs launched while the stream was busy
+    torch.cuda.synchronize()
+    plans = [pl for pl in _kvcache._DECODE_PLANS.values() if pl.out_shape == tuple(case.q.shape)]
+    assert len(plans) == 1, len(plans)
+    (pl,) = plans
+    if sm90:
+        # steps 2.. launched every kernel PDL (append, decode, and the combine where it runs)
+        used = pl.eager[3] if pl.eager[3] is not None else pl.eager[2]  # (the fused combine's launches, or not)
+        # (a cluster launch goes through a config too, `ex`, without the PDL attribute: not counted)
+        n_pdl = sum(any(c is L.pdl for L in used) for c in queued)
+        assert n_pdl == (steps - 1) * len(used), (n_pdl, [L.name for L in used], _ctx(seed))
+        assert pl.started is not None and pl.started.value == pl.seq, (pl.started.value, pl.seq)
+        if merge == "cluster":
+            assert [L.cluster for L in pl.launches] == [1, 5]
+    else:
+        assert not queued and pl.started is None
+    kc, vc = kc0, vc0
+    for i in range(steps):
+        ref = kvcache_reference(qs[i], kc, vc, ks[i], vs[i], lengths + i, case.cache_batch_idx, case.block_table,
+                                True, None)
+        ok, msg = check_close(_back(outs[i]), ref.out, ref.naive_out, factor=FWD_FACTOR, floor=FWD_FLOOR)
+        assert ok, f"step {i}: {msg}; {_ctx(seed, layout=layout, splits=splits, merge=merge)}"
+        kc, vc = ref.k_cache, ref.v_cache
+    assert _diff_count(_back(args["k_cache"]), kc) == 0, f"the cache; {_ctx(seed)}"
+    assert _diff_count(_back(args["v_cache"]), vc) == 0, f"the cache; {_ctx(seed)}"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("splits,cluster", [(0, "0"), (7, "0"), (7, "1")])
 def test_cuda_graph_two_steps(monkeypatch, splits, cluster):
     """Two decode steps (append a token, attend) captured in one CUDA graph: the second step's append

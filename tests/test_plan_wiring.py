@@ -123,15 +123,20 @@ def dev(monkeypatch):
     def launch_kernel(fn, gx, gy, gz, bx, by, bz, smem, stream, argv_ptr, extra):
         name = names[fn]
         if name.endswith("_tma"):
-            dtype = _launch.FWD_TMA_PARAMS if name.startswith("fwd") else _launch.BWD_TMA_PARAMS
+            dtype = (_launch.FWD_TMA_PARAMS if name.startswith("fwd") else
+                     _launch.DECODE_TMA_PARAMS if name.startswith("decode") else _launch.BWD_TMA_PARAMS)
         elif name.startswith("fwd90ws_"):
             dtype = _launch.FWD_WS_PARAMS
         else:
             dtype = next(d for prefix, d in SIZES.items() if name.startswith(prefix))
         params_ptr = ctypes.c_uint64.from_address(argv_ptr).value
         raw = ctypes.string_at(params_ptr, dtype.itemsize)
-        launched.append(dict(name=name, grid=gx, threads=bx, smem=smem, stream=stream,
-                             p=np.frombuffer(raw, dtype=dtype)[0], pdl=False, cluster=1))
+        p = np.frombuffer(raw, dtype=dtype)[0]
+        launched.append(dict(name=name, grid=gx, threads=bx, smem=smem, stream=stream, p=p, pdl=False, cluster=1))
+        if (name.startswith("decode_") and not name.startswith(("decode_append", "decode_combine"))
+                and int(p["seq"]) and not held[0]):
+            # The decode kernel's last block, begun at once (an idle GPU): the call's number into `started`
+            ctypes.c_uint64.from_address(int(p["started"])).value = int(p["seq"])
 
     def launch_ex(cfg_ptr, fn, argv_ptr, extra):
         """cuLaunchKernelEx: the CUlaunchConfig read at cuda.h's offsets (LaunchConfig below)."""
@@ -153,6 +158,15 @@ def dev(monkeypatch):
         launched[-1]["pdl"], launched[-1]["cluster"] = pdl, cluster
         return 0
 
+    held = [False]  # True: decode kernels "have not begun" (a busy stream): they leave `started` alone
+    words = []
+
+    def started_word(device_id):  # (mapped host memory on a GPU: a ctypes word here)
+        words.append(ctypes.c_uint64(0))
+        return words[-1], ctypes.addressof(words[-1])
+
+    monkeypatch.setattr(_launch, "started_word", started_word)
+    ad.held = held
     monkeypatch.setattr(_gpu, "compute_capability", lambda device_id: (9, 0))
     monkeypatch.setattr(_compile, "get_function", get_function)
     monkeypatch.setattr(_launch, "_launch_kernel", launch_kernel)
@@ -1282,6 +1296,14 @@ def test_kvcache_cluster_that_does_not_fit(dev, monkeypatch, fit):
         assert int(launched[0]["p"]["cluster_merge"]) == 0 and int(launched[0]["p"]["o_part"]) != 0
 
 
+def _small_append_call(b, h, hkv, d):
+    """(q, k_cache, v_cache, k, v, cache_seqlens) of a small decode call with one appended token: a
+    64-key cache, lengths 3 and 40."""
+    rng = np.random.default_rng()
+    return (arr(rng, (b, 1, h, d)), arr(rng, (b, 64, hkv, d)), arr(rng, (b, 64, hkv, d)), arr(rng, (b, 1, hkv, d)),
+            arr(rng, (b, 1, hkv, d)), np.array([3, 40], np.int32).view(Dev))
+
+
 @pytest.mark.parametrize("case", ["capturing", "eager", "off", "sm_80", "capturing_cluster", "eager_cluster"])
 def test_decode_pdl_launches(dev, monkeypatch, case):
     """Programmatic dependent launch: on sm_90, in a stream that is being captured into a CUDA graph,
@@ -1310,12 +1332,8 @@ def test_decode_pdl_launches(dev, monkeypatch, case):
     case = case.removesuffix("_cluster")
     monkeypatch.setenv("CUFLASH_DECODE_CLUSTER", "1" if cluster else "0")
     ad, launched = dev
-    rng = np.random.default_rng()
     b, h, hkv, d = 2, 8, 2, 64
-    q = arr(rng, (b, 1, h, d))
-    k_cache, v_cache = arr(rng, (b, 64, hkv, d)), arr(rng, (b, 64, hkv, d))
-    k_new, v_new = arr(rng, (b, 1, hkv, d)), arr(rng, (b, 1, hkv, d))
-    seqlens = np.array([3, 40], np.int32).view(Dev)
+    q, k_cache, v_cache, k_new, v_new, seqlens = _small_append_call(b, h, hkv, d)
     cuflash.attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, seqlens, num_splits=3)
     if cluster:
         assert [L["name"].split("_")[1] for L in launched] == ["append", "f16"]
@@ -1328,8 +1346,81 @@ def test_decode_pdl_launches(dev, monkeypatch, case):
     assert launched[1]["grid"] == b * hkv * 3
     assert [L["threads"] for L in launched] == [256, 128, 128][:len(launched)] and launched[1]["smem"] > 0
     n0 = len(launched)
+    rng = np.random.default_rng()
     cuflash.attention(arr(rng, (1, 64, 2, 64)), arr(rng, (1, 64, 2, 64)), arr(rng, (1, 64, 2, 64)))
     assert launched[n0:] and not any(L["pdl"] for L in launched[n0:])
+
+
+@pytest.mark.parametrize("cluster", [False, True])
+@pytest.mark.parametrize("case", ["idle", "busy", "busy_capturing", "off", "pdl_off", "sm_80"])
+def test_decode_eager_pdl_when_busy(dev, monkeypatch, case, cluster):
+    """Eager decode calls on sm_90 launch every kernel as a programmatic dependent where the stream
+    is busy, none where it may be idle (DecodePlan.run). Busy: the previous call's decode kernel has
+    not begun, so its number is not yet in the plan's `started` word, which its last block writes as
+    it starts (DecodeParams::started, seq). The fake kernels write it at the launch unless held.
+    Each eager call's decode kernel carries the call's number (1, 2, 3) and the word's address; a
+    captured call carries 0 (it writes nothing) and keeps its first launch plain;
+    CUFLASH_DECODE_EAGER_PDL=0, CUFLASH_PDL=0 and sm_80 give no word and plain eager launches."""
+    from cuflash import _kvcache
+
+    if case == "off":
+        monkeypatch.setenv("CUFLASH_DECODE_EAGER_PDL", "0")
+    if case == "pdl_off":
+        monkeypatch.setenv("CUFLASH_PDL", "0")
+    if case == "sm_80":
+        monkeypatch.setattr(_gpu, "compute_capability", lambda device_id: (8, 0))
+    capturing = [False]
+    monkeypatch.setattr(_kvcache, "stream_capturing", lambda stream: capturing[0])
+    _fresh_decode_plans(monkeypatch)
+    monkeypatch.setenv("CUFLASH_DECODE_FUSED_COMBINE", "0")
+    monkeypatch.setenv("CUFLASH_DECODE_CLUSTER", "1" if cluster else "0")
+    ad, launched = dev
+    b, h, hkv, d = 2, 8, 2, 64
+    q, k_cache, v_cache, k_new, v_new, seqlens = _small_append_call(b, h, hkv, d)
+    cluster = cluster and case != "sm_80"  # (no clusters before sm_90)
+    n_kernels = 2 if cluster else 3  # append, decode (+ combine)
+
+    def call():
+        n0 = len(launched)
+        cuflash.attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, seqlens, num_splits=3)
+        got = launched[n0:]
+        assert len(got) == n_kernels and got[1]["cluster"] == (3 if cluster else 1)
+        return got
+
+    first = call()  # nothing before it: plain
+    assert not any(L["pdl"] for L in first)
+    word = int(first[1]["p"]["started"])
+    if case in ("off", "pdl_off", "sm_80"):
+        assert word == 0 and int(first[1]["p"]["seq"]) == 0
+        ad.held[0] = True
+        assert not any(L["pdl"] for L in call())
+        return
+    assert word != 0 and int(first[1]["p"]["seq"]) == 1
+    assert ctypes.c_uint64.from_address(word).value == 1  # (the fake decode kernel began)
+    if case == "idle":
+        again = call()
+        assert not any(L["pdl"] for L in again) and int(again[1]["p"]["seq"]) == 2
+        assert ctypes.c_uint64.from_address(word).value == 2
+        return
+    ad.held[0] = True  # from here the decode kernels have not begun when the next call comes
+    second = call()  # the previous one began: plain; this one does not begin
+    assert not any(L["pdl"] for L in second) and int(second[1]["p"]["seq"]) == 2
+    if case == "busy":
+        third = call()  # call 2's kernel has not begun: every launch PDL
+        assert all(L["pdl"] for L in third) and int(third[1]["p"]["seq"]) == 3
+        assert int(third[1]["p"]["started"]) == word
+        ad.held[0] = False
+        fourth = call()
+        assert all(L["pdl"] for L in fourth)  # call 3's had not begun either; this one does
+        assert not any(L["pdl"] for L in call())
+    else:  # a capture: the first launch plain, the others PDL; the kernels write nothing (seq 0)
+        capturing[0] = True
+        cap = call()
+        assert [L["pdl"] for L in cap] == [False] + [True] * (n_kernels - 1)
+        assert int(cap[1]["p"]["seq"]) == 0
+        capturing[0] = False
+        ad.held[0] = False
+        assert all(L["pdl"] for L in call())  # call 2's kernel had still not begun
 
 
 @pytest.mark.parametrize("counters", [0xABC000, 0])
@@ -1462,7 +1553,8 @@ def test_kvcache_cluster_instead_of_many_fused_splits(dev, monkeypatch):
     splits than a cluster holds and the fused combine would merge them, a cluster's worth of splits
     (8) runs instead, merged in clusters: batch 1, 2048 keys, 8 kv heads, GQA 4 (16 fused splits
     before). Not where the combine kernel serves the count (GQA 8: 16 splits, 8 rows each), nor with
-    CUFLASH_DECODE_CLUSTER=0, nor for a forced count."""
+    CUFLASH_DECODE_CLUSTER=0, nor for a forced count, nor in a CUDA graph (16 splits and the combine
+    kernel there)."""
     from cuflash import _kvcache
 
     fake_tma_driver(monkeypatch, lambda ptr, i, dims, box, strides: (
@@ -1483,6 +1575,8 @@ def test_kvcache_cluster_instead_of_many_fused_splits(dev, monkeypatch):
         dec = next(L for L in pl.eager[2] if "combine" not in L.name)
         assert pl.tma and dec.name.endswith("_tma"), dec.name
         assert (pl.eager[0], dec.cluster) == want, (gqa, cluster, forced, pl.eager[0], dec.cluster)
+        # a graph keeps the 16 splits, merged by the combine kernel (a programmatic dependent there)
+        assert pl.graph[0] == 16 and pl.graph[2][-1].name.startswith("decode_combine"), (gqa, cluster, forced)
 
 
 def test_paged_prefill_gpu_wiring(dev):
