@@ -78,7 +78,7 @@ def set_pdl(mode: str) -> int:
             for launches in (variant[2], variant[3]):
                 for i, L in enumerate(launches or ()):
                     on = mode == "all" or (mode == "inner" and i > 0)
-                    L.pdl = PdlConfig(L.grid, L.threads, L.smem, L.fn, L.argv_ptr) if on else None
+                    L.pdl = PdlConfig(L.grid, L.threads, L.smem, L.fn, L.argv_ptr, cluster=L.cluster) if on else None
                     n += 1
     return n
 

@@ -4,7 +4,9 @@ default: (batch, cache, nheads_kv, 128) bf16, 32 query heads, SDPA on transposed
 
 ncu --profile-from-start off --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
     --section WarpStateStats --section LaunchStats --section Occupancy --csv --page details \
-    python3 bench/dev/ncu_decode.py [batch] [cache] [gqa] [num_splits]
+    python3 bench/dev/ncu_decode.py [batch] [cache] [gqa] [num_splits] [stages]
+
+stages: the 4-warp kernel's pipeline depth (0 or absent: the library's; others compiled on the spot).
 """
 import sys
 
@@ -18,6 +20,11 @@ batch = int(sys.argv[1]) if len(sys.argv) > 1 else 16
 cache = int(sys.argv[2]) if len(sys.argv) > 2 else 8192
 gqa = int(sys.argv[3]) if len(sys.argv) > 3 else 8
 splits = int(sys.argv[4]) if len(sys.argv) > 4 else 0
+stages = int(sys.argv[5]) if len(sys.argv) > 5 else 0
+if stages:
+    from cuflash import _config
+
+    _config.decode_stages = lambda target, head_dim: stages
 h, d = 32, 128
 hk = h // gqa
 q = torch.randn(batch, 1, h, d, device="cuda", dtype=torch.bfloat16)
