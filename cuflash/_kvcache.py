@@ -760,7 +760,7 @@ class DecodePlan:
         # kernels (append -> decode -> combine): each starts while the one before it finishes (H100,
         # session 15: a replay 0.3-1.8 us faster where a call has two or three kernels). Eager calls:
         # every kernel where the stream is busy, none where it may be idle. Back to back, PDL ran
-        # 1.1-2.2 us a call faster, but a single call on an idle GPU 3.3-5.3 us slower (H200, session
+        # 1.1-2.2 us a call faster, but a single call on an idle GPU 3.0-5.3 us slower (H200, session
         # 32; cudaStreamQuery as the test cost more than it saved, session 15). The test here costs
         # no CUDA call: the stream counts as busy while the previous call's decode kernel has not
         # begun (its number is not yet in `started`), which holds where the host runs ahead of the GPU.
