@@ -36,9 +36,10 @@ def test_layouts(device, layout, seqlen_new):
         if device == "cupy" and dtype == BF16:
             continue
         rng = np.random.default_rng([seed, i])
-        case = make_case(rng, dtype=dtype, batch=4, seqlen_q=seqlen_q, nheads=2 * gqa, nheads_kv=2, head_dim=d,
-                         layout=layout, capacity=300, seqlen_new=seqlen_new, table_garbage=layout.startswith("paged"))
-        _check(case, device, True, {}, _ctx(seed, device=device, case=i, layout=layout, gqa=gqa, sq=seqlen_q,
+        _check(lambda: make_case(rng, dtype=dtype, batch=4, seqlen_q=seqlen_q, nheads=2 * gqa, nheads_kv=2,
+                                 head_dim=d, layout=layout, capacity=300, seqlen_new=seqlen_new,
+                                 table_garbage=layout.startswith("paged")),
+               device, True, {}, _ctx(seed, device=device, case=i, layout=layout, gqa=gqa, sq=seqlen_q,
                                              splits=splits, d=d), num_splits=splits)
 
 
@@ -50,9 +51,10 @@ def test_forced_splits(device, splits, causal):
     cache lengths 0 (a row with no key: out 0, lse -inf) are in the pattern."""
     _skip_unusable(device, FP16)
     seed = _new_seed()
-    case = make_case(np.random.default_rng(seed), dtype=FP16, batch=4, seqlen_q=2, nheads=8, nheads_kv=2,
-                     head_dim=128, layout="paged64", capacity=1000, seqlen_new=1)
-    _check(case, device, causal, {}, _ctx(seed, device=device, splits=splits), num_splits=splits)
+    rng = np.random.default_rng(seed)
+    _check(lambda: make_case(rng, dtype=FP16, batch=4, seqlen_q=2, nheads=8, nheads_kv=2, head_dim=128,
+                             layout="paged64", capacity=1000, seqlen_new=1),
+           device, causal, {}, _ctx(seed, device=device, splits=splits), num_splits=splits)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -64,10 +66,10 @@ def test_options(device, name, layout, splits):
     seed = _new_seed()
     rng = np.random.default_rng(seed)
     opts, qk_scale = _features(rng, name, 4, 8)
-    case = make_case(rng, dtype=FP16, batch=4, seqlen_q=3, nheads=8, nheads_kv=2, head_dim=64, layout=layout,
-                     capacity=500, seqlen_new=2, qk_scale=qk_scale)
     causal = name != "win5_2"  # a window with a right part replaces causal
-    _check(case, device, causal, opts, _ctx(seed, device=device, option=name, layout=layout), num_splits=splits)
+    _check(lambda: make_case(rng, dtype=FP16, batch=4, seqlen_q=3, nheads=8, nheads_kv=2, head_dim=64,
+                             layout=layout, capacity=500, seqlen_new=2, qk_scale=qk_scale),
+           device, causal, opts, _ctx(seed, device=device, option=name, layout=layout), num_splits=splits)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -76,9 +78,10 @@ def test_head_dims(device, head_dim):
     dtype = FP16 if device == "cupy" else BF16
     _skip_unusable(device, dtype)
     seed = _new_seed()
-    case = make_case(np.random.default_rng(seed), dtype=dtype, batch=3, seqlen_q=2, nheads=8, nheads_kv=2,
-                     head_dim=head_dim, layout="paged16", capacity=400, seqlen_new=1)
-    _check(case, device, True, {}, _ctx(seed, device=device, d=head_dim), num_splits=2)
+    rng = np.random.default_rng(seed)
+    _check(lambda: make_case(rng, dtype=dtype, batch=3, seqlen_q=2, nheads=8, nheads_kv=2, head_dim=head_dim,
+                             layout="paged16", capacity=400, seqlen_new=1),
+           device, True, {}, _ctx(seed, device=device, d=head_dim), num_splits=2)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -88,9 +91,10 @@ def test_many_row_tiles(device, layout):
     paged; a contiguous cache takes the feature forward."""
     _skip_unusable(device, FP16)
     seed = _new_seed()
-    case = make_case(np.random.default_rng(seed), dtype=FP16, batch=2, seqlen_q=9, nheads=16, nheads_kv=2,
-                     head_dim=64, layout=layout, capacity=256, seqlen_new=9)
-    _check(case, device, True, {}, _ctx(seed, device=device, layout=layout), num_splits=0)
+    rng = np.random.default_rng(seed)
+    _check(lambda: make_case(rng, dtype=FP16, batch=2, seqlen_q=9, nheads=16, nheads_kv=2, head_dim=64,
+                             layout=layout, capacity=256, seqlen_new=9),
+           device, True, {}, _ctx(seed, device=device, layout=layout), num_splits=0)
 
 
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=pytest.mark.gpu), "cpu"])
@@ -100,10 +104,10 @@ def test_long_cache(device, layout):
     _skip_unusable(device, BF16)
     seed = _new_seed()
     cap = 131072 if device != "cpu" else 8192
-    case = make_case(np.random.default_rng(seed), dtype=BF16, batch=1, seqlen_q=1, nheads=8, nheads_kv=1,
-                     head_dim=128, layout=layout, capacity=cap, seqlen_new=1,
-                     seqlens=np.array([cap - 1], np.int32))
-    _check(case, device, True, {}, _ctx(seed, device=device, layout=layout))
+    rng = np.random.default_rng(seed)
+    _check(lambda: make_case(rng, dtype=BF16, batch=1, seqlen_q=1, nheads=8, nheads_kv=1, head_dim=128,
+                             layout=layout, capacity=cap, seqlen_new=1, seqlens=np.array([cap - 1], np.int32)),
+           device, True, {}, _ctx(seed, device=device, layout=layout))
 
 
 def _capture(graph):
@@ -366,9 +370,9 @@ def test_decode_deep_tma_plan(monkeypatch):
     batch = (2 * sm) // 8 + 1  # 8 kv heads: batch * 8 > 2 * sm blocks
     seed = _new_seed()
     rng = np.random.default_rng(seed)
-    case = make_case(rng, dtype=BF16, batch=batch, seqlen_q=1, nheads=32, nheads_kv=8, head_dim=128,
-                     layout="contig", capacity=2048, seqlen_new=1)
-    _check(case, "cuda", True, {}, _ctx(seed, batch=batch, sm=sm))
+    _check(lambda: make_case(rng, dtype=BF16, batch=batch, seqlen_q=1, nheads=32, nheads_kv=8, head_dim=128,
+                             layout="contig", capacity=2048, seqlen_new=1),
+           "cuda", True, {}, _ctx(seed, batch=batch, sm=sm))
     names = [L.name for pl in _kvcache._DECODE_PLANS.values() for L in pl.launches]
     tma_90 = torch.cuda.get_device_capability() >= (9, 0) and any(n.endswith("_tma") for n in names)
     assert any("_s4_tma" in n for n in names) == tma_90, names
@@ -446,10 +450,10 @@ def test_fused_combine(monkeypatch, layout, splits, sq, gqa, opts):
     seed = _new_seed()
     for call in range(3):
         rng = np.random.default_rng([seed, call])
-        case = make_case(rng, dtype=FP16, batch=3, seqlen_q=sq, nheads=4 * gqa, nheads_kv=4,
-                         head_dim=opts.get("d", 128), layout=layout, capacity=700, seqlen_new=1)
         kw = _features(rng, "sinklogit", 3, 4 * gqa)[0] if opts.get("sinklogit") else {}
-        _check(case, "cuda", True, kw, _ctx(seed, call=call, layout=layout, splits=splits), num_splits=splits)
+        _check(lambda: make_case(rng, dtype=FP16, batch=3, seqlen_q=sq, nheads=4 * gqa, nheads_kv=4,
+                                 head_dim=opts.get("d", 128), layout=layout, capacity=700, seqlen_new=1),
+               "cuda", True, kw, _ctx(seed, call=call, layout=layout, splits=splits), num_splits=splits)
     plans = list(_kvcache._DECODE_PLANS.values())
     assert plans and all(pl.fused for pl in plans), [pl.fused for pl in plans]
     if default_limit:  # 8 rows x 40 splits > DECODE_FUSED_MAX_PARTS: no fused launches, no counters
@@ -467,10 +471,10 @@ def _three_decode_calls(layout, splits, sq, gqa, d, option, capacity, **ctx):
         rng = np.random.default_rng([seed, call])
         dtype = BF16 if call % 2 else FP16
         kw, qk_scale = _features(rng, option or "none", 3, 4 * gqa)
-        case = make_case(rng, dtype=dtype, batch=3, seqlen_q=sq, nheads=4 * gqa, nheads_kv=4, head_dim=d,
-                         layout=layout, capacity=capacity, seqlen_new=1, qk_scale=qk_scale,
-                         table_garbage=layout.startswith("paged"))
-        _check(case, "cuda", True, kw,
+        _check(lambda: make_case(rng, dtype=dtype, batch=3, seqlen_q=sq, nheads=4 * gqa, nheads_kv=4, head_dim=d,
+                                 layout=layout, capacity=capacity, seqlen_new=1, qk_scale=qk_scale,
+                                 table_garbage=layout.startswith("paged")),
+               "cuda", True, kw,
                _ctx(seed, call=call, layout=layout, splits=splits, d=d, option=option, **ctx), num_splits=splits)
 
 
@@ -600,9 +604,9 @@ def test_decode_paged_whole_tiles_plan(monkeypatch, page_tiles):
     _fresh_decode_plans(monkeypatch)
     seed = _new_seed()
     rng = np.random.default_rng(seed)
-    case = make_case(rng, dtype=BF16, batch=2, seqlen_q=1, nheads=32, nheads_kv=8, head_dim=128,
-                     layout="paged256", capacity=3000, seqlen_new=1, table_garbage=True)
-    _check(case, "cuda", True, {}, _ctx(seed, page_tiles=page_tiles), num_splits=4)
+    _check(lambda: make_case(rng, dtype=BF16, batch=2, seqlen_q=1, nheads=32, nheads_kv=8, head_dim=128,
+                             layout="paged256", capacity=3000, seqlen_new=1, table_garbage=True),
+           "cuda", True, {}, _ctx(seed, page_tiles=page_tiles), num_splits=4)
     launches = [L for pl in _kvcache._DECODE_PLANS.values() for L in pl.launches if L.name.endswith("_tma")]
     if torch.cuda.get_device_capability() == (9, 0):
         assert launches, [L.name for pl in _kvcache._DECODE_PLANS.values() for L in pl.launches]
@@ -642,9 +646,9 @@ def test_decode_paged_groups_wide_plan(monkeypatch, layout):
     _fresh_decode_plans(monkeypatch)
     seed = _new_seed()
     rng = np.random.default_rng(seed)
-    case = make_case(rng, dtype=BF16, batch=4, seqlen_q=1, nheads=32, nheads_kv=32, head_dim=128,
-                     layout=layout, capacity=2048, seqlen_new=1, table_garbage=True)
-    _check(case, "cuda", True, {}, _ctx(seed, layout=layout))
+    _check(lambda: make_case(rng, dtype=BF16, batch=4, seqlen_q=1, nheads=32, nheads_kv=32, head_dim=128,
+                             layout=layout, capacity=2048, seqlen_new=1, table_garbage=True),
+           "cuda", True, {}, _ctx(seed, layout=layout))
     names = {L.name for pl in _kvcache._DECODE_PLANS.values() for L in pl.launches}
     props = torch.cuda.get_device_properties(0)
     if (props.major, props.minor) == (9, 0) and props.multi_processor_count >= 128:

@@ -61,9 +61,18 @@ def _back(x):
     return x.numpy()
 
 
-def _check(case, device, causal, opts, ctx, num_splits=0):
-    opts = dict(opts)
-    scale = opts.pop("softmax_scale", None)
+# The accuracy rule compares max errors, which need many rows to be stable (session 12's rule for the
+# fuzzer and tests/test_property_cpu.py's pool()): a call whose rows that see a key number fewer than
+# MIN_POOLED_ROWS is repeated on fresh values (the same shapes and options) and the calls' outs are
+# checked as one batch. Seed 185793632559966754 of test_layouts[1-paged256-jax] checked 8 rows alone:
+# one row with 2 keys rounded P to float16 before P V and came out 6.62e-4 off, where the naive
+# computation happened to land within 3.19e-4 (the NumPy path gives the same 6.62e-4).
+MIN_POOLED_ROWS = 16
+MAX_REPEATS = 16
+
+
+def _call_and_check(case, device, causal, opts, scale, ctx, num_splits):
+    """One call on `device`: checks the caches, out's finiteness and lse; returns (out, reference)."""
     ref = kvcache_reference(case.q, case.k_cache, case.v_cache, case.k, case.v, case.cache_seqlens,
                             case.cache_batch_idx, case.block_table,
                             causal, scale, **opts)
@@ -86,8 +95,6 @@ def _check(case, device, causal, opts, ctx, num_splits=0):
         assert n == 0, f"{name}: {n} elements differ from the expected cache after the append; {ctx}"
     assert out.shape == case.q.shape and out.dtype == case.q.dtype, ctx
     assert np.isfinite(out.astype(np.float32)).all(), f"non-finite out (a poisoned slot was read?); {ctx}"
-    ok, msg = check_close(out, ref.out, ref.naive_out, factor=FWD_FACTOR, floor=FWD_FLOOR)
-    assert ok, f"out: {msg}; {ctx}"
     fin = ~np.isneginf(ref.lse)
     assert np.array_equal(np.isneginf(lse), ~fin), f"lse -inf pattern; {ctx}"
     feats = {n: x for n, x in opts.items() if n in ("alibi_slopes", "sink_logits")}
@@ -95,6 +102,33 @@ def _check(case, device, causal, opts, ctx, num_splits=0):
     mag = np.maximum(np.abs(ref.lse), _score_magnitude(case.q, ref.keys, scale or d ** -0.5, feats))[fin]
     err = np.abs(lse[fin].astype(np.float64) - ref.lse[fin])
     assert (err <= LSE_ATOL + LSE_RTOL * mag).all(), f"lse max err {err.max(initial=0):.3g}; {ctx}"
+    return out, ref
+
+
+def _check(make, device, causal, opts, ctx, num_splits=0):
+    """Calls attention_with_kvcache on make()'s case and checks it against the float64 reference.
+
+    make: a function of no arguments that returns a fresh case (new values, the same shapes) each time
+    it is called. Every call's caches, finiteness and lse are checked alone; out is checked against
+    the accuracy rule over the calls pooled until at least MIN_POOLED_ROWS rows see a key."""
+    opts = dict(opts)
+    scale = opts.pop("softmax_scale", None)
+    outs, refs = [], []
+    rows = 0
+    while not outs or (rows < MIN_POOLED_ROWS and len(outs) < MAX_REPEATS):
+        rep = f" repeat={len(outs)}" if outs else ""
+        out, ref = _call_and_check(make(), device, causal, opts, scale, ctx + rep, num_splits)
+        if outs and out.shape != outs[0].shape:
+            raise AssertionError(f"test: make() changed the shapes between repeats; {ctx}")
+        outs.append(out)
+        refs.append(ref)
+        rows += int(np.count_nonzero(~np.isneginf(ref.lse)))
+        if rows == 0:
+            break  # no row sees a key: out is all zeros, checked exactly by the rule
+    pooled = f" (pooled over {len(outs)} calls)" if len(outs) > 1 else ""
+    ok, msg = check_close(np.concatenate(outs), np.concatenate([r.out for r in refs]),
+                          np.concatenate([r.naive_out for r in refs]), factor=FWD_FACTOR, floor=FWD_FLOOR)
+    assert ok, f"out: {msg}{pooled}; {ctx}"
 
 
 def _skip_unusable(device, dtype):
@@ -119,10 +153,10 @@ def test_contiguous_cache(device, seqlen_q, seqlen_new, gqa, head_dim, dtype):
     _skip_unusable(device, dtype)
     seed = _new_seed()
     for causal in (False, True):
-        case = make_case(np.random.default_rng([seed, int(causal)]), dtype=dtype, batch=4, seqlen_q=seqlen_q,
-                         nheads=2 * gqa, nheads_kv=2, head_dim=head_dim, layout="contig", capacity=300,
-                         seqlen_new=seqlen_new)
-        _check(case, device, causal, {}, _ctx(seed, device=device, causal=causal, gqa=gqa, d=head_dim))
+        rng = np.random.default_rng([seed, int(causal)])
+        _check(lambda: make_case(rng, dtype=dtype, batch=4, seqlen_q=seqlen_q, nheads=2 * gqa, nheads_kv=2,
+                                 head_dim=head_dim, layout="contig", capacity=300, seqlen_new=seqlen_new),
+               device, causal, {}, _ctx(seed, device=device, causal=causal, gqa=gqa, d=head_dim))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -132,9 +166,9 @@ def test_options(device, name):
     seed = _new_seed()
     rng = np.random.default_rng(seed)
     opts, qk_scale = _features(rng, name, 4, 8)
-    case = make_case(rng, dtype=FP16, batch=4, seqlen_q=3, nheads=8, nheads_kv=2, head_dim=64, layout="contig",
-                     capacity=200, seqlen_new=3, qk_scale=qk_scale)
-    _check(case, device, True, opts, _ctx(seed, device=device, option=name))
+    _check(lambda: make_case(rng, dtype=FP16, batch=4, seqlen_q=3, nheads=8, nheads_kv=2, head_dim=64,
+                             layout="contig", capacity=200, seqlen_new=3, qk_scale=qk_scale),
+           device, True, opts, _ctx(seed, device=device, option=name))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -143,11 +177,15 @@ def test_long_cache_int_seqlens(device):
     seed = _new_seed()
     rng = np.random.default_rng(seed)
     dtype = FP16 if device == "cupy" else BF16
-    case = make_case(rng, dtype=dtype, batch=2, seqlen_q=1, nheads=16, nheads_kv=2, head_dim=128, layout="contig",
-                     capacity=8192 if device != "cpu" else 1024, seqlen_new=1,
-                     seqlens=np.array([8191 if device != "cpu" else 1023] * 2, np.int32))
-    case.cache_seqlens = int(case.cache_seqlens[0])  # the int form: the same length for every entry
-    _check(case, device, True, {}, _ctx(seed, device=device))
+
+    def make():
+        case = make_case(rng, dtype=dtype, batch=2, seqlen_q=1, nheads=16, nheads_kv=2, head_dim=128,
+                         layout="contig", capacity=8192 if device != "cpu" else 1024, seqlen_new=1,
+                         seqlens=np.array([8191 if device != "cpu" else 1023] * 2, np.int32))
+        case.cache_seqlens = int(case.cache_seqlens[0])  # the int form: the same length for every entry
+        return case
+
+    _check(make, device, True, {}, _ctx(seed, device=device))
 
 
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -169,3 +207,56 @@ def test_gpu_lengths_past_the_cache_are_clamped(device):
     # The decode kernels' append drops the write past the cache (position 64): slot 63 holds key 0.
     assert _diff_count(kc[1, 63], case.k[1, 0]) == 0, f"entry 1's last slot; {_ctx(seed)}"
     assert _diff_count(kc[2:], case.k_cache[2:]) == 0, f"a cache row no entry uses was written; {_ctx(seed)}"
+
+
+# ------------------------------------------------------------------------------------------------
+# The pooled check (CPU: torch CPU tensors take the NumPy path).
+
+LAYOUTS_SEED = 185793632559966754  # test_layouts[1-paged256-jax], case 0: 8 rows checked alone
+
+
+def _layouts_case0(rng):
+    return make_case(rng, dtype=FP16, batch=4, seqlen_q=1, nheads=2, nheads_kv=2, head_dim=64, layout="paged256",
+                     capacity=300, seqlen_new=1, table_garbage=True)
+
+
+def test_few_rows_are_pooled():
+    """The recorded seed: alone, its 8 rows break the rule by rounding luck (the NumPy path of the same
+    algorithm gives the GPU's 6.62e-4); pooled with a repeat on fresh values, the rule holds."""
+    rng = np.random.default_rng([LAYOUTS_SEED, 0])
+    out, ref = _call_and_check(_layouts_case0(rng), "cpu", True, {}, None, "seed replay", 0)
+    ok, msg = check_close(out, ref.out, ref.naive_out, factor=FWD_FACTOR, floor=FWD_FLOOR)
+    assert not ok and "max|out-ref|=0.0006623" in msg, msg
+    rng = np.random.default_rng([LAYOUTS_SEED, 0])
+    calls = []
+
+    def make():
+        calls.append(None)
+        return _layouts_case0(rng)
+
+    _check(make, "cpu", True, {}, "seed replay pooled")
+    assert len(calls) == 2  # 8 rows a call, each sees a key (the append)
+
+
+@pytest.mark.parametrize("rep", [0, 1])
+def test_pooled_check_sees_a_wrong_element(monkeypatch, rep):
+    """One element of out in one of the pooled calls moved by 4 float16 ulps: the check fails."""
+    import test_kvcache_device as mod
+
+    real = mod.attention_with_kvcache
+    calls = []
+
+    def skewed(*args, **kw):
+        out, lse = real(*args, **kw)
+        calls.append(None)
+        if len(calls) - 1 == rep:
+            x = out[3, 0, 1, 5]
+            out[3, 0, 1, 5] = x + (4 * 2.0 ** -10) * max(1.0, abs(float(x)))
+        return out, lse
+
+    monkeypatch.setattr(mod, "attention_with_kvcache", skewed)
+    seed = _new_seed()
+    rng = np.random.default_rng(seed)
+    with pytest.raises(AssertionError, match="out: .*pooled over 2 calls"):
+        _check(lambda: _layouts_case0(rng), "cpu", True, {}, _ctx(seed))
+    assert len(calls) == 2
