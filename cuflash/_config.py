@@ -920,15 +920,28 @@ def decode_stages(target: str, head_dim: int) -> int | None:
     return None
 
 
-def decode_deep_tma(target: str, head_dim: int, grid: int, keys: int, sm_count: int, paged: bool) -> bool:
+# The peak memory bandwidth (bytes/s, from the device's memory clock and bus width) at or above which
+# decode_deep_tma keeps 3 stages: the 4-stage kernel won on an H100 SXM (3.35 TB/s) and lost on an
+# H200 (4.8 TB/s); see decode_deep_tma.
+DECODE_DEEP_MAX_BW = 4.3e12
+
+
+def decode_deep_tma(target: str, head_dim: int, grid: int, keys: int, sm_count: int, paged: bool,
+                    peak_bw: float = 0.0) -> bool:
     """Whether the 4-warp TMA decode kernel runs 4 stages (128 KB of tiles, one block per SM)
     instead of decode_stages' 3: sm_90a, head_dim 128, a contiguous cache, more than two blocks per
     SM (grid) and at least 2048 keys a block. H100 (bench/NOTES.md): in session 15 every TMA decode
     on 4 stages read 1-4 % faster there (64 x 8192 x 1 2862 -> 2747 us, one card), 3-5 % slower at
     512-key caches on 256-512 blocks, and paged caches 2 % slower on average; in session 16 this
     rule against 3 stages (the bench_decode grid twice on one card): the 20 grid points it takes
-    0.959-0.992x the time (geomean 0.975), the 21 others above 100 us 0.998. CUFLASH_DECODE_DEEP=0:
-    never, 1: wherever the kernel is built (A/B measurements)."""
+    0.959-0.992x the time (geomean 0.975), the 21 others above 100 us 0.998. On an H200 (session 33,
+    bench_decode at the 18 shapes with batch 16-256 and 2048-8192 keys, one card, the rule against
+    CUFLASH_DECODE_DEEP=0 twice) 3 stages were as fast or faster at every point the rule takes: 256 x
+    2048 x 1 1975 -> 1888 us, 64 x 2048 x 1 505 -> 487, 16 x 2048 x 1 132 -> 127 (a likely cause,
+    not measured: 3-stage blocks fit two to an SM and keep more bytes in flight per SM than one
+    4-stage block, which the faster memory needs). So the rule holds only below DECODE_DEEP_MAX_BW of peak
+    bandwidth (peak_bw, bytes/s: cuflash/_gpu.py peak_memory_bandwidth; 0, unknown, counts as
+    below). CUFLASH_DECODE_DEEP=0: never, 1: wherever the kernel is built (A/B measurements)."""
     import os
 
     force = os.environ.get("CUFLASH_DECODE_DEEP")
@@ -936,7 +949,8 @@ def decode_deep_tma(target: str, head_dim: int, grid: int, keys: int, sm_count: 
         return False
     if force == "1":
         return decode_deep_supported(target, head_dim)
-    return decode_deep_supported(target, head_dim) and not paged and grid > 2 * sm_count and keys >= 2048
+    return (decode_deep_supported(target, head_dim) and not paged and grid > 2 * sm_count and keys >= 2048
+            and peak_bw < DECODE_DEEP_MAX_BW)
 
 
 def decode_deep_supported(target: str, head_dim: int) -> bool:

@@ -19,6 +19,21 @@ def compute_capability(device_id: int) -> tuple[int, int]:
     return int(props["major"]), int(props["minor"])
 
 
+@functools.lru_cache(maxsize=None)
+def peak_memory_bandwidth(device_id: int) -> float:
+    """The device memory's peak bandwidth in bytes/s: 2 transfers a clock x the peak memory clock x the
+    bus width (cudaDevAttrMemoryClockRate, kHz, and cudaDevAttrGlobalMemoryBusWidth, bits); 0.0 where
+    the driver does not report them."""
+    import cupy
+
+    try:
+        khz = cupy.cuda.runtime.deviceGetAttribute(36, device_id)   # cudaDevAttrMemoryClockRate
+        bits = cupy.cuda.runtime.deviceGetAttribute(37, device_id)  # cudaDevAttrGlobalMemoryBusWidth
+    except cupy.cuda.runtime.CUDARuntimeError:
+        return 0.0
+    return 2.0 * khz * 1e3 * bits / 8
+
+
 def precompile(head_dims=None, dtypes=None, causal=(False, True), backward=True, target=None, device=None,
                workers=None, features=False):
     """Builds kernel specializations ahead of use, into the disk cache.

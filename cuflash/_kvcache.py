@@ -504,7 +504,7 @@ class DecodePlan:
     def __init__(self, c: KVCacheCall, infos: dict, num_splits: int):
         import threading
 
-        from . import _config, _launch
+        from . import _config, _gpu, _launch
         from ._launch import DecodeArgs, DeviceTensor, MaskArgs, Slot
         from ._plan import _small_needs_copy, contiguous_strides, needs_copy
         from ._gpu import compute_capability
@@ -666,7 +666,7 @@ class DecodePlan:
             clustered = self._clustered(splits)
             deep = (self.tma and warps == 4 and not forced_warps
                     and _config.decode_deep_tma(target, d, blocks * splits, -(-keys // splits), _sm_count(dev),
-                                                    c.paged))
+                                                    c.paged, _gpu.peak_memory_bandwidth(dev)))
 
             def launches(counters, cluster=False):
                 return _launch.decode_launches(tensor("q", _D_Q), tensor("k_cache", _D_KC), tensor("v_cache", _D_VC),
