@@ -9,6 +9,8 @@ of tests/test_kvcache_device.py (`_check`)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -187,6 +189,46 @@ def test_cuda_graph_replay(monkeypatch, layout, mode):
         assert _diff_count(_back(args["k_cache"]), ref.k_cache) == 0, f"replay {step}: cache; {_ctx(seed)}"
 
 
+_GATE_SRC = r"""
+extern "C" __global__ void hold(const volatile unsigned long long* word, unsigned long long max_ns,
+                                volatile unsigned long long* held_ns) {
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    } while (*word == 0ull && t - t0 < max_ns);
+    *held_ns = t - t0;
+}
+"""
+
+
+@contextlib.contextmanager
+def _stream_held(max_ns=10_000_000_000):
+    """Holds torch's current stream until the block exits: a one-thread kernel spins on a word of
+    mapped host memory that the host sets on exit, or for max_ns of the GPU's global timer, so that
+    a failure inside the block cannot hang the GPU. Yields (the word, a word where the kernel writes
+    how long it held, in ns). Unlike a sleep of fixed length, the kernels queued inside the block
+    cannot begin before it ends, however slow the host is. Nothing inside the block may wait for
+    the GPU (it would wait out max_ns). A kernel's first launch in a process may: CUDA's lazy module
+    loading can synchronize the context to load it. In session 33 the caller's first int32 add_
+    waited there, as it had waited out session 32's 0.2 s sleep, and the steps then found the
+    kernels before them begun."""
+    import cupy
+
+    from cuflash import _launch
+
+    word, addr = _launch.started_word(torch.cuda.current_device())
+    held_ns, held_addr = _launch.started_word(torch.cuda.current_device())
+    word.value = held_ns.value = 0
+    kernel = cupy.RawKernel(_GATE_SRC, "hold")
+    with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+        kernel((1,), (1,), (cupy.uint64(addr), cupy.uint64(max_ns), cupy.uint64(held_addr)))
+    try:
+        yield word, held_ns
+    finally:
+        word.value = 1
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["contig", "paged16"])
 @pytest.mark.parametrize("splits,merge", [(0, "lib"), (7, "kernel"), (3, "fused"), (5, "cluster")])
@@ -228,27 +270,36 @@ def test_eager_steps_on_a_busy_stream(monkeypatch, layout, splits, merge):
     for _ in range(2):  # warm-up: compile, plan (on copies of the caches)
         attention_with_kvcache(**dict(args, k_cache=args["k_cache"].clone(), v_cache=args["v_cache"].clone()),
                                causal=True, num_splits=splits)
+    # ... and the caller's kernels below, loaded before the hold (see _stream_held)
+    args["q"].clone().copy_(q_src[0])
+    args["cache_seqlens"].clone().add_(1)
     torch.cuda.synchronize()
     fired.clear()  # (the second warm-up call may have found the first one's kernel not begun)
     q, seqlens = args["q"], args["cache_seqlens"]
-    outs = []
-    torch.cuda._sleep(400_000_000)  # ~0.2 s: the host queues every step before the GPU reaches the first
-    for i in range(steps):
-        q.copy_(q_src[i])            # kernels of the caller's that write what the step reads
-        if i:
-            seqlens.add_(1)
-        outs.append(attention_with_kvcache(**dict(args, k=k_new[i], v=v_new[i]), causal=True, num_splits=splits))
-    queued = list(fired)  # the configs launched while the stream was busy
-    torch.cuda.synchronize()
     plans = [pl for pl in _kvcache._DECODE_PLANS.values() if pl.out_shape == tuple(case.q.shape)]
     assert len(plans) == 1, len(plans)
     (pl,) = plans
+    outs, seen = [], []
+    with _stream_held() as held:  # the host queues every step before the GPU runs the first
+        for i in range(steps):
+            q.copy_(q_src[i])            # kernels of the caller's that write what the step reads
+            if i:
+                seqlens.add_(1)
+            # (what the step's busy test reads: the word, the plan's last number; the configs so far)
+            seen.append((None if pl.started is None else pl.started.value, pl.seq, len(fired), held[1].value))
+            outs.append(attention_with_kvcache(**dict(args, k=k_new[i], v=v_new[i]), causal=True,
+                                               num_splits=splits))
+        queued = list(fired)  # the configs launched while the stream was busy
+    torch.cuda.synchronize()
+    assert [p for p in _kvcache._DECODE_PLANS.values() if p.out_shape == tuple(case.q.shape)] == [pl]
+    assert held[1].value < 10_000_000_000, ("the host waited for the GPU inside the hold", seen, _ctx(seed))
     if sm90:
         # steps 2.. launched every kernel PDL (append, decode, and the combine where it runs)
         used = pl.eager[3] if pl.eager[3] is not None else pl.eager[2]  # (the fused combine's launches, or not)
         # (a cluster launch goes through a config too, `ex`, without the PDL attribute: not counted)
         n_pdl = sum(any(c is L.pdl for L in used) for c in queued)
-        assert n_pdl == (steps - 1) * len(used), (n_pdl, [L.name for L in used], _ctx(seed))
+        assert n_pdl == (steps - 1) * len(used), (n_pdl, [L.name for L in used], [L.cluster for L in used],
+                                                  len(queued), seen, held[1].value, _ctx(seed))
         assert pl.started is not None and pl.started.value == pl.seq, (pl.started.value, pl.seq)
         if merge == "cluster":
             assert [L.cluster for L in pl.launches] == [1, 5]
@@ -345,6 +396,12 @@ def test_decode_deep_tma_rule(monkeypatch):
     assert not f("sm_90a", 128, 2048, 2047, 132, False)  # short caches
     assert not f("sm_90a", 128, 2048, 8192, 132, True)   # paged
     assert not f("sm_90a", 64, 2048, 8192, 132, False) and not f("sm_80", 128, 2048, 8192, 108, False)
+    # the memory's peak bandwidth: an H100 SXM's 3.35 TB/s keeps the rule, an H200's 4.8 TB/s does not
+    assert f("sm_90a", 128, 2048, 8192, 132, False, 3.35e12) and f("sm_90a", 128, 2048, 8192, 132, False, 0.0)
+    assert not f("sm_90a", 128, 2048, 8192, 132, False, 4.8e12)
+    assert not f("sm_90a", 128, 2048, 8192, 132, False, _config.DECODE_DEEP_MAX_BW)
+    monkeypatch.setenv("CUFLASH_DECODE_DEEP", "1")
+    assert f("sm_90a", 128, 2048, 8192, 132, False, 4.8e12) and f("sm_90a", 128, 100, 512, 132, True, 4.8e12)
     monkeypatch.setenv("CUFLASH_DECODE_DEEP", "0")
     assert not f("sm_90a", 128, 2048, 8192, 132, False)
     # The switch picks per call; the specialization is built (and compile-gated) either way.
@@ -355,16 +412,23 @@ def test_decode_deep_tma_rule(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_decode_deep_tma_plan(monkeypatch):
-    """A decode the 4-stage rule takes on sm_90a (_config.decode_deep_tma: contiguous, head_dim 128,
-    more than two blocks per SM, >= 2048 keys): batch x kv heads just past 2 x the SM count, a
-    2048-key cache with an append and ragged lengths (cuda_src/flash_decode.cu with STAGES = 4 reads
-    the same tiles in a deeper ring). Matches the float64 reference; on sm_90a the plan runs the
-    4-stage kernel, elsewhere the rule does not apply. torch CUDA."""
-    from cuflash import _kvcache
+@pytest.mark.parametrize("deep", ["rule", "1"])
+def test_decode_deep_tma_plan(monkeypatch, deep):
+    """A decode the 4-stage rule takes on sm_90a below its bandwidth bound (_config.decode_deep_tma:
+    contiguous, head_dim 128, more than two blocks per SM, >= 2048 keys, peak memory bandwidth under
+    DECODE_DEEP_MAX_BW): batch x kv heads just past 2 x the SM count, a 2048-key cache with an append
+    and ragged lengths (cuda_src/flash_decode.cu with STAGES = 4 reads the same tiles in a deeper
+    ring). Matches the float64 reference; on sm_90a the plan runs the 4-stage kernel where the rule
+    holds (an H100), and always with CUFLASH_DECODE_DEEP=1 (so an H200 runs it too); elsewhere the
+    rule does not apply. torch CUDA."""
+    from cuflash import _config, _gpu, _kvcache
 
     if not torch.cuda.is_available():
         pytest.skip("torch has no CUDA device")
+    if deep == "rule":
+        monkeypatch.delenv("CUFLASH_DECODE_DEEP", raising=False)
+    else:
+        monkeypatch.setenv("CUFLASH_DECODE_DEEP", deep)
     _fresh_decode_plans(monkeypatch)
     sm = torch.cuda.get_device_properties(0).multi_processor_count
     batch = (2 * sm) // 8 + 1  # 8 kv heads: batch * 8 > 2 * sm blocks
@@ -375,7 +439,9 @@ def test_decode_deep_tma_plan(monkeypatch):
            "cuda", True, {}, _ctx(seed, batch=batch, sm=sm))
     names = [L.name for pl in _kvcache._DECODE_PLANS.values() for L in pl.launches]
     tma_90 = torch.cuda.get_device_capability() >= (9, 0) and any(n.endswith("_tma") for n in names)
-    assert any("_s4_tma" in n for n in names) == tma_90, names
+    bw = _gpu.peak_memory_bandwidth(torch.cuda.current_device())
+    assert any("_s4_tma" in n for n in names) == (tma_90 and (deep == "1" or bw < _config.DECODE_DEEP_MAX_BW)), \
+        (names, bw)
 
 
 def test_split_heuristic():
