@@ -211,8 +211,8 @@ def _stream_held(max_ns=10_000_000_000):
     cannot begin before it ends, however slow the host is. Nothing inside the block may wait for
     the GPU (it would wait out max_ns). A kernel's first launch in a process may: CUDA's lazy module
     loading can synchronize the context to load it. In session 33 the caller's first int32 add_
-    waited there, as it had waited out session 32's 0.2 s sleep, and the steps then found the
-    kernels before them begun."""
+    waited there, and the steps then found the kernels before them begun (most likely also what
+    outlasted session 32's 0.2 s sleep)."""
     import cupy
 
     from cuflash import _launch
