@@ -24,12 +24,12 @@ def peak_memory_bandwidth(device_id: int) -> float:
     """The device memory's peak bandwidth in bytes/s: 2 transfers a clock x the peak memory clock x the
     bus width (cudaDevAttrMemoryClockRate, kHz, and cudaDevAttrGlobalMemoryBusWidth, bits); 0.0 where
     the driver does not report them."""
-    import cupy
+    from cupy.cuda import runtime
 
     try:
-        khz = cupy.cuda.runtime.deviceGetAttribute(36, device_id)   # cudaDevAttrMemoryClockRate
-        bits = cupy.cuda.runtime.deviceGetAttribute(37, device_id)  # cudaDevAttrGlobalMemoryBusWidth
-    except cupy.cuda.runtime.CUDARuntimeError:
+        khz = runtime.deviceGetAttribute(runtime.cudaDevAttrMemoryClockRate, device_id)
+        bits = runtime.deviceGetAttribute(runtime.cudaDevAttrGlobalMemoryBusWidth, device_id)
+    except runtime.CUDARuntimeError:
         return 0.0
     return 2.0 * khz * 1e3 * bits / 8
 
