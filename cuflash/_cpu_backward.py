@@ -59,12 +59,18 @@ key blocks) and differs from step 2's dQ only in the float32 summation order. ``
 round(dS) at head_dim 32 and above, and below (``DS_SPLIT_BELOW``, as cuda_src/flash_bwd.cu) the two
 16-bit operands round(dS) + round(dS - round(dS)) that kernel feeds to two MMAs, about twice the input
 dtype's precision; dK keeps round(dS). Below head_dim 32 dQ also corrects D, which step 1 forms from
-the stored (rounded) O: per query row, with the float32 sum_j P_j dP_j over the keys it sees and
+the stored (rounded) O: per query row, with the float32 E = sum_j P_ij (dP_ij - D_i) over the keys it
+sees (and the sink, whose dP is 0: its term -P_sink D_i is the row's d sink term of step 1) and
 B = sum_j round(W_j) K_j (W = P, times 1 - t^2 with a softcap)::
 
-       dQ_i -= (sum_j P_ij dP_ij - D_i) * B_i
+       dQ_i -= E_i * B_i
 
-(dS with the exact D is dS - W (D* - D); a sink logit's value is 0, so it adds nothing to either sum).
+(dS with the exact D* = sum_j P*_j dP_j is dS - W (D* - D), and E = (D* - D) (1 + delta) where the
+recomputed P = P* (1 + delta) sums to 1 + delta over the keys and the sink. The form sum_j P_j dP_j - D
+would carry delta D* instead: with one visible key and large scores, the lse's float32 rounding
+(delta ~ 3e-6) times dP ~ 16 gave dq 1.4e-4 where the exact dq is 0, CI's draw in session 34.)
+Until a GPU has run it, cuda_src/flash_bwd.cu's dQ kernel keeps that older form: E here is the one
+place where this mirror and the kernel differ (bench/NOTES.md, session 34).
 
 Features
 --------
@@ -159,7 +165,10 @@ def attention_backward_numpy(dout, q, k, v, out, lse, causal: bool, softmax_scal
     if feat.sink_log2 is not None:
         # d sink[h] = -sum over b and valid rows of exp(sink[h] - lse) * D (P_sink = 0 where lse_log2 = +inf).
         sink_log2 = feat.sink_log2.reshape(1, nheads_kv, group, 1)
-        dsink = -(np.exp2(sink_log2 - lse_log2) * delta).sum(axis=(0, 3), dtype=np.float32).reshape(nheads)
+        sink_rows = -(np.exp2(sink_log2 - lse_log2) * delta)  # each row's term, -P_sink * D
+        dsink = sink_rows.sum(axis=(0, 3), dtype=np.float32).reshape(nheads)
+    else:
+        sink_rows = np.zeros_like(delta)
 
     dq_accum = np.zeros((batch, nheads_kv, group, seqlen_q, head_dim), dtype=np.float32)
     dk = np.zeros((batch, nheads_kv, seqlen_k, head_dim), dtype=np.float32)
@@ -169,13 +178,13 @@ def attention_backward_numpy(dout, q, k, v, out, lse, causal: bool, softmax_scal
     # ---- 2. the dK/dV "kernel", per set of batch entries with equal valid lengths (all of them without lengths) ----
     for idx, sq, sk in feat.groups():
         if isinstance(idx, slice):
-            views = (qf, dof, kf, vf, delta, lse_log2, dq_accum, dk, dv)
+            views = (qf, dof, kf, vf, delta, lse_log2, sink_rows, dq_accum, dk, dv)
         else:
-            views = tuple(x[idx] for x in (qf, dof, kf, vf, delta, lse_log2, dq_accum, dk, dv))
+            views = tuple(x[idx] for x in (qf, dof, kf, vf, delta, lse_log2, sink_rows, dq_accum, dk, dv))
         _dkdv_tiles(*views, sq, sk, feat, softmax_scale, None if slope_log2 is None else slope_log2[idx],
                     dtype, block_m, block_n)
         if not isinstance(idx, slice):
-            dq_accum[idx], dk[idx], dv[idx] = views[6], views[7], views[8]
+            dq_accum[idx], dk[idx], dv[idx] = views[7], views[8], views[9]
 
     # ---- 3. dq = scale * dQ; everything back to (batch, seqlen, heads, head_dim) in the input dtype ----
     scale = np.float32(softmax_scale)
@@ -188,12 +197,12 @@ def attention_backward_numpy(dout, q, k, v, out, lse, causal: bool, softmax_scal
     return dq, dk, dv, dsink
 
 
-def _dkdv_tiles(qf, dof, kf, vf, delta, lse_log2, dq_accum, dk, dv, sq, sk, feat, softmax_scale, slope_log2, dtype,
-                block_m, block_n):
+def _dkdv_tiles(qf, dof, kf, vf, delta, lse_log2, sink_rows, dq_accum, dk, dv, sq, sk, feat, softmax_scale,
+                slope_log2, dtype, block_m, block_n):
     """Step 2 for batch entries with valid lengths sq, sk: accumulates into dq_accum and writes dk, dv (in place).
 
-    qf, dof (b, hkv, group, seqlen_q, d), kf, vf (b, hkv, seqlen_k, d), delta, lse_log2 (b, hkv, group, seqlen_q),
-    float32; slope_log2 (b, hkv, group) or None.
+    qf, dof (b, hkv, group, seqlen_q, d), kf, vf (b, hkv, seqlen_k, d), delta, lse_log2, sink_rows (each row's
+    -P_sink * D, 0 without sink logits) (b, hkv, group, seqlen_q), float32; slope_log2 (b, hkv, group) or None.
     """
     group = qf.shape[2]
     left, right, nsink, softcap = feat.left, feat.right, feat.nsink, feat.softcap
@@ -207,11 +216,12 @@ def _dkdv_tiles(qf, dof, kf, vf, delta, lse_log2, dq_accum, dk, dv, sq, sk, feat
     # Bottom-right alignment (causal, window, ALiBi): query i is aligned with key i + diag_offset.
     diag_offset = sk - sq
 
-    # Below DS_SPLIT_BELOW, per query row: sum_j P_j dP_j (float32) and B = sum_j W_j K_j (W = P, times 1 - t^2
-    # with a softcap; rounded to the dtype), for dQ's correction of D at the end (see the module docstring).
+    # Below DS_SPLIT_BELOW, per query row: E = sum_j P_j (dP_j - D) (float32, starting from the sink's term) and
+    # B = sum_j W_j K_j (W = P, times 1 - t^2 with a softcap; rounded to the dtype), for dQ's correction of D at
+    # the end (see the module docstring).
     split = kf.shape[-1] < DS_SPLIT_BELOW
     if split:
-        pdp_sum = np.zeros(delta.shape, dtype=np.float32)
+        pdp_sum = sink_rows.astype(np.float32, copy=True)
         b_acc = np.zeros(dq_accum.shape, dtype=np.float32)
 
     # One "thread block" per key block of [0, sk): dK, dV accumulate over the group heads and query blocks.
@@ -259,10 +269,11 @@ def _dkdv_tiles(qf, dof, kf, vf, delta, lse_log2, dq_accum, dk, dv, sq, sk, feat
                 # dP = dO V^T, dS = P * (dP - D) with the float32 P; through the softcap, dS *= 1 - t^2.
                 dp = np.matmul(do_blk, v_blk.swapaxes(-1, -2))
                 ds = p * (dp - delta[:, :, g, m_start:m_end, None])
+                if split:
+                    pdp_sum[:, :, g, m_start:m_end] += ds.sum(axis=-1, dtype=np.float32)
                 if softcap > 0:
                     ds *= 1 - t * t
                 if split:
-                    pdp_sum[:, :, g, m_start:m_end] += (p * dp).sum(axis=-1, dtype=np.float32)
                     w = p * (1 - t * t) if softcap > 0 else p
                     b_acc[:, :, g, m_start:m_end] += np.matmul(w.astype(dtype).astype(np.float32), k_blk)
 
@@ -283,5 +294,5 @@ def _dkdv_tiles(qf, dof, kf, vf, delta, lse_log2, dq_accum, dk, dv, sq, sk, feat
         dk[:, :, n_start:n_end] = acc_dk * scale
         dv[:, :, n_start:n_end] = acc_dv
 
-    if split:  # dQ's D correction: dq -= (sum_j P_j dP_j - D) * B, per query row
-        dq_accum -= (pdp_sum - delta)[..., None] * b_acc
+    if split:  # dQ's D correction: dq -= E * B, per query row
+        dq_accum -= pdp_sum[..., None] * b_acc

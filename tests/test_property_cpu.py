@@ -371,10 +371,27 @@ DSINK_ONE_ROW = Problem(seed=60, dtype="bfloat16", batch=2, seqlen_q=64, seqlen_
                         causal=True, scale=0.43743939891762595, layouts=("contiguous",) * 4, sink_logits=True,
                         softcap=50.0)
 
+# CI's draw in session 34: a row that sees one key, with scores in the hundreds (scale 1) and softcap 50.
+# The exact dq is 0 (one visible key: dS = 0), and the naive computation's is exactly 0; below head_dim 32
+# D's correction as sum_j P_j dP_j - D carried the recomputed P's float32 error (from the lse's rounding)
+# times dP, 1.4e-4 (_cpu_backward.py's module docstring). The second: its fp16 twin (1.3e-4 before the
+# fix); the third: rows that see one key and the sink (causal row 0, sink logits), which fails (2.3) if the
+# correction leaves out the sink's term.
+ONE_KEY_SOFTCAP = Problem(seed=0, dtype="bfloat16", batch=1, seqlen_q=1, seqlen_k=1, nheads_kv=2, group=2,
+                          head_dim=24, causal=False, scale=1.0, layouts=("contiguous",) * 4, softcap=50.0)
+ONE_KEY_SINK = Problem(seed=1, dtype="bfloat16", batch=2, seqlen_q=3, seqlen_k=3, nheads_kv=1, group=2, head_dim=16,
+                       causal=True, scale=1.0, layouts=("contiguous",) * 4, sink_logits=True)
+ONE_KEY_FP16 = Problem(seed=3, dtype="float16", batch=1, seqlen_q=1, seqlen_k=1, nheads_kv=2, group=2, head_dim=24,
+                       causal=False, scale=1.0, layouts=("contiguous",) * 4, softcap=50.0)
+ONE_KEY_PROBLEMS = (ONE_KEY_SOFTCAP, ONE_KEY_FP16, ONE_KEY_SINK)
+
 
 @prop_settings(400)
 @given(p=padded_problems())
 @example(p=DSINK_ONE_ROW)
+@example(p=ONE_KEY_SOFTCAP)
+@example(p=ONE_KEY_FP16)
+@example(p=ONE_KEY_SINK)
 def test_attention_numpy(p):
     reps = repeats(p)
     calls = [run_padded(p, r) for r in range(reps)]
