@@ -10,6 +10,10 @@
 #                    major.minor, so the cubins must come from that version: this script fetches the
 #                    matching nvidia-cuda-nvrtc wheel and loads it in place of the local one.
 #
+# Also writes DIR.tgz (gzip; 32 MB of cubins pack to about 9 MB): carry that instead of DIR when the
+# tracked tree plus DIR would pass the device tool's 64 MiB (session 34: 35.5 MB tracked), and unpack
+# it there first: mkdir -p .cache && tar -C .cache -xzf .cache/cf.tgz.
+#
 # Builds what scripts/device_check.sh precompiles (the tests' head dims, both dtypes, causal on and
 # off, backward, the feature and decode kernels). Needs the package's Python environment (PYTHON,
 # default python3) with cupy and pip, and the package index.
@@ -46,3 +50,5 @@ print(f"{len(names)} specializations for {target} with NVRTC {got} in {time.perf
       f"-> {_compile.cache_dir()}")
 PYEOF
 du -sh "$DIR"
+tar -C "$(dirname "$DIR")" -czf "$DIR.tgz" "$(basename "$DIR")"
+du -sh "$DIR.tgz"
