@@ -35,9 +35,12 @@
 //     residual (lo): dS K = hi K + lo K with float32 accumulation, so dS keeps about 16 bits instead of
 //     bf16's 8;
 //   - it corrects D, which the preprocess forms from the stored (rounded) O: with the exact
-//     D* = sum_j P_j dP_j (a row's float32 sum over the keys it sees), dS*_j = dS_j - W_j (D* - D), so
-//     dQ* = dS K - (D* - D) B with B = sum_j W_j K_j (W = P, times the softcap's 1 - tanh^2; one more
-//     MMA, W rounded once: D* - D is small). Sink logits add nothing: the sink's value is 0.
+//     D* = sum_j P_j dP_j, dS*_j = dS_j - W_j (D* - D), so dQ* = dS K - E B with B = sum_j W_j K_j
+//     (W = P, times the softcap's 1 - tanh^2; one more MMA, W rounded once: E is small) and
+//     E = sum_j P_j (dP_j - D) - P_sink D, a row's float32 sum over the keys it sees plus the sink's
+//     term, which the preprocess wrote to dsink_rows (the sink's dP is 0). The recomputed P sums to
+//     1 + delta (the lse's float32 rounding), so E = (D* - D)(1 + delta); the form sum_j P_j dP_j - D
+//     would carry delta D* into dQ, 1.4e-4 with one visible key where the exact dQ is 0 (session 34).
 // dQ of a query row is a sum over keys that cancels (sum_j dS_j = 0); with a peaked softmax a few large
 // terms dominate it. Their rounding, then D from the rounded O, made dq 4.3x the naive bf16
 // computation's error (head_dim 8, one query, 300 keys, seed 10361418856339468297; the naive
@@ -615,7 +618,7 @@ flash_bwd_dq_kernel(const __grid_constant__ BwdParams p) {
     float acc_dq[D_TILES][4];  // (16 rows, HEAD_DIM) per warp
     zero_acc(acc_dq);
     // DS_SPLIT: D's correction (file comment): B = sum_j W_j K_j in acc_b, and this thread's part of
-    // sum_j P_j dP_j for its two rows in pdp; W_j = P_j (times 1 - tanh^2 with a softcap) in pw.
+    // E = sum_j P_j (dP_j - D) for its two rows in pdp; W_j = P_j (times 1 - tanh^2 with a softcap) in pw.
     constexpr bool DS_SPLIT = HEAD_DIM < DS_SPLIT_BELOW;
     float acc_b[D_TILES][4];
     zero_acc(acc_b);
@@ -642,13 +645,14 @@ flash_bwd_dq_kernel(const __grid_constant__ BwdParams p) {
         zero_acc(s);
         zero_acc(dp);
         float pw[N_TILES][4];  // DS_SPLIT: W_j, the A operand of B's MMA
-        // dS = P (dP - D) w, w = 1 or the softcap's 1 - tanh^2; with DS_SPLIT also W and sum P dP.
+        // dS = P (dP - D) w, w = 1 or the softcap's 1 - tanh^2; with DS_SPLIT also W and sum P (dP - D).
         auto set_ds = [&](int nt, int e, float pv, float w) {
+            const float pd = pv * (dp[nt][e] - dlt[e / 2]);
             if constexpr (DS_SPLIT) {
-                pdp[e / 2] = fmaf(pv, dp[nt][e], pdp[e / 2]);
+                pdp[e / 2] += pd;
                 pw[nt][e] = pv * w;
             }
-            dp[nt][e] = pv * (dp[nt][e] - dlt[e / 2]) * w;
+            dp[nt][e] = pd * w;
         };
         warp_mma<T, HEAD_DIM, N_TILES, false, false>(s, sQ + warp * 16 * PITCH, PITCH, sKj, PITCH, N_TILES, lane);
         warp_mma<T, HEAD_DIM, N_TILES, false, false>(dp, sdO + warp * 16 * PITCH, PITCH, sVj, PITCH, N_TILES, lane);
@@ -764,12 +768,15 @@ flash_bwd_dq_kernel(const __grid_constant__ BwdParams p) {
     }
     cp_async_wait<0>();
 
-    if constexpr (DS_SPLIT) {  // D's correction: dQ -= (sum_j P_j dP_j - D) B, per row (a quad holds a row)
+    if constexpr (DS_SPLIT) {  // D's correction: dQ -= E B, E = sum_j P_j (dP_j - D) - P_sink D, per row (a quad holds a row)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             pdp[r] += __shfl_xor_sync(0xffffffffu, pdp[r], 1);
             pdp[r] += __shfl_xor_sync(0xffffffffu, pdp[r], 2);
-            const float dd = pdp[r] - dlt[r];
+            float dd = pdp[r];
+            if constexpr (FEAT) {  // the sink's -P_sink D, the per-row term the preprocess wrote
+                if (p.mask.dsink_rows != nullptr) dd += p.mask.dsink_rows[row_base + g + 8 * r];
+            }
 #pragma unroll
             for (int i = 0; i < D_TILES; ++i) {
                 acc_dq[i][2 * r] = fmaf(-dd, acc_b[i][2 * r], acc_dq[i][2 * r]);

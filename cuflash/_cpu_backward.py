@@ -69,8 +69,6 @@ B = sum_j round(W_j) K_j (W = P, times 1 - t^2 with a softcap)::
 recomputed P = P* (1 + delta) sums to 1 + delta over the keys and the sink. The form sum_j P_j dP_j - D
 would carry delta D* instead: with one visible key and large scores, the lse's float32 rounding
 (delta ~ 3e-6) times dP ~ 16 gave dq 1.4e-4 where the exact dq is 0, CI's draw in session 34.)
-Until a GPU has run it, cuda_src/flash_bwd.cu's dQ kernel keeps that older form: E here is the one
-place where this mirror and the kernel differ (bench/NOTES.md, session 34).
 
 Features
 --------

@@ -27,8 +27,9 @@ pytest.importorskip("hypothesis")
 from hypothesis import example, given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from test_property_cpu import (Problem, check_forward_backward, make_arrays, padded_problems, pool,  # noqa: E402
-                               prop_settings, repeats, unpack, varlen_arrays, varlen_problems)
+from test_property_cpu import (ONE_KEY_FP16, ONE_KEY_SINK, ONE_KEY_SOFTCAP, Problem,  # noqa: E402
+                               check_forward_backward, make_arrays, padded_problems, pool, prop_settings, repeats,
+                               unpack, varlen_arrays, varlen_problems)
 
 pytestmark = pytest.mark.gpu
 
@@ -118,6 +119,10 @@ def run_padded_gpu(torch, p: Problem, rep: int, deterministic: bool):
 
 @prop_settings(40)
 @given(p=padded_problems(), deterministic=st.booleans())
+@example(p=ONE_KEY_SOFTCAP, deterministic=False)  # rows that see one key: D's correction (test_property_cpu)
+@example(p=ONE_KEY_SOFTCAP, deterministic=True)
+@example(p=ONE_KEY_FP16, deterministic=False)
+@example(p=ONE_KEY_SINK, deterministic=True)
 def test_attention_cuda(torch, p, deterministic):
     reps = repeats(p)
     calls = [run_padded_gpu(torch, p, r, deterministic) for r in range(reps)]
