@@ -580,14 +580,23 @@ def fwd_config_for_target(target: str, head_dim: int, dtype: str, causal: bool =
     return fwd_config(family, head_dim, dtype, causal)
 
 
-def bwd_config(family: str, head_dim: int, dtype: str) -> TileConfig:
+def bwd_config(family: str, head_dim: int, dtype: str, feat: bool = False) -> TileConfig:
     """The dK/dV kernel's tiles: BLOCK_M query rows per iteration, BLOCK_N keys per block, warps.
+    feat: for the feature kernel (feat_bwd_config), which keeps 64x128x8 below head_dim 32 (the
+    64x64x4 entry was timed on the plain kernel only).
 
     Constraints (static_asserts in BwdTraits): BLOCK_N / 16 <= warps and divides warps;
     BLOCK_M / 16 <= warps and divides warps.
     """
     _check_family_head_dim(family, head_dim)
-    if family in ("sm90", "sm80"):
+    if family == "sm90" and head_dim < 32 and not feat:
+        # Below 32 (no pad-up to the warp-specialized kernel on sm_90a). H200, session 35
+        # (bench/dev/bwd_small_tiles.py: bf16, 16k tokens, heads 2048 / head_dim, seqlen 1k and 4k,
+        # causal off / on, backward GPU time over 64x128x8's): 64x64x4 0.94-0.98 at head_dim 8,
+        # 0.86-0.90 at 16, 0.88-0.93 at 24; 128x128x8 0.88-0.91 at 16 but 1.02-1.08 at 8; 32x128x8,
+        # 32x64x4 0.90-1.14; 128x64x8 1.08-1.17.
+        cfg = TileConfig(64, 64, 4)
+    elif family in ("sm90", "sm80"):
         # Measured on an H200 (bench/dev/smoke_bwd.py, bf16, batch 4 x seqlen 4096, hidden 2048,
         # backward TFLOP/s non-causal / causal, with the separate dQ pass; bench/NOTES.md).
         if head_dim <= 64:
@@ -693,7 +702,7 @@ def feat_bwd_config(target: str, head_dim: int, dtype: str) -> TileConfig:
         return bwd_config_for_target(target, head_dim, dtype)  # the wgmma kernel, without atomics
     if family in ("sm80", "sm90") and 112 < head_dim <= 128:
         return TileConfig(64, 64, 8)
-    return bwd_config(family, head_dim, dtype)
+    return bwd_config(family, head_dim, dtype, feat=True)
 
 
 # head_dims at which the feature backward on sm_90a adds dQ with float atomics from the wgmma dK/dV
