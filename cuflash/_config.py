@@ -100,23 +100,34 @@ def bwd_pad_head_dim(target: str, head_dim: int) -> int | None:
     return next(d for d in BWD_WS_HEAD_DIMS if d > head_dim)
 
 
-def fwd_pad_head_dim(target: str, head_dim: int) -> int | None:
+def fwd_pad_head_dim(target: str, head_dim: int, plain: bool = False) -> int | None:
     """Head_dim pad-up of the forward (as bwd_pad_head_dim for the backward): the head_dim of the
-    warp-specialized forward a plain call of another head_dim runs on, or None. Between 64 and 256
-    only (below 64 the kernel of 64 would gain 1.00-1.11x by its TFLOP/s, and it serves only 2048 keys
-    or more). Measured on an H100 (session 9, bench.py bf16, 16k tokens, seqlen 1k / 4k, non-causal
-    and causal, against CUFLASH_FWD_PAD=0 in one call; bench/results/padup_{on,off}_h100.json):
-    head_dim 72 1.23-1.46x, 96 1.40-1.67x, 136 1.35-1.65x, 200 1.76-1.97x. CUFLASH_FWD_PAD=0 turns
-    it off."""
+    warp-specialized forward a call of another head_dim runs on, or None. From FWD_PAD_MIN_HEAD_DIM to
+    256 for every call; plain calls (plain=True) also from FWD_PAD_PLAIN_MIN_HEAD_DIM below 64, to the
+    kernel of 64, which serves them where fwd_ws_config serves head_dim 64 (2048 keys or more,
+    causal 4096: FWD_WS_MIN_SEQLEN_K; shorter calls keep the mma.sync kernel). Measured on an H100
+    (session 9, bench.py bf16, 16k tokens, seqlen 1k / 4k, non-causal and causal, against
+    CUFLASH_FWD_PAD=0 in one call; bench/results/padup_{on,off}_h100.json): head_dim 72 1.23-1.46x,
+    96 1.40-1.67x, 136 1.35-1.65x, 200 1.76-1.97x. Below 64 on an H200 (session 36,
+    bench/dev/padup_small.py, bf16, 16k tokens, the kernel of 64 forced at every length, GPU time
+    over the mma.sync kernel's, non-causal / causal at 4k): head_dim 24 0.83 / 0.86, 32 0.81 / 0.83,
+    40 0.63 / 0.73, 48 0.58 / 0.72, 56 0.52 / 0.66; head_dim 16 1.03 / 1.14 and 8 1.11 / 1.25 (kept
+    on mma.sync). With options the kernels below 64 are not measured, so those calls keep mma.sync.
+    CUFLASH_FWD_PAD=0 turns it off."""
     import os
 
-    if (target != "sm_90a" or head_dim in WGMMA_FWD_HEAD_DIMS or not FWD_PAD_MIN_HEAD_DIM <= head_dim <= 256
+    if (target != "sm_90a" or head_dim in WGMMA_FWD_HEAD_DIMS or head_dim > 256
             or os.environ.get("CUFLASH_FWD_PAD") == "0" or os.environ.get("CUFLASH_FWD_WS") == "0"):
         return None
-    return 128 if head_dim < 128 else 256
+    if head_dim >= FWD_PAD_MIN_HEAD_DIM:
+        return 128 if head_dim < 128 else 256
+    if plain and FWD_PAD_PLAIN_MIN_HEAD_DIM <= head_dim < 64:
+        return 64
+    return None
 
 
 FWD_PAD_MIN_HEAD_DIM = 72  # the first multiple of 8 above 64
+FWD_PAD_PLAIN_MIN_HEAD_DIM = 24  # plain calls below 64 (fwd_pad_head_dim)
 
 
 def bwd_ws_block_n(head_dim: int) -> int:

@@ -273,7 +273,7 @@ def all_fwd_ws_specializations(target: str, head_dims=None, dtypes=None, causal=
     out = []
     dims = list(head_dims or _config.HEAD_DIMS)
     # Pad-up (_config.fwd_pad_head_dim): a head_dim's calls may run the kernels of a larger one.
-    dims += [p for p in (_config.fwd_pad_head_dim(target, d) for d in dims) if p is not None and p not in dims]
+    dims += [p for p in (_config.fwd_pad_head_dim(target, d, plain=True) for d in dims) if p is not None and p not in dims]
     for dtype in dtypes or _config.DTYPES:
         for d in dict.fromkeys(dims):
             for c in causal:
@@ -947,7 +947,7 @@ def fwd_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTen
         chosen = cfg is not None
         # Head_dim pad-up (_config.fwd_pad_head_dim): the warp-specialized kernel of pad_dim reads the
         # call's tensors through maps whose columns past head_dim are zeros, and writes head_dim columns.
-        pad_dim = None if chosen else _config.fwd_pad_head_dim(target, head_dim)
+        pad_dim = None if chosen else _config.fwd_pad_head_dim(target, head_dim, plain=True)
         if pad_dim is not None:
             pers = _config.fwd_ws_persistent_config(pad_dim, causal, seqlen_k, seqlen_q)
             ws = pers or _config.fwd_ws_config(pad_dim, causal, seqlen_k)

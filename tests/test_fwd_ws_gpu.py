@@ -81,7 +81,9 @@ def test_ws_forward(ws_on, dtype, head_dim, causal, seqlen_q, seqlen_k, nheads, 
 
 # Head_dim pad-up (cuflash/_config.py fwd_pad_head_dim): head dims between 64 and 256 run the kernel of
 # 128 or 256 through maps whose columns past head_dim read as zeros, and write only their own columns
-# of out (run_and_check NaN-poisons out, so a column left unwritten or a write past the row shows).
+# of out (run_and_check NaN-poisons out, so a column left unwritten or a write past the row shows);
+# plain calls at head_dim 24 to 56 run the kernel of 64 where it serves head_dim 64 (2048 keys or
+# more, causal 4096: _config.FWD_WS_MIN_SEQLEN_K), with its three consumers (192-row blocks).
 CASES_PAD = [  # dtype, head_dim, causal, seqlen_q, seqlen_k, nheads, nheads_kv, layout
     ("bfloat16", 96, False, 1000, 1000, 4, 2, "bshd"),
     ("float16", 96, True, 513, 777, 4, 4, "bhsd"),
@@ -91,6 +93,11 @@ CASES_PAD = [  # dtype, head_dim, causal, seqlen_q, seqlen_k, nheads, nheads_kv,
     ("float16", 200, False, 700, 300, 2, 1, "bshd"),
     ("bfloat16", 248, True, 2048, 512, 2, 2, "bshd"),   # bottom-right causal: early rows see no key
     ("float16", 200, False, 129, 1, 2, 2, "bshd"),       # one key
+    ("bfloat16", 24, False, 1000, 2048, 4, 2, "bshd"),
+    ("float16", 40, True, 777, 4096, 4, 1, "bhsd"),
+    ("bfloat16", 56, False, 2048, 3000, 2, 2, "padded"),
+    ("float16", 32, True, 4096, 4096, 2, 2, "bshd"),
+    ("bfloat16", 48, False, 129, 2500, 2, 1, "mixed"),
 ]
 
 
@@ -106,7 +113,7 @@ def test_padded_head_dim_forward(monkeypatch, dtype, head_dim, causal, seqlen_q,
         q, k, v = make_qkv(2, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, getattr(torch, dtype), layout)
         label = f"ws pad-up {dtype} d{head_dim} causal={causal} {seqlen_q}x{seqlen_k} h{nheads}/{nheads_kv} {layout}"
         run_and_check(cuflash, q, k, v, causal=causal, seed=seed, label=label)
-        pad = _config.fwd_pad_head_dim("sm_90a", head_dim)
+        pad = _config.fwd_pad_head_dim("sm_90a", head_dim, plain=True)
         mappable = all(t.stride(-1) == 1 and all(s > 0 and s % 8 == 0 for s in t.stride()[:3]) for t in (q, k, v))
         assert pad is not None and all(n.startswith(f"fwd90ws_{'bf16' if dtype == 'bfloat16' else 'f16'}_d{pad}_")
                                        for n in names), (label, names)

@@ -307,6 +307,21 @@ def test_backward_dq_small_head_dim_exact(cf, dtype, head_dim, seqlens, key_offs
                                                        f"{DQ_SPLIT_RMS_LIMIT} ({dtype} d{head_dim} {seqlens} k+{key_offset})")
 
 
+@pytest.mark.parametrize("dtype,head_dim,causal,seqlen_q,seqlen_k,det", [
+    ("bfloat16", 24, False, 700, 2048, False), ("float16", 40, True, 300, 4096, False),
+    ("bfloat16", 56, False, 2048, 2500, True), ("float16", 32, True, 4096, 4096, True)])
+def test_backward_after_padded_forward(cf, dtype, head_dim, causal, seqlen_q, seqlen_k, det):
+    """Plain forwards at head_dim 24 to 56 with 2048 keys or more (causal 4096) run the
+    warp-specialized kernel of 64 (cuflash/_config.py fwd_pad_head_dim, plain=True); their out and lse
+    feed the backward of the call's head_dim (mma.sync below 32, pad-up to 64 from 32)."""
+    seed = fresh_seed()
+    tdt = TORCH_DTYPES[dtype]
+    q, k, v = make_qkv(2, seqlen_q, seqlen_k, 4, 2, head_dim, tdt)
+    dout = make_dout(2, seqlen_q, 4, head_dim, tdt)
+    run_backward_and_check(cf, q, k, v, dout, causal=causal, deterministic=det, seed=seed,
+                           label=f"bwd after padded fwd {dtype} d{head_dim} causal={causal} {seqlen_q}x{seqlen_k}")
+
+
 @pytest.mark.parametrize("dtype,causal,scale,det", [("bfloat16", False, 0.37, False), ("float16", True, 1.3, True),
                                                     ("bfloat16", True, 0.05, False)])
 def test_backward_explicit_softmax_scale(cf, dtype, causal, scale, det):

@@ -575,6 +575,51 @@ def test_fwd_ws_wiring(dev, monkeypatch):
     assert not launched[-1]["name"].startswith("fwd90ws_"), launched[-1]["name"]
 
 
+def test_fwd_padup_below_64_wiring(dev, monkeypatch):
+    """Plain forwards at head_dim 24 to 56 pad up to the warp-specialized kernel of 64
+    (_config.fwd_pad_head_dim, plain=True) where that kernel serves head_dim 64 (FWD_WS_MIN_SEQLEN_K:
+    2048 keys, causal 4096): the maps describe the call's own head_dim (TMA's zeros past it) and
+    d_cols is the call's; shorter calls, head_dim 16, calls with options and CUFLASH_FWD_PAD=0 keep
+    the mma.sync kernel of their head_dim."""
+    from cuflash import _config, _tma
+
+    fake_tma_driver(monkeypatch, lambda ptr, i, dims, box, strides: (
+        ptr if i == 0 else 77 * i + dims[1] + box[1] + strides[0]), lambda ptr, *rest: ptr)
+    monkeypatch.delenv("CUFLASH_FWD_TMA")
+    monkeypatch.delenv("CUFLASH_FWD_WS", raising=False)
+    monkeypatch.delenv("CUFLASH_FWD_PAD", raising=False)
+    ad, launched = dev
+    rng = np.random.default_rng()
+    assert [_config.fwd_pad_head_dim("sm_90a", d, plain=True) for d in (8, 16, 24, 40, 56, 64, 72)] == [
+        None, None, 64, 64, 64, None, 128]
+    assert [_config.fwd_pad_head_dim("sm_90a", d) for d in (24, 56)] == [None, None]  # options: not below 64
+    assert _config.fwd_pad_head_dim("sm_80", 40, plain=True) is None
+    for d, sk, causal, want in ((40, 2048, False, "fwd90ws_f16_d64_m192_n128_s3_full_ragged"),
+                                (24, 4096, True, "fwd90ws_f16_d64_m192_n128_s2_causal_ragged"),
+                                (56, 2048, True, None),     # causal below 4096 keys
+                                (32, 1024, False, None),    # below 2048 keys
+                                (16, 4096, False, None)):   # head_dim 16 does not pad
+        q, k, v = arr(rng, (1, 256, 4, d)), arr(rng, (1, sk, 2, d)), arr(rng, (1, sk, 2, d))
+        cuflash.attention(q, k, v, causal=causal)
+        L = launched[-1]
+        if want is None:
+            assert not L["name"].startswith("fwd90ws_") and f"_d{d}_" in L["name"], (d, sk, causal, L["name"])
+            continue
+        assert L["name"] == want, (d, sk, causal, L["name"])
+        assert int(L["p"]["d_cols"]) == d, L["p"]
+        check_tensor(L["p"], "q", q)
+        for field, t, rows in (("map_q", q, 192), ("map_k", k, 128), ("map_v", v, 128)):
+            strides = tuple(x // t.itemsize for x in t.strides)
+            assert L["p"][field].tobytes() == _tma.kv_map(addr(t), t.shape, strides, rows, "float16"), field
+    q, k, v = arr(rng, (1, 256, 4, 40)), arr(rng, (1, 2048, 2, 40)), arr(rng, (1, 2048, 2, 40))
+    cuflash.attention(q, k, v, softcap=5.0)
+    assert not launched[-1]["name"].startswith("fwd90ws_"), launched[-1]["name"]
+    monkeypatch.setenv("CUFLASH_FWD_PAD", "0")
+    _plan.CACHE.clear()
+    cuflash.attention(q, k, v)
+    assert not launched[-1]["name"].startswith("fwd90ws_"), launched[-1]["name"]
+
+
 def test_bwd_tma_wiring(dev, monkeypatch):
     """CUFLASH_BWD_TMA=1: a plain backward on sm_90a runs the dK/dV kernel's TMA variant, whose Params
     are BwdParams unchanged, then the maps of q and dout (BLOCK_M-row boxes) and k and v (BLOCK_N
