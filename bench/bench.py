@@ -318,9 +318,9 @@ def cuflash_specs(configs, passes, target):
         # On sm_90a the plain forward loads by TMA (the tensors here are contiguous: their maps patch),
         # warp-specialized where the table says so.
         # Other head dims pad up to the next wgmma head_dim (_config.fwd_pad_head_dim / bwd_pad_head_dim).
-        fd = _config.fwd_pad_head_dim(target, d, plain=True) if _config.fwd_tma_mode() != "off" else None
+        fd = _config.fwd_pad_head_dim(target, d, True, c, s) if _config.fwd_tma_mode() != "off" else None
         tma = (fc.wgmma and d % 64 == 0 or fd is not None) and _config.fwd_tma_mode() != "off"
-        ws = _config.fwd_ws_config(fd or d, c, s) if tma else None
+        ws = (_config.fwd_ws_config(fd, c) if fd else _config.fwd_ws_config(d, c, s)) if tma else None
         if ws:
             spec, smem = _launch.fwd_ws_specialization(dt, fd or d, c, s % (64 * ws[3]) == 0 and s % ws[0] == 0, *ws)
         else:

@@ -100,20 +100,18 @@ def bwd_pad_head_dim(target: str, head_dim: int) -> int | None:
     return next(d for d in BWD_WS_HEAD_DIMS if d > head_dim)
 
 
-def fwd_pad_head_dim(target: str, head_dim: int, plain: bool = False) -> int | None:
+def fwd_pad_head_dim(target: str, head_dim: int, plain: bool = False, causal: bool = False,
+                     seqlen_k: int | None = None) -> int | None:
     """Head_dim pad-up of the forward (as bwd_pad_head_dim for the backward): the head_dim of the
     warp-specialized forward a call of another head_dim runs on, or None. From FWD_PAD_MIN_HEAD_DIM to
-    256 for every call; plain calls (plain=True) also from FWD_PAD_PLAIN_MIN_HEAD_DIM below 64, to the
-    kernel of 64, which serves them where fwd_ws_config serves head_dim 64 (2048 keys or more,
-    causal 4096: FWD_WS_MIN_SEQLEN_K; shorter calls keep the mma.sync kernel). Measured on an H100
-    (session 9, bench.py bf16, 16k tokens, seqlen 1k / 4k, non-causal and causal, against
-    CUFLASH_FWD_PAD=0 in one call; bench/results/padup_{on,off}_h100.json): head_dim 72 1.23-1.46x,
-    96 1.40-1.67x, 136 1.35-1.65x, 200 1.76-1.97x. Below 64 on an H200 (session 36,
-    bench/dev/padup_small.py, bf16, 16k tokens, the kernel of 64 forced at every length, GPU time
-    over the mma.sync kernel's, non-causal / causal at 4k): head_dim 24 0.83 / 0.86, 32 0.81 / 0.83,
-    40 0.63 / 0.73, 48 0.58 / 0.72, 56 0.52 / 0.66; head_dim 16 1.03 / 1.14 and 8 1.11 / 1.25 (kept
-    on mma.sync). With options the kernels below 64 are not measured, so those calls keep mma.sync.
-    CUFLASH_FWD_PAD=0 turns it off."""
+    256 for every call. Plain calls (plain=True) also at head_dim 24 to 56, to the kernel of 64, from
+    FWD_PAD_SMALL_MIN_SEQLEN_K's keys on (seqlen_k None: the call's length unknown, as when listing
+    specializations; the kernel of 64 then serves them at any length, past fwd_ws_config's own
+    FWD_WS_MIN_SEQLEN_K for head_dim 64). Measured on an H100 (session 9, bench.py bf16, 16k tokens,
+    seqlen 1k / 4k, non-causal and causal, against CUFLASH_FWD_PAD=0 in one call;
+    bench/results/padup_{on,off}_h100.json): head_dim 72 1.23-1.46x, 96 1.40-1.67x, 136 1.35-1.65x,
+    200 1.76-1.97x. Below 64: FWD_PAD_SMALL_MIN_SEQLEN_K. With options the kernels below 64 are not
+    measured, so those calls keep mma.sync there. CUFLASH_FWD_PAD=0 turns it off."""
     import os
 
     if (target != "sm_90a" or head_dim in WGMMA_FWD_HEAD_DIMS or head_dim > 256
@@ -121,13 +119,28 @@ def fwd_pad_head_dim(target: str, head_dim: int, plain: bool = False) -> int | N
         return None
     if head_dim >= FWD_PAD_MIN_HEAD_DIM:
         return 128 if head_dim < 128 else 256
-    if plain and FWD_PAD_PLAIN_MIN_HEAD_DIM <= head_dim < 64:
-        return 64
-    return None
+    least = FWD_PAD_SMALL_MIN_SEQLEN_K.get((head_dim, bool(causal))) if plain else None
+    if least is None or (seqlen_k is not None and seqlen_k < least
+                         and os.environ.get("CUFLASH_FWD_WS") != "1"):  # (=1: every length, tuning runs)
+        return None
+    return 64
 
 
 FWD_PAD_MIN_HEAD_DIM = 72  # the first multiple of 8 above 64
-FWD_PAD_PLAIN_MIN_HEAD_DIM = 24  # plain calls below 64 (fwd_pad_head_dim)
+# Plain calls below 64 pad up to the kernel of 64 from this many keys on, per (head_dim, causal)
+# (fwd_pad_head_dim). Measured on an H200 (session 36, bench.py bf16 and fp16, 16k tokens, pad-up at
+# every length (CUFLASH_FWD_WS=1) against CUFLASH_FWD_PAD=0 in one call, GPU time of the padded call
+# over the mma.sync kernel's; bench/results/fwd_small_pad{all,off}_s36_h200.json): non-causal, 512 /
+# 1k / 2k / 4k keys: head_dim 24 1.31 / 1.08 / 0.88 / 0.82, 32 1.05-1.25 / 0.90-1.05 / 0.75-0.87 /
+# 0.70-0.81, 40 0.95-0.96 / 0.80-0.82 / 0.67-0.68 / 0.63-0.64, 48 0.90-0.91 / 0.76 / 0.62 / 0.59-0.60,
+# 56 0.80-0.82 / 0.67-0.69 / 0.57 / 0.54; causal: 24 1.31-1.62 / 1.26-1.40 / 0.96-1.05 / 0.86-0.93, 32
+# 1.33-1.37 / 1.16-1.21 / 0.89-0.92 / 0.80-0.82, 40 1.20-1.23 / 1.03-1.06 / 0.78-0.80 / 0.70, 48
+# 1.13-1.16 / 0.99-1.01 / 0.75-0.77 / 0.68-0.69, 56 1.00-1.04 / 0.86-0.90 / 0.65-0.67 / 0.60-0.62.
+# Head dims 8 and 16 lose at every length measured (bench/dev/padup_small.py, 1k and 4k: 1.03-1.83x)
+# and are not in the table.
+FWD_PAD_SMALL_MIN_SEQLEN_K = {(24, False): 2048, (32, False): 2048, (40, False): 512, (48, False): 512,
+                              (56, False): 512, (24, True): 4096, (32, True): 2048, (40, True): 2048,
+                              (48, True): 2048, (56, True): 1024}
 
 
 def bwd_ws_block_n(head_dim: int) -> int:

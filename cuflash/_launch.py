@@ -947,10 +947,12 @@ def fwd_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTen
         chosen = cfg is not None
         # Head_dim pad-up (_config.fwd_pad_head_dim): the warp-specialized kernel of pad_dim reads the
         # call's tensors through maps whose columns past head_dim are zeros, and writes head_dim columns.
-        pad_dim = None if chosen else _config.fwd_pad_head_dim(target, head_dim, plain=True)
+        pad_dim = None if chosen else _config.fwd_pad_head_dim(target, head_dim, True, causal, seqlen_k)
         if pad_dim is not None:
             pers = _config.fwd_ws_persistent_config(pad_dim, causal, seqlen_k, seqlen_q)
-            ws = pers or _config.fwd_ws_config(pad_dim, causal, seqlen_k)
+            # (No seqlen_k: where a call pads is fwd_pad_head_dim's rule, not head_dim 64's own
+            # FWD_WS_MIN_SEQLEN_K.)
+            ws = pers or _config.fwd_ws_config(pad_dim, causal)
             if not (ws and _use_tma(q, q, 64 * ws[3], dtype, True) and _use_tma(k, v, ws[0], dtype, True)):
                 pad_dim = None
         cfg = cfg or _config.fwd_config_for_target(target, head_dim, dtype, causal)

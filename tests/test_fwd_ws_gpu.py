@@ -82,8 +82,8 @@ def test_ws_forward(ws_on, dtype, head_dim, causal, seqlen_q, seqlen_k, nheads, 
 # Head_dim pad-up (cuflash/_config.py fwd_pad_head_dim): head dims between 64 and 256 run the kernel of
 # 128 or 256 through maps whose columns past head_dim read as zeros, and write only their own columns
 # of out (run_and_check NaN-poisons out, so a column left unwritten or a write past the row shows);
-# plain calls at head_dim 24 to 56 run the kernel of 64 where it serves head_dim 64 (2048 keys or
-# more, causal 4096: _config.FWD_WS_MIN_SEQLEN_K), with its three consumers (192-row blocks).
+# plain calls at head_dim 24 to 56 run the kernel of 64 from _config.FWD_PAD_SMALL_MIN_SEQLEN_K's keys
+# on, with its three consumers (192-row blocks); every case below 64 here is at or past that length.
 CASES_PAD = [  # dtype, head_dim, causal, seqlen_q, seqlen_k, nheads, nheads_kv, layout
     ("bfloat16", 96, False, 1000, 1000, 4, 2, "bshd"),
     ("float16", 96, True, 513, 777, 4, 4, "bhsd"),
@@ -98,6 +98,9 @@ CASES_PAD = [  # dtype, head_dim, causal, seqlen_q, seqlen_k, nheads, nheads_kv,
     ("bfloat16", 56, False, 2048, 3000, 2, 2, "padded"),
     ("float16", 32, True, 4096, 4096, 2, 2, "bshd"),
     ("bfloat16", 48, False, 129, 2500, 2, 1, "mixed"),
+    ("float16", 48, False, 300, 600, 2, 2, "bshd"),
+    ("bfloat16", 56, True, 1024, 1024, 4, 2, "bhsd"),
+    ("float16", 40, False, 512, 512, 2, 1, "bshd"),
 ]
 
 

@@ -309,9 +309,10 @@ def test_backward_dq_small_head_dim_exact(cf, dtype, head_dim, seqlens, key_offs
 
 @pytest.mark.parametrize("dtype,head_dim,causal,seqlen_q,seqlen_k,det", [
     ("bfloat16", 24, False, 700, 2048, False), ("float16", 40, True, 300, 4096, False),
-    ("bfloat16", 56, False, 2048, 2500, True), ("float16", 32, True, 4096, 4096, True)])
+    ("bfloat16", 56, False, 2048, 2500, True), ("float16", 32, True, 4096, 4096, True),
+    ("bfloat16", 48, False, 600, 600, False)])
 def test_backward_after_padded_forward(cf, dtype, head_dim, causal, seqlen_q, seqlen_k, det):
-    """Plain forwards at head_dim 24 to 56 with 2048 keys or more (causal 4096) run the
+    """Plain forwards at head_dim 24 to 56 past FWD_PAD_SMALL_MIN_SEQLEN_K's keys run the
     warp-specialized kernel of 64 (cuflash/_config.py fwd_pad_head_dim, plain=True); their out and lse
     feed the backward of the call's head_dim (mma.sync below 32, pad-up to 64 from 32)."""
     seed = fresh_seed()

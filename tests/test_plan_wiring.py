@@ -577,10 +577,10 @@ def test_fwd_ws_wiring(dev, monkeypatch):
 
 def test_fwd_padup_below_64_wiring(dev, monkeypatch):
     """Plain forwards at head_dim 24 to 56 pad up to the warp-specialized kernel of 64
-    (_config.fwd_pad_head_dim, plain=True) where that kernel serves head_dim 64 (FWD_WS_MIN_SEQLEN_K:
-    2048 keys, causal 4096): the maps describe the call's own head_dim (TMA's zeros past it) and
-    d_cols is the call's; shorter calls, head_dim 16, calls with options and CUFLASH_FWD_PAD=0 keep
-    the mma.sync kernel of their head_dim."""
+    (_config.fwd_pad_head_dim, plain=True) from FWD_PAD_SMALL_MIN_SEQLEN_K's keys on: the maps
+    describe the call's own head_dim (TMA's zeros past it) and d_cols is the call's; shorter calls,
+    head_dim 16, calls with options and CUFLASH_FWD_PAD=0 keep the mma.sync kernel of their head_dim;
+    CUFLASH_FWD_WS=1 pads at every length."""
     from cuflash import _config, _tma
 
     fake_tma_driver(monkeypatch, lambda ptr, i, dims, box, strides: (
@@ -594,10 +594,16 @@ def test_fwd_padup_below_64_wiring(dev, monkeypatch):
         None, None, 64, 64, 64, None, 128]
     assert [_config.fwd_pad_head_dim("sm_90a", d) for d in (24, 56)] == [None, None]  # options: not below 64
     assert _config.fwd_pad_head_dim("sm_80", 40, plain=True) is None
-    for d, sk, causal, want in ((40, 2048, False, "fwd90ws_f16_d64_m192_n128_s3_full_ragged"),
+    table = _config.FWD_PAD_SMALL_MIN_SEQLEN_K
+    for (d, causal), least in table.items():
+        assert _config.fwd_pad_head_dim("sm_90a", d, True, causal, least) == 64, (d, causal)
+        assert _config.fwd_pad_head_dim("sm_90a", d, True, causal, least - 1) is None, (d, causal)
+    assert sorted({d for d, _ in table}) == [24, 32, 40, 48, 56]
+    for d, sk, causal, want in ((40, 512, False, "fwd90ws_f16_d64_m192_n128_s3_full_ragged"),
                                 (24, 4096, True, "fwd90ws_f16_d64_m192_n128_s2_causal_ragged"),
-                                (56, 2048, True, None),     # causal below 4096 keys
-                                (32, 1024, False, None),    # below 2048 keys
+                                (56, 1024, True, "fwd90ws_f16_d64_m192_n128_s2_causal_ragged"),
+                                (24, 2048, True, None),     # causal head_dim 24 below 4096 keys
+                                (32, 1024, False, None),    # head_dim 32 below 2048 keys
                                 (16, 4096, False, None)):   # head_dim 16 does not pad
         q, k, v = arr(rng, (1, 256, 4, d)), arr(rng, (1, sk, 2, d)), arr(rng, (1, sk, 2, d))
         cuflash.attention(q, k, v, causal=causal)
@@ -618,6 +624,12 @@ def test_fwd_padup_below_64_wiring(dev, monkeypatch):
     _plan.CACHE.clear()
     cuflash.attention(q, k, v)
     assert not launched[-1]["name"].startswith("fwd90ws_"), launched[-1]["name"]
+    monkeypatch.delenv("CUFLASH_FWD_PAD")
+    monkeypatch.setenv("CUFLASH_FWD_WS", "1")
+    _plan.CACHE.clear()
+    q, k, v = arr(rng, (1, 256, 4, 32)), arr(rng, (1, 1024, 2, 32)), arr(rng, (1, 1024, 2, 32))
+    cuflash.attention(q, k, v)
+    assert launched[-1]["name"] == "fwd90ws_f16_d64_m192_n128_s3_full_ragged", launched[-1]["name"]
 
 
 def test_bwd_tma_wiring(dev, monkeypatch):
