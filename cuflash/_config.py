@@ -131,9 +131,9 @@ FWD_PAD_MIN_HEAD_DIM = 72  # the first multiple of 8 above 64
 # (fwd_pad_head_dim). Measured on an H200 (session 36, bench.py bf16 and fp16, 16k tokens, pad-up at
 # every length (CUFLASH_FWD_WS=1) against CUFLASH_FWD_PAD=0 in one call, GPU time of the padded call
 # over the mma.sync kernel's; bench/results/fwd_small_pad{all,off}_s36_h200.json): non-causal, 512 /
-# 1k / 2k / 4k keys: head_dim 24 1.31 / 1.08 / 0.88 / 0.82, 32 1.05-1.25 / 0.90-1.05 / 0.75-0.87 /
+# 1k / 2k / 4k keys: head_dim 24 1.31 / 1.08 / 0.88 / 0.82-0.83, 32 1.05-1.25 / 0.90-1.05 / 0.75-0.87 /
 # 0.70-0.81, 40 0.95-0.96 / 0.80-0.82 / 0.67-0.68 / 0.63-0.64, 48 0.90-0.91 / 0.76 / 0.62 / 0.59-0.60,
-# 56 0.80-0.82 / 0.67-0.69 / 0.57 / 0.54; causal: 24 1.31-1.62 / 1.26-1.40 / 0.96-1.05 / 0.86-0.93, 32
+# 56 0.80-0.82 / 0.67-0.69 / 0.57 / 0.54; causal: 24 1.43-1.62 / 1.26-1.40 / 0.96-1.05 / 0.86-0.93, 32
 # 1.33-1.37 / 1.16-1.21 / 0.89-0.92 / 0.80-0.82, 40 1.20-1.23 / 1.03-1.06 / 0.78-0.80 / 0.70, 48
 # 1.13-1.16 / 0.99-1.01 / 0.75-0.77 / 0.68-0.69, 56 1.00-1.04 / 0.86-0.90 / 0.65-0.67 / 0.60-0.62.
 # Head dims 8 and 16 lose at every length measured (bench/dev/padup_small.py, 1k and 4k: 1.03-1.83x)
