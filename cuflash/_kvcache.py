@@ -507,14 +507,13 @@ class DecodePlan:
         from . import _config, _gpu, _launch
         from ._launch import DecodeArgs, DeviceTensor, MaskArgs, Slot
         from ._plan import _small_needs_copy, contiguous_strides, needs_copy
-        from ._gpu import compute_capability
 
         self.call = c
         self.device_id = dev = c.device[1]
         self.ad = None  # the adapter that runs the plan (set by its maker)
         self.cache_layouts = {n: infos[n] for n in ("k_cache", "v_cache")}
         self._lock = threading.Lock()
-        cc = compute_capability(dev)
+        cc = _gpu.compute_capability(dev)
         for name in ("k_cache", "v_cache"):
             if needs_copy(infos[name]):
                 x = infos[name]
