@@ -136,8 +136,10 @@ FWD_PAD_MIN_HEAD_DIM = 72  # the first multiple of 8 above 64
 # 56 0.80-0.82 / 0.67-0.69 / 0.57 / 0.54; causal: 24 1.43-1.62 / 1.26-1.40 / 0.96-1.05 / 0.86-0.93, 32
 # 1.33-1.37 / 1.16-1.21 / 0.89-0.92 / 0.80-0.82, 40 1.20-1.23 / 1.03-1.06 / 0.78-0.80 / 0.70, 48
 # 1.13-1.16 / 0.99-1.01 / 0.75-0.77 / 0.68-0.69, 56 1.00-1.04 / 0.86-0.90 / 0.65-0.67 / 0.60-0.62.
-# Head dims 8 and 16 lose at every length measured (bench/dev/padup_small.py, 1k and 4k: 1.03-1.83x)
-# and are not in the table.
+# Single eager calls (host included) in the same run, at the lengths the table pads: 0.55-1.02 (the
+# 1.02: head_dim 48 bf16 non-causal 512, GPU 0.90; 0.89 eager in session 36's final run). Head dims 8
+# and 16 lose at every length measured (bench/dev/padup_small.py, 1k and 4k: 1.03-1.83x) and are not
+# in the table.
 FWD_PAD_SMALL_MIN_SEQLEN_K = {(24, False): 2048, (32, False): 2048, (40, False): 512, (48, False): 512,
                               (56, False): 512, (24, True): 4096, (32, True): 2048, (40, True): 2048,
                               (48, True): 2048, (56, True): 1024}
