@@ -101,7 +101,7 @@ def bwd_pad_head_dim(target: str, head_dim: int) -> int | None:
 
 
 def fwd_pad_head_dim(target: str, head_dim: int, plain: bool = False, causal: bool = False,
-                     seqlen_k: int | None = None) -> int | None:
+                     seqlen_k: int | None = None, feat: str | None = None) -> int | None:
     """Head_dim pad-up of the forward (as bwd_pad_head_dim for the backward): the head_dim of the
     warp-specialized forward a call of another head_dim runs on, or None. From FWD_PAD_MIN_HEAD_DIM to
     256 for every call. Plain calls (plain=True) also at head_dim 24 to 56, to the kernel of 64, from
@@ -110,8 +110,13 @@ def fwd_pad_head_dim(target: str, head_dim: int, plain: bool = False, causal: bo
     FWD_WS_MIN_SEQLEN_K for head_dim 64). Measured on an H100 (session 9, bench.py bf16, 16k tokens,
     seqlen 1k / 4k, non-causal and causal, against CUFLASH_FWD_PAD=0 in one call;
     bench/results/padup_{on,off}_h100.json): head_dim 72 1.23-1.46x, 96 1.40-1.67x, 136 1.35-1.65x,
-    200 1.76-1.97x. Below 64: FWD_PAD_SMALL_MIN_SEQLEN_K. With options the kernels below 64 are not
-    measured, so those calls keep mma.sync there. CUFLASH_FWD_PAD=0 turns it off."""
+    200 1.76-1.97x. Below 64: FWD_PAD_SMALL_MIN_SEQLEN_K. Calls with options at head_dim 24 to 56 pad to the
+    feature kernel of 64 from FWD_PAD_SMALL_SCORES_MIN_SEQLEN_K's keys on (feat="scores": softcap,
+    ALiBi or sink logits among them) or FWD_PAD_SMALL_MASK_MIN_SEQLEN_K's (feat="mask": only lengths,
+    packed batches, windows, sink tokens); causal there: the window's right edge is 0; seqlen_k:
+    the keys a query row can see (a window's width where it is narrower). CUFLASH_FWD_WS=1 pads at
+    every length (plain calls: where the table has the head_dim; calls with options: 24 to 56).
+    CUFLASH_FWD_PAD=0 turns it off."""
     import os
 
     if (target != "sm_90a" or head_dim in WGMMA_FWD_HEAD_DIMS or head_dim > 256
@@ -119,7 +124,11 @@ def fwd_pad_head_dim(target: str, head_dim: int, plain: bool = False, causal: bo
         return None
     if head_dim >= FWD_PAD_MIN_HEAD_DIM:
         return 128 if head_dim < 128 else 256
-    least = FWD_PAD_SMALL_MIN_SEQLEN_K.get((head_dim, bool(causal))) if plain else None
+    if feat is not None and head_dim >= 24 and os.environ.get("CUFLASH_FWD_WS") == "1":
+        return 64  # (every length and option, as for plain calls below: tuning runs and tests)
+    table = {None: FWD_PAD_SMALL_MIN_SEQLEN_K if plain else {}, "scores": FWD_PAD_SMALL_SCORES_MIN_SEQLEN_K,
+             "mask": FWD_PAD_SMALL_MASK_MIN_SEQLEN_K}[feat]
+    least = table.get((head_dim, bool(causal)))
     if least is None or (seqlen_k is not None and seqlen_k < least
                          and os.environ.get("CUFLASH_FWD_WS") != "1"):  # (=1: every length, tuning runs)
         return None
@@ -143,6 +152,28 @@ FWD_PAD_MIN_HEAD_DIM = 72  # the first multiple of 8 above 64
 FWD_PAD_SMALL_MIN_SEQLEN_K = {(24, False): 2048, (32, False): 2048, (40, False): 512, (48, False): 512,
                               (56, False): 512, (24, True): 4096, (32, True): 2048, (40, True): 2048,
                               (48, True): 2048, (56, True): 1024}
+# Calls with options below 64 pad up to the feature kernel of 64 (FWD_WS_FEAT_TABLE: two consumers, not
+# the plain kernel's three; never with a narrow window, which that kernel does not take) from this many
+# keys on, per (head_dim, causal: the window's right edge is 0). Measured on an H200 (session 37,
+# bench/dev/padup_small_feat.py: 16k tokens, 512-4096 keys, bf16 and fp16, pad-up at every length
+# against CUFLASH_FWD_PAD=0; GPU time of the padded call over the mma.sync feature kernel's, the worst
+# over the options and dtypes; bench/results/logs_s37/). The options split in two:
+# - softcap, ALiBi, sink logits (per-score work, cheaper on the warp-specialized kernel): non-causal
+#   512 / 1k / 2k / 4k: head_dim 24 1.24 / 1.06 / 0.96 / 0.91, 32 1.14 / 0.98 / 0.90 / 0.86, 40 1.05 /
+#   0.89 / 0.81 / 0.76, 48 0.99 / 0.85 / 0.77 / 0.72, 56 0.89 / 0.75 / 0.67 / 0.64; causal: 24 1.25 /
+#   1.03 / 0.87 / 0.77, 32 1.20 / 0.99 / 0.84 / 0.75, 40 1.13 / 0.94 / 0.79 / 0.69, 48 1.09 / 0.91 /
+#   0.77 / 0.68, 56 1.00 / 0.83 / 0.70 / 0.62 (softcap alone 0.54-0.76 non-causal);
+# - lengths, packed batches, windows (masks only): non-causal (lengths): 24 1.76 / 1.39 / 1.13 / 1.02,
+#   32 1.65 / 1.29 / 1.06 / 0.95, 40 1.51 / 1.20 / 0.97 / 0.84, 48 1.43 / 1.14 / 0.93 / 0.82, 56 1.27 /
+#   0.99 / 0.80 / 0.71; causal (lengths, packed): 24 2.09 / 1.72 / 1.38 / 1.21, 32 2.02 / 1.68 / 1.33 /
+#   1.20, 40 1.84 / 1.51 / 1.27 / 1.10, 48 1.76 / 1.40 / 1.17 / 1.01, 56 1.58 / 1.29 / 0.96 / 0.86; a
+#   window (1024, 0) at 2k-4k keys 0.99-1.42 (as its width, 1k keys, reads).
+# Each entry is the first length from which every longer one measured won by 2 % or more (GPU time).
+FWD_PAD_SMALL_SCORES_MIN_SEQLEN_K = {(24, False): 2048, (32, False): 2048, (40, False): 1024, (48, False): 1024,
+                                     (56, False): 512, (24, True): 2048, (32, True): 2048, (40, True): 1024,
+                                     (48, True): 1024, (56, True): 1024}
+FWD_PAD_SMALL_MASK_MIN_SEQLEN_K = {(32, False): 4096, (40, False): 2048, (48, False): 2048, (56, False): 2048,
+                                   (56, True): 4096}
 
 
 def bwd_ws_block_n(head_dim: int) -> int:

@@ -931,7 +931,13 @@ def fwd_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTen
         assert not causal
         narrow = 0 <= mask.window_left and mask.window_left + max(mask.window_right, 0) < _config.NARROW_WINDOW
         # Pad-up as for plain calls (below): the kernel of pad_dim where the options' table serves it.
-        pad_dim = None if cfg is not None else _config.fwd_pad_head_dim(target, head_dim)
+        # Below 64 the rule depends on the options (per-score work or masks only) and on the keys a
+        # query row can see.
+        scores = mask.softcap != 0 or mask.alibi_slopes != 0 or mask.sink_logits != 0
+        keys = seqlen_k if mask.window_left < 0 or mask.window_right < 0 else min(
+            seqlen_k, mask.window_left + mask.window_right + 1)
+        pad_dim = None if cfg is not None else _config.fwd_pad_head_dim(
+            target, head_dim, causal=mask.window_right == 0, seqlen_k=keys, feat="scores" if scores else "mask")
         kernel_dim = pad_dim or head_dim
         ws = None if cfg is not None or target != "sm_90a" else _config.fwd_ws_feat_config(kernel_dim, narrow)
         if mask.packed:  # the arrays as one sequence of all their rows (flash_fwd_sm90_ws.cu)

@@ -85,7 +85,23 @@ def _pad_params():
     return out
 
 
-@pytest.mark.parametrize("feature,dtype,causal,head_dim,seqlen_q,seqlen_k,nheads,nheads_kv", _pad_params())
+def _pad_small_params():
+    """Pad-up below 64 (fwd_pad_head_dim, feat=True): every feature set once at head dims 24 to 56,
+    which run the feature kernel of 64 (at every length here: CUFLASH_FWD_WS=1)."""
+    out = []
+    for i, fs in enumerate(FEATURES):
+        d = (24, 32, 40, 48, 56)[i % 5]
+        dtype = ("bfloat16", "float16")[(i // 5) % 2]
+        causal = i % 3 == 2
+        sq, sk = SHAPES[(3 * i + 2) % len(SHAPES)]
+        h, hkv = HEADS[(i + 1) % 3]
+        out.append(pytest.param(fs.name, dtype, causal, d, sq, sk, h, hkv,
+                                id=f"{fs.name}-{dtype}-{'causal' if causal else 'full'}-d{d}-q{sq}k{sk}-h{h}kv{hkv}"))
+    return out
+
+
+@pytest.mark.parametrize("feature,dtype,causal,head_dim,seqlen_q,seqlen_k,nheads,nheads_kv",
+                         _pad_params() + _pad_small_params())
 def test_ws_feat_forward_padded_head_dim(cf, ws_feat, feature, dtype, causal, head_dim, seqlen_q, seqlen_k, nheads,
                                          nheads_kv):
     from cuflash import _config
@@ -97,8 +113,8 @@ def test_ws_feat_forward_padded_head_dim(cf, ws_feat, feature, dtype, causal, he
                     sk=seqlen_k, h=nheads, hkv=nheads_kv, d=head_dim, causal=causal, deterministic=False, fs=fs,
                     label=label, backward=False)
     _assert_ws_feat(ws_feat, n0, label, feature, causal)
-    pad = _config.fwd_pad_head_dim("sm_90a", head_dim)
-    assert all(f"_d{pad}_" in n for n in ws_feat[n0:]), (label, ws_feat[n0:])
+    pad = _config.fwd_pad_head_dim("sm_90a", head_dim, feat="mask")  # (64 below 64 under CUFLASH_FWD_WS=1)
+    assert pad is not None and all(f"_d{pad}_" in n for n in ws_feat[n0:]), (label, ws_feat[n0:])
 
 
 @pytest.mark.parametrize("head_dim,dtype,causal,feature", [(64, "bfloat16", True, "lens"),
@@ -106,7 +122,9 @@ def test_ws_feat_forward_padded_head_dim(cf, ws_feat, feature, dtype, causal, he
                                                            (128, "bfloat16", True, "all"),
                                                            (256, "float16", False, "lens+softcap"),
                                                            (96, "bfloat16", True, "lens+alibi"),
-                                                           (200, "float16", False, "all")])
+                                                           (200, "float16", False, "all"),
+                                                           (40, "bfloat16", True, "lens+alibi"),
+                                                           (24, "float16", False, "all")])
 def test_nan_padding(cf, ws_feat, head_dim, dtype, causal, feature):
     """Rows past q_lengths and kv_lengths hold NaN: the output is that of the zero-padded inputs."""
     fs = FEATURES_BY_NAME[feature]
@@ -151,7 +169,9 @@ def test_nan_padding(cf, ws_feat, head_dim, dtype, causal, feature):
                                                                  ("sinklogits", "float16", True, 256, True),
                                                                  ("win3_0_sinktok2", "bfloat16", True, 128, True),
                                                                  ("win5_7", "float16", False, 96, True),
-                                                                 ("alibi_bh", "bfloat16", True, 200, False)])
+                                                                 ("alibi_bh", "bfloat16", True, 200, False),
+                                                                 ("alibi_bh", "float16", True, 40, True),
+                                                                 ("win5_7", "bfloat16", False, 24, False)])
 def test_ws_feat_varlen(cf, ws_feat, feature, dtype, causal, head_dim, cross):
     """Packed batches (the maps see the arrays as one sequence of all rows): tests/test_gpu_features.py's
     test_varlen (lengths 0, 1 and odd ones, rows past cu_seqlens[-1], forward and backward, against
@@ -163,7 +183,7 @@ def test_ws_feat_varlen(cf, ws_feat, feature, dtype, causal, head_dim, cross):
     assert any(n.startswith("fwd90ws_") and "_feat" in n for n in ws_feat[n0:]), ws_feat[n0:]
 
 
-@pytest.mark.parametrize("head_dim,causal", [(64, True), (128, False), (256, True)])
+@pytest.mark.parametrize("head_dim,causal", [(64, True), (128, False), (256, True), (40, False)])
 def test_ws_feat_varlen_nan_tails(cf, ws_feat, head_dim, causal):
     """Rows of the packed arrays past cu_seqlens[-1] hold NaN: every sequence's output and lse equal,
     bit for bit, those of the same call with zeros there (the last sequence's last key tile reaches

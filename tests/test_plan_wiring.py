@@ -180,6 +180,15 @@ def dev(monkeypatch):
     monkeypatch.setitem(_adapters._BY_TYPE, Dev, ad)
     # The fused decode combine's counters (cupy memory on a GPU): a fake pointer here.
     monkeypatch.setattr(_kvcache.DecodePlan, "_counters", lambda self, stream: 0xC0C000)
+    # No driver for tensor maps, as on a machine without a GPU, where these tests are written for (a GPU
+    # machine's libcuda would put the calls on the TMA kernels); fake_tma_driver puts a stand-in here.
+    from cuflash import _tma
+
+    def no_driver():
+        raise OSError("libcuda: not on the fake device")
+
+    monkeypatch.setattr(_tma, "_driver_encode", no_driver)
+    monkeypatch.setattr(_tma, "_patches", {})
     _plan.CACHE.clear()
     yield ad, launched
     _plan.CACHE.clear()
@@ -575,24 +584,30 @@ def test_fwd_ws_wiring(dev, monkeypatch):
     assert not launched[-1]["name"].startswith("fwd90ws_"), launched[-1]["name"]
 
 
-def test_fwd_padup_below_64_wiring(dev, monkeypatch):
-    """Plain forwards at head_dim 24 to 56 pad up to the warp-specialized kernel of 64
-    (_config.fwd_pad_head_dim, plain=True) from FWD_PAD_SMALL_MIN_SEQLEN_K's keys on: the maps
-    describe the call's own head_dim (TMA's zeros past it) and d_cols is the call's; shorter calls,
-    head_dim 16, calls with options and CUFLASH_FWD_PAD=0 keep the mma.sync kernel of their head_dim;
-    CUFLASH_FWD_WS=1 pads at every length."""
-    from cuflash import _config, _tma
-
+def padup_settings(monkeypatch):
+    """The pad-up wiring tests' setting: a stand-in map encoder and the tree's own rules (no
+    CUFLASH_FWD_TMA / _WS / _PAD)."""
     fake_tma_driver(monkeypatch, lambda ptr, i, dims, box, strides: (
         ptr if i == 0 else 77 * i + dims[1] + box[1] + strides[0]), lambda ptr, *rest: ptr)
     monkeypatch.delenv("CUFLASH_FWD_TMA")
     monkeypatch.delenv("CUFLASH_FWD_WS", raising=False)
     monkeypatch.delenv("CUFLASH_FWD_PAD", raising=False)
+
+
+def test_fwd_padup_below_64_wiring(dev, monkeypatch):
+    """Plain forwards at head_dim 24 to 56 pad up to the warp-specialized kernel of 64
+    (_config.fwd_pad_head_dim, plain=True) from FWD_PAD_SMALL_MIN_SEQLEN_K's keys on: the maps
+    describe the call's own head_dim (TMA's zeros past it) and d_cols is the call's; shorter calls,
+    head_dim 16 and CUFLASH_FWD_PAD=0 keep the mma.sync kernel of their head_dim; CUFLASH_FWD_WS=1
+    pads at every length. (Calls with options: test_fwd_padup_below_64_feat_wiring.)"""
+    from cuflash import _config, _tma
+
+    padup_settings(monkeypatch)
     ad, launched = dev
     rng = np.random.default_rng()
     assert [_config.fwd_pad_head_dim("sm_90a", d, plain=True) for d in (8, 16, 24, 40, 56, 64, 72)] == [
         None, None, 64, 64, 64, None, 128]
-    assert [_config.fwd_pad_head_dim("sm_90a", d) for d in (24, 56)] == [None, None]  # options: not below 64
+    assert [_config.fwd_pad_head_dim("sm_90a", d) for d in (24, 56)] == [None, None]  # neither plain nor feat
     assert _config.fwd_pad_head_dim("sm_80", 40, plain=True) is None
     table = _config.FWD_PAD_SMALL_MIN_SEQLEN_K
     for (d, causal), least in table.items():
@@ -618,8 +633,6 @@ def test_fwd_padup_below_64_wiring(dev, monkeypatch):
             strides = tuple(x // t.itemsize for x in t.strides)
             assert L["p"][field].tobytes() == _tma.kv_map(addr(t), t.shape, strides, rows, "float16"), field
     q, k, v = arr(rng, (1, 256, 4, 40)), arr(rng, (1, 2048, 2, 40)), arr(rng, (1, 2048, 2, 40))
-    cuflash.attention(q, k, v, softcap=5.0)
-    assert not launched[-1]["name"].startswith("fwd90ws_"), launched[-1]["name"]
     monkeypatch.setenv("CUFLASH_FWD_PAD", "0")
     _plan.CACHE.clear()
     cuflash.attention(q, k, v)
@@ -630,6 +643,95 @@ def test_fwd_padup_below_64_wiring(dev, monkeypatch):
     q, k, v = arr(rng, (1, 256, 4, 32)), arr(rng, (1, 1024, 2, 32)), arr(rng, (1, 1024, 2, 32))
     cuflash.attention(q, k, v)
     assert launched[-1]["name"] == "fwd90ws_f16_d64_m192_n128_s3_full_ragged", launched[-1]["name"]
+
+
+def test_fwd_padup_below_64_feat_wiring(dev, monkeypatch):
+    """Forwards with options at head_dim 24 to 56 pad up to the warp-specialized feature kernel of 64
+    (_config.fwd_pad_head_dim, feat=): from FWD_PAD_SMALL_SCORES_MIN_SEQLEN_K's keys on where softcap,
+    ALiBi or sink logits are among the options, from FWD_PAD_SMALL_MASK_MIN_SEQLEN_K's where there are
+    only masks (lengths, packed batches, windows); causal: the window's right edge is 0; the length
+    read is the keys a row can see (a window's width where narrower). The maps describe the call's
+    own head_dim (a packed batch's as one sequence), d_cols is the call's, the mask is in the Params.
+    Shorter calls, head dims a table lacks, narrow windows, head_dim 16 and CUFLASH_FWD_PAD=0 keep the
+    feature kernel of their head_dim; CUFLASH_FWD_WS=1 pads at every length and option."""
+    from cuflash import _config, _tma
+
+    padup_settings(monkeypatch)
+    ad, launched = dev
+    rng = np.random.default_rng()
+    scores, masks = _config.FWD_PAD_SMALL_SCORES_MIN_SEQLEN_K, _config.FWD_PAD_SMALL_MASK_MIN_SEQLEN_K
+    assert sorted(scores) == sorted((d, c) for d in (24, 32, 40, 48, 56) for c in (False, True))
+    assert set(masks) < set(scores) and (24, False) not in masks and (24, True) not in masks
+    for feat, table in (("scores", scores), ("mask", masks)):
+        for (d, causal), least in table.items():
+            assert _config.fwd_pad_head_dim("sm_90a", d, causal=causal, seqlen_k=least, feat=feat) == 64
+            assert _config.fwd_pad_head_dim("sm_90a", d, causal=causal, seqlen_k=least - 1, feat=feat) is None
+            assert _config.fwd_pad_head_dim("sm_80", d, causal=causal, seqlen_k=least, feat=feat) is None
+    assert _config.fwd_pad_head_dim("sm_90a", 24, seqlen_k=1 << 16, feat="mask") is None  # not in the table
+    assert _config.fwd_pad_head_dim("sm_90a", 16, seqlen_k=1 << 16, feat="scores") is None
+    ws = "fwd90ws_f16_d64_m128_n128_s2_feat"
+
+    def run(d, sk, want, sq=200, **kw):
+        q, k, v = arr(rng, (2, sq, 4, d)), arr(rng, (2, sk, 2, d)), arr(rng, (2, sk, 2, d))
+        cuflash.attention(q, k, v, **kw)
+        L = launched[-1]
+        if not want:
+            assert not L["name"].startswith("fwd90ws_") and f"_d{d}_" in L["name"], (d, sk, kw, L["name"])
+            return L
+        assert L["name"] == ws, (d, sk, kw, L["name"])
+        assert int(L["p"]["d_cols"]) == d, L["p"]
+        for field, t in (("map_q", q), ("map_k", k), ("map_v", v)):
+            strides = tuple(x // t.itemsize for x in t.strides)
+            assert L["p"][field].tobytes() == _tma.kv_map(addr(t), t.shape, strides, 128, "float16"), field
+        return L
+
+    slopes = rng.random(4).astype(np.float32).view(Dev)
+    sinks = rng.standard_normal(4).astype(np.float32).view(Dev)
+    for i, ((d, causal), least) in enumerate(scores.items()):
+        kw = ({"softcap": 5.0}, {"alibi_slopes": slopes}, {"sink_logits": sinks})[i % 3]
+        for sk, want in ((least, True), (least - 8, False)):
+            L = run(d, sk, want, causal=causal, **kw)
+            assert int(L["p"]["mask"]["window_right"]) == (0 if causal else -1), L["p"]["mask"]
+    for (d, causal), least in masks.items():
+        lens = np.full(2, least - 7, np.int32).view(Dev)
+        run(d, least, True, causal=causal, kv_lengths=lens)
+        run(d, least - 8, False, causal=causal, kv_lengths=np.full(2, least - 15, np.int32).view(Dev))
+        run(d, least, True, causal=causal, kv_lengths=lens, softcap=5.0)  # scores: the lower table
+    run(24, 8192, False, kv_lengths=np.full(2, 8000, np.int32).view(Dev))  # masks only at 24: never
+    # A window is causal in the table's sense when its right edge is 0, and is as long as it is wide:
+    # (1100, 0) at 8192 keys reads 1101: below the mask entry of 56 and the scores entry of 24, above
+    # the scores entry of 40; a narrow window keeps the feature kernel of 40 with options too.
+    assert masks[(56, True)] > 1101 and scores[(24, True)] > 1101 and scores[(40, True)] <= 1101
+    run(56, 8192, False, window=(1100, 0))
+    run(24, 8192, False, window=(1100, 0), softcap=5.0)
+    L = run(40, 8192, True, window=(1100, 0), softcap=5.0)
+    assert (int(L["p"]["mask"]["window_left"]), int(L["p"]["mask"]["window_right"])) == (1100, 0)
+    run(40, 8192, False, window=(256, 0), softcap=5.0)
+    # A packed batch: max_seqlen_k is the length the table reads; the maps are one sequence of all rows.
+    least = masks[(56, True)]
+    qp, kp, vp = arr(rng, (least + 100, 2, 56)), arr(rng, (least + 60, 1, 56)), arr(rng, (least + 60, 1, 56))
+    cu_q = np.array([0, 100, least + 100], np.int32).view(Dev)
+    cu_k = np.array([0, 60, least + 60], np.int32).view(Dev)
+    for mk, want in ((least, True), (least - 1, False)):
+        cuflash.attention_varlen(qp, kp, vp, cu_q, cu_k, least, mk, causal=True)
+        L = next(L for L in reversed(launched) if L["name"].startswith("fwd"))
+        if not want:
+            assert not L["name"].startswith("fwd90ws_"), L["name"]
+            continue
+        assert L["name"] == ws and int(L["p"]["d_cols"]) == 56, L["name"]
+        for field, t in (("map_q", qp), ("map_k", kp), ("map_v", vp)):
+            n, h = t.shape[:2]
+            want_map = _tma.kv_map(addr(t), (1, n, h, 56), (n * h * 56, h * 56, 56, 1), 128, "float16")
+            assert L["p"][field].tobytes() == want_map, field
+    # Off, and forced at every length and option.
+    monkeypatch.setenv("CUFLASH_FWD_PAD", "0")
+    _plan.CACHE.clear()
+    run(56, 4096, False, softcap=5.0)
+    monkeypatch.delenv("CUFLASH_FWD_PAD")
+    monkeypatch.setenv("CUFLASH_FWD_WS", "1")
+    _plan.CACHE.clear()
+    run(24, 300, True, causal=True, kv_lengths=np.full(2, 290, np.int32).view(Dev))
+    run(16, 300, False, softcap=5.0)
 
 
 def test_bwd_tma_wiring(dev, monkeypatch):
