@@ -132,9 +132,15 @@ def main():
     if len(sys.argv) > 2 and sys.argv[1] == "--summarize":  # a log of an earlier run
         summarize([json.loads(ln) for ln in open(sys.argv[2]) if ln.startswith("{")])
         return
+    summarize(run_variants(__file__, VARIANTS))
+
+
+def run_variants(script, variants):
+    """Runs `script --one VARIANT` for each variant in its own process; returns (and prints) the JSON
+    rows they printed."""
     rows = []
-    for variant in VARIANTS:
-        r = subprocess.run([sys.executable, __file__, "--one", variant], capture_output=True, text=True,
+    for variant in variants:
+        r = subprocess.run([sys.executable, script, "--one", variant], capture_output=True, text=True,
                            env=os.environ)
         if r.returncode != 0:
             print("FAILED", variant, r.stderr[-3000:], flush=True)
@@ -142,7 +148,7 @@ def main():
             if line.startswith("{"):
                 rows.append(json.loads(line))
                 print(line, flush=True)
-    summarize(rows)
+    return rows
 
 
 def summarize(rows):

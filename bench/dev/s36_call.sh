@@ -6,19 +6,11 @@
 #   STEPS="suite ab" bash bench/dev/s36_call.sh     (OUT: where logs go; the kernel cache carried as
 #   .cache/cf.tgz)
 set -u
-cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 2
-OUT="${OUT:-./out}"
-mkdir -p "$OUT" .cache
-[ -f .cache/cf.tgz ] && tar -C .cache -xzf .cache/cf.tgz
-export CUFLASH_CACHE_DIR="$PWD/.cache/cf" PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+source "$(dirname "${BASH_SOURCE[0]}")/call_env.sh"
 STEPS="${STEPS:-suite ab}"
-N="${CALL:-c}"
-nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 for step in $STEPS; do
   case "$step" in
-    suite)
-      python3 -m pytest -m "gpu and not slow" -q -rf -n 8 -p no:cacheprovider tests > "$OUT/${N}_suite.log" 2>&1
-      echo "suite: $(tail -n 1 "$OUT/${N}_suite.log")" ;;
+    suite) run_suite ;;
     ab)
       ARGS="--passes fwd --dtypes bfloat16 --head-dims 24 32 40 48 56 --seqlens 2048 4096 8192 --rounds 2 --no-compile-timing --providers cuflash sdpa_flash sdpa_cudnn"
       CUFLASH_FWD_PAD=0 python3 bench/bench.py $ARGS --json "$OUT/${N}_fwd_padoff.json" > "$OUT/${N}_fwd_padoff.log" 2>&1
