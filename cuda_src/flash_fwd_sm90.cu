@@ -36,7 +36,10 @@
 // instead of cp.async from every thread. The Params are then FwdTmaParams, FwdParams plus a tensor
 // map for K and one for V (cuflash/_tma.py kv_map: box {64 columns, BLOCK_N rows}, 128-byte
 // swizzle, so each copy fills one SW128 panel; rows past seqlen_k arrive as zeros, as cp.async's
-// zero-fill gave them). Four mbarriers (K and V, two stages each) follow the V stages in shared
+// zero-fill gave them). Pad-up (cuflash/_config.py fwd_pad_tma): a call of head_dim 24 to 56 runs
+// the variant of 64 with maps of its own head_dim, whose columns past it arrive as zeros;
+// FwdTmaParams::d_cols (the call's head_dim) zero-fills Q's columns past it and keeps O's from
+// being written. Four mbarriers (K and V, two stages each) follow the V stages in shared
 // memory (at head_dim 64 they sit inside the ones rows, above). Thread 0 arms a stage's barrier
 // with the tile's bytes and issues one copy per panel, right after the loop-top barrier that says
 // every warpgroup is done with that stage; every thread waits on a stage's barrier before that
@@ -63,6 +66,7 @@ namespace cuflash {
 // The TMA variant's Params: FwdParams, then the tensor maps of K and V (64-byte aligned). Must
 // match cuflash/_launch.py FWD_TMA_PARAMS.
 struct FwdTmaParams : FwdParams {
+    int d_cols;  // the call's head_dim: Q's and O's columns (below HEAD_DIM under pad-up; HEAD_DIM 64 only)
     TmaDesc map_k;
     TmaDesc map_v;
 };
@@ -163,7 +167,11 @@ flash_fwd_sm90_kernel(const __grid_constant__ typename FwdSm90ParamsOf<TMA>::typ
         }
     }
 
-    load_tile_sw128<HEAD_DIM, BLOCK_M, THREADS, !IS_EVEN>(sQ, gQ, p.q_row_stride, q_valid - m0, tid);
+    // The call's columns (pad-up: a smaller head_dim on the TMA variant of 64, whose maps read K's and
+    // V's columns past it as zeros; Q's are zero-filled here, O's are not written).
+    int d_cols = HEAD_DIM;
+    if constexpr (TMA) d_cols = p.d_cols;
+    load_tile_sw128<HEAD_DIM, BLOCK_M, THREADS, !IS_EVEN>(sQ, gQ, p.q_row_stride, q_valid - m0, tid, d_cols);
     if constexpr (TMA) {
         __syncthreads();  // the barriers are initialized before anyone waits on them or a copy lands
         if (tid == 0 && n_blocks > 0) tma_tile(sK, map_k, bar_k(0), tile_of(0) * BLOCK_N);
@@ -354,7 +362,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ typename FwdSm90ParamsOf<TMA>::typ
     if constexpr (HEAD_DIM > 128)
         o_rows_to_global_chunks<T, HEAD_DIM, BLOCK_M, IS_EVEN>(gO, p.o_row_stride, sQ_ptr, warp_row0, lane, m0, q_rows);
     else
-        o_rows_to_global<T, HEAD_DIM, BLOCK_M, IS_EVEN>(gO, p.o_row_stride, sQ, warp_row0, lane, m0, q_rows);
+        o_rows_to_global<T, HEAD_DIM, BLOCK_M, IS_EVEN>(gO, p.o_row_stride, sQ, warp_row0, lane, m0, q_rows, d_cols);
 }
 
 }  // namespace cuflash

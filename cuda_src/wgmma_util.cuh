@@ -184,20 +184,23 @@ __device__ __forceinline__ void zero_rows_sw128(u32 tile, int row_from, int i, i
 }
 
 // cp.async copy of ROWS x COLS (16-bit) from global memory (row stride in elements) into a SW128
-// tile at shared address s_base. Rows at or past valid_rows are zero-filled.
+// tile at shared address s_base. Rows at or past valid_rows are zero-filled, and so are the columns
+// at or past valid_cols (a multiple of 8: a call of a smaller head_dim on a larger kernel, pad-up).
 template <int COLS, int ROWS, int THREADS, bool CHECK>
-__device__ __forceinline__ void load_tile_sw128(u32 s_base, const u16* g, i64 row_stride, int valid_rows, int tid) {
+__device__ __forceinline__ void load_tile_sw128(u32 s_base, const u16* g, i64 row_stride, int valid_rows, int tid,
+                                                int valid_cols = COLS) {
     constexpr int CHUNKS = COLS / 8;
     constexpr int RPP = THREADS / CHUNKS;  // rows per pass
     static_assert(COLS % 64 == 0 && THREADS % CHUNKS == 0, "SW128 tile split");
     const int chunk = tid % CHUNKS;  // fixed per thread
     const int row0 = tid / CHUNKS;
+    const bool col_ok = chunk * 8 < valid_cols;
 #pragma unroll
     for (int i = 0; i < (ROWS + RPP - 1) / RPP; ++i) {
         const int row = row0 + i * RPP;
         if (ROWS % RPP == 0 || row < ROWS) {
-            const bool ok = !CHECK || row < valid_rows;
-            const u16* src = g + (ok ? row * row_stride : 0) + chunk * 8;
+            const bool ok = (!CHECK || row < valid_rows) && col_ok;
+            const u16* src = g + (ok ? row * row_stride : 0) + chunk * 8;  // (not read where !ok)
             cp_async_16(s_base + sw128_offset(row, chunk, ROWS), src, ok ? 16 : 0);
         }
     }

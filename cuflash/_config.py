@@ -176,6 +176,45 @@ FWD_PAD_SMALL_MASK_MIN_SEQLEN_K = {(32, False): 4096, (40, False): 2048, (48, Fa
                                    (56, True): 4096}
 
 
+def fwd_pad_tma(target: str, head_dim: int, causal: bool, seqlen_k: int | None = None) -> bool:
+    """Whether a plain forward at head_dim 24 to 56 runs the TMA variant of flash_fwd_sm90.cu at
+    head_dim 64 (64-row blocks: what head_dim 64 itself runs at these lengths), with maps of its own
+    head_dim and FwdTmaParams.d_cols: from the first to the second length of
+    FWD_PAD_SMALL_TMA_SEQLEN_K's entry (the warp-specialized kernel's pad-up, fwd_pad_head_dim, from
+    FWD_PAD_SMALL_MIN_SEQLEN_K's on). seqlen_k None: any length (listing specializations).
+    CUFLASH_FWD_PAD_TMA=1 at every length and head_dim 24-56 (tuning runs; it then takes the calls
+    the warp-specialized kernel would), =0 never; CUFLASH_FWD_PAD=0 or CUFLASH_FWD_TMA=0 turn it off
+    too, and CUFLASH_FWD_WS=1 (the warp-specialized kernel wherever it serves) leaves the calls to
+    that kernel. Read when a plan is made."""
+    import os
+
+    mode = os.environ.get("CUFLASH_FWD_PAD_TMA", "")
+    if (target != "sm_90a" or not 24 <= head_dim < 64 or mode == "0" or os.environ.get("CUFLASH_FWD_PAD") == "0"
+            or fwd_tma_mode() == "off" or (os.environ.get("CUFLASH_FWD_WS") == "1" and mode != "1")):
+        return False
+    if mode == "1":
+        return True
+    span = FWD_PAD_SMALL_TMA_SEQLEN_K.get((head_dim, bool(causal)))
+    return span is not None and (seqlen_k is None or span[0] <= seqlen_k < span[1])
+
+
+# Plain calls below 64 on the TMA variant of 64 (fwd_pad_tma): (from, below) keys per (head_dim,
+# causal); inside the span it goes before the warp-specialized kernel's pad-up. Measured on an H200
+# (session 37, bench.py bf16 and fp16, 16k tokens, CUFLASH_FWD_PAD_TMA=1 against the tree's rule in
+# one call; GPU time, bench/results/fwd_small_tma_{tree,all}_s37_h200.json), 512 / 1k / 2k / 4k keys:
+# non-causal head_dim 32 0.81-0.97 / 0.82-0.90 / 1.07-1.10 / 1.13-1.14, 48 0.77 / 0.93-0.94 / 1.09-1.13 /
+# 1.13-1.15, 56 0.94 / 1.08-1.09 / 1.21-1.32 / 1.30-1.44; causal 32 0.80-0.83 / 0.81-0.84 / 0.90-0.93 /
+# 1.01, 48 0.69-0.70 / 0.68-0.69 / 0.90-0.99 / 1.10-1.11, 56 0.68-0.70 / 0.81 / 1.10-1.11 / 1.15-1.27
+# (against the mma.sync kernel below FWD_PAD_SMALL_MIN_SEQLEN_K, the warp-specialized kernel's pad-up
+# from it). Head dims 24 and 40 lose everywhere (1.12-1.74; 0.97-0.99 at causal 40 512): the rows of
+# 48 and 80 bytes, unaligned to 32-byte sectors, cost this kernel's 64-row blocks more traffic per
+# product than the warp-specialized kernel's 192 (the padded kernel at 4k keys: 270-300 TFLOP/s of
+# head_dim 64's work at 24 and 40, 430-455 at 32 and 48, 335-355 at 56). Each span: the lengths where
+# both dtypes won by 2 % or more.
+FWD_PAD_SMALL_TMA_SEQLEN_K = {(32, False): (512, 2048), (32, True): (512, 4096), (48, False): (512, 2048),
+                              (48, True): (512, 2048), (56, False): (512, 1024), (56, True): (512, 2048)}
+
+
 def bwd_ws_block_n(head_dim: int) -> int:
     """Keys per tile of the warp-specialized backward: 128 (two consumers of 64 keys), 64 at head_dim
     256 (flash_bwd_sm90_ws256.cu: the consumers split head_dim instead)."""

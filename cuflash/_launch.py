@@ -63,8 +63,8 @@ def _with_maps(base: np.dtype, names, ints=()) -> np.dtype:
                      "offsets": [f[2] for f in fields], "itemsize": -(-off // 64) * 64})
 
 
-# Mirror of cuflash::FwdTmaParams (cuda_src/flash_fwd_sm90.cu): FwdParams, then the maps of K and V.
-FWD_TMA_PARAMS = _with_maps(FWD_PARAMS, ("map_k", "map_v"))
+# Mirror of cuflash::FwdTmaParams (cuda_src/flash_fwd_sm90.cu): FwdParams, d_cols, then the maps of K and V.
+FWD_TMA_PARAMS = _with_maps(FWD_PARAMS, ("map_k", "map_v"), ints=("d_cols",))
 _FWD_TMA_CHECKS_PARAMS = (_compile.params_layout_checks("cuflash", "FwdTmaParams", FWD_TMA_PARAMS) + "\n"
                           + _FWD_CHECKS_PARAMS)
 
@@ -307,11 +307,13 @@ def all_fwd_specializations(target: str, head_dims=None, dtypes=None, causal=(Fa
 
 def all_fwd_tma_specializations(target: str, head_dims=None, dtypes=None, causal=(False, True)):
     """The TMA variants of the sm_90a forward (plain calls; cuflash/_config.py fwd_tma_mode): every
-    plain wgmma forward whose head_dim a tensor map can carry (a multiple of 64). None on other
-    targets."""
+    plain wgmma forward whose head_dim a tensor map can carry (a multiple of 64), and that of 64 for
+    the head dims that pad up to it (_config.fwd_pad_tma). None on other targets."""
     out = []
+    dims = list(head_dims or _config.HEAD_DIMS)
+    dims += [64] * any(_config.fwd_pad_tma(target, d, c) for d in dims for c in causal)
     for dtype in dtypes or _config.DTYPES:
-        for d in head_dims or _config.HEAD_DIMS:
+        for d in dict.fromkeys(dims):
             for c in causal:
                 cfg = _config.fwd_tma_config_for_target(target, d, dtype, c)
                 if cfg.wgmma and d % 64 == 0:
@@ -954,6 +956,13 @@ def fwd_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTen
         # Head_dim pad-up (_config.fwd_pad_head_dim): the warp-specialized kernel of pad_dim reads the
         # call's tensors through maps whose columns past head_dim are zeros, and writes head_dim columns.
         pad_dim = None if chosen else _config.fwd_pad_head_dim(target, head_dim, True, causal, seqlen_k)
+        # ... or the TMA variant of 64 (_config.fwd_pad_tma), likewise: maps of the call's head_dim, Q's
+        # columns past it zero-filled, O's not written (FwdTmaParams.d_cols).
+        tma_pad = None
+        if not chosen and _config.fwd_pad_tma(target, head_dim, causal, seqlen_k):
+            tcfg = _config.fwd_tma_config_for_target(target, 64, dtype, causal)
+            if _use_tma(k, v, tcfg.block_n, dtype, True):
+                cfg, tma_pad, pad_dim = tcfg, 64, None
         if pad_dim is not None:
             pers = _config.fwd_ws_persistent_config(pad_dim, causal, seqlen_k, seqlen_q)
             # (No seqlen_k: where a call pads is fwd_pad_head_dim's rule, not head_dim 64's own
@@ -962,22 +971,22 @@ def fwd_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTen
             if not (ws and _use_tma(q, q, 64 * ws[3], dtype, True) and _use_tma(k, v, ws[0], dtype, True)):
                 pad_dim = None
         cfg = cfg or _config.fwd_config_for_target(target, head_dim, dtype, causal)
-        tma = cfg.wgmma and _use_tma(k, v, cfg.block_n, dtype)
+        tma = tma_pad is not None or (cfg.wgmma and _use_tma(k, v, cfg.block_n, dtype))
         if pad_dim is None:
-            pers = None if chosen or not tma else _config.fwd_ws_persistent_config(head_dim, causal, seqlen_k,
-                                                                                       seqlen_q)
-            ws = pers or (None if chosen or not tma else _config.fwd_ws_config(head_dim, causal, seqlen_k))
+            pers = None if chosen or tma_pad or not tma else _config.fwd_ws_persistent_config(
+                head_dim, causal, seqlen_k, seqlen_q)
+            ws = pers or (None if chosen or tma_pad or not tma else _config.fwd_ws_config(head_dim, causal, seqlen_k))
         if pad_dim is not None or (ws and _use_tma(q, q, 64 * ws[3], dtype) and _use_tma(k, v, ws[0], dtype)):
             cfg = _config.TileConfig(64 * ws[3], ws[0], 4 * (1 + ws[3]), wgmma=True)
             even = seqlen_q % cfg.block_m == 0 and seqlen_k % cfg.block_n == 0
             spec, smem = fwd_ws_specialization(dtype, pad_dim or head_dim, causal, even, *ws,
                                                persistent=pers is not None)
         else:
-            if tma and not chosen:
+            if tma and not chosen and not tma_pad:
                 cfg = _config.fwd_tma_config_for_target(target, head_dim, dtype, causal)
                 tma = _use_tma(k, v, cfg.block_n, dtype)  # the maps' box is the tile's rows
             even = seqlen_q % cfg.block_m == 0 and seqlen_k % cfg.block_n == 0
-            spec, smem = fwd_specialization(dtype, head_dim, cfg, causal, even, tma=tma)
+            spec, smem = fwd_specialization(dtype, tma_pad or head_dim, cfg, causal, even, tma=tma)
     num_m_blocks = -(-seqlen_q // cfg.block_m)
     grid = batch * nheads * num_m_blocks
     if grid > MAX_GRID_X:
@@ -1007,7 +1016,7 @@ def fwd_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTen
     p["seqlen_q"], p["seqlen_k"], p["num_m_blocks"] = seqlen_q, seqlen_k, num_m_blocks
     p["tail_heads"] = tail_heads
     p["scale_log2"] = softmax_scale * LOG2E
-    if ws:
+    if ws or tma:
         p["d_cols"] = head_dim  # the call's columns (the kernel's head_dim may be larger: pad-up)
     if mask is not None:
         ptrs.update(_set_mask(p, mask, softmax_scale, nheads, seqlen_q))

@@ -100,3 +100,54 @@ def test_default_mode_uses_tma_where_maps_patch(tma_on, monkeypatch):
             for off in (0, 16, 4096 * 16):
                 ptr = t.data_ptr() + off
                 assert patch.map(ptr) == _tma.kv_map(ptr, tuple(t.shape), tuple(t.stride()), bn, "bfloat16")
+
+
+# Pad-up on the TMA variant (cuflash/_config.py fwd_pad_tma; CUFLASH_FWD_PAD_TMA=1: at every length):
+# plain calls at head_dim 24 to 56 run the variant of 64 with maps of their own head_dim (TMA's zeros
+# past it), Q's columns past it zero-filled by cp.async and O's left unwritten (FwdTmaParams.d_cols;
+# run_and_check NaN-poisons out, so a column not written or a write past the row shows).
+CASES_PAD = [  # dtype, head_dim, causal, seqlen_q, seqlen_k, nheads, nheads_kv, layout
+    ("bfloat16", 24, False, 1000, 1000, 4, 2, "bshd"),
+    ("float16", 40, True, 513, 777, 4, 1, "bhsd"),
+    ("bfloat16", 56, False, 200, 130, 2, 2, "padded"),
+    ("float16", 32, True, 300, 300, 2, 2, "packed"),
+    ("bfloat16", 48, False, 64, 1000, 2, 1, "mixed"),
+    ("float16", 56, True, 2048, 512, 2, 2, "bshd"),   # bottom-right causal: early rows see no key
+    ("bfloat16", 40, False, 129, 1, 2, 2, "bshd"),    # one key
+    ("float16", 24, True, 1024, 1024, 4, 4, "bshd"),
+    ("bfloat16", 48, True, 1, 4097, 8, 8, "bshd"),
+]
+
+
+# ... and with the tree's rule (FWD_PAD_SMALL_TMA_SEQLEN_K's spans): "rule" in the last column.
+CASES_PAD_RULE = [
+    ("bfloat16", 48, True, 1000, 1000, 4, 2, "bshd", "rule"),
+    ("float16", 32, False, 700, 1500, 4, 4, "bhsd", "rule"),
+    ("bfloat16", 56, True, 513, 1500, 2, 1, "padded", "rule"),
+    ("float16", 32, True, 3000, 3000, 2, 2, "bshd", "rule"),
+]
+
+
+@pytest.mark.parametrize("dtype,head_dim,causal,seqlen_q,seqlen_k,nheads,nheads_kv,layout,mode",
+                         [c + ("1",) for c in CASES_PAD] + CASES_PAD_RULE)
+def test_tma_padded_head_dim_forward(monkeypatch, dtype, head_dim, causal, seqlen_q, seqlen_k, nheads, nheads_kv,
+                                     layout, mode):
+    import cuflash
+    from cuflash import _config, _plan
+
+    names = record_tma_launches(monkeypatch, CUFLASH_FWD_PAD_TMA="1" if mode == "1" else None, CUFLASH_FWD_WS=None,
+                                CUFLASH_FWD_TMA=None, CUFLASH_FWD_PAD=None)
+    assert _config.fwd_pad_tma("sm_90a", head_dim, causal, seqlen_k), "a case the TMA variant does not take"
+    try:
+        seed = fresh_seed()
+        torch.manual_seed(seed)
+        q, k, v = make_qkv(2, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, getattr(torch, dtype), layout)
+        label = f"tma pad-up {dtype} d{head_dim} causal={causal} {seqlen_q}x{seqlen_k} h{nheads}/{nheads_kv} {layout}"
+        run_and_check(cuflash, q, k, v, causal=causal, seed=seed, label=label)
+        short = "bf16" if dtype == "bfloat16" else "f16"
+        mappable = all(t.stride(-1) == 1 and all(s > 0 and s % 8 == 0 for s in t.stride()[:3]) for t in (k, v))
+        assert all(n.startswith(f"fwd90_{short}_d64_") and n.endswith("_tma") for n in names), (label, names)
+        if mappable:
+            assert names, label
+    finally:
+        _plan.CACHE.clear()

@@ -83,7 +83,8 @@ def test_ws_forward(ws_on, dtype, head_dim, causal, seqlen_q, seqlen_k, nheads, 
 # 128 or 256 through maps whose columns past head_dim read as zeros, and write only their own columns
 # of out (run_and_check NaN-poisons out, so a column left unwritten or a write past the row shows);
 # plain calls at head_dim 24 to 56 run the kernel of 64 from _config.FWD_PAD_SMALL_MIN_SEQLEN_K's keys
-# on, with its three consumers (192-row blocks); every case below 64 here is at or past that length.
+# on, with its three consumers (192-row blocks), or inside FWD_PAD_SMALL_TMA_SEQLEN_K's spans the TMA
+# variant of 64 (_config.fwd_pad_tma); every case below 64 here is at or past the first of those lengths.
 CASES_PAD = [  # dtype, head_dim, causal, seqlen_q, seqlen_k, nheads, nheads_kv, layout
     ("bfloat16", 96, False, 1000, 1000, 4, 2, "bshd"),
     ("float16", 96, True, 513, 777, 4, 4, "bhsd"),
@@ -118,7 +119,9 @@ def test_padded_head_dim_forward(monkeypatch, dtype, head_dim, causal, seqlen_q,
         run_and_check(cuflash, q, k, v, causal=causal, seed=seed, label=label)
         pad = _config.fwd_pad_head_dim("sm_90a", head_dim, plain=True)
         mappable = all(t.stride(-1) == 1 and all(s > 0 and s % 8 == 0 for s in t.stride()[:3]) for t in (q, k, v))
-        assert pad is not None and all(n.startswith(f"fwd90ws_{'bf16' if dtype == 'bfloat16' else 'f16'}_d{pad}_")
+        # (Inside FWD_PAD_SMALL_TMA_SEQLEN_K's spans the TMA variant of 64 goes first: _config.fwd_pad_tma.)
+        kind = "fwd90" if _config.fwd_pad_tma("sm_90a", head_dim, causal, seqlen_k) else "fwd90ws"
+        assert pad is not None and all(n.startswith(f"{kind}_{'bf16' if dtype == 'bfloat16' else 'f16'}_d{pad}_")
                                        for n in names), (label, names)
         if mappable:
             assert names, label

@@ -311,16 +311,31 @@ def test_backward_dq_small_head_dim_exact(cf, dtype, head_dim, seqlens, key_offs
     ("bfloat16", 24, False, 700, 2048, False), ("float16", 40, True, 300, 4096, False),
     ("bfloat16", 56, False, 2048, 2500, True), ("float16", 32, True, 4096, 4096, True),
     ("bfloat16", 48, False, 600, 600, False)])
-def test_backward_after_padded_forward(cf, dtype, head_dim, causal, seqlen_q, seqlen_k, det):
+def test_backward_after_padded_forward(cf, monkeypatch, dtype, head_dim, causal, seqlen_q, seqlen_k, det):
     """Plain forwards at head_dim 24 to 56 past FWD_PAD_SMALL_MIN_SEQLEN_K's keys run the
     warp-specialized kernel of 64 (cuflash/_config.py fwd_pad_head_dim, plain=True); their out and lse
-    feed the backward of the call's head_dim (mma.sync below 32, pad-up to 64 from 32)."""
+    feed the backward of the call's head_dim (mma.sync below 32, pad-up to 64 from 32). Then the same
+    with the forward on the TMA variant of 64 (fwd_pad_tma, forced)."""
+    from cuflash import _plan
+
+    for forced in (None, "1"):
+        if forced:
+            monkeypatch.setenv("CUFLASH_FWD_PAD_TMA", forced)
+        _plan.CACHE.clear()
+        try:
+            _backward_after_padded_forward(cf, dtype, head_dim, causal, seqlen_q, seqlen_k, det,
+                                           "" if forced is None else " (TMA variant)")
+        finally:
+            _plan.CACHE.clear()
+
+
+def _backward_after_padded_forward(cf, dtype, head_dim, causal, seqlen_q, seqlen_k, det, what):
     seed = fresh_seed()
     tdt = TORCH_DTYPES[dtype]
     q, k, v = make_qkv(2, seqlen_q, seqlen_k, 4, 2, head_dim, tdt)
     dout = make_dout(2, seqlen_q, 4, head_dim, tdt)
     run_backward_and_check(cf, q, k, v, dout, causal=causal, deterministic=det, seed=seed,
-                           label=f"bwd after padded fwd {dtype} d{head_dim} causal={causal} {seqlen_q}x{seqlen_k}")
+                           label=f"bwd after padded fwd{what} {dtype} d{head_dim} causal={causal} {seqlen_q}x{seqlen_k}")
 
 
 @pytest.mark.parametrize("dtype,causal,scale,det", [("bfloat16", False, 0.37, False), ("float16", True, 1.3, True),

@@ -584,6 +584,30 @@ def test_fwd_ws_wiring(dev, monkeypatch):
     assert not launched[-1]["name"].startswith("fwd90ws_"), launched[-1]["name"]
 
 
+def check_padded_launch(launched, rng, batch, d, sk, causal, want):
+    """A plain forward of head_dim d (256 query rows, sk keys) ran kernel `want` with d_cols d, the
+    call's q and the maps of its own tensors (K and V: the tile's keys a box; Q, on the
+    warp-specialized kernel: its block's rows), or with want None a kernel of its own head_dim."""
+    from cuflash import _tma
+
+    q, k, v = arr(rng, (batch, 256, 4, d)), arr(rng, (batch, sk, 2, d)), arr(rng, (batch, sk, 2, d))
+    cuflash.attention(q, k, v, causal=causal)
+    L = launched[-1]
+    if want is None:
+        assert not L["name"].startswith("fwd90") and f"_d{d}_" in L["name"], (d, sk, causal, L["name"])
+        return
+    assert L["name"] == want, (d, sk, causal, L["name"])
+    assert int(L["p"]["d_cols"]) == d, L["p"]
+    check_tensor(L["p"], "q", q)
+    ws = want.startswith("fwd90ws_")
+    kv_rows = 64 if causal and not ws else 128
+    maps = (("map_k", k, kv_rows), ("map_v", v, kv_rows)) + ((("map_q", q, int(want.split("_m")[1].split("_")[0])),)
+                                                            if ws else ())
+    for field, t, rows in maps:
+        strides = tuple(x // t.itemsize for x in t.strides)
+        assert L["p"][field].tobytes() == _tma.kv_map(addr(t), t.shape, strides, rows, "float16"), field
+
+
 def padup_settings(monkeypatch):
     """The pad-up wiring tests' setting: a stand-in map encoder and the tree's own rules (no
     CUFLASH_FWD_TMA / _WS / _PAD)."""
@@ -600,7 +624,7 @@ def test_fwd_padup_below_64_wiring(dev, monkeypatch):
     describe the call's own head_dim (TMA's zeros past it) and d_cols is the call's; shorter calls,
     head_dim 16 and CUFLASH_FWD_PAD=0 keep the mma.sync kernel of their head_dim; CUFLASH_FWD_WS=1
     pads at every length. (Calls with options: test_fwd_padup_below_64_feat_wiring.)"""
-    from cuflash import _config, _tma
+    from cuflash import _config
 
     padup_settings(monkeypatch)
     ad, launched = dev
@@ -616,22 +640,12 @@ def test_fwd_padup_below_64_wiring(dev, monkeypatch):
     assert sorted({d for d, _ in table}) == [24, 32, 40, 48, 56]
     for d, sk, causal, want in ((40, 512, False, "fwd90ws_f16_d64_m192_n128_s3_full_ragged"),
                                 (24, 4096, True, "fwd90ws_f16_d64_m192_n128_s2_causal_ragged"),
-                                (56, 1024, True, "fwd90ws_f16_d64_m192_n128_s2_causal_ragged"),
+                                (56, 2048, True, "fwd90ws_f16_d64_m192_n128_s2_causal_ragged"),
                                 (24, 2048, True, None),     # causal head_dim 24 below 4096 keys
-                                (32, 1024, False, None),    # head_dim 32 below 2048 keys
+                                (32, 448, False, None),     # head_dim 32 below 2048 keys (and below
+                                #                             the TMA variant's span, fwd_pad_tma)
                                 (16, 4096, False, None)):   # head_dim 16 does not pad
-        q, k, v = arr(rng, (1, 256, 4, d)), arr(rng, (1, sk, 2, d)), arr(rng, (1, sk, 2, d))
-        cuflash.attention(q, k, v, causal=causal)
-        L = launched[-1]
-        if want is None:
-            assert not L["name"].startswith("fwd90ws_") and f"_d{d}_" in L["name"], (d, sk, causal, L["name"])
-            continue
-        assert L["name"] == want, (d, sk, causal, L["name"])
-        assert int(L["p"]["d_cols"]) == d, L["p"]
-        check_tensor(L["p"], "q", q)
-        for field, t, rows in (("map_q", q, 192), ("map_k", k, 128), ("map_v", v, 128)):
-            strides = tuple(x // t.itemsize for x in t.strides)
-            assert L["p"][field].tobytes() == _tma.kv_map(addr(t), t.shape, strides, rows, "float16"), field
+        check_padded_launch(launched, rng, 1, d, sk, causal, want)
     q, k, v = arr(rng, (1, 256, 4, 40)), arr(rng, (1, 2048, 2, 40)), arr(rng, (1, 2048, 2, 40))
     monkeypatch.setenv("CUFLASH_FWD_PAD", "0")
     _plan.CACHE.clear()
@@ -643,6 +657,59 @@ def test_fwd_padup_below_64_wiring(dev, monkeypatch):
     q, k, v = arr(rng, (1, 256, 4, 32)), arr(rng, (1, 1024, 2, 32)), arr(rng, (1, 1024, 2, 32))
     cuflash.attention(q, k, v)
     assert launched[-1]["name"] == "fwd90ws_f16_d64_m192_n128_s3_full_ragged", launched[-1]["name"]
+
+
+def test_fwd_padup_tma_below_64_wiring(dev, monkeypatch):
+    """Plain forwards at head_dim 24 to 56 on the TMA variant of 64 (_config.fwd_pad_tma): forced
+    (CUFLASH_FWD_PAD_TMA=1) at every length, even where the warp-specialized kernel's pad-up would
+    take the call; FwdTmaParams.d_cols is the call's head_dim, the maps describe the call's k and v
+    (BLOCK_N-row boxes), q is the call's. Head_dim 16, CUFLASH_FWD_PAD_TMA=0 and CUFLASH_FWD_PAD=0
+    keep the mma.sync kernel; a head_dim 64 call's d_cols is 64. Without the setting: the table."""
+    from cuflash import _config
+
+    padup_settings(monkeypatch)
+    ad, launched = dev
+    rng = np.random.default_rng()
+
+    def run(d, sk, causal, want):
+        check_padded_launch(launched, rng, 2, d, sk, causal, want)
+
+    monkeypatch.setenv("CUFLASH_FWD_PAD_TMA", "1")
+    assert all(_config.fwd_pad_tma("sm_90a", d, c, 1 << 16) for d in (24, 32, 40, 48, 56) for c in (False, True))
+    assert not any(_config.fwd_pad_tma(t, d, False) for t, d in (("sm_90a", 16), ("sm_90a", 64), ("sm_80", 40)))
+    run(40, 1000, True, "fwd90_f16_d64_m64_n64_causal_ragged_tma")
+    run(24, 512, False, "fwd90_f16_d64_m64_n128_full_even_tma")
+    run(56, 4100, False, "fwd90_f16_d64_m64_n128_full_ragged_tma")  # (the other pad-up's length)
+    run(16, 1000, False, None)
+    monkeypatch.setenv("CUFLASH_FWD_PAD_TMA", "0")
+    _plan.CACHE.clear()
+    run(40, 1000, True, None)
+    monkeypatch.setenv("CUFLASH_FWD_PAD_TMA", "1")
+    monkeypatch.setenv("CUFLASH_FWD_PAD", "0")
+    _plan.CACHE.clear()
+    run(40, 1000, True, None)
+    monkeypatch.delenv("CUFLASH_FWD_PAD")
+    monkeypatch.delenv("CUFLASH_FWD_PAD_TMA")
+    _plan.CACHE.clear()
+    run(64, 1000, True, "fwd90_f16_d64_m64_n64_causal_ragged_tma")
+    # The table: (from, below) per (head_dim, causal); inside the span it goes before the
+    # warp-specialized kernel's pad-up, past it that pad-up (or mma.sync) serves the call.
+    table = _config.FWD_PAD_SMALL_TMA_SEQLEN_K
+    assert table and all(24 <= d < 64 for d, _ in table)
+    for (d, causal), (lo, hi) in table.items():
+        assert _config.fwd_pad_tma("sm_90a", d, causal, lo) and not _config.fwd_pad_tma("sm_90a", d, causal, lo - 1)
+        assert _config.fwd_pad_tma("sm_90a", d, causal, hi - 1) and not _config.fwd_pad_tma("sm_90a", d, causal, hi)
+    ws_least = _config.FWD_PAD_SMALL_MIN_SEQLEN_K[(32, True)]
+    assert table[(32, True)][0] < ws_least < table[(32, True)][1]
+    run(32, ws_least, True, "fwd90_f16_d64_m64_n64_causal_even_tma")   # the TMA variant first
+    run(32, table[(32, True)][1], True, "fwd90ws_f16_d64_m192_n128_s2_causal_ragged")  # then the other
+    run(48, table[(48, False)][0] - 8, False, None)                     # (shorter: mma.sync)
+    run(24, 1000, False, None)                                          # not in the table
+    # precompile(head_dims=[48]) builds the kernels of 64 it pads to; 40 pads to none of them.
+    names = {spec.name for spec, _ in _launch.all_fwd_tma_specializations("sm_90a", [48], ["float16"])}
+    assert names == {f"fwd90_f16_d64_m64_n{n}_{c}_{e}_tma" for n, c in ((128, "full"), (64, "causal"))
+                     for e in ("even", "ragged")}, names
+    assert _launch.all_fwd_tma_specializations("sm_90a", [40], ["float16"]) == []
 
 
 def test_fwd_padup_below_64_feat_wiring(dev, monkeypatch):
