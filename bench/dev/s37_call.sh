@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Session 37's device calls: the quick GPU suite on this tree (suite); the pad-up tests of calls with
 # options below head_dim 64 (feat); bench/dev/padup_small_feat.py, pad-up forced against off (probe)
-# and the tree's rule against off (rule).
+# and the tree's rule against off (rule); pad-up on the TMA variant of 64 forced against the tree
+# (tma) and its tests (tmatests); the final rule against pad-up off with the peers (final).
 #   STEPS="feat probe" CALL=c1 bash bench/dev/s37_call.sh   (OUT: where logs go; the kernel cache
 #   carried as .cache/cf.tgz)
 set -u
@@ -22,5 +23,22 @@ for step in $STEPS; do
     rule)
       python3 bench/dev/padup_small_feat.py --variants rule native rule native > "$OUT/${N}_rule.log" 2>&1
       sed -n '/^all points/,/^worst over/p' "$OUT/${N}_rule.log"; grep -m3 FAILED "$OUT/${N}_rule.log" ;;
+    tma)  # pad-up on the TMA variant of 64 at every length (CUFLASH_FWD_PAD_TMA=1) against the tree's rule
+      ARGS="--passes fwd --dtypes bfloat16 float16 --head-dims 24 32 40 48 56 --seqlens 512 1024 2048 4096 --rounds 2 --eager-reps 10 --no-compile-timing --providers cuflash sdpa_flash sdpa_cudnn"
+      python3 bench/bench.py $ARGS --json "$OUT/${N}_tma_tree.json" > "$OUT/${N}_tma_tree.log" 2>&1
+      CUFLASH_FWD_PAD_TMA=1 python3 bench/bench.py $ARGS --json "$OUT/${N}_tma_all.json" > "$OUT/${N}_tma_all.log" 2>&1
+      python3 bench/dev/bench_ab.py "$OUT/${N}_tma_tree.json" "$OUT/${N}_tma_all.json" > "$OUT/${N}_tma_ab.txt" 2>&1
+      cat "$OUT/${N}_tma_ab.txt" ;;
+    final)  # the tree's rule against pad-up off, 512-8192 keys, with the peers
+      ARGS="--passes fwd --dtypes bfloat16 --head-dims 24 32 40 48 56 --seqlens 512 1024 2048 4096 8192 --rounds 2 --no-compile-timing --providers cuflash sdpa_flash sdpa_cudnn"
+      CUFLASH_FWD_PAD=0 python3 bench/bench.py $ARGS --json "$OUT/${N}_final_padoff.json" > "$OUT/${N}_final_padoff.log" 2>&1
+      python3 bench/bench.py $ARGS --json "$OUT/${N}_final_padon.json" > "$OUT/${N}_final_padon.log" 2>&1
+      python3 bench/dev/bench_ab.py "$OUT/${N}_final_padoff.json" "$OUT/${N}_final_padon.json" > "$OUT/${N}_final_ab.txt" 2>&1
+      cat "$OUT/${N}_final_ab.txt" ;;
+    tmatests)
+      python3 -m pytest -q -rf -p no:cacheprovider tests/test_fwd_tma_gpu.py tests/test_fwd_ws_gpu.py \
+        tests/test_gpu_backward.py -k "padded or tma_forward or default_mode" > "$OUT/${N}_tmatests.log" 2>&1
+      grep -E "^FAILED|seed" "$OUT/${N}_tmatests.log" | head -20
+      echo "tmatests: $(tail -n 1 "$OUT/${N}_tmatests.log")" ;;
   esac
 done
