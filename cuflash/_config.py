@@ -206,13 +206,36 @@ def fwd_pad_tma(target: str, head_dim: int, causal: bool, seqlen_k: int | None =
 # 1.13-1.15, 56 0.94 / 1.08-1.09 / 1.21-1.32 / 1.30-1.44; causal 32 0.80-0.83 / 0.81-0.84 / 0.90-0.93 /
 # 1.01, 48 0.69-0.70 / 0.68-0.69 / 0.90-0.99 / 1.10-1.11, 56 0.68-0.70 / 0.81 / 1.10-1.11 / 1.15-1.27
 # (against the mma.sync kernel below FWD_PAD_SMALL_MIN_SEQLEN_K, the warp-specialized kernel's pad-up
-# from it). Head dims 24 and 40 lose everywhere (1.12-1.74; 0.97-0.99 at causal 40 512): the rows of
-# 48 and 80 bytes, unaligned to 32-byte sectors, cost this kernel's 64-row blocks more traffic per
+# from it). Head dims 24 and 40 lose everywhere with these tiles (1.12-1.74; 0.97-0.99 at causal 40
+# 512): the rows of 48 and 80 bytes, unaligned to 32-byte sectors, cost 64-row blocks more traffic per
 # product than the warp-specialized kernel's 192 (the padded kernel at 4k keys: 270-300 TFLOP/s of
-# head_dim 64's work at 24 and 40, 430-455 at 32 and 48, 335-355 at 56). Each span: the lengths where
-# both dtypes won by 2 % or more.
+# head_dim 64's work at 24 and 40, 430-455 at 32 and 48, 335-355 at 56); 40 and 56 take 128-row
+# tiles (FWD_PAD_SMALL_TMA_TILE). Each span: the lengths where both dtypes won by 2 % or more.
 FWD_PAD_SMALL_TMA_SEQLEN_K = {(32, False): (512, 2048), (32, True): (512, 4096), (48, False): (512, 2048),
-                              (48, True): (512, 2048), (56, False): (512, 1024), (56, True): (512, 2048)}
+                              (48, True): (512, 2048), (56, False): (512, 2048), (56, True): (512, 2048),
+                              (40, False): (512, 2048), (40, True): (512, 4096)}
+# ... with 128 x 64 tiles in place of head_dim 64's own (fwd_tma_config_for_target) at these: 128-row
+# blocks read K and V half as often, which is what the unaligned rows of 80 and 112 bytes cost.
+# Measured on an H200 (session 37, bench.py bf16 / fp16, CUFLASH_FWD_PAD_TMA=1 CUFLASH_FWD_TMA_TILE=
+# 128x64 against the rule above with 64-row tiles, whose spans then held 32, 48, 56 only (56
+# non-causal to 1024); bench/results/fwd_small_tma128_{tree,all}_s37_h200.json), GPU time, 512 / 1k /
+# 2k / 4k: head_dim 40 non-causal 0.86-0.87 / 0.95-0.97 / 1.10-1.11 / 1.14 (against the warp-
+# specialized kernel's pad-up), causal 0.83 / 0.80 / 0.98 / 1.05-1.06 (mma.sync, then the warp-
+# specialized kernel); 56 non-causal 0.97-0.98 / 0.95-0.96 (64 x 128 tiles, then the warp-specialized
+# kernel) / 1.09-1.11; 24 causal 0.97-1.10 / 0.94-1.04 / 0.91-1.01 (fp16 lost: not taken).
+FWD_PAD_SMALL_TMA_TILE = {(40, False): (128, 64), (40, True): (128, 64), (56, False): (128, 64)}
+
+
+def fwd_pad_tma_config(target: str, head_dim: int, dtype: str, causal: bool) -> TileConfig:
+    """The TMA variant of 64's tiles for a call of head_dim that fwd_pad_tma puts there:
+    FWD_PAD_SMALL_TMA_TILE's where it has the call, else head_dim 64's own (fwd_tma_config_for_target,
+    which CUFLASH_FWD_TMA_TILE overrides for both)."""
+    import os
+
+    tile = FWD_PAD_SMALL_TMA_TILE.get((head_dim, bool(causal)))
+    if tile is None or os.environ.get("CUFLASH_FWD_TMA_TILE"):
+        return fwd_tma_config_for_target(target, 64, dtype, causal)
+    return TileConfig(tile[0], tile[1], tile[0] // 16, wgmma=True)
 
 
 def bwd_ws_block_n(head_dim: int) -> int:

@@ -311,14 +311,18 @@ def all_fwd_tma_specializations(target: str, head_dims=None, dtypes=None, causal
     the head dims that pad up to it (_config.fwd_pad_tma). None on other targets."""
     out = []
     dims = list(head_dims or _config.HEAD_DIMS)
-    dims += [64] * any(_config.fwd_pad_tma(target, d, c) for d in dims for c in causal)
     for dtype in dtypes or _config.DTYPES:
-        for d in dict.fromkeys(dims):
+        for d in dims:
             for c in causal:
-                cfg = _config.fwd_tma_config_for_target(target, d, dtype, c)
-                if cfg.wgmma and d % 64 == 0:
-                    out += [fwd_specialization(dtype, d, cfg, c, e, tma=True) for e in (False, True)]
-    return out
+                if d % 64 == 0:
+                    kd, cfg = d, _config.fwd_tma_config_for_target(target, d, dtype, c)
+                elif _config.fwd_pad_tma(target, d, c):
+                    kd, cfg = 64, _config.fwd_pad_tma_config(target, d, dtype, c)
+                else:
+                    continue
+                if cfg.wgmma:
+                    out += [fwd_specialization(dtype, kd, cfg, c, e, tma=True) for e in (False, True)]
+    return list({spec.expression: (spec, smem) for spec, smem in out}.values())
 
 
 def all_feat_specializations(target: str, head_dims=None, dtypes=None, backward=True):
@@ -960,7 +964,7 @@ def fwd_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTen
         # columns past it zero-filled, O's not written (FwdTmaParams.d_cols).
         tma_pad = None
         if not chosen and _config.fwd_pad_tma(target, head_dim, causal, seqlen_k):
-            tcfg = _config.fwd_tma_config_for_target(target, 64, dtype, causal)
+            tcfg = _config.fwd_pad_tma_config(target, head_dim, dtype, causal)
             if _use_tma(k, v, tcfg.block_n, dtype, True):
                 cfg, tma_pad, pad_dim = tcfg, 64, None
         if pad_dim is not None:

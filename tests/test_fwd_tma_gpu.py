@@ -125,6 +125,9 @@ CASES_PAD_RULE = [
     ("float16", 32, False, 700, 1500, 4, 4, "bhsd", "rule"),
     ("bfloat16", 56, True, 513, 1500, 2, 1, "padded", "rule"),
     ("float16", 32, True, 3000, 3000, 2, 2, "bshd", "rule"),
+    ("float16", 40, True, 1000, 1000, 4, 2, "bshd", "rule"),     # 128 x 64 tiles (FWD_PAD_SMALL_TMA_TILE)
+    ("bfloat16", 40, False, 700, 1500, 4, 1, "bhsd", "rule"),
+    ("float16", 56, False, 300, 1100, 2, 2, "mixed", "rule"),
 ]
 
 

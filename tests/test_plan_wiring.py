@@ -600,7 +600,7 @@ def check_padded_launch(launched, rng, batch, d, sk, causal, want):
     assert int(L["p"]["d_cols"]) == d, L["p"]
     check_tensor(L["p"], "q", q)
     ws = want.startswith("fwd90ws_")
-    kv_rows = 64 if causal and not ws else 128
+    kv_rows = int(want.split("_n")[1].split("_")[0])  # the tile's keys
     maps = (("map_k", k, kv_rows), ("map_v", v, kv_rows)) + ((("map_q", q, int(want.split("_m")[1].split("_")[0])),)
                                                             if ws else ())
     for field, t, rows in maps:
@@ -638,7 +638,7 @@ def test_fwd_padup_below_64_wiring(dev, monkeypatch):
         assert _config.fwd_pad_head_dim("sm_90a", d, True, causal, least) == 64, (d, causal)
         assert _config.fwd_pad_head_dim("sm_90a", d, True, causal, least - 1) is None, (d, causal)
     assert sorted({d for d, _ in table}) == [24, 32, 40, 48, 56]
-    for d, sk, causal, want in ((40, 512, False, "fwd90ws_f16_d64_m192_n128_s3_full_ragged"),
+    for d, sk, causal, want in ((40, 2048, False, "fwd90ws_f16_d64_m192_n128_s3_full_ragged"),
                                 (24, 4096, True, "fwd90ws_f16_d64_m192_n128_s2_causal_ragged"),
                                 (56, 2048, True, "fwd90ws_f16_d64_m192_n128_s2_causal_ragged"),
                                 (24, 2048, True, None),     # causal head_dim 24 below 4096 keys
@@ -677,9 +677,10 @@ def test_fwd_padup_tma_below_64_wiring(dev, monkeypatch):
     monkeypatch.setenv("CUFLASH_FWD_PAD_TMA", "1")
     assert all(_config.fwd_pad_tma("sm_90a", d, c, 1 << 16) for d in (24, 32, 40, 48, 56) for c in (False, True))
     assert not any(_config.fwd_pad_tma(t, d, False) for t, d in (("sm_90a", 16), ("sm_90a", 64), ("sm_80", 40)))
-    run(40, 1000, True, "fwd90_f16_d64_m64_n64_causal_ragged_tma")
-    run(24, 512, False, "fwd90_f16_d64_m64_n128_full_even_tma")
-    run(56, 4100, False, "fwd90_f16_d64_m64_n128_full_ragged_tma")  # (the other pad-up's length)
+    run(40, 1000, True, "fwd90_f16_d64_m128_n64_causal_ragged_tma")  # (FWD_PAD_SMALL_TMA_TILE's tiles)
+    run(24, 512, False, "fwd90_f16_d64_m64_n128_full_even_tma")      # (head_dim 64's)
+    run(56, 4100, False, "fwd90_f16_d64_m128_n64_full_ragged_tma")   # (the other pad-up's length)
+    run(32, 1000, True, "fwd90_f16_d64_m64_n64_causal_ragged_tma")
     run(16, 1000, False, None)
     monkeypatch.setenv("CUFLASH_FWD_PAD_TMA", "0")
     _plan.CACHE.clear()
@@ -705,11 +706,14 @@ def test_fwd_padup_tma_below_64_wiring(dev, monkeypatch):
     run(32, table[(32, True)][1], True, "fwd90ws_f16_d64_m192_n128_s2_causal_ragged")  # then the other
     run(48, table[(48, False)][0] - 8, False, None)                     # (shorter: mma.sync)
     run(24, 1000, False, None)                                          # not in the table
-    # precompile(head_dims=[48]) builds the kernels of 64 it pads to; 40 pads to none of them.
-    names = {spec.name for spec, _ in _launch.all_fwd_tma_specializations("sm_90a", [48], ["float16"])}
-    assert names == {f"fwd90_f16_d64_m64_n{n}_{c}_{e}_tma" for n, c in ((128, "full"), (64, "causal"))
-                     for e in ("even", "ragged")}, names
-    assert _launch.all_fwd_tma_specializations("sm_90a", [40], ["float16"]) == []
+    # precompile(head_dims=[...]) builds the kernels of 64 they pad to, in their tiles; 24 pads to none.
+    for d, tiles in ((48, ((64, 128, "full"), (64, 64, "causal"))), (40, ((128, 64, "full"), (128, 64, "causal")))):
+        names = {spec.name for spec, _ in _launch.all_fwd_tma_specializations("sm_90a", [d], ["float16"])}
+        assert names == {f"fwd90_f16_d64_m{m}_n{n}_{c}_{e}_tma" for m, n, c in tiles for e in ("even", "ragged")}, names
+    assert _launch.all_fwd_tma_specializations("sm_90a", [24], ["float16"]) == []
+    assert _config.fwd_pad_tma_config("sm_90a", 56, "float16", False) == _config.TileConfig(128, 64, 8, wgmma=True)
+    assert _config.fwd_pad_tma_config("sm_90a", 48, "float16", True) == _config.fwd_tma_config_for_target(
+        "sm_90a", 64, "float16", True)
 
 
 def test_fwd_padup_below_64_feat_wiring(dev, monkeypatch):
