@@ -65,10 +65,17 @@ def _all_specs(kind, target):
 
         specs = _tma.all_probe_specializations(target)
         assert len(specs) == (len(_tma.PROBE_SHAPES) if target == "sm_90a" else 0)
-        # ... and the forward's TMA variant (plain calls on sm_90a): every plain wgmma forward, with its tiles.
+        # ... and the forward's TMA variant (plain calls on sm_90a): every plain wgmma forward, with its
+        # tiles, and head_dim 64's in the tiles of the head dims that pad up to it where they differ
+        # from its own (cuflash/_config.py fwd_pad_tma_config; even and ragged, each dtype).
         tma_fwd = _launch.all_fwd_tma_specializations(target)
         n_wgmma = sum(spec.name.startswith("fwd90_") for spec, _ in _launch.all_fwd_specializations(target))
-        assert len(tma_fwd) == n_wgmma and all(spec.name.endswith("_tma") for spec, _ in tma_fwd)
+        own = {(c, _config.fwd_tma_config_for_target(target, 64, "float16", c)) for c in (False, True)}
+        pad_tiles = {(c, _config.fwd_pad_tma_config(target, d, "float16", c))
+                     for d, c in _config.FWD_PAD_SMALL_TMA_SEQLEN_K if _config.fwd_pad_tma(target, d, c)} - own
+        assert len(pad_tiles) == (2 if target == "sm_90a" else 0), pad_tiles  # 128 x 64, causal and not
+        assert len(tma_fwd) == n_wgmma + len(_config.DTYPES) * 2 * len(pad_tiles)
+        assert all(spec.name.endswith("_tma") for spec, _ in tma_fwd)
         # ... and the warp-specialized forward: every (head_dim, causal) of its table, even and ragged,
         # in both schedules (pingpong: CUFLASH_FWD_WS_PINGPONG=1), on both grids (persistent:
         # CUFLASH_FWD_WS_PERSISTENT). (Three consumer warpgroups have no pingpong schedule.)
