@@ -1,7 +1,10 @@
 // flash_bwd_sm90_ws.cu: the dK / dV / dQ kernel of the backward for Hopper (sm_90a),
 // warp-specialized: a producer warp loads with TMA, two consumer warpgroups compute on wgmma, and
-// each consumer adds its dQ part into the float scratch with one bulk reduction per query block
-// (docs/hopper_plan.md steps 6-8). Non-deterministic dQ.
+// each consumer adds its dQ part into the float scratch per query block: with DQ_RED (the default)
+// each thread by red.global.add.v4.f32 straight from its registers, otherwise through sdQ with one
+// bulk reduction (docs/hopper_plan.md steps 6-8). Non-deterministic dQ. DQ_RED keeps the dQ part out
+// of shared memory, which the products' operand reads already keep busy: H200, session 38, 0.89-0.97
+// of the bulk path's time (cuflash/_config.py BWD_WS_DQ_RED).
 //
 // FEAT (mask.cuh; sliding windows, sink tokens, sink logits, ALiBi; and with SEQS per-sequence lengths,
 // padded or packed batches; the host sends no softcap here): a key block visits the query blocks of query_range, and a
@@ -56,12 +59,13 @@
 // Iteration gi uses stage s = gi % STAGES; the producer's u-th fill of a stage (u = gi / STAGES)
 // waits for phase u - 1 of empty[s]; a consumer waits for phase u of full[s].
 //   named barrier 1 (256 consumer threads), once per iteration: "dS" after both consumers stored
-//               dS^T of iteration gi into sdS[gi % 2] (and, for thread 0 of each consumer, after its
-//               previous bulk reduction finished reading sdQ), before the dQ product; and once after
+//               dS^T of iteration gi into sdS[gi % 2] (and, without DQ_RED, for thread 0 of each
+//               consumer, after its previous bulk reduction finished reading sdQ), before the dQ product; and once after
 //               each tile's loop, before the epilogue writes dK and dV through sK and sV (the other
 //               consumer's dQ products read all of sK).
-//   named barrier 2 + c (128 threads of consumer c): its dQ part is in sdQ_c; then its thread 0
-//               issues the bulk reduction of sdQ_c into dq_accum.
+//   named barrier 2 + c (128 threads of consumer c; without DQ_RED): its dQ part is in sdQ_c; then its
+//               thread 0 issues the bulk reduction of sdQ_c into dq_accum. (With SEQS also around the
+//               zeroing of rows past the sequence.)
 // sdS is double-buffered: a consumer writes sdS[(gi + 1) % 2] while the other may still read sdS[gi %
 // 2] in its dQ product; it cannot get two iterations ahead because of barrier 1.
 //
@@ -71,11 +75,12 @@
 // c * 64 * DQ_N, inside it float4 j of consumer thread u (0..127) at (j * 128 + u) * 4, holding
 // rows g, g + 8 of warp u / 32's 16 and columns 8 j + 2 t, + 1 (g = lane / 4, t = lane % 4) as
 // {(g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)}. A warp's float4 stores to sdQ are then
-// conflict-free, and each part is one contiguous bulk reduction.
+// conflict-free, and each part is one contiguous bulk reduction; with DQ_RED, a warp's vector
+// reduction covers 512 contiguous bytes.
 //
 // Shared memory: sK, sV (128 x HEAD_DIM), sQ[STAGES], sdO[STAGES] (BLOCK_M x HEAD_DIM), sdS[2] (128
 // keys x BLOCK_M queries), all SW128 panels (wgmma_util.cuh); sdQ (BLOCK_M x HEAD_DIM floats, two
-// parts); then sLse[STAGES], sDelta[STAGES] (BLOCK_M floats each), then the mbarriers. The
+// parts; none with DQ_RED); then sLse[STAGES], sDelta[STAGES] (BLOCK_M floats each), then the mbarriers. The
 // epilogue writes dV and dK out through sV and sK.
 //
 // Grid: 1-D, one block per tile, or (persistent) one per SM.
@@ -91,7 +96,7 @@
 
 namespace cuflash {
 
-template <int HEAD_DIM, int BLOCK_M_, int STAGES>
+template <int HEAD_DIM, int BLOCK_M_, int STAGES, bool DQ_RED = false>
 struct BwdWsTraits {
     static constexpr int BLOCK_M = BLOCK_M_, BLOCK_N = 128;
     static constexpr int THREADS = 384;
@@ -102,7 +107,7 @@ struct BwdWsTraits {
     static constexpr int SKV_BYTES = BLOCK_N * HEAD_DIM * 2;
     static constexpr int SQ_BYTES = BLOCK_M * HEAD_DIM * 2;
     static constexpr int SDS_BYTES = BLOCK_N * BLOCK_M * 2;
-    static constexpr int SDQ_BYTES = BLOCK_M * HEAD_DIM * 4;
+    static constexpr int SDQ_BYTES = DQ_RED ? 0 : BLOCK_M * HEAD_DIM * 4;  // DQ_RED: no sdQ
     static constexpr int ROWS_BYTES = STAGES * 2 * BLOCK_M * 4;  // sLse[STAGES], sDelta[STAGES]
     static constexpr int BAR_BYTES = 8 * (2 + 2 * STAGES);
     // sK, sV, sQ[STAGES], sdO[STAGES], sdS[2], sdQ, the rows, the barriers, plus 1024 bytes of
@@ -119,12 +124,12 @@ struct BwdWsTraits {
 };
 
 template <typename T, int HEAD_DIM, int BLOCK_M, bool IS_CAUSAL, bool IS_EVEN, int STAGES = 2, bool FEAT = false,
-          bool SEQS = false>
+          bool SEQS = false, bool DQ_RED = false>
 __global__ void __launch_bounds__(384, 1)
 flash_bwd_sm90_ws_kernel(const __grid_constant__ BwdTmaParams p) {
     static_assert(!FEAT || (!IS_CAUSAL && !IS_EVEN), "FEAT: causal and the tails are the mask's");
     static_assert(!SEQS || FEAT, "SEQS: per-sequence lengths are an option of FEAT");
-    using Tr = BwdWsTraits<HEAD_DIM, BLOCK_M, STAGES>;
+    using Tr = BwdWsTraits<HEAD_DIM, BLOCK_M, STAGES, DQ_RED>;
     using Ops = ElemOps<T>;
     constexpr int BLOCK_N = Tr::BLOCK_N, DQ_N = Tr::DQ_N;
     constexpr int Q_STEPS = BLOCK_M / 16, N_STEPS = BLOCK_N / 16;
@@ -319,7 +324,7 @@ flash_bwd_sm90_ws_kernel(const __grid_constant__ BwdTmaParams p) {
             wgmma_commit();
 
             fence_proxy_async();                     // dS^T stores before the async proxy (wgmma) reads them
-            if (tw == 0) bulk_wait_group_read<0>();  // the previous bulk reduction has read sdQ
+            if (!DQ_RED && tw == 0) bulk_wait_group_read<0>();  // the previous bulk reduction has read sdQ
             named_barrier_sync(DS_BAR, 256);         // all of dS^T is in sdS[it % 2]; sdQ is free; dV runs meanwhile
 
             float dq[DQ_N / 2];
@@ -340,21 +345,36 @@ flash_bwd_sm90_ws_kernel(const __grid_constant__ BwdTmaParams p) {
             wgmma_wait<1>();  // dV and dQ are done; dK runs while dQ goes to shared memory
             fence_regs(acc_dv);
             fence_regs(dq);
-            // This thread's float4 j at (j * 128 + tw) * 16 bytes of this consumer's part.
-#pragma unroll
-            for (int j = 0; j < DQ_N / 8; ++j)
-                asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};"
-                             :: "r"(sdQ_wg + (j * 128 + tw) * 16), "f"(dq[4 * j]), "f"(dq[4 * j + 1]), "f"(dq[4 * j + 2]),
-                                "f"(dq[4 * j + 3]) : "memory");
-            fence_proxy_async();
-            named_barrier_sync(DQ_BAR + cw, 128);  // this consumer's part of dQ is in sdQ
-            if (tw == 0) {
-                // The block's coordinates again from an opaque iteration index (not held across the body).
+            if constexpr (DQ_RED) {
+                // Each thread adds its float4s straight from registers (red.global.add.v4.f32), at the
+                // offsets the bulk reduction's copy of sdQ would have had: no sdQ, no barrier.
+                // The accumulator row in 32 bits (rows of all heads: far below 2^31), widened once.
                 const int oit = (int)opaque((u32)it);
                 const int ohq = h_kv * p.head_group + oit / m_iters, om0 = (m_begin + oit % m_iters) * BLOCK_M;
-                float* acc = p.dq_accum + (((i64)b * p.nheads + ohq) * p.seqlen_q_pad + om0) * HEAD_DIM + cw * 64 * DQ_N;
-                bulk_reduce_add_f32(acc, sdQ_wg, Tr::SDQ_BYTES / 2);
-                bulk_commit_group();
+                const int row = (b * p.nheads + ohq) * p.seqlen_q_pad + om0;
+                float* acc = p.dq_accum + (i64)row * HEAD_DIM + (cw * 64 * DQ_N + 4 * tw);
+#pragma unroll
+                for (int j = 0; j < DQ_N / 8; ++j)
+                    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};"
+                                 :: "l"(acc + j * 512), "f"(dq[4 * j]), "f"(dq[4 * j + 1]), "f"(dq[4 * j + 2]),
+                                    "f"(dq[4 * j + 3]) : "memory");
+            } else {
+                // This thread's float4 j at (j * 128 + tw) * 16 bytes of this consumer's part.
+#pragma unroll
+                for (int j = 0; j < DQ_N / 8; ++j)
+                    asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};"
+                                 :: "r"(sdQ_wg + (j * 128 + tw) * 16), "f"(dq[4 * j]), "f"(dq[4 * j + 1]), "f"(dq[4 * j + 2]),
+                                    "f"(dq[4 * j + 3]) : "memory");
+                fence_proxy_async();
+                named_barrier_sync(DQ_BAR + cw, 128);  // this consumer's part of dQ is in sdQ
+                if (tw == 0) {
+                    // The block's coordinates again from an opaque iteration index (not held across the body).
+                    const int oit = (int)opaque((u32)it);
+                    const int ohq = h_kv * p.head_group + oit / m_iters, om0 = (m_begin + oit % m_iters) * BLOCK_M;
+                    float* acc = p.dq_accum + (((i64)b * p.nheads + ohq) * p.seqlen_q_pad + om0) * HEAD_DIM + cw * 64 * DQ_N;
+                    bulk_reduce_add_f32(acc, sdQ_wg, Tr::SDQ_BYTES / 2);
+                    bulk_commit_group();
+                }
             }
             wgmma_wait<0>();
             fence_regs(acc_dk);
@@ -393,7 +413,7 @@ flash_bwd_sm90_ws_kernel(const __grid_constant__ BwdTmaParams p) {
             if (lane == 0) mbar_arrive(bars.kv_empty());  // this warp's rows of sK / sV are read: the next K, V may land
         }
     }
-    if (tw == 0) bulk_wait_group<0>();  // the reductions are done before the block retires
+    if (!DQ_RED && tw == 0) bulk_wait_group<0>();  // the reductions are done before the block retires
 }
 
 }  // namespace cuflash

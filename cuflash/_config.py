@@ -65,7 +65,8 @@ def bwd_tma_enabled() -> bool:
 
 
 # The warp-specialized sm_90a backward (cuda_src/flash_bwd_sm90_ws.cu): a TMA producer warp, two
-# consumer warpgroups, dQ by bulk reductions; 64 x 128 tiles (128 x 128 at head_dim 64), head_dim 64
+# consumer warpgroups, dQ by vector reductions from registers (BWD_WS_DQ_RED) or by bulk reductions
+# from shared memory; 64 x 128 tiles (128 x 128 at head_dim 64), head_dim 64
 # and 128; at 256 cuda_src/flash_bwd_sm90_ws256.cu (64 x 64 tiles, dQ by vector reductions); calls
 # with the atomic dQ path. CUFLASH_BWD_WS (read when a plan is made): "1" wherever it serves the call,
 # "0" never; unset: where it serves the call and the maps patch per pointer (as CUFLASH_FWD_TMA).
@@ -80,6 +81,14 @@ BWD_WS_FEAT_HEAD_DIMS = (64, 128, 256)
 # the same run): non-causal 412 / 481 against 342 / 397 with 64 rows (cuDNN 418 / 481); causal 299 /
 # 427 against 277 / 369 (cuDNN 314 / 420).
 BWD_WS_BLOCK_M = {64: 128, 128: 64, 256: 64}
+# dQ from the consumers' registers by vector reductions (red.global.add.v4.f32) at head_dim 64 and
+# 128, rather than through sdQ and a bulk reduction (cp.reduce.async.bulk) per consumer and query
+# block. H200, session 38, call 3, same process (bench/dev/fwd_ab_inproc.py PASS=bwd, bf16 and fp16,
+# 1k-16k keys): 0.893-0.969 of the bulk path's GPU time non-causal, 0.927-0.969 causal (geomean
+# 0.941; single eager calls 0.927-0.975). bench.py in the same call, against cuDNN: backward geomean
+# 1.04 -> 1.08, lowest point 0.96 -> 1.02. Head_dim 64 with per-sequence lengths keeps the bulk path
+# (bwd_ws_dq_red).
+BWD_WS_DQ_RED = True
 
 
 def bwd_pad_head_dim(target: str, head_dim: int) -> int | None:
@@ -253,13 +262,25 @@ def bwd_ws_block_m(head_dim: int) -> int:
     return 64 if os.environ.get("CUFLASH_BWD_WS_BLOCK_M") == "64" else BWD_WS_BLOCK_M[head_dim]
 
 
-def bwd_ws_stages(head_dim: int, block_m: int) -> int:
+def bwd_ws_dq_red(head_dim: int, seqs: bool = False) -> bool:
+    """Whether flash_bwd_sm90_ws.cu adds dQ by red.global.add.v4.f32 from the consumers' registers (the
+    kernel's DQ_RED; BWD_WS_DQ_RED) rather than through sdQ and one bulk reduction per consumer;
+    CUFLASH_BWD_DQ_RED=0 / 1 (tuning) overrides. Head dims 64 and 128 (256 always adds from registers),
+    except head_dim 64 with per-sequence lengths (seqs, the kernel's SEQS), where ptxas spills 4 bytes
+    with DQ_RED (NVRTC 13.0, sm_90a) and the compile gate would refuse it."""
+    import os
+
+    v = os.environ.get("CUFLASH_BWD_DQ_RED")
+    return head_dim != 256 and not (seqs and head_dim == 64) and (v == "1" if v in ("0", "1") else BWD_WS_DQ_RED)
+
+
+def bwd_ws_stages(head_dim: int, block_m: int, seqs: bool = False) -> int:
     """Stages of the Q / dO ring: CUFLASH_BWD_WS_STAGES (2 or 3; tuning) where they fit in shared
-    memory, else BWD_WS_STAGES."""
+    memory (with sdQ or without: bwd_ws_dq_red), else BWD_WS_STAGES."""
     import os
 
     v = os.environ.get("CUFLASH_BWD_WS_STAGES")
-    if v in ("2", "3") and bwd_ws_smem_bytes(head_dim, int(v), block_m) <= SMEM_LIMIT["sm90"]:
+    if v in ("2", "3") and bwd_ws_smem_bytes(head_dim, int(v), block_m, bwd_ws_dq_red(head_dim, seqs)) <= SMEM_LIMIT["sm90"]:
         return int(v)
     return BWD_WS_STAGES
 
@@ -281,9 +302,10 @@ def bwd_ws_mode() -> str:
     return "off" if v == "0" else "force" if v == "1" else "auto"
 
 
-def bwd_ws_smem_bytes(head_dim: int, stages: int = BWD_WS_STAGES, block_m: int = 64) -> int:
+def bwd_ws_smem_bytes(head_dim: int, stages: int = BWD_WS_STAGES, block_m: int = 64, dq_red: bool = False) -> int:
     """Dynamic shared memory of flash_bwd_sm90_ws.cu (BwdWsTraits::SMEM_BYTES): sK, sV (128 rows),
-    sQ / sdO rings (block_m rows), sdS[2] (128 x block_m), sdQ (block_m x head_dim floats), the lse /
+    sQ / sdO rings (block_m rows), sdS[2] (128 x block_m), sdQ (block_m x head_dim floats; none with
+    dq_red), the lse /
     delta rows, the mbarriers and 1024 bytes of alignment slack. Head_dim 256
     (flash_bwd_sm90_ws256.cu, BwdWs256Traits::SMEM_BYTES): sK, sV of 64 rows, the rings of 64 rows,
     sP[2] and sdS[2] (64 x 64), no sdQ."""
@@ -292,7 +314,7 @@ def bwd_ws_smem_bytes(head_dim: int, stages: int = BWD_WS_STAGES, block_m: int =
         assert m == 64, m
         return (2 * 64 * 256 * 2 + 2 * stages * 64 * 256 * 2 + 4 * 64 * 64 * 2 + stages * 2 * 64 * 4
                 + 8 * (2 + 2 * stages) + 1024)
-    return (2 * 128 * head_dim * 2 + 2 * stages * m * head_dim * 2 + 2 * 128 * m * 2 + m * head_dim * 4
+    return (2 * 128 * head_dim * 2 + 2 * stages * m * head_dim * 2 + 2 * 128 * m * 2 + (0 if dq_red else m * head_dim * 4)
             + stages * 2 * m * 4 + 8 * (2 + 2 * stages) + 1024)
 
 

@@ -379,7 +379,7 @@ def bwd_uses_atomics(deterministic: bool, target: str | None = None, head_dim: i
 
 def bwd_ws_specializations(dtype: str, head_dim: int, causal: bool, even: bool,
                            stages: int = _config.BWD_WS_STAGES, block_m: int | None = None, feat: bool = False,
-                           call_dim: int | None = None, seqs: bool = False):
+                           call_dim: int | None = None, seqs: bool = False, dq_red: bool | None = None):
     """The warp-specialized sm_90a backward's launches, in order (cuda_src/flash_bwd_sm90_ws.cu):
     the preprocess (zeroing dq_accum), the kernel (Params BwdTmaParams: Q / dO maps with block_m-row
     boxes, K / V with 128), and the conversion of its permuted dq_accum. even: seqlen_q % block_m
@@ -388,8 +388,11 @@ def bwd_ws_specializations(dtype: str, head_dim: int, causal: bool, even: bool,
     call_dim: the call's head_dim under pad-up (_config.bwd_pad_head_dim; head_dim is then the
     kernel's): the preprocess reads call_dim columns and zeroes head_dim-wide accumulator rows, the
     conversion writes call_dim columns. seqs (with feat): per-sequence lengths, a padded or a packed
-    batch (the kernel's SEQS; the conversion then places each sequence's rows)."""
+    batch (the kernel's SEQS; the conversion then places each sequence's rows). dq_red: dQ added from
+    registers (the kernel's DQ_RED; _config.bwd_ws_dq_red by default)."""
     short, ctype = _DTYPE_TAG[dtype]
+    if dq_red is None:
+        dq_red = _config.bwd_ws_dq_red(head_dim, seqs)
     assert head_dim in _config.BWD_WS_HEAD_DIMS, head_dim
     assert not (feat and (causal or even)), (causal, even)
     assert not (feat and head_dim not in _config.BWD_WS_FEAT_HEAD_DIMS), head_dim
@@ -409,7 +412,7 @@ def bwd_ws_specializations(dtype: str, head_dim: int, causal: bool, even: bool,
         pre = _compile.Specialization(
             "flash_bwd.cu", f"cuflash::flash_bwd_preprocess_kernel<{ctype}, {head_dim}, true>",
             f"bwd_pre_{short}_d{head_dim}_zero_dq", _BWD_CHECKS_PARAMS)
-    smem = _config.bwd_ws_smem_bytes(head_dim, stages, m)
+    smem = _config.bwd_ws_smem_bytes(head_dim, stages, m, dq_red)
     kind = ("feat_seqs" if seqs else "feat") if feat else f"{'causal' if causal else 'full'}_{'even' if even else 'ragged'}"
     if head_dim == 256:
         traits = f"cuflash::BwdWs256Traits<{stages}>"
@@ -417,12 +420,13 @@ def bwd_ws_specializations(dtype: str, head_dim: int, causal: bool, even: bool,
         expr = (f"cuflash::flash_bwd_sm90_ws256_kernel<{ctype}, {_b(causal)}, {_b(even)}, {stages}"
                 + ((", true, true>" if seqs else ", true>") if feat else ">"))
     else:
-        traits = f"cuflash::BwdWsTraits<{head_dim}, {m}, {stages}>"
+        traits = f"cuflash::BwdWsTraits<{head_dim}, {m}, {stages}" + (", true>" if dq_red else ">")
         source = "flash_bwd_sm90_ws.cu"
         expr = (f"cuflash::flash_bwd_sm90_ws_kernel<{ctype}, {head_dim}, {m}, {_b(causal)}, {_b(even)}, {stages}"
-                + ((", true, true>" if seqs else ", true>") if feat else ">"))
+                + (f", {_b(feat)}, {_b(seqs)}, true>" if dq_red else
+                   (", true, true>" if seqs else ", true>") if feat else ">"))
     ws = _compile.Specialization(
-        source, expr, f"bwd90ws_{short}_d{head_dim}_m{m}_s{stages}_{kind}_tma",
+        source, expr, f"bwd90ws_{short}_d{head_dim}_m{m}_s{stages}_{kind}" + ("_red" if dq_red else "") + "_tma",
         _BWD_TMA_CHECKS_PARAMS + "\n" +
         f'static_assert({traits}::SMEM_BYTES == {smem}, "shared memory size differs from cuflash/_config.py:bwd_ws_smem_bytes");')
     part = head_dim if m == 128 else head_dim // 2  # BwdWsTraits::DQ_N (BwdWs256Traits::COLS)
@@ -436,11 +440,19 @@ def bwd_ws_specializations(dtype: str, head_dim: int, causal: bool, even: bool,
     return [(pre, 0, None), (ws, smem, _config.TileConfig(m, n, 8, wgmma=True)), (conv, 0, None)]
 
 
+def _dq_red_variants(head_dim: int, seqs: bool, tuning: bool) -> tuple:
+    """The default dQ path of the warp-specialized backward (_config.bwd_ws_dq_red); with tuning, also
+    the bulk reductions where the default adds from registers."""
+    red = _config.bwd_ws_dq_red(head_dim, seqs)
+    return (True, False) if red and tuning else (red,)
+
+
 def all_bwd_ws_specializations(target: str, head_dims=None, dtypes=None, causal=(False, True),
                                stages=(_config.BWD_WS_STAGES,), tuning=False):
     """Every specialization of the warp-specialized backward (sm_90a only), optionally only those of
     some head dims, dtypes, causal values, ring depths (where they fit); tuning: also BLOCK_M 64 at
-    head_dim 64 (CUFLASH_BWD_WS_BLOCK_M=64)."""
+    head_dim 64 (CUFLASH_BWD_WS_BLOCK_M=64), and dQ by bulk reductions where the default adds it
+    from registers (CUFLASH_BWD_DQ_RED=0)."""
     if target != "sm_90a":
         return []
     seen = {}
@@ -452,17 +464,19 @@ def all_bwd_ws_specializations(target: str, head_dims=None, dtypes=None, causal=
                 for e in (False, True):
                     for st in stages:
                         for m in sorted({_config.BWD_WS_BLOCK_M[d], 64 if tuning and d != 256 else _config.BWD_WS_BLOCK_M[d]}):
-                            if _config.bwd_ws_smem_bytes(d, st, m) > _config.SMEM_LIMIT["sm90"]:
-                                continue
-                            for spec, smem, _ in bwd_ws_specializations(dtype, d, c, e, st, m):
-                                seen.setdefault(spec.expression, (spec, smem))
+                            for red in _dq_red_variants(d, False, tuning):
+                                if _config.bwd_ws_smem_bytes(d, st, m, red) > _config.SMEM_LIMIT["sm90"]:
+                                    continue
+                                for spec, smem, _ in bwd_ws_specializations(dtype, d, c, e, st, m, dq_red=red):
+                                    seen.setdefault(spec.expression, (spec, smem))
             if d not in _config.BWD_WS_FEAT_HEAD_DIMS:
                 continue
             m = _config.BWD_WS_BLOCK_M[d]
             for seqs in (False, True):
-                for spec, smem, _ in bwd_ws_specializations(dtype, d, False, False, _config.bwd_ws_stages(d, m), m,
-                                                            feat=True, seqs=seqs):
-                    seen.setdefault(spec.expression, (spec, smem))
+                for red in _dq_red_variants(d, seqs, tuning):
+                    for spec, smem, _ in bwd_ws_specializations(dtype, d, False, False, _config.bwd_ws_stages(d, m, seqs),
+                                                                m, feat=True, seqs=seqs, dq_red=red):
+                        seen.setdefault(spec.expression, (spec, smem))
         # Pad-up (_config.bwd_pad_head_dim): the other head dims' preprocess and conversion around the
         # kernel of the next supported head_dim (the kernels themselves are those above).
         for cd in _config.HEAD_DIMS:
@@ -477,7 +491,7 @@ def all_bwd_ws_specializations(target: str, head_dims=None, dtypes=None, causal=
                         seen.setdefault(spec.expression, (spec, smem))
             if d in _config.BWD_WS_FEAT_HEAD_DIMS:
                 for seqs in (False, True):
-                    for spec, smem, _ in bwd_ws_specializations(dtype, d, False, False, _config.bwd_ws_stages(d, m),
+                    for spec, smem, _ in bwd_ws_specializations(dtype, d, False, False, _config.bwd_ws_stages(d, m, seqs),
                                                                 m, feat=True, call_dim=cd, seqs=seqs):
                         seen.setdefault(spec.expression, (spec, smem))
     return list(seen.values())
@@ -1233,7 +1247,7 @@ def bwd_launches(dout: DeviceTensor, q: DeviceTensor, k: DeviceTensor, v: Device
                                      wgmma=True)
             qcfg = cfg
             kernels = bwd_ws_specializations(dtype, kernel_dim, False, False,
-                                             _config.bwd_ws_stages(kernel_dim, cfg.block_m), cfg.block_m, feat=True,
+                                             _config.bwd_ws_stages(kernel_dim, cfg.block_m, seqs), cfg.block_m, feat=True,
                                              call_dim=head_dim, seqs=seqs)
         else:
             # A plan that reserved the accumulator for pad-up, where the call cannot take the kernel:

@@ -23,6 +23,15 @@ PLAIN_EQUIVALENT = {("win5000", False), ("win5000", True), ("sinktok_nowin", Fal
                     ("winm1_17", True)}
 
 
+def _suffix(kind, head_dim, seqs=False):
+    """The end of the launched kernel's name: kind ("_feat" or "_feat_seqs"), "_red" where the kernel
+    adds dQ from registers (_config.bwd_ws_dq_red, by the head_dim it runs at), "_tma"."""
+    from cuflash import _config
+
+    d = head_dim if head_dim in _config.BWD_WS_HEAD_DIMS else _config.bwd_pad_head_dim("sm_90a", head_dim)
+    return kind + ("_red" if _config.bwd_ws_dq_red(d, seqs) else "") + "_tma"
+
+
 @pytest.fixture
 def ws_feat(monkeypatch):
     names = record_tma_launches(monkeypatch, CUFLASH_BWD_WS="1", CUFLASH_BWD_WS_FEAT="1")
@@ -53,7 +62,7 @@ def test_ws_feat_backward(cf, ws_feat, feature, dtype, causal, head_dim, seqlen_
     run_padded_case(cf, seed=fresh_seed(), dtype=dtype, batch=2, sq=seqlen_q, sk=seqlen_k, h=nheads, hkv=nheads_kv,
                     d=head_dim, causal=causal, deterministic=False, fs=fs, label=label)
     bwd = [n for n in ws_feat[n0:] if n.startswith("bwd90ws_")]
-    want = "_tma" if (feature, causal) in PLAIN_EQUIVALENT else "_feat_tma"
+    want = "_tma" if (feature, causal) in PLAIN_EQUIVALENT else _suffix("_feat", head_dim)
     assert bwd and all(n.endswith(want) for n in bwd), (label, ws_feat[n0:])
 
 
@@ -83,7 +92,7 @@ def test_ws_feat_backward_padded_head_dim(cf, ws_feat, feature, dtype, causal, h
     run_padded_case(cf, seed=fresh_seed(), dtype=dtype, batch=2, sq=seqlen_q, sk=seqlen_k, h=nheads, hkv=nheads_kv,
                     d=head_dim, causal=causal, deterministic=False, fs=fs, label=label)
     bwd = [n for n in ws_feat[n0:] if n.startswith("bwd90ws_")]
-    want = "_tma" if (feature, causal) in PLAIN_EQUIVALENT else "_feat_tma"
+    want = "_tma" if (feature, causal) in PLAIN_EQUIVALENT else _suffix("_feat", head_dim)
     pad = _config.bwd_pad_head_dim("sm_90a", head_dim)
     assert bwd and all(n.endswith(want) and f"_d{pad}_" in n for n in bwd), (label, ws_feat[n0:])
 
@@ -118,7 +127,7 @@ def test_ws_seqs_backward_lengths(cf, ws_feat, feature, dtype, causal, head_dim,
     run_padded_case(cf, seed=fresh_seed(), dtype=dtype, batch=LENGTHS_BATCH, sq=seqlen_q, sk=seqlen_k, h=nheads,
                     hkv=nheads_kv, d=head_dim, causal=causal, deterministic=False, fs=fs, label=label)
     bwd = [n for n in ws_feat[n0:] if n.startswith("bwd90ws_")]
-    assert bwd and all(n.endswith("_feat_seqs_tma") for n in bwd), (label, ws_feat[n0:])
+    assert bwd and all(n.endswith(_suffix("_feat_seqs", head_dim, True)) for n in bwd), (label, ws_feat[n0:])
 
 
 @pytest.mark.parametrize("feature,dtype,causal,head_dim,cross", [("plain", "bfloat16", True, 64, False),
@@ -137,7 +146,7 @@ def test_ws_seqs_backward_varlen(cf, ws_feat, feature, dtype, causal, head_dim, 
     n0 = len(ws_feat)
     test_varlen(cf, feature, dtype, causal, head_dim, 4, 2, cross, False)
     bwd = [n for n in ws_feat[n0:] if n.startswith("bwd90ws_")]
-    assert bwd and all(n.endswith("_feat_seqs_tma") for n in bwd), ws_feat[n0:]
+    assert bwd and all(n.endswith(_suffix("_feat_seqs", head_dim, True)) for n in bwd), ws_feat[n0:]
 
 
 @pytest.mark.parametrize("head_dim,causal,packed", [(64, True, False), (128, False, False), (128, True, True),
@@ -192,7 +201,7 @@ def test_ws_seqs_backward_nan_rows(ws_feat, head_dim, causal, packed):
     n0 = len(ws_feat)
     ref = grads(0.0)
     got = grads(float("nan"))
-    assert any(n.endswith("_feat_seqs_tma") for n in ws_feat[n0:]), ws_feat[n0:]
+    assert any(n.endswith(_suffix("_feat_seqs", head_dim, True)) for n in ws_feat[n0:]), ws_feat[n0:]
     for name, a, b, m in (("dq", got[0], ref[0], ~pad_q), ("dk", got[1], ref[1], ~pad_k), ("dv", got[2], ref[2], ~pad_k)):
         a, b = a[m].float(), b[m].float()
         assert torch.isfinite(a).all(), (name, seed, head_dim, causal, packed)

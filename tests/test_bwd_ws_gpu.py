@@ -1,12 +1,13 @@
 """The warp-specialized sm_90a backward (cuda_src/flash_bwd_sm90_ws.cu, CUFLASH_BWD_WS=1): a TMA
-producer warp, two consumer warpgroups, dQ added with bulk reductions in a permuted scratch layout
-that the conversion kernel undoes. Checked as the default backward is (tests/test_gpu_backward.py's
+producer warp, two consumer warpgroups, dQ added in a permuted scratch layout that the conversion
+kernel undoes, from the consumers' registers by vector reductions (the default) or through shared
+memory by bulk reductions (CUFLASH_BWD_DQ_RED=0). Checked as the default backward is (tests/test_gpu_backward.py's
 run_backward_and_check: float64 reference gradients, 2x the naive error, NaN-poisoned allocators,
 inputs untouched) over both dtypes, head_dim 64 and 128, causal or not, lengths that are and are not
 multiples of the 64 x 128 tiles (rows past the tensors come as the maps' zeros), rows that see no
 key, query blocks that see no key block, GQA and MQA, strided layouts, with the default tiles
 (BLOCK_M 128 at head_dim 64, 64 at 128; 2 stages) and the tuning ones (CUFLASH_BWD_WS_BLOCK_M=64,
-CUFLASH_BWD_WS_STAGES=3), and on a persistent grid (CUFLASH_BWD_WS_PERSISTENT=1: blocks walk several
+CUFLASH_BWD_WS_STAGES=3, at both BLOCK_M with dQ from registers), and on a persistent grid (CUFLASH_BWD_WS_PERSISTENT=1: blocks walk several
 tiles, so K / V reloads and the ring's phases cross tiles). The launched kernel's name is
 checked, so a fallback cannot pass for it; deterministic calls must not take it. Head_dim 256 has
 its own kernel (cuda_src/flash_bwd_sm90_ws256.cu), the default there, checked the same way over
@@ -45,10 +46,15 @@ MANY_TILES = [
 
 @pytest.mark.parametrize("dtype,head_dim,causal,seqlen_q,seqlen_k,nheads,nheads_kv,layout", CASES + MANY_TILES)
 @pytest.mark.parametrize("det", [False, True])
-@pytest.mark.parametrize("stages,block_m,persistent", [("2", None, None), ("3", "64", None), ("2", "64", None),
-                                                       ("2", None, "1")])
+@pytest.mark.parametrize("stages,block_m,persistent,dq_red", [("2", None, None, None), ("3", "64", None, None),
+                                                              ("2", "64", None, None), ("2", None, "1", None),
+                                                              ("3", None, None, None), ("2", None, None, "0"),
+                                                              ("2", None, "1", "0")])
 def test_ws_backward(monkeypatch, dtype, head_dim, causal, seqlen_q, seqlen_k, nheads, nheads_kv, layout, det, stages,
-                     block_m, persistent):
+                     block_m, persistent, dq_red):
+    """dq_red None: the default, dQ added from the consumers' registers (red.global.add.v4.f32);
+    "0": through sdQ and a bulk reduction per consumer (CUFLASH_BWD_DQ_RED=0), which leaves no room
+    for 3 stages."""
     import cuflash
     from cuflash import _plan
 
@@ -57,7 +63,8 @@ def test_ws_backward(monkeypatch, dtype, head_dim, causal, seqlen_q, seqlen_k, n
     if (dtype, head_dim, causal, seqlen_q, seqlen_k, nheads, nheads_kv, layout) in MANY_TILES and not persistent:
         pytest.skip("the many-tile shapes check the persistent grid")
     names = record_tma_launches(monkeypatch, CUFLASH_BWD_WS="1", CUFLASH_BWD_WS_STAGES=stages,
-                                CUFLASH_BWD_WS_BLOCK_M=block_m, CUFLASH_BWD_WS_PERSISTENT=persistent)
+                                CUFLASH_BWD_WS_BLOCK_M=block_m, CUFLASH_BWD_WS_PERSISTENT=persistent,
+                                CUFLASH_BWD_DQ_RED=dq_red)
     try:
         seed = fresh_seed()
         torch.manual_seed(seed)
@@ -71,7 +78,7 @@ def test_ws_backward(monkeypatch, dtype, head_dim, causal, seqlen_q, seqlen_k, n
         ws = [n for n in names[n0:] if n.startswith("bwd90ws_")]
         assert not (det and ws), (label, names[n0:])
         m = block_m or ("128" if head_dim == 64 else "64")
-        assert all(f"_m{m}_s{stages}_" in n for n in ws), (label, ws)
+        assert all(f"_m{m}_s{stages}_" in n and n.endswith("_red_tma") == (dq_red != "0") for n in ws), (label, ws)
         # Layouts a tensor map can describe (else the plan's contiguous copies may still qualify).
         mappable = all(t.stride(-1) == 1 and all(s > 0 and s % 8 == 0 for s in t.stride()[:3])
                        for t in (q, k, v, dout))

@@ -93,14 +93,16 @@ def _all_specs(kind, target):
         assert all(spec.name.endswith("_tma") for spec, _ in tma_bwd)
         assert bool(tma_bwd) == (target == "sm_90a")
         # ... and the warp-specialized backward: per (dtype, head_dim) its kernel for causal x even x
-        # (BLOCK_M, ring depth) where it fits (head_dim 64: 128 x 2, and for tuning 64 x 2, 64 x 3;
-        # head_dim 128: 64 x 2, 64 x 3; head_dim 256: 64 x 2), the zeroing preprocess and the permuted
-        # dQ conversions; its FEAT and SEQS kernels with the feature preprocess and the SEQS conversion
-        # (four more per head_dim); and per head_dim that pads up (_config.bwd_pad_head_dim) a zeroing
-        # and a feature preprocess, a conversion (plain and FEAT) and a SEQS conversion.
+        # (BLOCK_M, ring depth, dQ path) where it fits, dQ from registers (red) and, for tuning, by bulk
+        # reductions through sdQ (head_dim 64: 128 x 2 red and bulk, 128 x 3 red; 64 x 2 and 64 x 3, red
+        # and bulk; head_dim 128: 64 x 2 and 64 x 3, red and bulk; head_dim 256: 64 x 2), the zeroing
+        # preprocess and the permuted dQ conversions; its FEAT and SEQS kernels (red and bulk, except
+        # head_dim 64's SEQS, bulk only, and 256's, one path) with the feature preprocess and the SEQS
+        # conversion; and per head_dim that pads up (_config.bwd_pad_head_dim) a zeroing and a feature
+        # preprocess, a conversion (plain and FEAT) and a SEQS conversion.
         ws_bwd = _launch.all_bwd_ws_specializations(target, stages=(2, 3), tuning=True)
         n_pad = sum(_config.bwd_pad_head_dim(target, d) is not None for d in _config.HEAD_DIMS)
-        assert len(ws_bwd) == (len(_config.DTYPES) * ((3 * 4 + 3) + (2 * 4 + 2) + (4 + 2) + 3 * 4 + 4 * n_pad)
+        assert len(ws_bwd) == (len(_config.DTYPES) * ((7 * 4 + 3) + (4 * 4 + 2) + (4 + 2) + (5 + 6 + 4) + 4 * n_pad)
                                if target == "sm_90a" else 0)
         assert len({spec.name for spec, _ in ws_bwd}) == len(ws_bwd)
         return specs + tma_fwd + ws_fwd + tma_bwd + ws_bwd

@@ -21,7 +21,7 @@ import pytest
 from _cpu_helpers import _fresh_decode_plans
 
 import cuflash
-from cuflash import _adapters, _compile, _gpu, _kvcache, _launch, _plan
+from cuflash import _adapters, _compile, _config, _gpu, _kvcache, _launch, _plan
 from cuflash._adapters._numpy import NumpyAdapter
 from cuflash._call import ArrayInfo
 
@@ -879,10 +879,10 @@ def test_bwd_ws_wiring(dev, monkeypatch):
             continue
         m = 128 if d == 64 else 64  # query rows per iteration (_config.BWD_WS_BLOCK_M)
         if d == 96:
-            assert names == ["bwd_pre_f16_d96_zero_dq128", "bwd90ws_f16_d128_m64_s2_causal_ragged_tma",
+            assert names == ["bwd_pre_f16_d96_zero_dq128", "bwd90ws_f16_d128_m64_s2_causal_ragged_red_tma",
                              "bwd_convert_dq_f16_d128_perm64_to96"], names
         else:
-            assert names == [f"bwd_pre_f16_d{d}_zero_dq", f"bwd90ws_f16_d{d}_m{m}_s2_causal_ragged_tma",
+            assert names == [f"bwd_pre_f16_d{d}_zero_dq", f"bwd90ws_f16_d{d}_m{m}_s2_causal_ragged_red_tma",
                              f"bwd_convert_dq_f16_d{d}_perm{m}"], names
         L = launched[n0 + 1]
         assert L["threads"] == 384 and L["grid"] == 2 * 2 * 3, L
@@ -936,10 +936,10 @@ def test_bwd_ws_wiring(dev, monkeypatch):
         cuflash.attention_backward(arr(rng, q.shape), q, k, v, out, lse, **kw)
         names = [L["name"] for L in launched[n0:]]
         if want == "seqs":
-            assert names == ["bwd_pre_f16_d128_zero_dq_feat", "bwd90ws_f16_d128_m64_s2_feat_seqs_tma",
+            assert names == ["bwd_pre_f16_d128_zero_dq_feat", "bwd90ws_f16_d128_m64_s2_feat_seqs_red_tma",
                              "bwd_convert_dq_f16_d128_perm64_feat"], (kw, names)
         elif want:
-            assert names == ["bwd_pre_f16_d128_zero_dq_feat", "bwd90ws_f16_d128_m64_s2_feat_tma",
+            assert names == ["bwd_pre_f16_d128_zero_dq_feat", "bwd90ws_f16_d128_m64_s2_feat_red_tma",
                              "bwd_convert_dq_f16_d128_perm64"], (kw, names)
             p = launched[n0 + 1]["p"]
             assert int(p["mask"]["window_left"]) == kw.get("window", (-1, -1))[0], (kw, p["mask"])
@@ -1174,6 +1174,52 @@ def test_packed_backward_with_no_rows_plans_and_launches_no_key_grid(dev, monkey
             names = [L["name"] for L in launched[n:]]
             assert not any("dkdv" in name for name in names), (hd, max_q, max_k, names)
     assert len(ws_plans) == 6, ws_plans  # every call planned the warp-specialized kernel
+
+
+def test_bwd_ws_dq_red_wiring(dev, monkeypatch):
+    """The warp-specialized backward adds dQ from registers (DQ_RED: the name's "_red", no sdQ in its
+    shared memory) at head_dim 64 and 128 by default; CUFLASH_BWD_DQ_RED=0 goes back to the bulk
+    reductions through sdQ; head_dim 64 with per-sequence lengths keeps the bulk path (ptxas spills
+    there with DQ_RED); at head_dim 64, 3 stages (CUFLASH_BWD_WS_STAGES=3) fit only without sdQ."""
+    ad, launched = dev
+    fake_tma_driver(monkeypatch, lambda ptr, i, dims, box, strides: (
+        (ptr >> 4) | (7 << 60) if i == 1 else 1000 * i + dims[1] + box[1] + strides[0]), lambda *a: None)
+    for name in ("CUFLASH_FWD_TMA", "CUFLASH_FWD_WS", "CUFLASH_BWD_WS"):
+        monkeypatch.delenv(name)
+    rng = np.random.default_rng()
+
+    def ws_launch(hd, lengths=False):
+        q, k, v = arr(rng, (2, 256, 2, hd)), arr(rng, (2, 256, 2, hd)), arr(rng, (2, 256, 2, hd))
+        kw = {}
+        if lengths:
+            kw = dict(q_lengths=np.array([200, 256], np.int32).view(Dev), kv_lengths=np.array([256, 100], np.int32).view(Dev))
+        out, lse = cuflash.attention(q, k, v, return_lse=True, **kw)
+        n = len(launched)
+        cuflash.attention_backward(arr(rng, q.shape), q, k, v, out, lse, **kw)
+        ws = [L for L in launched[n:] if L["name"].startswith("bwd90ws_")]
+        assert len(ws) == 1, [L["name"] for L in launched[n:]]
+        return ws[0]["name"], ws[0]["smem"]
+
+    for env, stages in ((None, None), ("0", None), ("1", None), (None, "3"), ("0", "3")):
+        for var, val in (("CUFLASH_BWD_DQ_RED", env), ("CUFLASH_BWD_WS_STAGES", stages)):
+            if val is None:
+                monkeypatch.delenv(var, raising=False)
+            else:
+                monkeypatch.setenv(var, val)
+        _plan.CACHE.clear()
+        for hd, lengths in ((64, False), (128, False), (64, True), (128, True)):
+            name, smem = ws_launch(hd, lengths)
+            red = env != "0" and not (hd == 64 and lengths)
+            assert _config.bwd_ws_dq_red(hd, lengths) == red
+            m = 128 if hd == 64 else 64
+            # 3 stages where they fit: with sdQ only at head_dim 128 (232000 bytes), without it at both.
+            st = 3 if stages == "3" and (red or hd == 128) else 2
+            assert name.endswith("_red_tma") == red and f"_d{hd}_m{m}_s{st}_" in name, (env, stages, hd, lengths, name)
+            assert smem == _config.bwd_ws_smem_bytes(hd, st, m, red), (name, smem)
+            assert smem <= _config.SMEM_LIMIT["sm90"]
+    assert not _config.bwd_ws_dq_red(256)
+    assert _config.bwd_ws_smem_bytes(128, 2, 64, False) - _config.bwd_ws_smem_bytes(128, 2, 64, True) == 64 * 128 * 4
+    _plan.CACHE.clear()
 
 
 def _refuse_launches(monkeypatch):
