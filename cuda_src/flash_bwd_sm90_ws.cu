@@ -345,14 +345,19 @@ flash_bwd_sm90_ws_kernel(const __grid_constant__ BwdTmaParams p) {
             wgmma_wait<1>();  // dV and dQ are done; dK runs while dQ goes to shared memory
             fence_regs(acc_dv);
             fence_regs(dq);
+            // This consumer's part of the query block in dq_accum. The block's coordinates again from an
+            // opaque iteration index (not held across the body); the row in 32 bits (the rows of all
+            // heads: far below 2^31), widened once.
+            auto dq_part = [&]() {
+                const int oit = (int)opaque((u32)it);
+                const int row = (b * p.nheads + h_kv * p.head_group + oit / m_iters) * p.seqlen_q_pad
+                                + (m_begin + oit % m_iters) * BLOCK_M;
+                return p.dq_accum + (i64)row * HEAD_DIM + cw * 64 * DQ_N;
+            };
             if constexpr (DQ_RED) {
                 // Each thread adds its float4s straight from registers (red.global.add.v4.f32), at the
                 // offsets the bulk reduction's copy of sdQ would have had: no sdQ, no barrier.
-                // The accumulator row in 32 bits (rows of all heads: far below 2^31), widened once.
-                const int oit = (int)opaque((u32)it);
-                const int ohq = h_kv * p.head_group + oit / m_iters, om0 = (m_begin + oit % m_iters) * BLOCK_M;
-                const int row = (b * p.nheads + ohq) * p.seqlen_q_pad + om0;
-                float* acc = p.dq_accum + (i64)row * HEAD_DIM + (cw * 64 * DQ_N + 4 * tw);
+                float* acc = dq_part() + 4 * tw;
 #pragma unroll
                 for (int j = 0; j < DQ_N / 8; ++j)
                     asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};"
@@ -368,11 +373,7 @@ flash_bwd_sm90_ws_kernel(const __grid_constant__ BwdTmaParams p) {
                 fence_proxy_async();
                 named_barrier_sync(DQ_BAR + cw, 128);  // this consumer's part of dQ is in sdQ
                 if (tw == 0) {
-                    // The block's coordinates again from an opaque iteration index (not held across the body).
-                    const int oit = (int)opaque((u32)it);
-                    const int ohq = h_kv * p.head_group + oit / m_iters, om0 = (m_begin + oit % m_iters) * BLOCK_M;
-                    float* acc = p.dq_accum + (((i64)b * p.nheads + ohq) * p.seqlen_q_pad + om0) * HEAD_DIM + cw * 64 * DQ_N;
-                    bulk_reduce_add_f32(acc, sdQ_wg, Tr::SDQ_BYTES / 2);
+                    bulk_reduce_add_f32(dq_part(), sdQ_wg, Tr::SDQ_BYTES / 2);
                     bulk_commit_group();
                 }
             }

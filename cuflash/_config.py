@@ -280,7 +280,8 @@ def bwd_ws_stages(head_dim: int, block_m: int, seqs: bool = False) -> int:
     import os
 
     v = os.environ.get("CUFLASH_BWD_WS_STAGES")
-    if v in ("2", "3") and bwd_ws_smem_bytes(head_dim, int(v), block_m, bwd_ws_dq_red(head_dim, seqs)) <= SMEM_LIMIT["sm90"]:
+    if v in ("2", "3") and (bwd_ws_smem_bytes(head_dim, int(v), block_m, bwd_ws_dq_red(head_dim, seqs))
+                            <= SMEM_LIMIT["sm90"]):
         return int(v)
     return BWD_WS_STAGES
 
@@ -305,8 +306,7 @@ def bwd_ws_mode() -> str:
 def bwd_ws_smem_bytes(head_dim: int, stages: int = BWD_WS_STAGES, block_m: int = 64, dq_red: bool = False) -> int:
     """Dynamic shared memory of flash_bwd_sm90_ws.cu (BwdWsTraits::SMEM_BYTES): sK, sV (128 rows),
     sQ / sdO rings (block_m rows), sdS[2] (128 x block_m), sdQ (block_m x head_dim floats; none with
-    dq_red), the lse /
-    delta rows, the mbarriers and 1024 bytes of alignment slack. Head_dim 256
+    dq_red), the lse / delta rows, the mbarriers and 1024 bytes of alignment slack. Head_dim 256
     (flash_bwd_sm90_ws256.cu, BwdWs256Traits::SMEM_BYTES): sK, sV of 64 rows, the rings of 64 rows,
     sP[2] and sdS[2] (64 x 64), no sdQ."""
     m = block_m
@@ -314,7 +314,8 @@ def bwd_ws_smem_bytes(head_dim: int, stages: int = BWD_WS_STAGES, block_m: int =
         assert m == 64, m
         return (2 * 64 * 256 * 2 + 2 * stages * 64 * 256 * 2 + 4 * 64 * 64 * 2 + stages * 2 * 64 * 4
                 + 8 * (2 + 2 * stages) + 1024)
-    return (2 * 128 * head_dim * 2 + 2 * stages * m * head_dim * 2 + 2 * 128 * m * 2 + (0 if dq_red else m * head_dim * 4)
+    sdq = 0 if dq_red else m * head_dim * 4
+    return (2 * 128 * head_dim * 2 + 2 * stages * m * head_dim * 2 + 2 * 128 * m * 2 + sdq
             + stages * 2 * m * 4 + 8 * (2 + 2 * stages) + 1024)
 
 

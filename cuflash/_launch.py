@@ -473,9 +473,10 @@ def all_bwd_ws_specializations(target: str, head_dims=None, dtypes=None, causal=
                 continue
             m = _config.BWD_WS_BLOCK_M[d]
             for seqs in (False, True):
+                st = _config.bwd_ws_stages(d, m, seqs)
                 for red in _dq_red_variants(d, seqs, tuning):
-                    for spec, smem, _ in bwd_ws_specializations(dtype, d, False, False, _config.bwd_ws_stages(d, m, seqs),
-                                                                m, feat=True, seqs=seqs, dq_red=red):
+                    for spec, smem, _ in bwd_ws_specializations(dtype, d, False, False, st, m, feat=True, seqs=seqs,
+                                                                dq_red=red):
                         seen.setdefault(spec.expression, (spec, smem))
         # Pad-up (_config.bwd_pad_head_dim): the other head dims' preprocess and conversion around the
         # kernel of the next supported head_dim (the kernels themselves are those above).
@@ -491,8 +492,9 @@ def all_bwd_ws_specializations(target: str, head_dims=None, dtypes=None, causal=
                         seen.setdefault(spec.expression, (spec, smem))
             if d in _config.BWD_WS_FEAT_HEAD_DIMS:
                 for seqs in (False, True):
-                    for spec, smem, _ in bwd_ws_specializations(dtype, d, False, False, _config.bwd_ws_stages(d, m, seqs),
-                                                                m, feat=True, call_dim=cd, seqs=seqs):
+                    st = _config.bwd_ws_stages(d, m, seqs)
+                    for spec, smem, _ in bwd_ws_specializations(dtype, d, False, False, st, m, feat=True, call_dim=cd,
+                                                                seqs=seqs):
                         seen.setdefault(spec.expression, (spec, smem))
     return list(seen.values())
 
@@ -1247,8 +1249,8 @@ def bwd_launches(dout: DeviceTensor, q: DeviceTensor, k: DeviceTensor, v: Device
                                      wgmma=True)
             qcfg = cfg
             kernels = bwd_ws_specializations(dtype, kernel_dim, False, False,
-                                             _config.bwd_ws_stages(kernel_dim, cfg.block_m, seqs), cfg.block_m, feat=True,
-                                             call_dim=head_dim, seqs=seqs)
+                                             _config.bwd_ws_stages(kernel_dim, cfg.block_m, seqs), cfg.block_m,
+                                             feat=True, call_dim=head_dim, seqs=seqs)
         else:
             # A plan that reserved the accumulator for pad-up, where the call cannot take the kernel:
             # the feature kernels' own dQ path.

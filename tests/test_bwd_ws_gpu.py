@@ -7,8 +7,9 @@ inputs untouched) over both dtypes, head_dim 64 and 128, causal or not, lengths 
 multiples of the 64 x 128 tiles (rows past the tensors come as the maps' zeros), rows that see no
 key, query blocks that see no key block, GQA and MQA, strided layouts, with the default tiles
 (BLOCK_M 128 at head_dim 64, 64 at 128; 2 stages) and the tuning ones (CUFLASH_BWD_WS_BLOCK_M=64,
-CUFLASH_BWD_WS_STAGES=3, at both BLOCK_M with dQ from registers), and on a persistent grid (CUFLASH_BWD_WS_PERSISTENT=1: blocks walk several
-tiles, so K / V reloads and the ring's phases cross tiles). The launched kernel's name is
+CUFLASH_BWD_WS_STAGES=3, at both BLOCK_M with dQ from registers), and on a persistent grid
+(CUFLASH_BWD_WS_PERSISTENT=1: blocks walk several tiles, so K / V reloads and the ring's phases cross
+tiles). The launched kernel's name is
 checked, so a fallback cannot pass for it; deterministic calls must not take it. Head_dim 256 has
 its own kernel (cuda_src/flash_bwd_sm90_ws256.cu), the default there, checked the same way over
 CASES_256 (one block per tile and persistent). Marked gpu; skipped below sm_90."""

@@ -335,7 +335,8 @@ def _backward_after_padded_forward(cf, dtype, head_dim, causal, seqlen_q, seqlen
     q, k, v = make_qkv(2, seqlen_q, seqlen_k, 4, 2, head_dim, tdt)
     dout = make_dout(2, seqlen_q, 4, head_dim, tdt)
     run_backward_and_check(cf, q, k, v, dout, causal=causal, deterministic=det, seed=seed,
-                           label=f"bwd after padded fwd{what} {dtype} d{head_dim} causal={causal} {seqlen_q}x{seqlen_k}")
+                           label=(f"bwd after padded fwd{what} {dtype} d{head_dim} causal={causal} "
+                                  f"{seqlen_q}x{seqlen_k}"))
 
 
 @pytest.mark.parametrize("dtype,causal,scale,det", [("bfloat16", False, 0.37, False), ("float16", True, 1.3, True),

@@ -1192,7 +1192,8 @@ def test_bwd_ws_dq_red_wiring(dev, monkeypatch):
         q, k, v = arr(rng, (2, 256, 2, hd)), arr(rng, (2, 256, 2, hd)), arr(rng, (2, 256, 2, hd))
         kw = {}
         if lengths:
-            kw = dict(q_lengths=np.array([200, 256], np.int32).view(Dev), kv_lengths=np.array([256, 100], np.int32).view(Dev))
+            kw = dict(q_lengths=np.array([200, 256], np.int32).view(Dev),
+                      kv_lengths=np.array([256, 100], np.int32).view(Dev))
         out, lse = cuflash.attention(q, k, v, return_lse=True, **kw)
         n = len(launched)
         cuflash.attention_backward(arr(rng, q.shape), q, k, v, out, lse, **kw)
