@@ -29,7 +29,9 @@
 // a grid of one block per tile (consecutive query blocks of a few heads, whose K / V stay in L2);
 // causal, pairs of a head's longest and shortest remaining query blocks (the same work a pair), the
 // pairs in turn to the blocks, head by head (the host takes this grid for an even count of query
-// blocks a head only). CONSUMERS = 2 (384 threads) or 3 (512 threads, at head_dim 64, as
+// blocks a head only); or, where the host gives p.sched, each block's own list of work tiles
+// (cuflash/_schedule.py: those pairs for most heads, then the last heads' query blocks one by one,
+// the longest first, each to the least loaded block, so that the grid's blocks end together). CONSUMERS = 2 (384 threads) or 3 (512 threads, at head_dim 64, as
 // FlashAttention-3 does there: the K / V tiles serve 192 rows), one producer warpgroup:
 //   producer  (warpgroup 0): gives registers back (setmaxnreg.dec 24); one thread issues every TMA
 //             copy: Q once, then K_j and V_j for j = 0 .. n_blocks - 1, into STAGES-deep rings;
@@ -96,6 +98,9 @@ namespace cuflash {
 // cuflash/_launch.py FWD_WS_PARAMS.
 struct FwdWsParams : FwdParams {
     int d_cols;  // the call's head_dim: O's columns to write (below HEAD_DIM under pad-up)
+    // PERSISTENT causal: the blocks' work lists (cuflash/_schedule.py), row k holding each block's
+    // k-th work tile (-1 past a block's last); nullptr: persistent_tile's pairs.
+    const int* sched;
     TmaDesc map_q;
     TmaDesc map_k;
     TmaDesc map_v;
@@ -167,8 +172,14 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
     // ... while below n_work.
     const unsigned n_work = (unsigned)p.batch * p.nheads * p.num_m_blocks;
     auto tile_at = [&](int k) {
-        if constexpr (!PERSISTENT) return k == 0 ? fwd_block_index<IS_CAUSAL || FEAT>(p) : n_work;
-        else return persistent_tile<IS_CAUSAL>(k, blockIdx.x, gridDim.x, p.num_m_blocks, (unsigned)p.batch * p.nheads);
+        if constexpr (!PERSISTENT) {
+            return k == 0 ? fwd_block_index<IS_CAUSAL || FEAT>(p) : n_work;
+        } else {
+            // Work tile k of this block: row k of the lists, -1 past its last (volatile: loaded here,
+            // not hoisted out of the loop into registers held across it).
+            if (IS_CAUSAL && p.sched != nullptr) return (unsigned)ld_global_nc(p.sched + k * gridDim.x + blockIdx.x);
+            return persistent_tile<IS_CAUSAL>(k, blockIdx.x, gridDim.x, p.num_m_blocks, (unsigned)p.batch * p.nheads);
+        }
     };
 
     // One work tile: its query block and (FEAT) the sequence's valid lengths, its mask and the key
@@ -182,7 +193,11 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
     };
     auto work_of = [&](unsigned tile) {
         Work w;
-        w.blk = query_block<BLOCK_M, BLOCK_N, IS_CAUSAL>(tile, p.num_m_blocks, p.nheads, p.head_group, sq, sk);
+        int sq_t = sq, sk_t = sk;
+        // PERSISTENT causal: opaque here, so that what depends on them is worked out per tile rather
+        // than held in registers across the loop (the producer's 24 spilled two with p.sched).
+        if constexpr (PERSISTENT && IS_CAUSAL) asm volatile("" : "+r"(sq_t), "+r"(sk_t));
+        w.blk = query_block<BLOCK_M, BLOCK_N, IS_CAUSAL>(tile, p.num_m_blocks, p.nheads, p.head_group, sq_t, sk_t);
         w.n_blocks = w.blk.n_blocks;
         w.q_valid = sq;
         w.k_valid = sk;

@@ -508,6 +508,15 @@ def bwd_causal_tail_heads(bh_count: int, n_blocks: int, group: int, sm_count: in
 BWD_CAUSAL_TAIL_WAVES = 1
 
 
+def fwd_sched() -> bool:
+    """Whether the persistent causal forward runs on work lists (cuflash/_schedule.py: the last heads'
+    query blocks one by one, longest first, to the least loaded block) rather than its pairs alone
+    (blocks.cuh persistent_tile). CUFLASH_FWD_SCHED=0 turns them off (read when a plan is made)."""
+    import os
+
+    return os.environ.get("CUFLASH_FWD_SCHED", "") != "0"
+
+
 def fwd_ws_persistent() -> str:
     """Where the warp-specialized forward of plain calls runs on a persistent grid (one block per SM
     walking the query blocks; flash_fwd_sm90_ws.cu PERSISTENT): CUFLASH_FWD_WS_PERSISTENT "1": every

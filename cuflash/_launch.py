@@ -47,14 +47,20 @@ _FWD_CHECKS_PARAMS = (_compile.params_layout_checks("cuflash", "FwdParams", FWD_
                       + _MASK_CHECKS_PARAMS)
 
 
-def _with_maps(base: np.dtype, names, ints=()) -> np.dtype:
-    """base's fields at their offsets, then int32 fields `ints`, then one 128-byte tensor map per name,
-    each 64-byte aligned (a C++ struct deriving from base with those int and TmaDesc members)."""
+def _with_maps(base: np.dtype, names, ints=(), ptrs=()) -> np.dtype:
+    """base's fields at their offsets, then int32 fields `ints`, then pointer fields `ptrs` (8-byte
+    aligned), then one 128-byte tensor map per name, each 64-byte aligned (a C++ struct deriving from
+    base with those int, pointer and TmaDesc members)."""
     fields = [(n, base.fields[n][0], base.fields[n][1]) for n in base.names]
     off = base.itemsize
     for n in ints:
         fields.append((n, np.dtype(np.int32), off))
         off += 4
+    if ptrs:
+        off = -(-off // 8) * 8
+    for n in ptrs:
+        fields.append((n, np.dtype(np.uint64), off))
+        off += 8
     off = -(-off // 64) * 64
     for n in names:
         fields.append((n, np.dtype((np.uint8, 128)), off))
@@ -68,8 +74,9 @@ FWD_TMA_PARAMS = _with_maps(FWD_PARAMS, ("map_k", "map_v"), ints=("d_cols",))
 _FWD_TMA_CHECKS_PARAMS = (_compile.params_layout_checks("cuflash", "FwdTmaParams", FWD_TMA_PARAMS) + "\n"
                           + _FWD_CHECKS_PARAMS)
 
-# Mirror of cuflash::FwdWsParams (cuda_src/flash_fwd_sm90_ws.cu): FwdParams, then the maps of Q, K, V.
-FWD_WS_PARAMS = _with_maps(FWD_PARAMS, ("map_q", "map_k", "map_v"), ints=("d_cols",))
+# Mirror of cuflash::FwdWsParams (cuda_src/flash_fwd_sm90_ws.cu): FwdParams, d_cols, the persistent
+# causal grid's work lists (sched), then the maps of Q, K, V.
+FWD_WS_PARAMS = _with_maps(FWD_PARAMS, ("map_q", "map_k", "map_v"), ints=("d_cols",), ptrs=("sched",))
 _FWD_WS_CHECKS_PARAMS = (_compile.params_layout_checks("cuflash", "FwdWsParams", FWD_WS_PARAMS) + "\n"
                          + _FWD_CHECKS_PARAMS)
 
@@ -866,6 +873,45 @@ class TmaLaunch(Launch):
         super().fire(stream, ptrs, pdl)
 
 
+class ScheduledLaunch(TmaLaunch):
+    """A TmaLaunch whose Params also point to a read-only int32 table in device memory (the persistent
+    causal forward's work lists, cuflash/_schedule.py). The table is copied to the device at the first
+    fire on a stream that is not capturing a graph (stream-ordered, so no synchronization); until
+    then the field stays 0 and the kernel takes its own order (blocks.cuh persistent_tile), so a
+    plan made while a graph is captured still runs, and a graph captured before the copy keeps that
+    order."""
+
+    __slots__ = ("table", "table_mem", "table_word")
+
+    def __init__(self, name, fn_ptr, grid, threads, smem, params, pointers, device_id, maps, table, field):
+        super().__init__(name, fn_ptr, grid, threads, smem, params, pointers, device_id, maps)
+        self.table, self.table_mem = table, None
+        self.table_word = _offsets(params.dtype)[field] // 8
+
+    def fire(self, stream: int, ptrs, pdl: bool = True) -> None:
+        if self.table_mem is None:
+            mem = _upload_table(self.device_id, self.table, stream)
+            if mem is not None:
+                self.table_mem = mem
+                self.words[self.table_word] = mem.ptr
+        TmaLaunch.fire(self, stream, ptrs, pdl)
+
+
+def _upload_table(device_id: int, table: np.ndarray, stream: int):
+    """The table in device memory (a CuPy allocation, freed with the launch that holds it), copied on
+    the stream; None while the stream captures a graph (an allocation and a copy there would join the
+    graph)."""
+    if stream_capturing(stream):
+        return None
+    import cupy
+
+    with cupy.cuda.Device(device_id):
+        mem = cupy.cuda.memory.alloc(table.nbytes)
+        cupy.cuda.runtime.memcpyAsync(mem.ptr, table.ctypes.data, table.nbytes,
+                                      cupy.cuda.runtime.memcpyHostToDevice, stream)
+    return mem
+
+
 def share_params(launches: list) -> list:
     """Lets the launches that follow a launch with the same Params layout and pointers reuse its
     buffer: they differ only in int32 fields (the backward's num_blocks), which each sets before
@@ -1045,6 +1091,13 @@ def fwd_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTen
 
         maps = [(name, t.ptr, _tma.MapCache(t.shape, t.strides, rows, dtype)) for name, t, rows in
                 (("map_k", mk, cfg.block_n), ("map_v", mv, cfg.block_n)) + ((("map_q", mq, cfg.block_m),) if ws else ())]
+        if persistent and causal and _config.fwd_sched():
+            # The blocks' work lists (cuflash/_schedule.py; the kernel's pairs where there is none)
+            from ._schedule import causal_schedule
+
+            table = causal_schedule(num_m_blocks, batch * nheads, grid, cfg.block_m, cfg.block_n, seqlen_q, seqlen_k)
+            return [ScheduledLaunch(spec.name, fn.ptr, grid, cfg.warps * 32, smem, p, ptrs, device_id, maps, table,
+                                    "sched")]
         return [TmaLaunch(spec.name, fn.ptr, grid, cfg.warps * 32, smem, p, ptrs, device_id, maps)]
     return [Launch(spec.name, fn.ptr, grid, cfg.warps * 32, smem, p, ptrs, device_id)]
 

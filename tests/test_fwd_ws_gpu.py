@@ -31,19 +31,23 @@ MORE = [  # dtype, head_dim, causal, seqlen_q, seqlen_k, nheads, nheads_kv, layo
 ]
 
 
-@pytest.fixture(params=["plain", "pingpong", "three", "persistent", "persistent_pingpong"])
+@pytest.fixture(params=["plain", "pingpong", "three", "persistent", "persistent_pingpong", "persistent_pairs"])
 def ws_on(request, monkeypatch):
     """The warp-specialized kernel in each schedule (CUFLASH_FWD_WS_PINGPONG=1 / 0, whatever the table
     chooses), with three consumer warpgroups (CUFLASH_FWD_WS_CONSUMERS=3: 192-row blocks at head_dim
     64, two consumers elsewhere), and on the persistent grid (CUFLASH_FWD_WS_PERSISTENT=1: at head_dim
-    64 and 128, two consumers; unset: FWD_WS_PERSISTENT_DEFAULT's); yields (names of the TMA launches fired, pingpong, three, persistent)."""
+    64 and 128, two consumers; unset: FWD_WS_PERSISTENT_DEFAULT's), causal calls there on their work
+    lists (cuflash/_schedule.py) or, persistent_pairs (CUFLASH_FWD_SCHED=0), on the kernel's own pairs;
+    yields (names of the TMA launches fired, pingpong, three, persistent, work lists)."""
     pp, three = request.param.endswith("pingpong"), request.param == "three"
     pers = request.param.startswith("persistent")
+    sched = request.param != "persistent_pairs"
     names = record_tma_launches(monkeypatch, CUFLASH_FWD_WS="1", CUFLASH_FWD_TMA=None,
                                 CUFLASH_FWD_WS_PINGPONG="1" if pp else "0",
                                 CUFLASH_FWD_WS_CONSUMERS="3" if three else "2",
-                                CUFLASH_FWD_WS_PERSISTENT="1" if pers else None)
-    yield names, pp, three, pers
+                                CUFLASH_FWD_WS_PERSISTENT="1" if pers else None,
+                                CUFLASH_FWD_SCHED=None if sched else "0")
+    yield names, pp, three, pers, sched
     from cuflash import _plan
 
     _plan.CACHE.clear()
@@ -58,7 +62,7 @@ def test_ws_forward(ws_on, dtype, head_dim, causal, seqlen_q, seqlen_k, nheads, 
     torch.manual_seed(seed)
     q, k, v = make_qkv(2, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, getattr(torch, dtype), layout)
     label = f"ws {dtype} d{head_dim} causal={causal} {seqlen_q}x{seqlen_k} h{nheads}/{nheads_kv} {layout}"
-    names, pp, three, pers = ws_on
+    names, pp, three, pers, sched = ws_on
     label += " pingpong" if pp else " three consumers" if three else ""
     label += " persistent" if pers else ""
     run_and_check(cuflash, q, k, v, causal=causal, seed=seed, label=label)
@@ -77,6 +81,14 @@ def test_ws_forward(ws_on, dtype, head_dim, causal, seqlen_q, seqlen_k, nheads, 
         assert names and all(n.startswith("fwd90ws_") and n.removesuffix("_pers").endswith("_pp") == pp
                              and f"_m{rows_q}_" in n and n.endswith("_pers") == pers_grid
                              for n in names), (label, names)
+    # Causal on the persistent grid: the work lists were copied and the Params point to them (or, with
+    # CUFLASH_FWD_SCHED=0, there are none and the kernel pairs its query blocks).
+    from cuflash import _launch, _plan
+
+    lists = [L for plan in _plan.CACHE.values() for L in getattr(plan, "launches", ())
+             if isinstance(L, _launch.ScheduledLaunch)]
+    assert bool(lists) == (pers_grid and causal and sched and patched), (label, lists)
+    assert all(L.table_mem is not None and int(L.words[L.table_word]) == L.table_mem.ptr for L in lists), label
 
 
 # Head_dim pad-up (cuflash/_config.py fwd_pad_head_dim): head dims between 64 and 256 run the kernel of

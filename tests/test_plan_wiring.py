@@ -180,6 +180,20 @@ def dev(monkeypatch):
     monkeypatch.setitem(_adapters._BY_TYPE, Dev, ad)
     # The fused decode combine's counters (cupy memory on a GPU): a fake pointer here.
     monkeypatch.setattr(_kvcache.DecodePlan, "_counters", lambda self, stream: 0xC0C000)
+    # The persistent causal forward's work lists (a CuPy allocation, copied on the stream, on a GPU):
+    # recorded, at a fake pointer; ad.capturing[0] True stands for a stream that captures a graph.
+    ad.uploads, ad.capturing = [], [False]
+
+    class Mem:
+        ptr = 0x5C4ED000
+
+    def upload_table(device_id, table, stream):
+        if ad.capturing[0]:
+            return None
+        ad.uploads.append((device_id, table, stream))
+        return Mem()
+
+    monkeypatch.setattr(_launch, "_upload_table", upload_table)
     # No driver for tensor maps, as on a machine without a GPU, where these tests are written for (a GPU
     # machine's libcuda would put the calls on the TMA kernels); fake_tma_driver puts a stand-in here.
     from cuflash import _tma
@@ -456,6 +470,42 @@ def test_fwd_tma_patched_maps_wiring(dev, monkeypatch):
     assert "_d256_m128_n32_" in launched[-1]["name"] and not launched[-1]["name"].endswith("_tma")
 
 
+def test_fwd_sched_wiring(dev, monkeypatch):
+    """The persistent causal forward's work lists (cuflash/_schedule.py): the plan's list for its
+    shape and grid, copied once per plan, on the call's stream, at the first fire whose stream does
+    not capture a graph (before that the kernel's pairs: sched 0); CUFLASH_FWD_SCHED=0: none."""
+    from cuflash import _schedule
+
+    fake_tma_driver(monkeypatch, lambda ptr, i, dims, box, strides: (
+        ptr if i == 0 else 77 * i + dims[1] + box[1] + strides[0]), lambda ptr, *rest: ptr)
+    monkeypatch.delenv("CUFLASH_FWD_TMA")
+    monkeypatch.delenv("CUFLASH_FWD_WS")
+    ad, launched = dev
+    rng = np.random.default_rng()
+    q, k, v = arr(rng, (8, 2048, 4, 128)), arr(rng, (8, 2048, 2, 128)), arr(rng, (8, 2048, 2, 128))
+    ad.capturing[0] = True
+    cuflash.attention(q, k, v, causal=True)
+    L = launched[-1]
+    assert L["name"] == "fwd90ws_f16_d128_m128_n128_s2_causal_even_pp_pers" and L["grid"] == 132, L["name"]
+    assert int(L["p"]["sched"]) == 0 and not ad.uploads
+    ad.capturing[0] = False
+    for _ in range(2):
+        cuflash.attention(q, k, v, causal=True)
+        assert int(launched[-1]["p"]["sched"]) == 0x5C4ED000
+    assert len(ad.uploads) == 1, ad.uploads
+    device_id, table, stream = ad.uploads[0]
+    assert stream == launched[-1]["stream"]
+    want = _schedule.causal_schedule(16, 8 * 4, 132, 128, 128, 2048, 2048)
+    assert table.dtype == np.int32 and table.flags.c_contiguous and np.array_equal(table, want)
+    lists = _schedule.block_lists(table)
+    assert sorted(x for lst in lists for x in lst) == list(range(8 * 4 * 16))
+    monkeypatch.setenv("CUFLASH_FWD_SCHED", "0")
+    _plan.CACHE.clear()
+    cuflash.attention(q, k, v, causal=True)
+    assert launched[-1]["name"] == L["name"] and int(launched[-1]["p"]["sched"]) == 0
+    assert len(ad.uploads) == 1
+
+
 def test_fwd_ws_wiring(dev, monkeypatch):
     """CUFLASH_FWD_WS=1: a plain sm_90a forward whose q, k and v fit tensor maps runs the
     warp-specialized kernel (cuda_src/flash_fwd_sm90_ws.cu): 384 threads, one block per (batch, head,
@@ -533,6 +583,11 @@ def test_fwd_ws_wiring(dev, monkeypatch):
         qc, kc, vc = arr(rng, (2, sq, 4, 128)), arr(rng, (2, 512, 2, 128)), arr(rng, (2, 512, 2, 128))
         cuflash.attention(qc, kc, vc, causal=True)
         assert launched[-1]["name"].endswith("_pers") == pers, (sq, launched[-1]["name"])
+    # Causal persistent grids run on work lists (cuflash/_schedule.py), copied at the first fire;
+    # non-causal ones and a block per query block have none.
+    assert all(int(L["p"]["sched"]) == (0x5C4ED000 if L["name"].endswith("causal_even_pp_pers")
+                                        or L["name"].endswith("causal_ragged_pp_pers") else 0) for L in launched
+               if L["name"].startswith("fwd90ws_")), [(L["name"], int(L["p"]["sched"])) for L in launched]
     monkeypatch.setenv("CUFLASH_FWD_WS_PINGPONG", "0")  # the plain schedule: same Params, its own kernel
     _plan.CACHE.clear()
     cuflash.attention(q, k, v)
