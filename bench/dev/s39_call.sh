@@ -5,6 +5,7 @@
 #            (CUFLASH_FWD_SCHED=0, the baseline): the work lists (the tree), the persistent grid at every
 #            length (CUFLASH_FWD_WS_PERSISTENT=1, on the lists) and a block per query block
 #            (CUFLASH_FWD_WS_PERSISTENT=0); HDS / SEQS / DTYPES as the script reads them
+#   schedctl the work lists against the pairs with a control (the tree run first and last in each round)
 #   suite    the quick GPU suite;  grid  bench.py's full grid with the peers and plots
 #   STEPS="wstests schedab" CALL=c1 bash bench/dev/s39_call.sh   (OUT: where logs go; the kernel cache
 #   carried as .cache/cf.tgz)
@@ -25,6 +26,10 @@ for step in $STEPS; do
         TREE_ENV="pairs:CUFLASH_FWD_SCHED=0 all:CUFLASH_FWD_WS_PERSISTENT=1 blk:CUFLASH_FWD_WS_PERSISTENT=0" \
         python3 bench/dev/fwd_ab_inproc.py > "$OUT/${N}_schedab.log" 2>&1
       grep -E "causal|^geomean|Error|error" "$OUT/${N}_schedab.log" | cut -c1-200 ;;
+    schedctl)  # the same with a control: the tree first (first), then the pairs, then the tree again
+      HDS="${HDS:-128}" SEQS="${SEQS:-512 1024 2048}" TREES="first=. pairs=. sched=." \
+        TREE_ENV="pairs:CUFLASH_FWD_SCHED=0" ROUNDS=11 python3 bench/dev/fwd_ab_inproc.py > "$OUT/${N}_schedctl.log" 2>&1
+      grep -E "causal|^geomean|Error|error" "$OUT/${N}_schedctl.log" | cut -c1-200 ;;
     grid)  # FlashAttention-2's grid, every pass, with the peers and the figures (as session 28's)
       python3 bench/bench.py --providers cuflash sdpa_flash sdpa_cudnn --no-compile-timing --json "$OUT/${N}_grid.json" \
         --plots "$OUT/${N}_plots" > "$OUT/${N}_grid.log" 2>&1
