@@ -221,12 +221,6 @@ __device__ __forceinline__ u32 cluster_map(u32 addr, int rank) {
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
     return r;
 }
-// A read-only global int, loaded where it stands (volatile: never hoisted out of a loop).
-__device__ __forceinline__ int ld_global_nc(const int* ptr) {
-    int x;
-    asm volatile("ld.global.nc.b32 %0, [%1];" : "=r"(x) : "l"(ptr));
-    return x;
-}
 __device__ __forceinline__ float ld_cluster_f32(u32 addr) {
     float x;
     asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(x) : "r"(addr) : "memory");

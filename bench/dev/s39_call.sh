@@ -6,6 +6,9 @@
 #            length (CUFLASH_FWD_WS_PERSISTENT=1, on the lists) and a block per query block
 #            (CUFLASH_FWD_WS_PERSISTENT=0); HDS / SEQS / DTYPES as the script reads them
 #   schedctl the work lists against the pairs with a control (the tree run first and last in each round)
+#   persab   head_dim 128 causal, the persistent grid at every length (CUFLASH_FWD_WS_PERSISTENT=1)
+#            against the default rule (a block per query block from 4096 keys)
+#   oldab    this tree against an older one in one process (OLD, default .oldtree/s39a)
 #   suite    the quick GPU suite;  grid  bench.py's full grid with the peers and plots
 #   STEPS="wstests schedab" CALL=c1 bash bench/dev/s39_call.sh   (OUT: where logs go; the kernel cache
 #   carried as .cache/cf.tgz)
@@ -30,6 +33,14 @@ for step in $STEPS; do
       HDS="${HDS:-128}" SEQS="${SEQS:-512 1024 2048}" TREES="first=. pairs=. sched=." \
         TREE_ENV="pairs:CUFLASH_FWD_SCHED=0" ROUNDS=11 python3 bench/dev/fwd_ab_inproc.py > "$OUT/${N}_schedctl.log" 2>&1
       grep -E "causal|^geomean|Error|error" "$OUT/${N}_schedctl.log" | cut -c1-200 ;;
+    persab)  # head_dim 128 causal: the persistent grid on its lists at every length against the default
+      HDS=128 SEQS="${PERS_SEQS:-2048 4096 8192 16384}" TREES="blocks=. pers=." \
+        TREE_ENV="pers:CUFLASH_FWD_WS_PERSISTENT=1" ROUNDS=11 python3 bench/dev/fwd_ab_inproc.py > "$OUT/${N}_persab.log" 2>&1
+      grep -E "causal=1|^geomean|Error|error" "$OUT/${N}_persab.log" | cut -c1-200 ;;
+    oldab)  # this tree against OLD (default .oldtree/s39a: the lists read through a branch), same process
+      HDS=128 SEQS="${SEQS:-512 1024 2048}" TREES="old=${OLD:-.oldtree/s39a} new=." ROUNDS=11 \
+        python3 bench/dev/fwd_ab_inproc.py > "$OUT/${N}_oldab.log" 2>&1
+      grep -E "causal|^geomean|Error|error" "$OUT/${N}_oldab.log" | cut -c1-200 ;;
     grid)  # FlashAttention-2's grid, every pass, with the peers and the figures (as session 28's)
       python3 bench/bench.py --providers cuflash sdpa_flash sdpa_cudnn --no-compile-timing --json "$OUT/${N}_grid.json" \
         --plots "$OUT/${N}_plots" > "$OUT/${N}_grid.log" 2>&1
