@@ -317,7 +317,7 @@ class BackwardPlan:
                                         scratch + 4 * n_rows if n_acc else 0, c.dtype, c.causal, c.scale, atomic,
                                         self.device_id, cc)
         dsink = 0
-        if n_sink:
+        if self.has_sink:  # (no rows where every sequence is empty: d sink_logits is then zeros)
             self.dsink_offset, self.dsink_shape = n_rows + n_acc, (batch, h, _launch.bwd_row_pad(c.seqlen_q))
             dsink = scratch + 4 * self.dsink_offset
         m = _mask_args(c, self.copy, infos, BWD_OPT, dsink=dsink)

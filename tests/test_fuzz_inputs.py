@@ -1035,6 +1035,15 @@ REGRESSIONS = [
                  causal=False, scale=None, layouts=("contiguous",) * 4,
                  seq_q=[0, 0, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0], seq_k=[0, 0, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0]),
          (("cu_seqlens_k", "set", "negative_start"), ("q", "value", "huge")), ("unchecked", "valid")),
+    # A packed batch of empty sequences with sink logits: the GPU's attention_varlen_backward returned
+    # None for d sink_logits (no sink rows, so the backward plan kept no place for them), where the
+    # CPU gives zeros. Found on an H200, session 39 (quick suite, call 8); cuflash/_plan.py now lays
+    # the rows out whenever there are sink logits.
+    Call("attention_varlen_backward",
+         Problem(seed=0, dtype="bfloat16", batch=12, seqlen_q=0, seqlen_k=0, nheads_kv=1, group=1, head_dim=8,
+                 causal=False, scale=None, layouts=("contiguous",) * 4,
+                 seq_q=[0] * 12, seq_k=[0] * 12, tail_q=1, tail_k=1),
+         (("sink_logits", "set", "ok"), ("cu_seqlens_k", "set", "nonmonotonic")), ("valid", "unchecked")),
 ]
 
 

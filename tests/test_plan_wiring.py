@@ -304,6 +304,27 @@ def test_backward_scratch_and_grads(dev, monkeypatch):
         assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
 
 
+def test_empty_packed_batch_sink_gradient(dev):
+    """A packed batch of empty sequences with sink logits: attention_varlen_backward's d sink_logits is
+    zeros of (nheads,), float32, as on the CPU, not None (the GPU fuzzer's case: its sink rows were
+    none, so the plan kept no place for them); under jax.jit the same layout (dsink_offset)."""
+    ad, launched = dev
+    rng = np.random.default_rng()
+    h, d = 2, 64
+    q, k, v = arr(rng, (1, h, d)), arr(rng, (1, h, d)), arr(rng, (1, h, d))
+    cu = np.zeros(13, np.int32).view(Dev)
+    sink = rng.standard_normal(h).astype(np.float32).view(Dev)
+    out, lse = cuflash.attention_varlen(q, k, v, cu, cu, 0, 0, sink_logits=sink, return_lse=True)
+    res = cuflash.attention_varlen_backward(arr(rng, q.shape), q, k, v, out, lse, cu, cu, 0, 0, sink_logits=sink)
+    assert len(res) == 4 and res[3] is not None
+    dsink = np.asarray(res[3])
+    assert dsink.shape == (h,) and dsink.dtype == np.float32 and not dsink.any(), dsink
+    from cuflash import _plan
+
+    bps = [bp for plan in _plan.CACHE.values() for bp in getattr(plan, "_backward", {}).values()]
+    assert bps and all(bp.dsink_offset == bp.scratch_floats and bp.dsink_shape == (12, h, 0) for bp in bps)
+
+
 def test_options_reach_maskparams(dev):
     ad, launched = dev
     rng = np.random.default_rng()
