@@ -32,9 +32,15 @@
 // blocks a head only); or, where the host gives p.sched, each block's own list of work tiles
 // (cuflash/_schedule.py: those pairs for most heads, then the last heads' query blocks one by one,
 // the longest first, each to the least loaded block, so that the grid's blocks end together).
+// Non-causal on a list (SPLIT kernels): the whole waves in the order above, then the last wave's work
+// tiles cut into parts of split_chunk key tiles, each part a work tile of its own on some block; a
+// part's warps leave their rows' O and lse in a workspace, and the warp that comes last on its counter
+// merges the parts and writes the rows (fwd_sm90_steps.cuh split_part_merge), so that the grid's
+// blocks end together where the last wave would have run on part of the GPU.
 // CONSUMERS = 2 (384 threads) or 3 (512 threads, at head_dim 64, as FlashAttention-3 does there: the
 // K / V tiles serve 192 rows), one producer warpgroup:
-//   producer  (warpgroup 0): gives registers back (setmaxnreg.dec 24); one thread issues every TMA
+//   producer  (warpgroup 0): gives registers back (setmaxnreg.dec 24; 40 in SPLIT kernels, whose
+//             consumers take 232); one thread issues every TMA
 //             copy: Q once, then K_j and V_j for j = 0 .. n_blocks - 1, into STAGES-deep rings;
 //   consumers (warpgroups 1 .. CONSUMERS): take registers (setmaxnreg.inc 240 with two, 160 with
 //             three); consumer c owns query rows
@@ -99,9 +105,16 @@ namespace cuflash {
 // cuflash/_launch.py FWD_WS_PARAMS.
 struct FwdWsParams : FwdParams {
     int d_cols;  // the call's head_dim: O's columns to write (below HEAD_DIM under pad-up)
-    // PERSISTENT causal: the blocks' work lists (cuflash/_schedule.py), row k holding each block's
-    // k-th work tile (-1 past a block's last); nullptr: persistent_tile's pairs.
+    // SPLIT (persistent, non-causal) with a list: work tiles from split_first on are cut into split_parts
+    // ranges of split_chunk key tiles (the last one the rest; a list entry: tile | (part + 1) << 24),
+    // merged through split_ws (fwd_sm90_steps.cuh split_part_merge); split_parts 0: none.
+    int split_first;
+    int split_parts;
+    int split_chunk;
+    // PERSISTENT: the blocks' work lists (cuflash/_schedule.py), row k holding each block's k-th work
+    // tile (-1 past a block's last); nullptr: persistent_tile's order.
     const int* sched;
+    float* split_ws;
     TmaDesc map_q;
     TmaDesc map_k;
     TmaDesc map_v;
@@ -130,6 +143,11 @@ struct FwdWsTraits {
     // multiple of 8): 240 with two consumers, 160 with three.
     static constexpr int PRODUCER_REGS = 24;
     static constexpr int CONSUMER_REGS = CONSUMERS == 2 ? 240 : 160;
+    // SPLIT_* (SPLIT kernels, whose producer also takes a split tile's range of key tiles):
+    // 40 and 232 with two consumers, the same total ((168 - 40) 128 = (232 - 168) 256); at 24 the
+    // producer spilled 4 bytes (one barrier address). The consumers' loops fit 232 as well.
+    static constexpr int SPLIT_PRODUCER_REGS = CONSUMERS == 2 ? 40 : PRODUCER_REGS;
+    static constexpr int SPLIT_CONSUMER_REGS = CONSUMERS == 2 ? 232 : CONSUMER_REGS;
 
     static_assert(CONSUMERS == 2 || CONSUMERS == 3, "two or three consumer warpgroups");
     static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM <= 256, "head_dim: a multiple of 64 up to 256");
@@ -137,7 +155,7 @@ struct FwdWsTraits {
 };
 
 template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES, bool IS_CAUSAL, bool IS_EVEN, bool PINGPONG = false,
-          int CONSUMERS = 2, bool FEAT = false, bool PERSISTENT = false>
+          int CONSUMERS = 2, bool FEAT = false, bool PERSISTENT = false, bool SPLIT = false>
 __global__ void __launch_bounds__(128 * (1 + CONSUMERS), 1)
 flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
     using Tr = FwdWsTraits<HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, PERSISTENT>;
@@ -146,6 +164,7 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
     using Ops = ElemOps<T>;
     constexpr int BLOCK_M = Tr::BLOCK_M, N_TILES = Tr::N_TILES;
     constexpr int PV_STEPS = BLOCK_N / 16;
+    static_assert(!SPLIT || (PERSISTENT && !IS_CAUSAL), "split tiles: the persistent non-causal grid's");
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     constexpr int LP = fwd_sm90_lp<HEAD_DIM>();  // where the sum of the rounded P comes from
@@ -182,7 +201,7 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
             // vector registers (48 R2UR, 620 instructions in the mask-free loop against 572).
             const unsigned pairs = persistent_tile<IS_CAUSAL>(k, blockIdx.x, gridDim.x, p.num_m_blocks,
                                                               (unsigned)p.batch * p.nheads);
-            if constexpr (!IS_CAUSAL) return pairs;
+            if constexpr (!IS_CAUSAL && !SPLIT) return pairs;
             const bool listed = p.sched != nullptr;
             const int* at = listed ? p.sched + k * gridDim.x + blockIdx.x : static_cast<const int*>(p.q);
             const unsigned loaded = (unsigned)__ldg(at);
@@ -190,19 +209,39 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
         }
     };
 
+    // A list entry's work tile (non-causal lists: tile | (part + 1) << 24; the host keeps n_work
+    // below 2^24 on the persistent grid, so that -1 and n_work read as past the end).
+    constexpr unsigned TILE_BITS = 0xFFFFFFu;
+    auto entry_tile = [&](unsigned e) { return SPLIT ? (e & TILE_BITS) : e; };
+
     // One work tile: its query block and (FEAT) the sequence's valid lengths, its mask and the key
     // tiles to visit (padded batches: the rows of the sequence start at row 0 of entry b). A packed
     // batch's maps see its arrays as one sequence (batch 1) of all rows: a sequence's tiles start at
     // its first row there. Rows past q_rows are not written.
+    // A split work tile (PERSISTENT, non-causal, a list entry's part): key tiles [n_lo, n_lo +
+    // n_blocks) of the part, and its split slot (-1: not split).
     struct Work {
         QueryBlock blk;
-        int n_blocks, q_valid, k_valid, tb, q_row0, k_row0, q_rows;
+        int n_blocks, q_valid, k_valid, tb, q_row0, k_row0, q_rows, n_lo, split;
         QueryFeat qf;
     };
-    auto work_of = [&](unsigned tile) {
+    auto work_of = [&](unsigned entry) {
         Work w;
+        const unsigned tile = entry_tile(entry);
+        // A part's key tiles (non-causal: every query block sees all key tiles).
+        int n_lo = 0, n_cnt = (sk + BLOCK_N - 1) / BLOCK_N, split = -1;
+        if constexpr (SPLIT) {
+            const int pm = (int)(entry >> 24);  // 0: a whole tile; else its part + 1
+            if (pm != 0) {
+                n_lo = (pm - 1) * p.split_chunk;
+                n_cnt = min(p.split_chunk, n_cnt - n_lo);
+                split = ((int)tile - p.split_first) * p.split_parts + pm - 1;
+            }
+        }
         w.blk = query_block<BLOCK_M, BLOCK_N, IS_CAUSAL>(tile, p.num_m_blocks, p.nheads, p.head_group, sq, sk);
-        w.n_blocks = w.blk.n_blocks;
+        w.n_blocks = SPLIT ? n_cnt : w.blk.n_blocks;
+        w.n_lo = n_lo;
+        w.split = split;
         w.q_valid = sq;
         w.k_valid = sk;
         w.qf = query_setup<FEAT, BLOCK_M, BLOCK_N>(p.mask, w.blk.b, w.blk.h, w.blk.m0, sq, sk, w.n_blocks, w.q_valid,
@@ -242,17 +281,16 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
     const int wg = warpgroup_index();
     if (wg == 0) {
         // ---------------- producer ----------------
-        setmaxnreg_dec<Tr::PRODUCER_REGS>();
+        setmaxnreg_dec<SPLIT ? Tr::SPLIT_PRODUCER_REGS : Tr::PRODUCER_REGS>();
         if (tid == 0) {
             tma_prefetch_desc(&p.map_q);
             tma_prefetch_desc(&p.map_k);
             tma_prefetch_desc(&p.map_v);
             int j0 = 0;  // key tiles of the block's earlier work tiles: the rings' position
             for (int u = 0;; ++u) {
-                const unsigned tile = tile_at(u);
-                if (tile >= n_work) break;
-                const Work w = work_of(tile);
-                auto tile_of = [&](int it) { if constexpr (FEAT) return w.qf.kt.tile(it); else return it; };
+                const unsigned entry = tile_at(u);
+                if (entry_tile(entry) >= n_work) break;
+                const Work w = work_of(entry);
                 const int qb = u % QB;
                 if (PERSISTENT && u >= 2) mbar_wait(q_empty(qb), (u / 2 - 1) & 1);  // tile u - 2's O is out of it
                 mbar_arrive_expect_tx(bar_q(qb), Tr::SQ_BYTES);
@@ -267,10 +305,12 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
                     mbar_arrive_expect_tx(full, Tr::SKV_BYTES);
 #pragma unroll
                     for (int c = 0; c < HEAD_DIM / 64; ++c)
-                        tma_load_4d(dst + c * BLOCK_N * 128, map, full, c * 64, w.k_row0 + n, w.blk.h_kv, w.tb);
+                        tma_load_4d(dst + c * BLOCK_N * 128, map, full, c * 64, w.k_row0 + w.n_lo * BLOCK_N + n,
+                                    w.blk.h_kv, w.tb);
                 };
                 for (int j = 0; j < w.n_blocks; ++j) {
-                    const int jj = j0 + j, s = jj % STAGES, uk = jj / STAGES, n = tile_of(j) * BLOCK_N;
+                    const int jj = j0 + j, s = jj % STAGES, uk = jj / STAGES;
+                    const int n = (FEAT ? w.qf.kt.tile(j) : j) * BLOCK_N;
                     load_kv(sK + s * Tr::SKV_BYTES, &p.map_k, k_full(s), k_empty(s), uk, n);
                     load_kv(sV + s * Tr::SV_BYTES, &p.map_v, v_full(s), v_empty(s), uk, n);
                 }
@@ -282,7 +322,7 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
     }
 
     // ---------------- consumers ----------------
-    setmaxnreg_inc<Tr::CONSUMER_REGS>();
+    setmaxnreg_inc<SPLIT ? Tr::SPLIT_CONSUMER_REGS : Tr::CONSUMER_REGS>();
     if constexpr (FEAT) {
         // A packed batch's rows that belong to no sequence: out 0, lse -inf (mask.cuh; what
         // varlen.cu's kernel does after the other forward kernels, here without its launch).
@@ -300,15 +340,20 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
 
     int j0 = 0;  // key tiles of the block's earlier work tiles: the rings' position
     bool pp_open = false;  // PERSISTENT pingpong: consumer 1 has opened consumer 0's first turn
+    unsigned next_entry = SPLIT ? tile_at(0) : 0u;
     for (int u = 0;; ++u) {
-        const unsigned tile = tile_at(u);
-        if (tile >= n_work) break;
-        const Work w = work_of(tile);
+        const unsigned entry = SPLIT ? next_entry : tile_at(u);
+        if (entry_tile(entry) >= n_work) break;
+        const Work w = work_of(entry);
+        // SPLIT: the next work tile's entry, loaded now and taken after this tile (read at the tile's
+        // start, the list's load held the consumers there for its latency: 2-5 % of the time of the
+        // non-causal grid at 512-16k keys, H200, session 40).
+        if constexpr (SPLIT) next_entry = tile_at(u + 1);
         const int qb = u % QB;
         const u32 sQ_wg = sQ + qb * Tr::SQ_BYTES + cw * 64 * 128;
         const int h = w.blk.h, b = w.blk.b, m0 = w.blk.m0, n_blocks = w.n_blocks;
         const QueryFeat& qf = w.qf;
-        auto tile_of = [&](int it) { if constexpr (FEAT) return qf.kt.tile(it); else return it; };
+        auto tile_of = [&](int it) { if constexpr (FEAT) return qf.kt.tile(it); else return w.n_lo + it; };
 
         // O, and (ONES_PV) after its HEAD_DIM / 2 floats P x ones: lp of rows g, g + 8 in elements
         // HEAD_DIM / 2 and HEAD_DIM / 2 + 2 (softmax.cuh LP_TENSOR).
@@ -368,7 +413,8 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
                 scale = feat_logits_and_mask<BLOCK_N>(sc_, p.mask, qf, p.scale_log2, tile_of(j) * BLOCK_N, m0 + warp_row0,
                                                       g, t);
             } else {
-                if (masked) mask_plain_tile<BLOCK_N, IS_CAUSAL, IS_EVEN>(sc_, j * BLOCK_N, m0 + warp_row0, g, t, sq, sk);
+                if (masked)
+                    mask_plain_tile<BLOCK_N, IS_CAUSAL, IS_EVEN>(sc_, tile_of(j) * BLOCK_N, m0 + warp_row0, g, t, sq, sk);
             }
 
             float alpha[1][2];
@@ -386,8 +432,9 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
         if (n_blocks > 0) key_tile(0, true, true);
         int n_mid = 1;
         if constexpr (!FEAT) {
-            // The tiles no row of the block needs masked.
-            n_mid = max(1, mask_free_tiles<BLOCK_N, IS_CAUSAL, IS_EVEN>(n_blocks, m0, sq, sk));
+            // The tiles no row of the block needs masked (a split part: of its own range).
+            const int free_end = mask_free_tiles<BLOCK_N, IS_CAUSAL, IS_EVEN>(w.n_lo + n_blocks, m0, sq, sk);
+            n_mid = max(1, min(n_blocks, free_end - w.n_lo));
             for (int j = 1; j < n_mid; ++j) key_tile(j, false, false);
         }
         for (int j = n_mid; j < n_blocks; ++j) key_tile(j, false, true);
@@ -447,30 +494,40 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
         } else {
             softmax.finalize(inv_l, lse);
         }
-        const float(&o_acc)[HEAD_DIM / 2] = *reinterpret_cast<const float(*)[HEAD_DIM / 2]>(&acc_o[0]);
-        if constexpr (HEAD_DIM > 128)  // fwd_sm90_steps.cuh: head_dim 256 keeps the word stores
-            o_rows_to_smem_words<Ops, HEAD_DIM, BLOCK_M>(sQ_ptr + qb * Tr::SQ_BYTES, o_acc, inv_l, warp_row0, g, t);
-        else
-            o_rows_to_smem<Ops, HEAD_DIM, BLOCK_M>(sQ + qb * Tr::SQ_BYTES, o_acc, inv_l, warp_row0, lane);
-        // lse == nullptr: the caller wants only O (an eager forward with no gradient and no lse).
-        if (t == 0 && p.lse != nullptr) {
-            float* g_lse = FEAT ? p.lse + b * p.mask.lse_batch_stride + h * p.mask.lse_head_stride + w.q_row0
-                                : p.lse + ((i64)b * p.nheads + h) * sq;
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const int row = m0 + warp_row0 + g + r * 8;
-                if (IS_EVEN || row < w.q_rows) g_lse[row] = lse[0][r];
-            }
+        // A split tile's part: its rows to the workspace; the warp of the last part merges and writes.
+        bool writes = true;
+        if constexpr (SPLIT) {
+            if (w.split >= 0)
+                writes = split_part_merge<HEAD_DIM, 4 * CONSUMERS>(
+                    p.split_ws, p.split_parts, w.split / p.split_parts, w.split % p.split_parts, warp - 4, lane,
+                    *reinterpret_cast<float(*)[HEAD_DIM / 2]>(&acc_o[0]), inv_l, lse);
         }
-        __syncwarp();
+        if (writes) {
+            const float(&o_acc)[HEAD_DIM / 2] = *reinterpret_cast<const float(*)[HEAD_DIM / 2]>(&acc_o[0]);
+            if constexpr (HEAD_DIM > 128)  // fwd_sm90_steps.cuh: head_dim 256 keeps the word stores
+                o_rows_to_smem_words<Ops, HEAD_DIM, BLOCK_M>(sQ_ptr + qb * Tr::SQ_BYTES, o_acc, inv_l, warp_row0, g, t);
+            else
+                o_rows_to_smem<Ops, HEAD_DIM, BLOCK_M>(sQ + qb * Tr::SQ_BYTES, o_acc, inv_l, warp_row0, lane);
+            // lse == nullptr: the caller wants only O (an eager forward with no gradient and no lse).
+            if (t == 0 && p.lse != nullptr) {
+                float* g_lse = FEAT ? p.lse + b * p.mask.lse_batch_stride + h * p.mask.lse_head_stride + w.q_row0
+                                    : p.lse + ((i64)b * p.nheads + h) * sq;
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int row = m0 + warp_row0 + g + r * 8;
+                    if (IS_EVEN || row < w.q_rows) g_lse[row] = lse[0][r];
+                }
+            }
+            __syncwarp();
 
-        T* gO = static_cast<T*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride + ((i64)w.q_row0 + m0) * p.o_row_stride;
-        if constexpr (HEAD_DIM > 128)
-            o_rows_to_global_chunks<T, HEAD_DIM, BLOCK_M, IS_EVEN>(gO, p.o_row_stride, sQ_ptr + qb * Tr::SQ_BYTES,
-                                                                   warp_row0, lane, m0, w.q_rows, p.d_cols);
-        else
-            o_rows_to_global<T, HEAD_DIM, BLOCK_M, IS_EVEN>(gO, p.o_row_stride, sQ + qb * Tr::SQ_BYTES, warp_row0, lane,
-                                                            m0, w.q_rows, p.d_cols);
+            T* gO = static_cast<T*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride + ((i64)w.q_row0 + m0) * p.o_row_stride;
+            if constexpr (HEAD_DIM > 128)
+                o_rows_to_global_chunks<T, HEAD_DIM, BLOCK_M, IS_EVEN>(gO, p.o_row_stride, sQ_ptr + qb * Tr::SQ_BYTES,
+                                                                       warp_row0, lane, m0, w.q_rows, p.d_cols);
+            else
+                o_rows_to_global<T, HEAD_DIM, BLOCK_M, IS_EVEN>(gO, p.o_row_stride, sQ + qb * Tr::SQ_BYTES, warp_row0, lane,
+                                                                m0, w.q_rows, p.d_cols);
+        }  // writes
         if constexpr (PERSISTENT) {
             // This warp's rows of sQ[qb] are read out: work tile u + 2's Q may land there (the fence
             // orders the generic accesses before the async proxy's copy).

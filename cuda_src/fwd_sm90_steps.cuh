@@ -56,6 +56,87 @@ __device__ __forceinline__ int mask_free_tiles(int n_blocks, int m0, int sq, int
     return n;
 }
 
+// Split work tiles (flash_fwd_sm90_ws.cu PERSISTENT, non-causal): the host may cut the grid's last
+// work tiles into `parts` ranges of key tiles, each run by a different block, so that the last wave
+// ends evenly. Each part's warps leave their rows' O (normalized by the part's own sum, fp32) and
+// lse in the workspace, and the warp that counts last on its (tile, warp) counter merges them:
+// O = sum_s exp(lse_s - lse) O_s with lse = log sum_s exp(lse_s). Workspace (cuflash/_launch.py
+// split_workspace): SPLIT_COUNTERS int32 counters, [split tile][WARPS] from the first, zero between
+// calls (the merging warp sets its counter back; a workspace is shared by the calls on its stream);
+// then floats, per (split tile, part, warp) PART_FLOATS:
+// each lane's lse of rows g, g + 8 (float2 at lane), then O as float2 i * 32 + lane, i = 2 dt + r
+// (O elements 4 dt + 2 r, + 1: row g + 8 r, fwd_sm90_steps.cuh's fragment layout), so that each of
+// a warp's stores and loads covers 256 contiguous bytes.
+constexpr int SPLIT_COUNTERS = 4096;  // must equal cuflash/_launch.py SPLIT_COUNTERS
+template <int HEAD_DIM>
+struct SplitLayout {
+    static constexpr int PART_FLOATS = 64 + 16 * HEAD_DIM;
+};
+
+// This warp's part of split tile `slot` (0 .. split tiles - 1): stores it, counts it, and where it
+// is the last of the parts, merges all of them into acc_o (normalized: inv_l = 1) and lse and
+// returns true (the warp writes the tile's rows then); false: another part's warp will.
+template <int HEAD_DIM, int WARPS>
+__device__ __forceinline__ bool split_part_merge(float* ws, int parts, int slot, int part, int warp,
+                                                 int lane, float (&acc_o)[HEAD_DIM / 2], float (&inv_l)[1][2],
+                                                 float (&lse)[1][2]) {
+    constexpr int PF = SplitLayout<HEAD_DIM>::PART_FLOATS;
+    int* counter = reinterpret_cast<int*>(ws) + slot * WARPS + warp;
+    const float* first = ws + SPLIT_COUNTERS;
+    auto part_at = [&](int s) { return const_cast<float*>(first) + ((i64)(slot * parts + s) * WARPS + warp) * PF; };
+    float* mine = part_at(part);
+    reinterpret_cast<float2*>(mine)[lane] = make_float2(lse[0][0], lse[0][1]);
+#pragma unroll
+    for (int i = 0; i < HEAD_DIM / 4; ++i)
+        reinterpret_cast<float2*>(mine + 64)[i * 32 + lane] =
+            make_float2(acc_o[2 * i] * inv_l[0][i % 2], acc_o[2 * i + 1] * inv_l[0][i % 2]);
+    __threadfence();  // this lane's part is visible device-wide before the warp counts it
+    __syncwarp();
+    int last = 0;
+    if (lane == 0) last = atomicAdd(counter, 1) == parts - 1;
+    if (!__shfl_sync(0xffffffffu, last, 0)) return false;
+    __threadfence();  // the parts counted before this one are visible
+    float mx[2] = {-CUFLASH_INF, -CUFLASH_INF};
+    for (int s = 0; s < parts; ++s) {
+        const float2 l = __ldcg(reinterpret_cast<const float2*>(part_at(s)) + lane);
+        mx[0] = fmaxf(mx[0], l.x);
+        mx[1] = fmaxf(mx[1], l.y);
+    }
+#pragma unroll
+    for (int i = 0; i < HEAD_DIM / 2; ++i) acc_o[i] = 0.f;
+    float sum[2] = {0.f, 0.f};
+    for (int s = 0; s < parts; ++s) {
+        const float* ps = part_at(s);
+        const float2 l = __ldcg(reinterpret_cast<const float2*>(ps) + lane);
+        const float w0 = mx[0] == -CUFLASH_INF ? 0.f : __expf(l.x - mx[0]);
+        const float w1 = mx[1] == -CUFLASH_INF ? 0.f : __expf(l.y - mx[1]);
+        sum[0] += w0;
+        sum[1] += w1;
+        // In chunks of 8 loads (a compiler barrier between them): all of a part's 32 in flight at
+        // once, with O's 64 accumulators, spilled at the consumers' 240 registers.
+#pragma unroll
+        for (int c = 0; c < HEAD_DIM / 4; c += 4) {
+            float2 o[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) o[i] = __ldcg(reinterpret_cast<const float2*>(ps + 64) + (c + i) * 32 + lane);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const float wr = ((c + i) % 2) ? w1 : w0;
+                acc_o[2 * (c + i)] = fmaf(wr, o[i].x, acc_o[2 * (c + i)]);
+                acc_o[2 * (c + i) + 1] = fmaf(wr, o[i].y, acc_o[2 * (c + i) + 1]);
+            }
+            asm volatile("" ::: "memory");
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        inv_l[0][r] = sum[r] > 0.f ? 1.f / sum[r] : 0.f;
+        lse[0][r] = sum[r] > 0.f ? mx[r] + __logf(sum[r]) : -CUFLASH_INF;
+    }
+    if (lane == 0) *counter = 0;  // zero for the next call (kernels on a stream run one after another)
+    return true;
+}
+
 // A FEAT call's score tile (keys n0 .. n0 + BLOCK_N of the 16 rows from row0, mask.cuh): logits in
 // log2 units where a score modification applies (softcap, ALiBi), then the mask where a bound
 // crosses the tile. Returns the scale the online softmax still has to apply: scale_log2, or 1 when

@@ -517,6 +517,15 @@ def fwd_sched() -> bool:
     return os.environ.get("CUFLASH_FWD_SCHED", "") != "0"
 
 
+def fwd_split() -> bool:
+    """Whether the persistent non-causal forward cuts the work tiles of its last wave into parts along
+    their key tiles (cuflash/_schedule.py split_schedule) where the cost model gains.
+    CUFLASH_FWD_SPLIT=0 turns that off (read when a plan is made)."""
+    import os
+
+    return os.environ.get("CUFLASH_FWD_SPLIT", "") != "0"
+
+
 def fwd_ws_persistent() -> str:
     """Where the warp-specialized forward of plain calls runs on a persistent grid (one block per SM
     walking the query blocks; flash_fwd_sm90_ws.cu PERSISTENT): CUFLASH_FWD_WS_PERSISTENT "1": every

@@ -11,6 +11,7 @@ left for each call is writing the slot pointers into it and calling cuLaunchKern
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -74,9 +75,11 @@ FWD_TMA_PARAMS = _with_maps(FWD_PARAMS, ("map_k", "map_v"), ints=("d_cols",))
 _FWD_TMA_CHECKS_PARAMS = (_compile.params_layout_checks("cuflash", "FwdTmaParams", FWD_TMA_PARAMS) + "\n"
                           + _FWD_CHECKS_PARAMS)
 
-# Mirror of cuflash::FwdWsParams (cuda_src/flash_fwd_sm90_ws.cu): FwdParams, d_cols, the persistent
-# causal grid's work lists (sched), then the maps of Q, K, V.
-FWD_WS_PARAMS = _with_maps(FWD_PARAMS, ("map_q", "map_k", "map_v"), ints=("d_cols",), ptrs=("sched",))
+# Mirror of cuflash::FwdWsParams (cuda_src/flash_fwd_sm90_ws.cu): FwdParams, d_cols, the split tail's
+# first tile, parts and chunk, the persistent grid's work lists (sched) and the split workspace, then
+# the maps of Q, K, V.
+FWD_WS_PARAMS = _with_maps(FWD_PARAMS, ("map_q", "map_k", "map_v"),
+                           ints=("d_cols", "split_first", "split_parts", "split_chunk"), ptrs=("sched", "split_ws"))
 _FWD_WS_CHECKS_PARAMS = (_compile.params_layout_checks("cuflash", "FwdWsParams", FWD_WS_PARAMS) + "\n"
                          + _FWD_CHECKS_PARAMS)
 
@@ -245,22 +248,24 @@ def fwd_specialization(dtype: str, head_dim: int, cfg: _config.TileConfig, causa
 
 
 def fwd_ws_specialization(dtype: str, head_dim: int, causal: bool, even: bool, block_n: int, stages: int,
-                          pingpong: bool = False, consumers: int = 2, feat: bool = False, persistent: bool = False):
+                          pingpong: bool = False, consumers: int = 2, feat: bool = False, persistent: bool = False,
+                          split: bool = False):
     """(spec, smem) of the warp-specialized sm_90a forward (cuda_src/flash_fwd_sm90_ws.cu); pingpong:
     its schedule that alternates the two consumers at the tensor cores; consumers: 2 or 3 warpgroups
     of 64 query rows; feat: the optional features (causal and even must then be False); persistent:
-    one block per SM walking the query blocks (plain calls)."""
+    one block per SM walking the query blocks (plain calls); split (persistent, non-causal): on a work
+    list whose last tiles may come cut along their key tiles (cuflash/_schedule.py split_schedule)."""
     short, ctype = _DTYPE_TAG[dtype]
     bn = block_n
-    assert not (feat and persistent)
+    assert not (feat and persistent) and not (split and (causal or not persistent))
     smem = _config.fwd_ws_smem_bytes(head_dim, bn, stages, consumers, persistent)
     flags = f"{'true' if causal else 'false'}, {'true' if even else 'false'}, {'true' if pingpong else 'false'}"
     expr = f"cuflash::flash_fwd_sm90_ws_kernel<{ctype}, {head_dim}, {bn}, {stages}, {flags}, {consumers}"
-    expr += ", true>" if feat else ", false, true>" if persistent else ">"
+    expr += ", true>" if feat else ", false, true, true>" if split else ", false, true>" if persistent else ">"
     kind = "feat" if feat else f"{'causal' if causal else 'full'}_{'even' if even else 'ragged'}"
     assert not (feat and (causal or even)), (causal, even)
     name = (f"fwd90ws_{short}_d{head_dim}_m{64 * consumers}_n{bn}_s{stages}_{kind}{'_pp' if pingpong else ''}"
-            f"{'_pers' if persistent else ''}")
+            f"{'_pers' if persistent else ''}{'_split' if split else ''}")
     pers = ", true" if persistent else ""
     checks = "\n".join([
         _FWD_WS_CHECKS_PARAMS,
@@ -290,10 +295,12 @@ def all_fwd_ws_specializations(target: str, head_dims=None, dtypes=None, causal=
                     grids = (False,) + ((True,) if _config.fwd_ws_persistent_config(d, c) is not None else ())
                 for ps in grids:
                     cfg = _config.FWD_WS_PERSISTENT_TABLE.get((d, c)) if ps else _config.fwd_ws_config(d, c)
+                    # (persistent non-causal: also the split kernels, where split_schedule may pick them)
+                    splits = (False, True) if ps and not c and (persistent is not None or _config.fwd_split()) else (False,)
                     if cfg is not None:
-                        out += [fwd_ws_specialization(dtype, d, c, e, cfg[0], cfg[1], pp, cfg[3], persistent=ps)
+                        out += [fwd_ws_specialization(dtype, d, c, e, cfg[0], cfg[1], pp, cfg[3], persistent=ps, split=sp)
                                 for pp in (pingpong if pingpong is not None else (cfg[2],)) for e in (False, True)
-                                if not (pp and cfg[3] != 2)]
+                                for sp in splits if not (pp and cfg[3] != 2)]
             fcfg = _config.fwd_ws_feat_config(d, False)
             if fcfg is not None:
                 out.append(fwd_ws_specialization(dtype, d, False, False, *fcfg, feat=True))
@@ -897,6 +904,90 @@ class ScheduledLaunch(TmaLaunch):
         TmaLaunch.fire(self, stream, ptrs, pdl)
 
 
+# The split workspace's counters (cuda_src/fwd_sm90_steps.cuh SPLIT_COUNTERS: int32, [split tile][warp]).
+SPLIT_COUNTERS = 4096
+# (device, stream) -> (allocation, bytes): the split forward's workspace, one a stream, shared by every
+# plan on it (kernels on one stream run one after another, and each leaves the counters it used at
+# zero); replaced by a larger one when a plan needs more. Replaced ones stay allocated in
+# _SPLIT_OLD: a launch armed with one, or a captured graph, may still use it.
+_SPLIT_WS: dict = {}
+_SPLIT_OLD: list = []
+_SPLIT_LOCK = threading.Lock()
+
+
+def split_workspace_bytes(split_tiles: int, parts: int, head_dim: int, warps: int) -> int:
+    """Bytes of the split forward's workspace (cuda_src/fwd_sm90_steps.cuh split_part_merge): the
+    counters, then each (split tile, part, warp)'s lse and O."""
+    return 4 * (SPLIT_COUNTERS + split_tiles * parts * warps * (64 + 16 * head_dim))
+
+
+def split_workspace(device_id: int, stream: int, nbytes: int) -> int:
+    """A workspace of at least nbytes for the split forward on this stream, its counters zero (made
+    and cleared on the stream at first use); 0 while the stream captures a graph and has none large
+    enough (no allocation then: the launch runs unsplit)."""
+    key = (device_id, stream)
+    have = _SPLIT_WS.get(key)
+    if have is not None and have[1] >= nbytes:
+        return have[0].ptr
+    if stream_capturing(stream):
+        return 0
+    import cupy
+
+    with _SPLIT_LOCK:
+        have = _SPLIT_WS.get(key)
+        if have is not None and have[1] >= nbytes:
+            return have[0].ptr
+        size = max(nbytes, 2 * have[1]) if have is not None else nbytes
+        with cupy.cuda.Device(device_id):
+            mem = cupy.cuda.memory.alloc(size)
+            cupy.cuda.runtime.memsetAsync(mem.ptr, 0, 4 * SPLIT_COUNTERS, stream)
+        if have is not None:
+            _SPLIT_OLD.append(have[0])
+        _SPLIT_WS[key] = (mem, size)
+        return mem.ptr
+
+
+class SplitLaunch(TmaLaunch):
+    """The persistent non-causal forward with a split tail (cuflash/_schedule.py split_schedule): its
+    Params point to the work list (copied to the device once per stream, at the first fire there that
+    is not captured) and to the stream's workspace (split_workspace). A fire on a stream that has
+    neither yet and is capturing a graph runs the kernel's own order, unsplit (sched 0, parts 0)."""
+
+    __slots__ = ("table", "tables", "ws_bytes", "split", "armed", "w_sched", "w_ws", "i_split")
+
+    def __init__(self, name, fn_ptr, grid, threads, smem, params, pointers, device_id, maps, table, split,
+                 ws_bytes):
+        super().__init__(name, fn_ptr, grid, threads, smem, params, pointers, device_id, maps)
+        offsets = _offsets(params.dtype)
+        self.table, self.tables, self.ws_bytes = table, {}, ws_bytes
+        self.split = split  # (split_first, split_parts, split_chunk)
+        self.w_sched, self.w_ws = offsets["sched"] // 8, offsets["split_ws"] // 8
+        self.i_split = offsets["split_first"] // 4  # then split_parts, split_chunk
+        self.armed = None  # the stream the Params are set up for
+
+    def fire(self, stream: int, ptrs, pdl: bool = True) -> None:
+        if stream != self.armed:
+            self._arm(stream)
+        TmaLaunch.fire(self, stream, ptrs, pdl)
+
+    def _arm(self, stream: int) -> None:
+        mem = self.tables.get(stream)
+        if mem is None:
+            mem = _upload_table(self.device_id, self.table, stream)
+            if mem is not None:
+                self.tables[stream] = mem
+        ws = split_workspace(self.device_id, stream, self.ws_bytes) if mem is not None else 0
+        i = self.i_split
+        if ws:
+            self.words[self.w_sched], self.words[self.w_ws] = mem.ptr, ws
+            self.ints[i:i + 3] = self.split
+            self.armed = stream
+        else:
+            self.words[self.w_sched] = self.words[self.w_ws] = 0
+            self.ints[i:i + 3] = 0
+            self.armed = None
+
+
 def _upload_table(device_id: int, table: np.ndarray, stream: int):
     """The table in device memory (a CuPy allocation, freed with the launch that holds it), copied on
     the stream; None while the stream captures a graph (an allocation and a copy there would join the
@@ -995,6 +1086,7 @@ def fwd_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTen
     target = _config.compile_arch(*cc)
     _tma_context(target, device_id)
     mq, mk, mv = q, k, v  # what the warp-specialized kernel's tensor maps describe
+    split = None  # the split tail's (list, first, parts, chunk): cuflash/_schedule.py split_schedule
     if mask is not None:
         assert not causal
         narrow = 0 <= mask.window_left and mask.window_left + max(mask.window_right, 0) < _config.NARROW_WINDOW
@@ -1031,6 +1123,8 @@ def fwd_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTen
                 cfg, tma_pad, pad_dim = tcfg, 64, None
         if pad_dim is not None:
             pers = _config.fwd_ws_persistent_config(pad_dim, causal, seqlen_k, seqlen_q)
+            if pers is not None and _too_many_tiles(batch * nheads, seqlen_q, pers):
+                pers = None
             # (No seqlen_k: where a call pads is fwd_pad_head_dim's rule, not head_dim 64's own
             # FWD_WS_MIN_SEQLEN_K.)
             ws = pers or _config.fwd_ws_config(pad_dim, causal)
@@ -1041,12 +1135,21 @@ def fwd_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTen
         if pad_dim is None:
             pers = None if chosen or tma_pad or not tma else _config.fwd_ws_persistent_config(
                 head_dim, causal, seqlen_k, seqlen_q)
+            if pers is not None and _too_many_tiles(batch * nheads, seqlen_q, pers):
+                pers = None
             ws = pers or (None if chosen or tma_pad or not tma else _config.fwd_ws_config(head_dim, causal, seqlen_k))
         if pad_dim is not None or (ws and _use_tma(q, q, 64 * ws[3], dtype) and _use_tma(k, v, ws[0], dtype)):
             cfg = _config.TileConfig(64 * ws[3], ws[0], 4 * (1 + ws[3]), wgmma=True)
             even = seqlen_q % cfg.block_m == 0 and seqlen_k % cfg.block_n == 0
+            if pers is not None and not causal and _config.fwd_split():
+                # The last wave's tiles cut along their key tiles (cuflash/_schedule.py split_schedule)
+                from ._kvcache import _sm_count
+                from ._schedule import split_schedule
+
+                n_work = batch * nheads * -(-seqlen_q // cfg.block_m)
+                split = split_schedule(n_work, min(n_work, _sm_count(device_id)), -(-seqlen_k // cfg.block_n))
             spec, smem = fwd_ws_specialization(dtype, pad_dim or head_dim, causal, even, *ws,
-                                               persistent=pers is not None)
+                                               persistent=pers is not None, split=split is not None)
         else:
             if tma and not chosen and not tma_pad:
                 cfg = _config.fwd_tma_config_for_target(target, head_dim, dtype, causal)
@@ -1062,7 +1165,7 @@ def fwd_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTen
         return []
     from ._kvcache import _sm_count
 
-    persistent = spec.name.endswith("_pers")
+    persistent = spec.name.endswith(("_pers", "_split"))
     if persistent:  # one block per SM, each walking query blocks
         grid = min(grid, _sm_count(device_id))
     fn = _compile.get_function(spec, target, device_id, smem)
@@ -1098,8 +1201,23 @@ def fwd_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTen
             table = causal_schedule(num_m_blocks, batch * nheads, grid, cfg.block_m, cfg.block_n, seqlen_q, seqlen_k)
             return [ScheduledLaunch(spec.name, fn.ptr, grid, cfg.warps * 32, smem, p, ptrs, device_id, maps, table,
                                     "sched")]
+        if split is not None:  # (the split kernel: spec.name ends in _split)
+            table, first, parts, chunk = split
+            nbytes = split_workspace_bytes(batch * nheads * num_m_blocks - first, parts, pad_dim or head_dim,
+                                           cfg.warps - 4)
+            return [SplitLaunch(spec.name, fn.ptr, grid, cfg.warps * 32, smem, p, ptrs, device_id, maps, table,
+                                (first, parts, chunk), nbytes)]
         return [TmaLaunch(spec.name, fn.ptr, grid, cfg.warps * 32, smem, p, ptrs, device_id, maps)]
     return [Launch(spec.name, fn.ptr, grid, cfg.warps * 32, smem, p, ptrs, device_id)]
+
+
+def _too_many_tiles(bh: int, seqlen_q: int, pers) -> bool:
+    """Whether a call has too many work tiles for the persistent grid, whose work lists hold a tile in
+    24 bits (cuflash/_schedule.py TILE_BITS): 2^24 tiles of 128 query rows at head_dim 64 are 256 GiB
+    of q, so no call on today's GPUs comes near."""
+    from ._schedule import TILE_BITS
+
+    return bh * -(-seqlen_q // (64 * pers[3])) >= 1 << TILE_BITS
 
 
 def _blocks_per_sm(fn, threads: int, smem: int) -> int:

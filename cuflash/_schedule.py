@@ -111,6 +111,68 @@ def causal_schedule(num_m: int, bh: int, G: int, block_m: int, block_n: int, seq
     return out
 
 
+# Split tails of the persistent non-causal forward: its work tiles are alike (num_n key tiles each),
+# so with n_work tiles on G blocks the first n_work % G blocks take one more than the others, and the
+# grid's last wave runs on part of the GPU (at FlashAttention-2's grid, 2048 tiles on 132 SMs: 16
+# against an average of 15.5, 3 % of the time). The list keeps the tiles of the whole waves in the
+# kernel's own order (tile k G + i to block i) and cuts each of the last n_work % G tiles into parts
+# of `chunk` key tiles (the last part the rest), each part to the least loaded block, the longest
+# first; the kernel merges a tile's parts by their lse (cuda_src/fwd_sm90_steps.cuh
+# split_part_merge). A part costs its key tiles plus FIXED_TILES plus SPLIT_TILES (its partial
+# result out to memory, and for the last one the merge).
+SPLIT_TILES = 0.5
+# The most parts a tile is cut into (the last reads them all back to merge), and the least modelled
+# gain (a fraction of the busiest block's time) for which a split is taken.
+MAX_PARTS = 4
+MIN_SPLIT_GAIN = 0.005
+# The fewest key tiles a part: at 2k keys (16 key tiles, parts of 6) the split measured no gain, from
+# 4k (parts of 11) 1-2 % (H200, session 40, bench/dev/fwd_ab_inproc.py).
+MIN_CHUNK = 8
+# A list entry: the tile in bits 0-23, (part + 1) in bits 24-31 for a part of a split tile, 0 for a
+# whole one (the host keeps the persistent grid below 2^24 work tiles).
+TILE_BITS = 24
+
+
+@lru_cache(maxsize=256)
+def split_schedule(n_work: int, G: int, num_n: int):
+    """The persistent non-causal forward's list for n_work tiles of num_n key tiles on G blocks, with
+    its last n_work % G tiles split (the comment above): (table, split_first, parts, chunk), table
+    laid out as causal_schedule's with entries as TILE_BITS says; None where no split gains
+    MIN_SPLIT_GAIN (then the kernel's own order). Read-only."""
+    full, tail = divmod(n_work, G)
+    if tail == 0 or num_n < 2 or n_work >= 1 << TILE_BITS:
+        return None
+    whole = num_n + FIXED_TILES
+    base = full * whole
+    best = (base + whole, None)  # no split: the busiest blocks take one more whole tile
+    seen = set()
+    for s in range(2, min(MAX_PARTS, num_n) + 1):
+        chunk = -(-num_n // s)
+        parts = -(-num_n // chunk)
+        if parts < 2 or chunk < MIN_CHUNK or chunk in seen:
+            continue
+        seen.add(chunk)
+        sizes = [min(chunk, num_n - p * chunk) for p in range(parts)]
+        items = sorted(((sizes[p] + FIXED_TILES + SPLIT_TILES, t, p) for t in range(tail) for p in range(parts)),
+                       key=lambda x: -x[0])
+        loads, owner = _tail_loads(np.full(G, base), items, [c for c, _, _ in items])
+        span = float(loads.max())
+        if span < (base + whole) * (1 - MIN_SPLIT_GAIN) and span < best[0] - 1e-9:
+            best = (span, (chunk, parts, items, owner))
+    if best[1] is None:
+        return None
+    chunk, parts, items, owner = best[1]
+    first = full * G
+    lists = [[k * G + i for k in range(full)] for i in range(G)]
+    for (_, t, p), i in zip(items, owner.tolist()):
+        lists[i].append((first + t) | ((p + 1) << TILE_BITS))
+    out = np.full((max(map(len, lists)) + 1, G), -1, dtype=np.int32)
+    for i, lst in enumerate(lists):
+        out[:len(lst), i] = np.asarray(lst, dtype=np.int64).astype(np.int32)
+    out.setflags(write=False)
+    return out, first, parts, chunk
+
+
 def block_lists(sched: np.ndarray) -> list:
     """Each block's work tiles in order, from a list as causal_schedule lays it out (tests and tools)."""
     return [col[:int(np.argmax(col < 0))].tolist() for col in sched.T]

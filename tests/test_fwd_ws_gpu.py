@@ -78,9 +78,11 @@ def test_ws_forward(ws_on, dtype, head_dim, causal, seqlen_q, seqlen_k, nheads, 
     patched = all(_tma.layout_patch(tuple(t.shape), tuple(t.stride()), rows, dtype) is not None
                   for t, rows in ((q, rows_q), (k, 64 if head_dim > 128 else 128), (v, 64 if head_dim > 128 else 128)))
     if patched:
+        # (a split kernel where the persistent grid's last wave is cut: test_ws_forward_split)
+        base = [n.removesuffix("_split") for n in names]
         assert names and all(n.startswith("fwd90ws_") and n.removesuffix("_pers").endswith("_pp") == pp
                              and f"_m{rows_q}_" in n and n.endswith("_pers") == pers_grid
-                             for n in names), (label, names)
+                             for n in base), (label, names)
     # Causal on the persistent grid: the work lists were copied and the Params point to them (or, with
     # CUFLASH_FWD_SCHED=0, there are none and the kernel pairs its query blocks).
     from cuflash import _launch, _plan
@@ -89,6 +91,56 @@ def test_ws_forward(ws_on, dtype, head_dim, causal, seqlen_q, seqlen_k, nheads, 
              if isinstance(L, _launch.ScheduledLaunch)]
     assert bool(lists) == (pers_grid and causal and sched and patched), (label, lists)
     assert all(L.table_mem is not None and int(L.words[L.table_word]) == L.table_mem.ptr for L in lists), label
+
+
+# The split tail of the persistent non-causal forward (cuflash/_schedule.py split_schedule): shapes
+# whose last wave of work tiles the plan cuts along their key tiles on a 132-SM GPU (an H100's or an
+# H200's), with ragged query and key lengths (the masked last key tile in a tile's last part), GQA,
+# strided layouts, fewer tiles than SMs, and head_dim 64 (two consumers on the persistent grid).
+CASES_SPLIT = [  # dtype, head_dim, seqlen_q, seqlen_k, nheads, nheads_kv, layout
+    ("bfloat16", 128, 2048, 4096, 9, 3, "bshd"),    # 288 tiles: 2 waves and 24 tiles in 4 parts
+    ("float16", 128, 1000, 3000, 10, 10, "bhsd"),   # ragged query and key tiles
+    ("bfloat16", 128, 300, 4100, 23, 1, "bshd"),    # 138 tiles: 6 split; 33 key tiles (ragged)
+    ("float16", 128, 700, 2500, 12, 3, "mixed"),
+    ("bfloat16", 128, 512, 2222, 20, 5, "padded"),
+    ("float16", 64, 1024, 3000, 9, 3, "bshd"),
+    ("bfloat16", 64, 333, 2100, 24, 8, "bhsd"),
+]
+
+
+@pytest.mark.parametrize("dtype,head_dim,seqlen_q,seqlen_k,nheads,nheads_kv,layout", CASES_SPLIT)
+def test_ws_forward_split(monkeypatch, dtype, head_dim, seqlen_q, seqlen_k, nheads, nheads_kv, layout):
+    """Each case twice, with fresh inputs: a tile's parts merge by the last one's count, which must
+    find the counters back at zero after the first call (an unmerged tile stays NaN: run_and_check
+    poisons out)."""
+    import cuflash
+    from cuflash import _kvcache, _launch, _plan, _schedule
+
+    names = record_tma_launches(monkeypatch, CUFLASH_FWD_WS=None, CUFLASH_FWD_TMA=None, CUFLASH_FWD_SPLIT=None,
+                                CUFLASH_FWD_WS_PERSISTENT="1")
+    try:
+        label = f"ws split {dtype} d{head_dim} {seqlen_q}x{seqlen_k} h{nheads}/{nheads_kv} {layout}"
+        for rep in range(2):
+            seed = fresh_seed()
+            torch.manual_seed(seed)
+            q, k, v = make_qkv(2, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, getattr(torch, dtype), layout)
+            run_and_check(cuflash, q, k, v, causal=False, seed=seed, label=f"{label} call {rep + 1}")
+        n_work = 2 * nheads * -(-seqlen_q // 128)
+        sms = _kvcache._sm_count(torch.cuda.current_device())
+        G = min(n_work, sms)  # the persistent grid: a block per SM, or per tile where fewer
+        want = _schedule.split_schedule(n_work, G, -(-seqlen_k // 128))
+        splits = [L for plan in _plan.CACHE.values() for L in getattr(plan, "launches", ())
+                  if isinstance(L, _launch.SplitLaunch)]
+        if sms == 132:
+            assert want is not None, label  # the cases are chosen to split on 132 SMs
+        assert names and all(n.endswith("_pers_split" if want is not None else "_pers") for n in names), (label, names)
+        assert len(splits) == (want is not None), (label, splits)
+        for L in splits:
+            first, parts, chunk = want[1:]
+            assert L.armed is not None and int(L.words[L.w_sched]) == L.tables[L.armed].ptr, label
+            assert tuple(int(x) for x in L.ints[L.i_split:L.i_split + 3]) == (first, parts, chunk), label
+    finally:
+        _plan.CACHE.clear()
 
 
 # Head_dim pad-up (cuflash/_config.py fwd_pad_head_dim): head dims between 64 and 256 run the kernel of

@@ -194,6 +194,16 @@ def dev(monkeypatch):
         return Mem()
 
     monkeypatch.setattr(_launch, "_upload_table", upload_table)
+    # The split forward's workspace (cupy memory, one a stream, on a GPU): recorded, at a fake pointer.
+    ad.workspaces = []
+
+    def split_workspace(device_id, stream, nbytes):
+        if ad.capturing[0]:
+            return 0
+        ad.workspaces.append((device_id, stream, nbytes))
+        return 0x5B117000
+
+    monkeypatch.setattr(_launch, "split_workspace", split_workspace)
     # No driver for tensor maps, as on a machine without a GPU, where these tests are written for (a GPU
     # machine's libcuda would put the calls on the TMA kernels); fake_tma_driver puts a stand-in here.
     from cuflash import _tma
@@ -491,18 +501,24 @@ def test_fwd_tma_patched_maps_wiring(dev, monkeypatch):
     assert "_d256_m128_n32_" in launched[-1]["name"] and not launched[-1]["name"].endswith("_tma")
 
 
+def default_ws_kernels(dev, monkeypatch):
+    """The default kernel choice on the fake sm_90 device with a stand-in tensor-map driver (the
+    warp-specialized and persistent forwards where the tables put them): (ad, launched, rng)."""
+    fake_tma_driver(monkeypatch, lambda ptr, i, dims, box, strides: (
+        ptr if i == 0 else 77 * i + dims[1] + box[1] + strides[0]), lambda ptr, *rest: ptr)
+    monkeypatch.delenv("CUFLASH_FWD_TMA")
+    monkeypatch.delenv("CUFLASH_FWD_WS")
+    ad, launched = dev
+    return ad, launched, np.random.default_rng()
+
+
 def test_fwd_sched_wiring(dev, monkeypatch):
     """The persistent causal forward's work lists (cuflash/_schedule.py): the plan's list for its
     shape and grid, copied once per plan, on the call's stream, at the first fire whose stream does
     not capture a graph (before that the kernel's pairs: sched 0); CUFLASH_FWD_SCHED=0: none."""
     from cuflash import _schedule
 
-    fake_tma_driver(monkeypatch, lambda ptr, i, dims, box, strides: (
-        ptr if i == 0 else 77 * i + dims[1] + box[1] + strides[0]), lambda ptr, *rest: ptr)
-    monkeypatch.delenv("CUFLASH_FWD_TMA")
-    monkeypatch.delenv("CUFLASH_FWD_WS")
-    ad, launched = dev
-    rng = np.random.default_rng()
+    ad, launched, rng = default_ws_kernels(dev, monkeypatch)
     q, k, v = arr(rng, (8, 2048, 4, 128)), arr(rng, (8, 2048, 2, 128)), arr(rng, (8, 2048, 2, 128))
     ad.capturing[0] = True
     cuflash.attention(q, k, v, causal=True)
@@ -525,6 +541,54 @@ def test_fwd_sched_wiring(dev, monkeypatch):
     cuflash.attention(q, k, v, causal=True)
     assert launched[-1]["name"] == L["name"] and int(launched[-1]["p"]["sched"]) == 0
     assert len(ad.uploads) == 1
+
+
+def test_fwd_split_wiring(dev, monkeypatch):
+    """The persistent non-causal forward's split tail (cuflash/_schedule.py split_schedule): the plan's
+    list for its shape and grid, with the split's first tile, parts and chunk and the stream's
+    workspace in the Params, set at the first fire whose stream does not capture a graph (before that
+    the kernel's own order: sched 0, parts 0); CUFLASH_FWD_SPLIT=0: none; a shape whose tiles fill
+    whole waves: none."""
+    from cuflash import _schedule
+
+    ad, launched, rng = default_ws_kernels(dev, monkeypatch)
+    # 4 x 16 heads x 32 query blocks = 2048 work tiles of 32 key tiles on 132 blocks (FlashAttention-2's
+    # grid at 4k keys)
+    q, k, v = arr(rng, (4, 4096, 16, 128)), arr(rng, (4, 4096, 4, 128)), arr(rng, (4, 4096, 4, 128))
+    ad.capturing[0] = True
+    cuflash.attention(q, k, v)
+    L = launched[-1]
+    assert L["name"] == "fwd90ws_f16_d128_m128_n128_s2_full_even_pp_pers_split" and L["grid"] == 132, L["name"]
+    p = L["p"]
+    assert int(p["sched"]) == 0 and int(p["split_parts"]) == 0 and int(p["split_ws"]) == 0
+    assert not ad.uploads and not ad.workspaces
+    ad.capturing[0] = False
+    table, first, parts, chunk = _schedule.split_schedule(2048, 132, 32)
+    for _ in range(2):
+        cuflash.attention(q, k, v)
+        p = launched[-1]["p"]
+        assert int(p["sched"]) == 0x5C4ED000 and int(p["split_ws"]) == 0x5B117000
+        assert (int(p["split_first"]), int(p["split_parts"]), int(p["split_chunk"])) == (first, parts, chunk)
+    assert len(ad.uploads) == 1 and len(ad.workspaces) == 1, (ad.uploads, ad.workspaces)
+    _, got, stream = ad.uploads[0]
+    assert stream == launched[-1]["stream"] and ad.workspaces[0][1] == stream
+    assert got.dtype == np.int32 and got.flags.c_contiguous and np.array_equal(got, table)
+    assert ad.workspaces[0][2] == _launch.split_workspace_bytes(2048 - first, parts, 128, 8)
+    # a new stream: the list copied there too, the Params pointing to that copy and workspace
+    monkeypatch.setattr(ad, "stream", lambda device_id: 78)
+    cuflash.attention(q, k, v)
+    assert launched[-1]["stream"] == 78 and len(ad.uploads) == 2 and ad.uploads[1][2] == 78
+    assert ad.workspaces[-1][1] == 78
+    # CUFLASH_FWD_SPLIT=0: the persistent kernel without lists
+    monkeypatch.setenv("CUFLASH_FWD_SPLIT", "0")
+    _plan.CACHE.clear()
+    cuflash.attention(q, k, v)
+    assert launched[-1]["name"] == L["name"].removesuffix("_split") and len(ad.uploads) == 2
+    monkeypatch.delenv("CUFLASH_FWD_SPLIT")
+    # 2640 tiles: 20 whole waves, nothing to split; 2k keys: parts too short to gain
+    for b, sq, sk in ((1, 165 * 128, 4096), (8, 2048, 2048)):
+        cuflash.attention(arr(rng, (b, sq, 16, 128)), arr(rng, (b, sk, 4, 128)), arr(rng, (b, sk, 4, 128)))
+        assert launched[-1]["name"].endswith("_pers"), launched[-1]["name"]
 
 
 def test_fwd_ws_wiring(dev, monkeypatch):

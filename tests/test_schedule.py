@@ -66,3 +66,62 @@ def test_causal_schedule_gains_at_the_grid():
 def test_causal_schedule_odd():
     with pytest.raises(ValueError, match="num_m must be even"):
         S.causal_schedule(3, 4, 8, 128, 128, 384, 384)
+
+
+def split_cover(sched, n_work, first, parts, chunk, num_n):
+    """Every work tile's key tiles exactly once over the list: whole tiles below `first`, the parts
+    of the split ones; and each block's whole tiles in the kernel's own order (k G + i) first."""
+    G = sched.shape[1]
+    seen = {}
+    for i, lst in enumerate(S.block_lists(sched)):
+        whole = [e for e in lst if e >> S.TILE_BITS == 0]
+        assert whole == list(range(i, first, G)), "the whole waves keep the kernel's order"
+        assert lst[:len(whole)] == whole, "a block's parts come after its whole tiles"
+        for e in lst:
+            tile, pm = e & ((1 << S.TILE_BITS) - 1), e >> S.TILE_BITS
+            if pm == 0:
+                rng = range(num_n)
+            else:
+                assert first <= tile < n_work and 1 <= pm <= parts
+                lo = (pm - 1) * chunk
+                rng = range(lo, min(lo + chunk, num_n))  # the kernel's range (flash_fwd_sm90_ws.cu work_of)
+            for n in rng:
+                assert (tile, n) not in seen, (tile, n)
+                seen[(tile, n)] = i
+    assert len(seen) == n_work * num_n
+
+
+@pytest.mark.parametrize("n_work,G,num_n", [
+    (2048, 132, 32),   # FlashAttention-2's grid, head_dim 128, 4k keys: 2048 tiles on 132 SMs
+    (2048, 132, 128),  # 16k keys
+    (2048, 132, 33),   # a ragged last part
+    (300, 132, 40),    # two whole waves and a tail
+    (4096, 132, 16),   # head_dim 64, 2k keys
+    (100, 7, 20),
+])
+def test_split_schedule(n_work, G, num_n):
+    got = S.split_schedule(n_work, G, num_n)
+    assert got is not None
+    sched, first, parts, chunk = got
+    assert sched.dtype == np.int32 and sched.shape[1] == G and not sched.flags.writeable and (sched[-1] == -1).all()
+    assert first == n_work // G * G and 2 <= parts <= S.MAX_PARTS and parts == -(-num_n // chunk)
+    assert chunk >= S.MIN_CHUNK
+    split_cover(sched, n_work, first, parts, chunk, num_n)
+    # the model's busiest block gains at least MIN_SPLIT_GAIN over the kernel's own order
+    whole = num_n + S.FIXED_TILES
+    loads = [sum(whole if e >> S.TILE_BITS == 0 else
+                 min(chunk, num_n - ((e >> S.TILE_BITS) - 1) * chunk) + S.FIXED_TILES + S.SPLIT_TILES for e in lst)
+             for lst in S.block_lists(sched)]
+    assert max(loads) <= -(-n_work // G) * whole * (1 - S.MIN_SPLIT_GAIN)
+
+
+@pytest.mark.parametrize("n_work,G,num_n", [
+    (2640, 132, 16),   # whole waves: nothing to split
+    (2048, 132, 1),    # one key tile
+    (2048, 132, 4),    # 512 keys: no cut gains
+    (2048, 132, 16),   # 2k keys: parts would be under MIN_CHUNK
+    (200, 132, 16),    # most of a wave in the tail: no cut gains
+    (1 << 24, 132, 16),  # past the entries' 24 bits
+])
+def test_split_schedule_none(n_work, G, num_n):
+    assert S.split_schedule(n_work, G, num_n) is None
