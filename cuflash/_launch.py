@@ -882,26 +882,39 @@ class TmaLaunch(Launch):
 
 class ScheduledLaunch(TmaLaunch):
     """A TmaLaunch whose Params also point to a read-only int32 table in device memory (the persistent
-    causal forward's work lists, cuflash/_schedule.py). The table is copied to the device at the first
-    fire on a stream that is not capturing a graph (stream-ordered, so no synchronization); until
-    then the field stays 0 and the kernel takes its own order (blocks.cuh persistent_tile), so a
-    plan made while a graph is captured still runs, and a graph captured before the copy keeps that
-    order."""
+    forward's work lists, cuflash/_schedule.py). The table is copied to each stream the launch fires
+    on, at its first fire there that is not captured into a graph: stream-ordered, so no
+    synchronization, and no stream reads a copy that another may still be making. Until then the
+    field stays 0 for that stream's fires and the kernel takes its own order (blocks.cuh
+    persistent_tile), so a plan made while a graph is captured still runs, and such a graph keeps
+    that order. The Params are set up again only when the stream changes (`armed`)."""
 
-    __slots__ = ("table", "table_mem", "table_word")
+    __slots__ = ("table", "tables", "table_word", "armed")
 
-    def __init__(self, name, fn_ptr, grid, threads, smem, params, pointers, device_id, maps, table, field):
+    def __init__(self, name, fn_ptr, grid, threads, smem, params, pointers, device_id, maps, table, field="sched"):
         super().__init__(name, fn_ptr, grid, threads, smem, params, pointers, device_id, maps)
-        self.table, self.table_mem = table, None
+        self.table, self.tables = table, {}  # stream -> the table's copy there
         self.table_word = _offsets(params.dtype)[field] // 8
+        self.armed = None  # the stream the Params are set up for
 
     def fire(self, stream: int, ptrs, pdl: bool = True) -> None:
-        if self.table_mem is None:
+        if stream != self.armed:
+            self._arm(stream)
+        TmaLaunch.fire(self, stream, ptrs, pdl)
+
+    def _table_on(self, stream: int):
+        """The table's copy on this stream (made now if there is none), or None while it captures."""
+        mem = self.tables.get(stream)
+        if mem is None:
             mem = _upload_table(self.device_id, self.table, stream)
             if mem is not None:
-                self.table_mem = mem
-                self.words[self.table_word] = mem.ptr
-        TmaLaunch.fire(self, stream, ptrs, pdl)
+                self.tables[stream] = mem
+        return mem
+
+    def _arm(self, stream: int) -> None:
+        mem = self._table_on(stream)
+        self.words[self.table_word] = 0 if mem is None else mem.ptr
+        self.armed = None if mem is None else stream
 
 
 # The split workspace's counters (cuda_src/fwd_sm90_steps.cuh SPLIT_COUNTERS: int32, [split tile][warp]).
@@ -947,43 +960,33 @@ def split_workspace(device_id: int, stream: int, nbytes: int) -> int:
         return mem.ptr
 
 
-class SplitLaunch(TmaLaunch):
-    """The persistent non-causal forward with a split tail (cuflash/_schedule.py split_schedule): its
-    Params point to the work list (copied to the device once per stream, at the first fire there that
-    is not captured) and to the stream's workspace (split_workspace). A fire on a stream that has
-    neither yet and is capturing a graph runs the kernel's own order, unsplit (sched 0, parts 0)."""
+class SplitLaunch(ScheduledLaunch):
+    """The persistent non-causal forward with a split tail (cuflash/_schedule.py split_schedule): a
+    ScheduledLaunch whose Params also point to the stream's workspace (split_workspace) and hold the
+    split's first tile, parts and chunk. A fire on a stream that has no list copy or workspace yet and
+    is capturing a graph runs the kernel's own order, unsplit (sched 0, parts 0)."""
 
-    __slots__ = ("table", "tables", "ws_bytes", "split", "armed", "w_sched", "w_ws", "i_split")
+    __slots__ = ("ws_bytes", "split", "w_ws", "i_split")
 
     def __init__(self, name, fn_ptr, grid, threads, smem, params, pointers, device_id, maps, table, split,
                  ws_bytes):
-        super().__init__(name, fn_ptr, grid, threads, smem, params, pointers, device_id, maps)
+        super().__init__(name, fn_ptr, grid, threads, smem, params, pointers, device_id, maps, table)
         offsets = _offsets(params.dtype)
-        self.table, self.tables, self.ws_bytes = table, {}, ws_bytes
+        self.ws_bytes = ws_bytes
         self.split = split  # (split_first, split_parts, split_chunk)
-        self.w_sched, self.w_ws = offsets["sched"] // 8, offsets["split_ws"] // 8
+        self.w_ws = offsets["split_ws"] // 8
         self.i_split = offsets["split_first"] // 4  # then split_parts, split_chunk
-        self.armed = None  # the stream the Params are set up for
-
-    def fire(self, stream: int, ptrs, pdl: bool = True) -> None:
-        if stream != self.armed:
-            self._arm(stream)
-        TmaLaunch.fire(self, stream, ptrs, pdl)
 
     def _arm(self, stream: int) -> None:
-        mem = self.tables.get(stream)
-        if mem is None:
-            mem = _upload_table(self.device_id, self.table, stream)
-            if mem is not None:
-                self.tables[stream] = mem
+        mem = self._table_on(stream)
         ws = split_workspace(self.device_id, stream, self.ws_bytes) if mem is not None else 0
         i = self.i_split
         if ws:
-            self.words[self.w_sched], self.words[self.w_ws] = mem.ptr, ws
+            self.words[self.table_word], self.words[self.w_ws] = mem.ptr, ws
             self.ints[i:i + 3] = self.split
             self.armed = stream
         else:
-            self.words[self.w_sched] = self.words[self.w_ws] = 0
+            self.words[self.table_word] = self.words[self.w_ws] = 0
             self.ints[i:i + 3] = 0
             self.armed = None
 
@@ -1123,8 +1126,6 @@ def fwd_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTen
                 cfg, tma_pad, pad_dim = tcfg, 64, None
         if pad_dim is not None:
             pers = _config.fwd_ws_persistent_config(pad_dim, causal, seqlen_k, seqlen_q)
-            if pers is not None and _too_many_tiles(batch * nheads, seqlen_q, pers):
-                pers = None
             # (No seqlen_k: where a call pads is fwd_pad_head_dim's rule, not head_dim 64's own
             # FWD_WS_MIN_SEQLEN_K.)
             ws = pers or _config.fwd_ws_config(pad_dim, causal)
@@ -1135,8 +1136,6 @@ def fwd_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTen
         if pad_dim is None:
             pers = None if chosen or tma_pad or not tma else _config.fwd_ws_persistent_config(
                 head_dim, causal, seqlen_k, seqlen_q)
-            if pers is not None and _too_many_tiles(batch * nheads, seqlen_q, pers):
-                pers = None
             ws = pers or (None if chosen or tma_pad or not tma else _config.fwd_ws_config(head_dim, causal, seqlen_k))
         if pad_dim is not None or (ws and _use_tma(q, q, 64 * ws[3], dtype) and _use_tma(k, v, ws[0], dtype)):
             cfg = _config.TileConfig(64 * ws[3], ws[0], 4 * (1 + ws[3]), wgmma=True)
@@ -1199,8 +1198,7 @@ def fwd_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTen
             from ._schedule import causal_schedule
 
             table = causal_schedule(num_m_blocks, batch * nheads, grid, cfg.block_m, cfg.block_n, seqlen_q, seqlen_k)
-            return [ScheduledLaunch(spec.name, fn.ptr, grid, cfg.warps * 32, smem, p, ptrs, device_id, maps, table,
-                                    "sched")]
+            return [ScheduledLaunch(spec.name, fn.ptr, grid, cfg.warps * 32, smem, p, ptrs, device_id, maps, table)]
         if split is not None:  # (the split kernel: spec.name ends in _split)
             table, first, parts, chunk = split
             nbytes = split_workspace_bytes(batch * nheads * num_m_blocks - first, parts, pad_dim or head_dim,
@@ -1209,15 +1207,6 @@ def fwd_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTen
                                 (first, parts, chunk), nbytes)]
         return [TmaLaunch(spec.name, fn.ptr, grid, cfg.warps * 32, smem, p, ptrs, device_id, maps)]
     return [Launch(spec.name, fn.ptr, grid, cfg.warps * 32, smem, p, ptrs, device_id)]
-
-
-def _too_many_tiles(bh: int, seqlen_q: int, pers) -> bool:
-    """Whether a call has too many work tiles for the persistent grid, whose work lists hold a tile in
-    24 bits (cuflash/_schedule.py TILE_BITS): 2^24 tiles of 128 query rows at head_dim 64 are 256 GiB
-    of q, so no call on today's GPUs comes near."""
-    from ._schedule import TILE_BITS
-
-    return bh * -(-seqlen_q // (64 * pers[3])) >= 1 << TILE_BITS
 
 
 def _blocks_per_sm(fn, threads: int, smem: int) -> int:

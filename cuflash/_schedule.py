@@ -129,7 +129,7 @@ MIN_SPLIT_GAIN = 0.005
 # 4k (parts of 11) 1-2 % (H200, session 40, bench/dev/fwd_ab_inproc.py).
 MIN_CHUNK = 8
 # A list entry: the tile in bits 0-23, (part + 1) in bits 24-31 for a part of a split tile, 0 for a
-# whole one (the host keeps the persistent grid below 2^24 work tiles).
+# whole one (split_schedule makes no list from 2^24 work tiles on).
 TILE_BITS = 24
 
 
@@ -138,7 +138,8 @@ def split_schedule(n_work: int, G: int, num_n: int):
     """The persistent non-causal forward's list for n_work tiles of num_n key tiles on G blocks, with
     its last n_work % G tiles split (the comment above): (table, split_first, parts, chunk), table
     laid out as causal_schedule's with entries as TILE_BITS says; None where no split gains
-    MIN_SPLIT_GAIN (then the kernel's own order). Read-only."""
+    MIN_SPLIT_GAIN, and from 2^TILE_BITS work tiles on (then the unsplit kernel, in its own order: the
+    split kernels, which read the tile from an entry's low bits, run only on a list of this). Read-only."""
     full, tail = divmod(n_work, G)
     if tail == 0 or num_n < 2 or n_work >= 1 << TILE_BITS:
         return None

@@ -90,7 +90,7 @@ def test_ws_forward(ws_on, dtype, head_dim, causal, seqlen_q, seqlen_k, nheads, 
     lists = [L for plan in _plan.CACHE.values() for L in getattr(plan, "launches", ())
              if isinstance(L, _launch.ScheduledLaunch)]
     assert bool(lists) == (pers_grid and causal and sched and patched), (label, lists)
-    assert all(L.table_mem is not None and int(L.words[L.table_word]) == L.table_mem.ptr for L in lists), label
+    assert all(L.armed is not None and int(L.words[L.table_word]) == L.tables[L.armed].ptr for L in lists), label
 
 
 # The split tail of the persistent non-causal forward (cuflash/_schedule.py split_schedule): shapes
@@ -137,7 +137,7 @@ def test_ws_forward_split(monkeypatch, dtype, head_dim, seqlen_q, seqlen_k, nhea
         assert len(splits) == (want is not None), (label, splits)
         for L in splits:
             first, parts, chunk = want[1:]
-            assert L.armed is not None and int(L.words[L.w_sched]) == L.tables[L.armed].ptr, label
+            assert L.armed is not None and int(L.words[L.table_word]) == L.tables[L.armed].ptr, label
             assert tuple(int(x) for x in L.ints[L.i_split:L.i_split + 3]) == (first, parts, chunk), label
     finally:
         _plan.CACHE.clear()

@@ -536,11 +536,17 @@ def test_fwd_sched_wiring(dev, monkeypatch):
     assert table.dtype == np.int32 and table.flags.c_contiguous and np.array_equal(table, want)
     lists = _schedule.block_lists(table)
     assert sorted(x for lst in lists for x in lst) == list(range(8 * 4 * 16))
+    # another stream gets its own copy (no stream reads a copy another may still be making)
+    monkeypatch.setattr(ad, "stream", lambda device_id: 78)
+    cuflash.attention(q, k, v, causal=True)
+    assert launched[-1]["stream"] == 78 and int(launched[-1]["p"]["sched"]) == 0x5C4ED000
+    assert len(ad.uploads) == 2 and ad.uploads[1][2] == 78
+    monkeypatch.setattr(ad, "stream", lambda device_id: 77)
     monkeypatch.setenv("CUFLASH_FWD_SCHED", "0")
     _plan.CACHE.clear()
     cuflash.attention(q, k, v, causal=True)
     assert launched[-1]["name"] == L["name"] and int(launched[-1]["p"]["sched"]) == 0
-    assert len(ad.uploads) == 1
+    assert len(ad.uploads) == 2
 
 
 def test_fwd_split_wiring(dev, monkeypatch):
