@@ -3,11 +3,11 @@
 //
 // Algorithm: the online-softmax tiling of flash_fwd_sm90.cu, with the same products and the same
 // overlap inside each consumer warpgroup (S_j = Q K_j^T is issued with O += P_(j-1) V_(j-1); the
-// softmax of tile j runs while the P V product still runs). Without pingpong the online softmax is
-// LAZY (softmax.cuh): a warp rescales O only where a row's max moved by more than LAZY_LOG2, and takes
-// each p in one fma (softmax.cuh prepare_in_place); the pingpong kernel keeps the eager rescale and the
-// rounded product (both measured slower there). Nothing of size seqlen_q x seqlen_k ever reaches
-// device memory.
+// softmax of tile j runs while the P V product still runs). Each p takes one fma (softmax.cuh
+// prepare_in_place). The online softmax is LAZY (softmax.cuh: a warp rescales O only where a row's max
+// moved by more than LAZY_LOG2) without pingpong, and with it in the causal kernels of a block per query
+// block; the other pingpong kernels rescale O at every tile (LAZY measured slower there). Nothing of
+// size seqlen_q x seqlen_k ever reaches device memory.
 //
 // FEAT (the optional features of mask.cuh; padded and packed batches): as in flash_fwd_sm90.cu,
 // the key tiles of key_tiles, masks on the tiles a bound crosses, log2-unit logits for softcap /
@@ -209,8 +209,8 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
         }
     };
 
-    // A list entry's work tile (non-causal lists: tile | (part + 1) << 24; the host keeps n_work
-    // below 2^24 on the persistent grid, so that -1 and n_work read as past the end).
+    // A list entry's work tile (non-causal lists: tile | (part + 1) << 24; cuflash/_schedule.py makes
+    // such lists only for fewer than 2^24 work tiles, so that -1 and n_work read as past the end).
     constexpr unsigned TILE_BITS = 0xFFFFFFu;
     auto entry_tile = [&](unsigned e) { return SPLIT ? (e & TILE_BITS) : e; };
 
@@ -331,10 +331,11 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
                              p.seqlen_q, p.d_cols, (int)threadIdx.x - 128, Tr::THREADS - 128);
     }
     const int cw = wg - 1;                                  // consumer cw: rows [64 cw, 64 cw + 64)
-    // LAZY (softmax.cuh): O's rescale only in a warp where a row's max moved. Not with pingpong:
-    // there it measured 1.01-1.04x the time at head_dim 128 (H100, session 21), where without
-    // pingpong (head_dims 64 and 256) it took 0.88-0.99x.
-    constexpr bool LAZY = !PINGPONG;
+    // LAZY (softmax.cuh): O's rescale only in a warp where a row's max moved. Without pingpong (head
+    // dims 64 and 256) it took 0.88-0.99x the time (H100, session 21). With pingpong (head_dim 128, H200,
+    // session 41, p by fma both ways) it took 0.98-1.00x at causal 4k-16k keys on a block per query
+    // block, and 0.99-1.03x in the persistent kernels (every non-causal length, causal up to 2k).
+    constexpr bool LAZY = !PINGPONG || (IS_CAUSAL && !PERSISTENT);
     constexpr int PP_BAR = 3;                               // pingpong: named barriers 3 (consumer 0's turn), 4
     const int warp_row0 = cw * 64 + (warp % 4) * 16;        // this warp's first row in the block
 
@@ -418,7 +419,7 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
             }
 
             float alpha[1][2];
-            softmax.template prepare_in_place<!PINGPONG>(*reinterpret_cast<float(*)[1][N_TILES][4]>(&sc_), scale, alpha);
+            softmax.prepare_in_place(*reinterpret_cast<float(*)[1][N_TILES][4]>(&sc_), scale, alpha);
 
             if (!first) {
                 wgmma_wait<0>();

@@ -171,19 +171,12 @@ struct OnlineSoftmax {
     // set the base is within 0.3 % of 1 (O / lp and lse use the same p, so they stay consistent); the
     // ulp is reached only by logits of 2^16 log2 units and more, and then (a warp vote) the tile is
     // first scaled in place with rounded products, and the fma with 1 is tile_exp's subtraction exactly.
-    // FMA = false: tile_exp's form (the pingpong kernel, where the fma form measured 1.00-1.04x the time
-    // at head_dim 128 on an H100; bench/NOTES.md, session 24).
+    // (Every wgmma forward takes this form. The pingpong kernel kept tile_exp's until session 41, when
+    // the fma form measured 0.92-0.99x its time at head_dim 128 on an H200: its softmax is bound by the
+    // instructions it issues, and the fma drops one an element; bench/NOTES.md.)
     static constexpr float FMA_EXP_LIMIT = 65536.f;
-    template <bool FMA = true>
     __device__ __forceinline__ void prepare_in_place(float (&s)[M_TILES][N_TILES][4], float scale_log2,
                                                      float (&alpha)[M_TILES][2]) {
-        if constexpr (!FMA) {
-            tile_exp(s, scale_log2, alpha, [&](int mt, int nt, int r, float p0, float p1) {
-                s[mt][nt][2 * r] = p0;
-                s[mt][nt][2 * r + 1] = p1;
-            });
-            return;
-        }
         float base[M_TILES][2];
         bool far = false;
 #pragma unroll
