@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 40's device calls.
+# Session 40's device calls (the steps are bench/dev/call_steps.sh's since session 41).
 #   suite    the quick GPU suite (each run numbered: ${CALL}_suite_runK.log)
 #   slow     the slow GPU grid (-m "gpu and slow")
 #   wstests  the warp-specialized / TMA forwards' GPU tests and the causal block-order tests
@@ -12,49 +12,6 @@
 #   cache carried as .cache/cf.tgz)
 set -u
 source "$(dirname "${BASH_SOURCE[0]}")/call_env.sh"
-STEPS="${STEPS:-suite}"
-git rev-parse --short HEAD 2>/dev/null
-md5sum cuflash/_config.py cuflash/_launch.py cuflash/_schedule.py cuda_src/flash_fwd_sm90_ws.cu | cut -c1-12
-K=0
-for step in $STEPS; do
-  case "$step" in
-    suite)
-      K=$((K + 1))
-      python3 -m pytest -m "gpu and not slow" -q -rf -n 8 -p no:cacheprovider tests > "$OUT/${N}_suite_run$K.log" 2>&1
-      grep -E "^FAILED|^ERROR|seed" "$OUT/${N}_suite_run$K.log" | head -20
-      echo "suite run $K: $(tail -n 1 "$OUT/${N}_suite_run$K.log")" ;;
-    slow)
-      python3 -m pytest -m "gpu and slow" -q -rf -n 8 -p no:cacheprovider tests > "$OUT/${N}_slow.log" 2>&1
-      grep -E "^FAILED|^ERROR|seed" "$OUT/${N}_slow.log" | head -20
-      echo "slow: $(tail -n 1 "$OUT/${N}_slow.log")" ;;
-    wstests)
-      python3 -m pytest -q -rf -n 8 -p no:cacheprovider tests/test_fwd_ws_gpu.py tests/test_block_order_gpu.py \
-        tests/test_fwd_tma_gpu.py > "$OUT/${N}_wstests.log" 2>&1
-      grep -E "^FAILED|^ERROR|seed" "$OUT/${N}_wstests.log" | head -20
-      echo "wstests: $(tail -n 1 "$OUT/${N}_wstests.log")" ;;
-    splitab)  # the split tail against none (CUFLASH_FWD_SPLIT=0), same process, head_dim 128
-      HDS="${HDS:-128}" SEQS="${SEQS:-512 1024 2048 4096 8192 16384}" TREES="nosplit=. split=." \
-        TREE_ENV="nosplit:CUFLASH_FWD_SPLIT=0" ROUNDS="${ROUNDS:-9}" python3 bench/dev/fwd_ab_inproc.py \
-        > "$OUT/${N}_splitab.log" 2>&1
-      grep -E "causal|^geomean|Error|error" "$OUT/${N}_splitab.log" | cut -c1-200 ;;
-    threeab)  # HEAD's kernels (OLD), this tree without the split (CUFLASH_FWD_SPLIT=0), this tree
-      HDS="${HDS:-128}" SEQS="${SEQS:-512 1024 2048 4096 8192 16384}" \
-        TREES="old=${OLD:-.oldtree/s40a} nosplit=. new=." TREE_ENV="nosplit:CUFLASH_FWD_SPLIT=0" \
-        ROUNDS="${ROUNDS:-9}" python3 bench/dev/fwd_ab_inproc.py > "$OUT/${N}_threeab.log" 2>&1
-      grep -E "causal|^geomean|Error|error" "$OUT/${N}_threeab.log" | cut -c1-220 ;;
-    splittest)
-      python3 -m pytest -q -rf -p no:cacheprovider tests/test_fwd_ws_gpu.py -k split > "$OUT/${N}_splittest.log" 2>&1
-      grep -E "^FAILED|^ERROR|seed" "$OUT/${N}_splittest.log" | head -20
-      echo "splittest: $(tail -n 1 "$OUT/${N}_splittest.log")" ;;
-    probe)
-      python3 bench/dev/tail_probe.py > "$OUT/${N}_probe.log" 2>&1; cat "$OUT/${N}_probe.log" | tail -8 ;;
-    ab)
-      HDS="${HDS:-128}" SEQS="${SEQS:-512 1024 2048 4096 8192 16384}" TREES="old=${OLD:-.oldtree/s40a} new=." \
-        ROUNDS="${ROUNDS:-9}" python3 bench/dev/fwd_ab_inproc.py > "$OUT/${N}_ab.log" 2>&1
-      grep -E "causal|^geomean|Error|error" "$OUT/${N}_ab.log" | cut -c1-200 ;;
-    grid)
-      python3 bench/bench.py --providers cuflash sdpa_flash sdpa_cudnn --no-compile-timing --json "$OUT/${N}_grid.json" \
-        --plots "$OUT/${N}_plots" > "$OUT/${N}_grid.log" 2>&1
-      sed -n '/^cuflash \/ SDPA flash (TFLOP/,/^cuflash errors/p' "$OUT/${N}_grid.log" ;;
-  esac
-done
+OLD="${OLD:-.oldtree/s40a}"
+source "$(dirname "${BASH_SOURCE[0]}")/call_steps.sh"
+run_steps
