@@ -59,7 +59,8 @@
 // sums. The atomic dQ path with FEAT is the sm_90a wgmma kernel's (flash_bwd_sm90.cu), whose
 // conversion kernel then also finds each row's sequence. With FEAT, P = exp2(min(s - lse, 0)): with
 // the lse of the same call s - lse <= 0 anyway (up to rounding), but an lse from a call with other
-// lengths or offsets would otherwise make P (and dQ, dK) overflow; so P <= 1 always.
+// lengths or offsets would otherwise make P (and dQ, dK) overflow; so P <= 1 always, and the
+// sink's P_sink = exp2(min(sink - lse, 0)) likewise.
 //
 // Grids are 1-D: blockIdx.x enumerates (batch, head, block along the sequence), so batch * nheads
 // is not bounded by the 65535 limit of grid y / z.
@@ -195,9 +196,12 @@ flash_bwd_preprocess_kernel(const __grid_constant__ BwdParams p) {
         const float l2 = lv[k] != -CUFLASH_INF ? lv[k] * CUFLASH_LOG2E : CUFLASH_INF;
         if (p.lse_log2 != nullptr) p.lse_log2[row_id] = l2;  // null when no kernel of the call reads it
         if constexpr (FEAT) {
-            // This row's term of d sink_logits[h] = -sum_i exp(sink - lse_i) * D_i (0 for padding).
+            // This row's term of d sink_logits[h] = -sum_i exp(sink - lse_i) * D_i (0 for padding). P_sink is
+            // capped at 1 as the keys' P is (file comment): with the lse of the same call sink <= lse anyway,
+            // but a stale lse under a huge sink logit made it inf, and the dQ kernel's D correction then
+            // multiplied it by a zero B (NaN dq; tests/test_fuzz_inputs.py REGRESSIONS).
             if (p.mask.dsink_rows != nullptr)
-                p.mask.dsink_rows[row_id] = -fast_exp2(p.mask.sink_logits[rh[k]] * CUFLASH_LOG2E - l2) * d;
+                p.mask.dsink_rows[row_id] = -fast_exp2(fminf(p.mask.sink_logits[rh[k]] * CUFLASH_LOG2E - l2, 0.f)) * d;
         }
     }
 }

@@ -79,9 +79,9 @@ loops):
 * Step 1 also sets lse_log2 = +inf on the padded rows i >= sq (whatever lse says there), and, with sink
   logits, computes their gradient from D and lse alone, in float32::
 
-      dsink[h] = -sum over b and rows i < sq of exp2(sink[h] * log2(e) - lse_log2) * D
+      dsink[h] = -sum over b and rows i < sq of exp2(min(sink[h] * log2(e) - lse_log2, 0)) * D
 
-  (the sink is an extra key with value 0: its dP is 0, so its dS is -P_sink * D).
+  (the sink is an extra key with value 0: its dP is 0, so its dS is -P_sink * D; P_sink <= 1 as the keys' P).
 * Step 2 visits the key blocks of [0, sk) only (dK = dV = 0 for keys past sk), and for each only the query
   blocks of rows [0, sq) that can see one of its keys: rows from max(0, n_start - (sk - sq) - right)
   (0 when right < 0) up to min(sq, n_end + left - (sk - sq)) (sq when left < 0 or the block holds sink
@@ -161,9 +161,11 @@ def attention_backward_numpy(dout, q, k, v, out, lse, causal: bool, softmax_scal
         lse_log2 = np.where(padded[:, None, None, :], np.float32(np.inf), lse_log2)
     dsink = None
     if feat.sink_log2 is not None:
-        # d sink[h] = -sum over b and valid rows of exp(sink[h] - lse) * D (P_sink = 0 where lse_log2 = +inf).
+        # d sink[h] = -sum over b and valid rows of exp(sink[h] - lse) * D (P_sink = 0 where lse_log2 = +inf),
+        # P_sink capped at 1 as the keys' P (sink <= lse for the lse of the same call; a stale lse under a huge
+        # sink logit made it inf, and dQ's D correction then NaN: tests/test_cpu_features.py).
         sink_log2 = feat.sink_log2.reshape(1, nheads_kv, group, 1)
-        sink_rows = -(np.exp2(sink_log2 - lse_log2) * delta)  # each row's term, -P_sink * D
+        sink_rows = -(np.exp2(np.minimum(sink_log2 - lse_log2, 0)) * delta)  # each row's term, -P_sink * D
         dsink = sink_rows.sum(axis=(0, 3), dtype=np.float32).reshape(nheads)
     else:
         sink_rows = np.zeros_like(delta)

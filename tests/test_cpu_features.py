@@ -377,6 +377,45 @@ def test_rows_without_visible_key(dtype):
         assert np.isfinite(lse_rows[~empty]).all(), ctx
 
 
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("head_dim", [8, 64, 128])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_stale_lse_under_a_huge_sink_logit(dtype, head_dim, backend):
+    """attention_backward given the lse of a forward without the sink logit, and a sink logit of 1e4: the sink's
+    P = exp(sink - lse) is capped at 1, as the keys' P is, so nothing is NaN. Before the cap it was inf, and below
+    head_dim 32 dQ's D correction (E = sum_j P_j (dP_j - D) - P_sink D, times B = sum_j P_j K_j) gave inf * 0 =
+    NaN where B is 0 (k = 0 here, so the exact dq is 0 whatever P is). The GPU fuzzer found it (session 42,
+    tests/test_fuzz_inputs.py REGRESSIONS: a stale varlen backward with a huge sink logit)."""
+    import cuflash
+
+    seed = _new_seed()
+    rng = np.random.default_rng(seed)
+    batch, seqlen_q, seqlen_k, nheads = 2, 5, 3, 2
+    q, _, v, dout = _make_inputs(rng, dtype, batch, seqlen_q, seqlen_k, nheads, 1, head_dim)
+    k = np.zeros((batch, seqlen_k, 1, head_dim), dtype=dtype)
+    sink = np.array([1e4, 0.5], dtype=np.float32)
+    ctx = _ctx(seed, dtype=dtype.name, head_dim=head_dim, backend=backend)
+    if backend == "gpu":  # the same values as torch CUDA tensors, the results back as NumPy
+        torch = pytest.importorskip("torch")
+        if not torch.cuda.is_available():
+            pytest.skip("torch has no CUDA device")
+        tdt = torch.bfloat16 if dtype == ml_dtypes.bfloat16 else torch.float16
+        dev = [torch.from_numpy(x.astype(np.float32)).cuda().to(tdt) for x in (q, k, v, dout)]
+        out_t, lse_t = cuflash.attention(*dev[:3], return_lse=True)
+        res = cuflash.attention_backward(dev[3], *dev[:3], out_t, lse_t, sink_logits=torch.from_numpy(sink).cuda())
+        out = out_t.float().cpu().numpy().astype(dtype)
+        dq, dk, dv, dsink = (r.float().cpu().numpy() for r in res)
+    else:
+        out, lse = cuflash.attention(q, k, v, return_lse=True)
+        dq, dk, dv, dsink = cuflash.attention_backward(dout, q, k, v, out, lse, sink_logits=sink)
+    for name, g in (("dq", dq), ("dk", dk), ("dv", dv), ("dsink", dsink)):
+        assert not np.isnan(np.asarray(g, np.float32)).any(), f"{name} has NaN; {ctx}"
+    assert (np.asarray(dq, np.float32) == 0).all(), f"dq of k = 0 must be 0; {ctx}"
+    # Head 0's P_sink is capped at 1: its d sink is -sum_i D_i, D from the stored out (float32 sums).
+    d_rows = (out.astype(np.float32) * dout.astype(np.float32)).sum(axis=-1)  # (batch, seqlen_q, nheads)
+    np.testing.assert_allclose(dsink[0], -d_rows[..., 0].sum(), rtol=1e-4, atol=1e-4, err_msg=ctx)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_padding_does_not_leak(dtype):
     """What lies in padded rows (q, dout) and past kv_len (k, v) changes nothing, and gets zero gradients."""
