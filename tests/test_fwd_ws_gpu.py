@@ -28,9 +28,10 @@ MORE = [  # dtype, head_dim, causal, seqlen_q, seqlen_k, nheads, nheads_kv, layo
     ("float16", 128, False, 1000, 777, 16, 4, "bshd"),
     ("bfloat16", 64, True, 4096, 300, 16, 4, "bshd"),
     ("float16", 128, True, 2500, 2100, 12, 3, "bhsd"),
-    # Many work tiles a block with one or two key tiles each (ragged): on the persistent non-causal
-    # pingpong grid every tile's S_0 goes out in one turn with the tile before's final P V, and that
-    # tile's epilogue runs under its softmax (CHAIN, flash_fwd_sm90_ws.cu).
+    # Many work tiles a block with one or two key tiles each (ragged): the persistent non-causal
+    # pingpong grid crosses a tile boundary every one or two key tiles, so each tile's first and last
+    # turns and its epilogue run back to back with the next tile's (added for session 41's chained
+    # work tiles, which were measured and dropped; bench/NOTES.md).
     ("bfloat16", 128, False, 4000, 100, 16, 2, "bshd"),
     ("float16", 128, False, 3000, 250, 24, 8, "bhsd"),
 ]
