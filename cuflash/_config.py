@@ -21,6 +21,7 @@ SMEM_LIMIT = {
     "sm86": 101376,  # GA10x, Ada (sm_86/87/89) and consumer Blackwell (sm_120): 99 KB
     "sm90": 232448,  # H100 / H200: 227 KB
 }
+SM90_SMEM_PER_SM = 228 * 1024  # an H100 / H200 SM's shared memory (each resident block also takes 1 KB of it)
 
 
 @dataclass(frozen=True)
@@ -1120,6 +1121,46 @@ def decode_deep_tma(target: str, head_dim: int, grid: int, keys: int, sm_count: 
         return decode_deep_supported(target, head_dim)
     return (decode_deep_supported(target, head_dim) and not paged and grid > 2 * sm_count and keys >= 2048
             and peak_bw < DECODE_DEEP_MAX_BW)
+
+
+def decode_shallow_tma(target: str, head_dim: int, grid: int, sm_count: int, peak_bw: float = 0.0) -> bool:
+    """Whether the 4-warp TMA decode kernel runs 2 stages (64 KB of tiles, three blocks per SM)
+    instead of decode_stages' 3 (two per SM): sm_90a, head_dim 128, peak memory bandwidth (peak_bw,
+    bytes/s; 0, unknown, counts as below) at least DECODE_DEEP_MAX_BW (where decode_deep_tma's
+    4-stage rule does not hold), and a grid of more than one block per SM up to two (every block
+    resident either way, a third of the bytes in flight per SM fewer) or of at least
+    DECODE_SHALLOW_MIN_WAVES blocks per SM. H200, session 43 (bench/dev/decode_splits.py --stages 0 2
+    0 2, 32 query heads, head_dim 128, bf16, GPU us per step, 2 / 3 stages at each shape, contiguous
+    and 16-row pages, one process): grids of 2048 blocks (64 x 512-32k x 1, 256 x 512-32k x 4)
+    0.957-0.996 (64 x 32k x 1 7.85 -> 7.57 ms, 256 x 2k x 4 in call 1 491.6 -> 479.7 us); 8192 blocks
+    (256 x 512-8k x 1) 0.992-1.006; 256 blocks (64 x 512-8k x 8) 0.973-0.998. Not at 512 blocks (16 x
+    512-32k x 1, 64 x 512-32k x 4: 1.02-1.16, worst with the longest caches: 396 slots hold a wave
+    and 116 blocks trail it), at 1024 (256 x 512-32k x 8: 0.974-1.014), nor at one block per SM (16 x
+    128k x 4: 1983 us against 1874-1924) or the split grids of few blocks (1 x 128k x 8, 4 x 32k x 8, 16
+    x 8k x 8: 1.02-1.03). CUFLASH_DECODE_SHALLOW=0: never, 1: wherever the kernel is built (A/B
+    measurements)."""
+    import os
+
+    force = os.environ.get("CUFLASH_DECODE_SHALLOW")
+    if force == "0":
+        return False
+    if force == "1":
+        return decode_shallow_supported(target, head_dim)
+    return (decode_shallow_supported(target, head_dim) and peak_bw >= DECODE_DEEP_MAX_BW
+            and (sm_count < grid <= 2 * sm_count or grid >= DECODE_SHALLOW_MIN_WAVES * sm_count))
+
+
+# decode_shallow_tma: the grids of many blocks per SM where 2 stages run (2048 blocks on 132 SMs
+# measured faster, 1024 not).
+DECODE_SHALLOW_MIN_WAVES = 12
+
+
+def decode_shallow_supported(target: str, head_dim: int) -> bool:
+    """Whether the 2-stage 4-warp TMA decode kernel is built for (target, head_dim): sm_90a, head_dim
+    128, where three of its blocks fit an SM (decode_shallow_tma chooses it per call)."""
+    return (target == "sm_90a" and head_dim == 128
+            and 3 * (decode_smem_bytes(128, 2, 4, tma=True) + decode_static_smem_bytes(2, 4, tma=True) + 1024)
+            <= SM90_SMEM_PER_SM)
 
 
 def decode_deep_supported(target: str, head_dim: int) -> bool:

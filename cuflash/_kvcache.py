@@ -663,15 +663,19 @@ class DecodePlan:
             out_t = DeviceTensor(Slot(_D_OUT), self.out_shape, contiguous_strides(self.out_shape))
             warps, splits = warps_and_splits(splits)
             clustered = self._clustered(splits)
-            deep = (self.tma and warps == 4 and not forced_warps
-                    and _config.decode_deep_tma(target, d, blocks * splits, -(-keys // splits), _sm_count(dev),
-                                                    c.paged, _gpu.peak_memory_bandwidth(dev)))
+            stages = None  # the 4-warp TMA kernel's depth where a rule picks one (decode_stages' otherwise)
+            if self.tma and warps == 4 and not forced_warps:
+                bw = _gpu.peak_memory_bandwidth(dev)
+                if _config.decode_deep_tma(target, d, blocks * splits, -(-keys // splits), _sm_count(dev), c.paged, bw):
+                    stages = 4
+                elif _config.decode_shallow_tma(target, d, blocks * splits, _sm_count(dev), bw):
+                    stages = 2
 
             def launches(counters, cluster=False):
                 return _launch.decode_launches(tensor("q", _D_Q), tensor("k_cache", _D_KC), tensor("v_cache", _D_VC),
                                                out_t, dataclasses.replace(args0, num_splits=splits,
                                                                           split_counters=counters, cluster=cluster),
-                                               c.dtype, c.scale, mask, dev, cc, warps, self.tma, deep)
+                                               c.dtype, c.scale, mask, dev, cc, warps, self.tma, stages)
             main = launches(0, True) if clustered else None
             if clustered and not _launch.cluster_fits(main[-1]):  # (the decode launch: no combine follows)
                 clustered, main = False, None

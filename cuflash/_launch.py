@@ -1570,6 +1570,8 @@ def all_decode_specializations(target: str, head_dims=None, dtypes=None):
                     out.append(decode_specialization(dtype, d, stages, 4, tma))
                 if True in tmas and _config.decode_deep_supported(target, d):
                     out.append(decode_specialization(dtype, d, 4, 4, True))
+                if True in tmas and _config.decode_shallow_supported(target, d):
+                    out.append(decode_specialization(dtype, d, 2, 4, True))
                 out.append((decode_combine_specialization(dtype, d), 0))
                 wide = _config.decode_wide_stages(target, d)
                 if wide is not None:
@@ -1617,17 +1619,19 @@ def decode_scratch_floats(batch: int, nheads: int, seqlen_q: int, head_dim: int,
 
 def decode_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTensor, a: DecodeArgs, dtype: str,
                     softmax_scale: float, mask: MaskArgs, device_id: int, cc: tuple[int, int],
-                    warps: int = 4, tma: bool = False, deep: bool = False) -> list[Launch]:
+                    warps: int = 4, tma: bool = False, stages: int | None = None) -> list[Launch]:
     """The launches of one attention_with_kvcache call on the GPU: the append (when k_new is given),
     the decode kernel (with `warps` warps: 4, or 8 where _config.decode_wide_stages builds it;
-    tma: reading the caches through tensor maps, use_decode_tma), and the combine of the
+    tma: reading the caches through tensor maps, use_decode_tma; stages: the 4-warp kernel's
+    pipeline depth, None: _config.decode_stages), and the combine of the
     splits (num_splits > 1). k / v: the caches, with the strides of a cache row (contiguous) or a
     block (paged) first."""
     batch, seqlen_q, nheads, head_dim = q.shape
     nheads_kv = k.shape[2]
     target = _config.compile_arch(*cc)
     if warps == 4:
-        stages = 4 if deep else _config.decode_stages(target, head_dim)  # deep: _config.decode_deep_tma
+        # stages: the 4-warp TMA kernel's per-call choice (_config.decode_deep_tma, decode_shallow_tma)
+        stages = stages or _config.decode_stages(target, head_dim)
     else:
         stages = _config.decode_wide_stages(target, head_dim)
     assert stages is not None, (target, head_dim, warps)

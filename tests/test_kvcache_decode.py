@@ -411,6 +411,80 @@ def test_decode_deep_tma_rule(monkeypatch):
     assert not _config.decode_deep_supported("sm_90a", 64) and not _config.decode_deep_supported("sm_80", 128)
 
 
+def test_decode_shallow_tma_rule(monkeypatch):
+    """cuflash/_config.py decode_shallow_tma: 2 stages for the TMA kernel at head_dim 128 on sm_90a, at
+    or above DECODE_DEEP_MAX_BW of peak bandwidth, for grids of more than one block per SM up to two
+    or of at least DECODE_SHALLOW_MIN_WAVES blocks per SM; the 2-stage specialization is built
+    (compile-gated) beside the others, and three of its blocks fit an SM."""
+    from cuflash import _config, _launch
+
+    monkeypatch.delenv("CUFLASH_DECODE_SHALLOW", raising=False)
+    f = _config.decode_shallow_tma
+    h200 = 4.8e12
+    for grid in (133, 200, 264, 12 * 132, 2048, 8192):
+        assert f("sm_90a", 128, grid, 132, h200), grid
+        assert f("sm_90a", 128, grid, 132, _config.DECODE_DEEP_MAX_BW), grid
+    for grid in (1, 64, 132, 265, 512, 1024, 12 * 132 - 1):  # one block per SM; the trailing waves' region
+        assert not f("sm_90a", 128, grid, 132, h200), grid
+    # an H100 SXM's 3.35 TB/s (decode_deep_tma's rule there) and an unknown bandwidth keep 3 stages
+    assert not f("sm_90a", 128, 2048, 132, 3.35e12) and not f("sm_90a", 128, 2048, 132, 0.0)
+    assert not f("sm_90a", 64, 2048, 132, h200) and not f("sm_80", 128, 2048, 108, h200)
+    # the bounds follow the SM count
+    assert f("sm_90a", 128, 12 * 114, 114, h200) and not f("sm_90a", 128, 12 * 114 - 1, 114, h200)
+    assert f("sm_90a", 128, 2 * 114, 114, h200) and not f("sm_90a", 128, 2 * 114 + 1, 114, h200)
+    monkeypatch.setenv("CUFLASH_DECODE_SHALLOW", "1")
+    assert f("sm_90a", 128, 512, 132, 3.35e12) and not f("sm_80", 128, 512, 108, h200)
+    monkeypatch.setenv("CUFLASH_DECODE_SHALLOW", "0")
+    assert not f("sm_90a", 128, 2048, 132, h200)
+    names = {spec.name for spec, _ in _launch.all_decode_specializations("sm_90a", head_dims=[128], dtypes=["bfloat16"])}
+    assert "decode_bf16_d128_s2_tma" in names, sorted(names)
+    assert _config.decode_shallow_supported("sm_90a", 128)
+    assert not _config.decode_shallow_supported("sm_90a", 64) and not _config.decode_shallow_supported("sm_80", 128)
+    smem = _config.decode_smem_bytes(128, 2, 4, tma=True) + _config.decode_static_smem_bytes(2, 4, tma=True)
+    assert 3 * (smem + 1024) <= _config.SM90_SMEM_PER_SM < 4 * (smem + 1024)
+
+
+def _stage_rule(monkeypatch, name: str, mode: str) -> None:
+    """A plan test's stage-rule switch (CUFLASH_DECODE_DEEP / _SHALLOW): unset for "rule", else set to
+    mode; skips without a CUDA device."""
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device")
+    if mode == "rule":
+        monkeypatch.delenv(name, raising=False)
+    else:
+        monkeypatch.setenv(name, mode)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shallow", ["rule", "1"])
+def test_decode_shallow_tma_plan(monkeypatch, shallow):
+    """A decode the 2-stage rule takes (_config.decode_shallow_tma: head_dim 128, sm_90a, at least
+    DECODE_DEEP_MAX_BW of peak bandwidth, a grid of at least DECODE_SHALLOW_MIN_WAVES blocks per SM):
+    a 512-key cache with an append and ragged lengths on 8 kv heads, contiguous and 16-row pages
+    (cuda_src/flash_decode.cu with STAGES = 2 reads the same tiles in a shallower ring, three blocks
+    to an SM). Matches the float64 reference; on sm_90a the plan runs the 2-stage kernel where the
+    rule holds (an H200), and always with CUFLASH_DECODE_SHALLOW=1 (so an H100 runs it too). torch
+    CUDA."""
+    from cuflash import _config, _gpu, _kvcache
+
+    _stage_rule(monkeypatch, "CUFLASH_DECODE_SHALLOW", shallow)
+    monkeypatch.delenv("CUFLASH_DECODE_DEEP", raising=False)
+    sm = torch.cuda.get_device_properties(0).multi_processor_count
+    batch = -(-_config.DECODE_SHALLOW_MIN_WAVES * sm // 8)  # 8 kv heads: batch * 8 >= 12 x sm blocks
+    bw = _gpu.peak_memory_bandwidth(torch.cuda.current_device())
+    for layout in ("contig", "paged16"):
+        _fresh_decode_plans(monkeypatch)
+        seed = _new_seed()
+        rng = np.random.default_rng(seed)
+        _check(lambda: make_case(rng, dtype=BF16, batch=batch, seqlen_q=1, nheads=32, nheads_kv=8, head_dim=128,
+                                 layout=layout, capacity=512, seqlen_new=1),
+               "cuda", True, {}, _ctx(seed, batch=batch, sm=sm, layout=layout))
+        names = [L.name for pl in _kvcache._DECODE_PLANS.values() for L in pl.launches]
+        tma_90 = torch.cuda.get_device_capability() >= (9, 0) and any(n.endswith("_tma") for n in names)
+        want = tma_90 and (shallow == "1" or (bw >= _config.DECODE_DEEP_MAX_BW))
+        assert any("_s2_tma" in n for n in names) == want, (layout, names, bw)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("deep", ["rule", "1"])
 def test_decode_deep_tma_plan(monkeypatch, deep):
@@ -423,12 +497,7 @@ def test_decode_deep_tma_plan(monkeypatch, deep):
     rule does not apply. torch CUDA."""
     from cuflash import _config, _gpu, _kvcache
 
-    if not torch.cuda.is_available():
-        pytest.skip("torch has no CUDA device")
-    if deep == "rule":
-        monkeypatch.delenv("CUFLASH_DECODE_DEEP", raising=False)
-    else:
-        monkeypatch.setenv("CUFLASH_DECODE_DEEP", deep)
+    _stage_rule(monkeypatch, "CUFLASH_DECODE_DEEP", deep)
     _fresh_decode_plans(monkeypatch)
     sm = torch.cuda.get_device_properties(0).multi_processor_count
     batch = (2 * sm) // 8 + 1  # 8 kv heads: batch * 8 > 2 * sm blocks
