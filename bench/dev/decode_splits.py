@@ -85,6 +85,11 @@ def main():
                                      for w in args.warps for cl in args.cluster]:
             # A forced depth or warp count: every plan is made anew with it (both are in the kernel's name).
             _config.decode_stages = library_stages if st == 0 else (lambda target, head_dim, st=st: st)
+            for rule in ("CUFLASH_DECODE_DEEP", "CUFLASH_DECODE_SHALLOW"):  # a forced depth: no per-call rule
+                if st == 0:
+                    os.environ.pop(rule, None)
+                else:
+                    os.environ[rule] = "0"
             os.environ["CUFLASH_DECODE_WARPS"] = str(w)
             if cl == "lib":
                 os.environ.pop("CUFLASH_DECODE_CLUSTER", None)
