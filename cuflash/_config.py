@@ -1150,6 +1150,17 @@ def decode_shallow_tma(target: str, head_dim: int, grid: int, sm_count: int, pea
             and (sm_count < grid <= 2 * sm_count or grid >= DECODE_SHALLOW_MIN_WAVES * sm_count))
 
 
+def decode_resident_unsplit(target: str, head_dim: int, blocks: int, sm_count: int, peak_bw: float = 0.0) -> bool:
+    """Whether a TMA decode of `blocks` unsplit blocks runs unsplit whatever decode_num_splits' model
+    says: more than one block per SM up to two, so that every block is resident at once, where
+    decode_shallow_tma runs them on 2 stages. The model counts the SMs that hold two blocks as the
+    time's bound; with every block resident, the memory bandwidth is, and the blocks of the SMs that
+    hold one read faster. H200, session 43 (bench/dev/decode_splits.py, 32 query heads, head_dim 128,
+    bf16, GPU us per step): 64 x 131072 x 8 (256 blocks) unsplit 3692 against the model's 17 splits
+    3767 (8: 3711, 16: 3725, 32: 3771); the model splits no shorter cache there (up to 32k keys)."""
+    return sm_count < blocks <= 2 * sm_count and decode_shallow_tma(target, head_dim, blocks, sm_count, peak_bw)
+
+
 # decode_shallow_tma: the grids of many blocks per SM where 2 stages run (2048 blocks on 132 SMs
 # measured faster, 1024 not).
 DECODE_SHALLOW_MIN_WAVES = 12

@@ -602,6 +602,9 @@ class DecodePlan:
                     num_splits = _config.decode_num_splits(blocks, keys, _sm_count(dev), 2, host_bound_rule=False,
                                                            paged=paged_copies, max_splits=fusable_max,
                                                            one_per_sm=one)
+            if one and _config.decode_resident_unsplit(target, d, blocks, _sm_count(dev),
+                                                       _gpu.peak_memory_bandwidth(dev)):
+                num_splits = graph_splits = 1
         else:
             graph_splits = num_splits
         table = infos.get("block_table")

@@ -436,6 +436,12 @@ def test_decode_shallow_tma_rule(monkeypatch):
     assert f("sm_90a", 128, 512, 132, 3.35e12) and not f("sm_80", 128, 512, 108, h200)
     monkeypatch.setenv("CUFLASH_DECODE_SHALLOW", "0")
     assert not f("sm_90a", 128, 2048, 132, h200)
+    monkeypatch.delenv("CUFLASH_DECODE_SHALLOW")
+    # decode_resident_unsplit: the resident region (more than one block per SM up to two) of the rule only
+    u = _config.decode_resident_unsplit
+    assert u("sm_90a", 128, 133, 132, h200) and u("sm_90a", 128, 264, 132, h200)
+    assert not u("sm_90a", 128, 132, 132, h200) and not u("sm_90a", 128, 265, 132, h200)
+    assert not u("sm_90a", 128, 2048, 132, h200) and not u("sm_90a", 128, 256, 132, 3.35e12)
     names = {spec.name for spec, _ in _launch.all_decode_specializations("sm_90a", head_dims=[128], dtypes=["bfloat16"])}
     assert "decode_bf16_d128_s2_tma" in names, sorted(names)
     assert _config.decode_shallow_supported("sm_90a", 128)
