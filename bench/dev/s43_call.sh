@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # Session 43's device calls: this session's steps below, and those of bench/dev/call_steps.sh (suite, slow,
 # wstests, splitab, threeab, splittest, probe, ab against OLD, grid).
-#   l2ab      the decode's tensor maps with each L2 promotion (CUFLASH_TMA_L2; bench/dev/decode_splits.py --l2),
-#             in one process, contiguous and 16-row paged caches (L2S, SHAPES, CALLS, ROUNDS)
+#   eprobe    bench/dev/eager_probe.py: single eager decode calls, host and event time, per switch (EP_ARGS)
 #   stab      the 4-warp decode kernel's pipeline stages forced (decode_splits.py --stages; STS), one process
 #   dgrid     bench_decode.py's full grid with the peers (DGRID_ENV: environment for it)
 #   dtests    the decode GPU test files
@@ -14,12 +13,9 @@ OLD="${OLD:-.oldtree/main43}"
 source "$(dirname "${BASH_SOURCE[0]}")/call_steps.sh"
 session_step() {
   case "$1" in
-    l2ab)
-      python3 bench/dev/decode_splits.py --splits 0 --paged --l2 ${L2S:-128 256 none 128 256} \
-        --calls "${CALLS:-20}" --rounds "${ROUNDS:-5}" --json "$OUT/${N}_l2ab.json" \
-        --shapes ${SHAPES:-64x131072x8 16x131072x4 64x8192x1 256x2048x4 64x2048x1 16x8192x8 256x512x8 \
-                  1x2048x4 1x8192x4 16x512x8 1x2048x1 4x512x4} > "$OUT/${N}_l2ab.log" 2>&1
-      cut -c1-160 "$OUT/${N}_l2ab.log" | tail -n 130 ;;
+    eprobe)
+      python3 bench/dev/eager_probe.py ${EP_ARGS:-} > "$OUT/${N}_eprobe.log" 2>&1
+      cut -c1-200 "$OUT/${N}_eprobe.log" | tail -n 60 ;;
     stab)
       python3 bench/dev/decode_splits.py --splits 0 --paged --stages ${STS:-0 2 4 5 0} \
         --calls "${CALLS:-20}" --rounds "${ROUNDS:-5}" --json "$OUT/${N}_stab.json" \
