@@ -36,6 +36,17 @@ def gpu_ms_per_call(torch, fn, calls: int, rounds: int, warmup: int = 3) -> floa
     return statistics.median(times)
 
 
+def decode_inputs(torch, dev, b: int, L: int, g: int):
+    """(h, d, hk, q, k_cache, v_cache, cache_seqlens) of a batch x cache x GQA-group decode shape: 32
+    query heads, head_dim 128, bf16, random values, every entry's cache full."""
+    h, d = 32, 128
+    hk = h // g
+    q = torch.randn(b, 1, h, d, device=dev, dtype=torch.bfloat16)
+    kc = torch.randn(b, L, hk, d, device=dev, dtype=torch.bfloat16)
+    vc = torch.randn(b, L, hk, d, device=dev, dtype=torch.bfloat16)
+    return h, d, hk, q, kc, vc, torch.full((b,), L, device=dev, dtype=torch.int32)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", nargs="+", default=["1x512x8", "1x8192x8", "1x8192x1", "16x512x8", "16x8192x8",
@@ -67,12 +78,7 @@ def main():
     rows = []
     for shape in args.shapes:
         b, L, g = (int(x) for x in shape.split("x"))
-        h, d = 32, 128
-        hk = h // g
-        q = torch.randn(b, 1, h, d, device=dev, dtype=torch.bfloat16)
-        kc = torch.randn(b, L, hk, d, device=dev, dtype=torch.bfloat16)
-        vc = torch.randn(b, L, hk, d, device=dev, dtype=torch.bfloat16)
-        seqlens = torch.full((b,), L, device=dev, dtype=torch.int32)
+        h, d, hk, q, kc, vc, seqlens = decode_inputs(torch, dev, b, L, g)
         layouts = [("contig", dict(k_cache=kc, v_cache=vc))]
         if args.paged:
             page = 16

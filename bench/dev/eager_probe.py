@@ -23,7 +23,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from decode_splits import gpu_ms_per_call  # noqa: E402
+from decode_splits import decode_inputs, gpu_ms_per_call  # noqa: E402
 
 VARIANTS = {
     "lib": {},
@@ -57,12 +57,7 @@ def main():
     print(torch.cuda.get_device_name(), flush=True)
     for shape in args.shapes:
         b, L, g = (int(x) for x in shape.split("x"))
-        h, d = 32, 128
-        hk = h // g
-        q = torch.randn(b, 1, h, d, device=dev, dtype=torch.bfloat16)
-        kc = torch.randn(b, L, hk, d, device=dev, dtype=torch.bfloat16)
-        vc = torch.randn(b, L, hk, d, device=dev, dtype=torch.bfloat16)
-        seqlens = torch.full((b,), L, device=dev, dtype=torch.int32)
+        h, d, hk, q, kc, vc, seqlens = decode_inputs(torch, dev, b, L, g)
         qt = q.transpose(1, 2)
         kt, vt = kc.transpose(1, 2), vc.transpose(1, 2)
 
