@@ -15,6 +15,7 @@ Usage: python bench/dev/eager_probe.py [--shapes 1x2048x8 ...] [--reps 200]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -31,6 +32,8 @@ VARIANTS = {
     "nofused": {"CUFLASH_DECODE_FUSED_COMBINE": "0"},
     "nopdl": {"CUFLASH_PDL": "0"},
     "split1": "split1",
+    "fused128": ("DECODE_FUSED_MAX_PARTS", 128),
+    "fused512": ("DECODE_FUSED_MAX_PARTS", 512),
 }
 SWITCHES = ("CUFLASH_DECODE_CLUSTER", "CUFLASH_DECODE_FUSED_COMBINE", "CUFLASH_PDL")
 
@@ -51,7 +54,9 @@ def main():
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import cuflash
-    from cuflash import _kvcache
+    from cuflash import _config, _kvcache
+
+    fused_default = _config.DECODE_FUSED_MAX_PARTS
 
     dev = torch.device("cuda")
     print(torch.cuda.get_device_name(), flush=True)
@@ -61,9 +66,8 @@ def main():
         qt = q.transpose(1, 2)
         kt, vt = kc.transpose(1, 2), vc.transpose(1, 2)
 
-        def cudnn():
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=(g > 1))
+        def cudnn():  # (timed inside one sdpa_kernel context: entering it per call costs host time)
+            return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=(g > 1))
 
         if args.profile:
             import cProfile
@@ -94,11 +98,16 @@ def main():
                     os.environ.pop(s, None)
                 if isinstance(env, dict):
                     os.environ.update(env)
+                _config.DECODE_FUSED_MAX_PARTS = fused_default
+                if isinstance(env, tuple):  # a _config limit (read when a plan is made)
+                    setattr(_config, *env)
                 _kvcache._FAST_PLANS.clear()
                 _kvcache._DECODE_PLANS.clear()
                 ns = 1 if env == "split1" else 0
                 fn = (lambda ns=ns: cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens, num_splits=ns))
                 fn()
+            ctx = sdpa_kernel(SDPBackend.CUDNN_ATTENTION) if name == "cudnn" else contextlib.nullcontext()
+            ctx.__enter__()
             for _ in range(10):
                 fn()
             host, ev = [], []
@@ -114,9 +123,11 @@ def main():
                 host.append((t1 - t0) * 1e6)
                 ev.append(e0.elapsed_time(e1) * 1e3)
             gpu = gpu_ms_per_call(torch, fn, 50, 5) * 1e3
+            ctx.__exit__(None, None, None)
+            _config.DECODE_FUSED_MAX_PARTS = fused_default
             plan = (next(p for p in _kvcache._FAST_PLANS.values() if p.out_shape == (b, 1, h, d))
                     if name != "cudnn" else None)
-            desc = (f"splits {plan.num_splits} launches {len(plan.launches)} "
+            desc = (f"splits {plan.num_splits} fused {plan.eager[3] is not None} launches {len(plan.launches)} "
                     f"{'/'.join(L.name for L in plan.launches)}") if plan is not None else ""
             rows.append((name, statistics.median(host), min(host), statistics.median(ev), min(ev), gpu, desc))
         for s in SWITCHES:
