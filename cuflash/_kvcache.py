@@ -671,7 +671,8 @@ class DecodePlan:
                 bw = _gpu.peak_memory_bandwidth(dev)
                 if _config.decode_deep_tma(target, d, blocks * splits, -(-keys // splits), _sm_count(dev), c.paged, bw):
                     stages = 4
-                elif _config.decode_shallow_tma(target, d, blocks * splits, _sm_count(dev), bw):
+                elif _config.decode_shallow_tma(target, d, blocks * splits, _sm_count(dev), bw,
+                                                 -(-keys // splits)):
                     stages = 2
 
             def launches(counters, cluster=False):

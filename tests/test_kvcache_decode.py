@@ -426,6 +426,12 @@ def test_decode_shallow_tma_rule(monkeypatch):
         assert f("sm_90a", 128, grid, 132, _config.DECODE_DEEP_MAX_BW), grid
     for grid in (1, 64, 132, 265, 512, 1024, 12 * 132 - 1):  # one block per SM; the trailing waves' region
         assert not f("sm_90a", 128, grid, 132, h200), grid
+        assert not f("sm_90a", 128, grid, 132, h200, 4096), grid
+    # one block per SM or fewer, each seeing at most DECODE_SHALLOW_MAX_KEYS keys (short splits)
+    for grid in (1, 64, 128, 132):
+        assert f("sm_90a", 128, grid, 132, h200, 256) and f("sm_90a", 128, grid, 132, h200, 64), grid
+        assert not f("sm_90a", 128, grid, 132, h200, 257) and not f("sm_90a", 128, grid, 132, 3.35e12, 256), grid
+    assert not f("sm_90a", 128, 512, 132, h200, 256)  # past one block per SM the keys do not matter
     # an H100 SXM's 3.35 TB/s (decode_deep_tma's rule there) and an unknown bandwidth keep 3 stages
     assert not f("sm_90a", 128, 2048, 132, 3.35e12) and not f("sm_90a", 128, 2048, 132, 0.0)
     assert not f("sm_90a", 64, 2048, 132, h200) and not f("sm_80", 128, 2048, 108, h200)
@@ -489,6 +495,23 @@ def test_decode_shallow_tma_plan(monkeypatch, shallow):
         tma_90 = torch.cuda.get_device_capability() >= (9, 0) and any(n.endswith("_tma") for n in names)
         want = tma_90 and (shallow == "1" or (bw >= _config.DECODE_DEEP_MAX_BW))
         assert any("_s2_tma" in n for n in names) == want, (layout, names, bw)
+    # A grid of one block per SM or fewer: one entry, 2048 keys, 8 kv heads, split (in clusters or with
+    # the combine kernel) into short splits. The 4-warp TMA kernel's depth is the rule's for its grid
+    # and keys per split (every plan made: the eager and the graph variants).
+    for layout in ("contig", "paged16"):
+        _fresh_decode_plans(monkeypatch)
+        seed = _new_seed()
+        rng = np.random.default_rng(seed)
+        _check(lambda: make_case(rng, dtype=BF16, batch=1, seqlen_q=1, nheads=32, nheads_kv=8, head_dim=128,
+                                 layout=layout, capacity=2048, seqlen_new=1, seqlens=[2040]),
+               "cuda", True, {}, _ctx(seed, batch=1, sm=sm, layout=layout, case="short splits"))
+        for pl in _kvcache._DECODE_PLANS.values():
+            for splits, _, launches, _ in {id(v): v for v in (pl.eager, pl.graph)}.values():
+                for L in launches:
+                    if not (L.name.startswith("decode_") and L.name.endswith("_tma") and "_w8" not in L.name):
+                        continue
+                    rule = _config.decode_shallow_tma("sm_90a", 128, L.grid, sm, bw, -(-pl.keys // splits))
+                    assert ("_s2_tma" in L.name) == (shallow == "1" or rule), (layout, L.name, L.grid, splits, bw)
 
 
 @pytest.mark.gpu
