@@ -1125,25 +1125,25 @@ def decode_deep_tma(target: str, head_dim: int, grid: int, keys: int, sm_count: 
 
 def decode_shallow_tma(target: str, head_dim: int, grid: int, sm_count: int, peak_bw: float = 0.0,
                        keys: int | None = None) -> bool:
-    """Whether the 4-warp TMA decode kernel runs 2 stages (64 KB of tiles, three blocks per SM)
-    instead of decode_stages' 3 (two per SM): sm_90a, head_dim 128, peak memory bandwidth (peak_bw,
-    bytes/s; 0, unknown, counts as below) at least DECODE_DEEP_MAX_BW (where decode_deep_tma's
-    4-stage rule does not hold), and a grid of more than one block per SM up to two (every block
-    resident either way, a third of the bytes in flight per SM fewer), or of at least
-    DECODE_SHALLOW_MIN_WAVES blocks per SM, or of at most one per SM where each block sees at most
-    DECODE_SHALLOW_MAX_KEYS keys (keys: the most one block sees; None: not known). H200, session 43 (bench/dev/decode_splits.py --stages 0 2
-    0 2, 32 query heads, head_dim 128, bf16, GPU us per step, 2 / 3 stages at each shape, contiguous
-    and 16-row pages, one process): grids of 2048 blocks (64 x 512-32k x 1, 256 x 512-32k x 4)
-    0.957-0.996 (64 x 32k x 1 7.85 -> 7.57 ms, 256 x 2k x 4 in call 1 491.6 -> 479.7 us); 8192 blocks
-    (256 x 512-8k x 1) 0.992-1.006; 256 blocks (64 x 512-8k x 8) 0.973-0.998. Not at 512 blocks (16 x
-    512-32k x 1, 64 x 512-32k x 4: 1.02-1.16, worst with the longest caches: 396 slots hold a wave
-    and 116 blocks trail it), at 1024 (256 x 512-32k x 8: 0.974-1.014), nor at one block per SM (16 x
-    128k x 4: 1983 us against 1874-1924) or the split grids of few blocks (1 x 128k x 8, 4 x 32k x 8, 16
-    x 8k x 8: 1.02-1.03, 62-64 tiles a block) unless a block sees at most four tiles: call 10, one
-    block per SM, 8 splits of 256 keys in clusters, 1 x 2k x 4 9.55 -> 9.31 (16-row pages 10.04 ->
-    9.87), 4 x 2k x 8 11.18 -> 11.03; 16 splits of 128 keys, 1 x 2k x 8 8.61 -> 8.37; one tile a split
-    (1 x 512 x 4 / 8, 4 x 512 x 8) 0.99-1.00. CUFLASH_DECODE_SHALLOW=0: never, 1: wherever the kernel is
-    built (A/B measurements)."""
+    """Whether the 4-warp TMA decode kernel runs 2 stages (64 KB of tiles, three blocks per SM) instead of
+    decode_stages' 3 (two per SM): sm_90a, head_dim 128, peak memory bandwidth (peak_bw, bytes/s; 0,
+    unknown, counts as below) at least DECODE_DEEP_MAX_BW (where decode_deep_tma's 4-stage rule does
+    not hold), and a grid of more than one block per SM up to two (every block resident either way,
+    a third of the bytes in flight per SM fewer), or of at least DECODE_SHALLOW_MIN_WAVES blocks per
+    SM, or of at most one per SM where each block sees at most DECODE_SHALLOW_MAX_KEYS keys (keys:
+    the most one block sees; None: not known). H200, session 43 (bench/dev/decode_splits.py --stages
+    0 2 0 2, 32 query heads, head_dim 128, bf16, GPU us per step, 2 / 3 stages at each shape,
+    contiguous and 16-row pages, one process): grids of 2048 blocks (64 x 512-32k x 1, 256 x 512-32k
+    x 4) 0.957-0.996 (64 x 32k x 1 7.85 -> 7.57 ms, 256 x 2k x 4 in call 1 491.6 -> 479.7 us); 8192
+    blocks (256 x 512-8k x 1) 0.992-1.006; 256 blocks (64 x 512-8k x 8) 0.973-0.998. Not at 512
+    blocks (16 x 512-32k x 1, 64 x 512-32k x 4: 1.02-1.16, worst with the longest caches: 396 slots
+    hold a wave and 116 blocks trail it), at 1024 (256 x 512-32k x 8: 0.974-1.014), nor at one block
+    per SM (16 x 128k x 4: 1983 us against 1874-1924) or the split grids of few blocks (1 x 128k x
+    8, 4 x 32k x 8, 16 x 8k x 8: 1.02-1.03, 62-64 tiles a block) unless a block sees at most four
+    tiles: call 10, one block per SM, 8 splits of 256 keys in clusters, 1 x 2k x 4 9.55 -> 9.31
+    (16-row pages 10.04 -> 9.87), 4 x 2k x 8 11.18 -> 11.03; 16 splits of 128 keys, 1 x 2k x 8 8.61
+    -> 8.37; one tile a split (1 x 512 x 4 / 8, 4 x 512 x 8) 0.99-1.00. CUFLASH_DECODE_SHALLOW=0:
+    never, 1: wherever the kernel is built (A/B measurements)."""
     import os
 
     force = os.environ.get("CUFLASH_DECODE_SHALLOW")

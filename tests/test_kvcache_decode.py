@@ -413,9 +413,10 @@ def test_decode_deep_tma_rule(monkeypatch):
 
 def test_decode_shallow_tma_rule(monkeypatch):
     """cuflash/_config.py decode_shallow_tma: 2 stages for the TMA kernel at head_dim 128 on sm_90a, at
-    or above DECODE_DEEP_MAX_BW of peak bandwidth, for grids of more than one block per SM up to two
-    or of at least DECODE_SHALLOW_MIN_WAVES blocks per SM; the 2-stage specialization is built
-    (compile-gated) beside the others, and three of its blocks fit an SM."""
+    or above DECODE_DEEP_MAX_BW of peak bandwidth, for grids of more than one block per SM up to two,
+    of at least DECODE_SHALLOW_MIN_WAVES blocks per SM, or of at most one per SM whose blocks see at
+    most DECODE_SHALLOW_MAX_KEYS keys; decode_resident_unsplit on its resident region; the 2-stage
+    specialization is built (compile-gated) beside the others, and three of its blocks fit an SM."""
     from cuflash import _config, _launch
 
     monkeypatch.delenv("CUFLASH_DECODE_SHALLOW", raising=False)
@@ -474,9 +475,10 @@ def test_decode_shallow_tma_plan(monkeypatch, shallow):
     DECODE_DEEP_MAX_BW of peak bandwidth, a grid of at least DECODE_SHALLOW_MIN_WAVES blocks per SM):
     a 512-key cache with an append and ragged lengths on 8 kv heads, contiguous and 16-row pages
     (cuda_src/flash_decode.cu with STAGES = 2 reads the same tiles in a shallower ring, three blocks
-    to an SM). Matches the float64 reference; on sm_90a the plan runs the 2-stage kernel where the
-    rule holds (an H200), and always with CUFLASH_DECODE_SHALLOW=1 (so an H100 runs it too). torch
-    CUDA."""
+    to an SM); and one entry of 2048 keys, split into short splits (the rule's grids of at most one
+    block per SM whose blocks see at most DECODE_SHALLOW_MAX_KEYS keys). Matches the float64
+    reference; on sm_90a the plans run the 2-stage kernel where the rule holds (an H200), and always
+    with CUFLASH_DECODE_SHALLOW=1 (so an H100 runs it too). torch CUDA."""
     from cuflash import _config, _gpu, _kvcache
 
     _stage_rule(monkeypatch, "CUFLASH_DECODE_SHALLOW", shallow)
@@ -505,6 +507,7 @@ def test_decode_shallow_tma_plan(monkeypatch, shallow):
         _check(lambda: make_case(rng, dtype=BF16, batch=1, seqlen_q=1, nheads=32, nheads_kv=8, head_dim=128,
                                  layout=layout, capacity=2048, seqlen_new=1, seqlens=[2040]),
                "cuda", True, {}, _ctx(seed, batch=1, sm=sm, layout=layout, case="short splits"))
+        checked = 0
         for pl in _kvcache._DECODE_PLANS.values():
             for splits, _, launches, _ in {id(v): v for v in (pl.eager, pl.graph)}.values():
                 for L in launches:
@@ -512,6 +515,9 @@ def test_decode_shallow_tma_plan(monkeypatch, shallow):
                         continue
                     rule = _config.decode_shallow_tma("sm_90a", 128, L.grid, sm, bw, -(-pl.keys // splits))
                     assert ("_s2_tma" in L.name) == (shallow == "1" or rule), (layout, L.name, L.grid, splits, bw)
+                    checked += 1
+        # on sm_90a the split plans of this shape run the 4-warp TMA kernel: the check above is not empty
+        assert checked or torch.cuda.get_device_capability() < (9, 0), (layout, checked)
 
 
 @pytest.mark.gpu
