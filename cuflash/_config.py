@@ -1003,7 +1003,8 @@ DECODE_ONE_PER_SM_HEAD_DIMS = (128,)
 
 def decode_warps_and_splits(blocks: int, splits: int, sm_count: int, forced: bool,
                             paged: bool = False, keys: int | None = None,
-                            one_per_sm: bool = False, cluster: int = 0) -> tuple[int, int]:
+                            one_per_sm: bool = False, cluster: int = 0,
+                            cluster_keys: int = DECODE_BLOCK_N) -> tuple[int, int]:
     """(warps, num_splits) of a decode whose 4-warp kernel would take `splits` splits (decode_num_splits'
     choice, or the caller's forced count): the 8-warp kernel where its grid gives no SM a second block,
     so that each SM runs 8 warps instead of a lone block's 4 (one per scheduler, nothing to hide its
@@ -1053,13 +1054,15 @@ def decode_warps_and_splits(blocks: int, splits: int, sm_count: int, forced: boo
     query heads, head_dim 128, GPU us per step, 4 warps in clusters against 8 warps unsplit): 1 x
     512 x 4 (8 blocks, 8 splits) 7.9 against 9.8; 1 x 512 x 8 8.1 / 9.8; 4 x 512 x 8 (16 blocks, 8
     splits) 9.3 / 9.8; not at two tiles a split: 1 x 512 x 1 (32 blocks, 4 splits) 9.7-10.0 / 9.9,
-    4 x 512 x 4 10.0-10.2 / 9.9-10.0; 16 x 512 x 8 (64 blocks, 2 splits of 256 keys) 10.8 / 10.0."""
+    4 x 512 x 4 10.0-10.2 / 9.9-10.0; 16 x 512 x 8 (64 blocks, 2 splits of 256 keys) 10.8 / 10.0.
+    cluster_keys: the most keys such a split may see (one tile by default); decode_cluster_split_keys
+    gives two tiles where those splits run on 2 stages."""
     if forced:
         return (8, splits) if splits <= 2 and blocks * splits <= sm_count else (4, splits)
     if paged and splits > 1:
         return 4, splits
     if (cluster and one_per_sm and keys is not None and 1 < splits <= cluster and blocks * splits <= sm_count
-            and -(-keys // splits) <= DECODE_BLOCK_N):
+            and -(-keys // splits) <= cluster_keys):
         return 4, splits
     if keys is not None and blocks <= sm_count and any(
             blocks >= nb and keys <= nk and (not one_per_sm or nk <= 512 or 2 * blocks <= sm_count)
@@ -1180,6 +1183,18 @@ def decode_shallow_supported(target: str, head_dim: int) -> bool:
     return (target == "sm_90a" and head_dim == 128
             and 3 * (decode_smem_bytes(128, 2, 4, tma=True) + decode_static_smem_bytes(2, 4, tma=True) + 1024)
             <= SM90_SMEM_PER_SM)
+
+
+def decode_cluster_split_keys(target: str, head_dim: int, sm_count: int, peak_bw: float = 0.0) -> int:
+    """The most keys a split of the 4-warp TMA kernel may see for decode_warps_and_splits to keep a
+    one-block-per-SM count in clusters ahead of the 8-warp unsplit region (its cluster_keys): two
+    64-key tiles where decode_shallow_tma runs such splits on 2 stages, else one. H200, session 44
+    (bench/dev/decode_splits.py, 32 query heads, head_dim 128, bf16, GPU us per step, 4 splits of 128
+    keys in clusters on 2 stages against 8 warps unsplit, the (4, 512) region of DECODE_WIDE_UNSPLIT):
+    1 x 512 x 1 (32 blocks) 8.71 against 8.80, 16-row pages 9.14 against 9.69; 4 x 512 x 4 8.85 / 8.91,
+    pages 9.26 / 9.79. (Session 31, on 3 stages: 10.0-10.2 against 9.9-10.0 unsplit.)"""
+    two = 2 * DECODE_BLOCK_N
+    return two if decode_shallow_tma(target, head_dim, sm_count, sm_count, peak_bw, two) else DECODE_BLOCK_N
 
 
 def decode_deep_supported(target: str, head_dim: int) -> bool:

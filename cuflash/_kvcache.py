@@ -640,6 +640,7 @@ class DecodePlan:
                                  if n in used and n not in ("out", "lse", "scratch"))
 
         wide_ok = _config.decode_wide_stages(target, d) is not None
+        cluster_keys = _config.decode_cluster_split_keys(target, d, _sm_count(dev), _gpu.peak_memory_bandwidth(dev))
         forced_warps = _config.decode_warps_forced()
 
         def warps_and_splits(splits):
@@ -652,7 +653,8 @@ class DecodePlan:
                 return forced_warps, splits
             warps, splits = _config.decode_warps_and_splits(blocks, splits, _sm_count(dev), forced, paged_copies,
                                                             keys, one_per_sm=one,
-                                                            cluster=_config.DECODE_CLUSTER_MAX if self.cluster else 0)
+                                                            cluster=_config.DECODE_CLUSTER_MAX if self.cluster else 0,
+                                                            cluster_keys=cluster_keys)
             if (warps == 4 and one and c.paged and not forced
                     and not _config.decode_page_tiles(c.page_size, _config.DECODE_BLOCK_N)
                     and _config.decode_paged_groups_wide(blocks, splits, keys, _sm_count(dev))):

@@ -518,6 +518,30 @@ def test_decode_shallow_tma_plan(monkeypatch, shallow):
                     checked += 1
         # on sm_90a the split plans of this shape run the 4-warp TMA kernel: the check above is not empty
         assert checked or torch.cuda.get_device_capability() < (9, 0), (layout, checked)
+    # Two tiles a split in clusters (_config.decode_cluster_split_keys): 32 blocks of 512 keys (batch 4,
+    # 8 kv heads, 4 query heads each), where the 2-stage rule takes such splits, run 4 splits of 128
+    # keys as clusters of the 2-stage kernel instead of the 8-warp kernel unsplit.
+    monkeypatch.delenv("CUFLASH_DECODE_CLUSTER", raising=False)
+    monkeypatch.delenv("CUFLASH_DECODE_WARPS", raising=False)
+    for layout in ("contig", "paged16"):
+        _fresh_decode_plans(monkeypatch)
+        seed = _new_seed()
+        rng = np.random.default_rng(seed)
+        _check(lambda: make_case(rng, dtype=BF16, batch=4, seqlen_q=1, nheads=32, nheads_kv=8, head_dim=128,
+                                 layout=layout, capacity=512, seqlen_new=1),
+               "cuda", True, {}, _ctx(seed, batch=4, sm=sm, layout=layout, case="two tiles a split"))
+        plans = list(_kvcache._DECODE_PLANS.values())
+        assert plans
+        for pl in plans:
+            dec = [L for L in pl.eager[2] if L.name.startswith("decode_") and "append" not in L.name]
+            tma_90 = torch.cuda.get_device_capability() >= (9, 0) and any(L.name.endswith("_tma") for L in dec)
+            two = (tma_90 and pl.cluster and sm // 32 == 4
+                   and (shallow == "1" or bw >= _config.DECODE_DEEP_MAX_BW))
+            got = (pl.eager[0], [(L.name, L.cluster) for L in dec])
+            if two:
+                assert pl.eager[0] == 4 and [L.cluster for L in dec] == [4] and "_s2_tma" in dec[0].name, (layout, got)
+            elif tma_90:
+                assert pl.eager[0] == 1 and "_w8" in dec[0].name, (layout, got)
 
 
 @pytest.mark.gpu
@@ -927,3 +951,26 @@ def test_one_per_sm_rule():
     assert rule(8, 8, 132, False, keys=512, one_per_sm=True, cluster=0) == (8, 1)
     assert rule(8, 8, 132, True, keys=512, one_per_sm=True, cluster=8) == (4, 8)
     assert rule(8, 8, 132, False, keys=512, cluster=8) == (8, 1)
+    # Two tiles a split where decode_cluster_split_keys allows them (cluster_keys=128, session 44): 32
+    # blocks of 512 keys keep 4 splits of 128 keys; not 256 keys a split, nor past one block per SM.
+    assert rule(32, 4, 132, False, keys=512, one_per_sm=True, cluster=8, cluster_keys=128) == (4, 4)
+    assert rule(20, 6, 132, False, keys=512, one_per_sm=True, cluster=8, cluster_keys=128) == (4, 6)
+    assert rule(64, 2, 132, False, keys=512, one_per_sm=True, cluster=8, cluster_keys=128) == (8, 1)
+    assert rule(34, 4, 132, False, keys=512, one_per_sm=True, cluster=8, cluster_keys=128) == (8, 1)
+    assert rule(32, 4, 132, False, keys=512, one_per_sm=True, cluster=0, cluster_keys=128) == (8, 1)
+    assert rule(32, 4, 132, False, keys=512, one_per_sm=True, cluster=8, cluster_keys=64) == (8, 1)
+
+
+def test_cluster_split_keys_rule(monkeypatch):
+    """_config.decode_cluster_split_keys (CPU): two 64-key tiles a clustered split on sm_90a at head_dim
+    128 where decode_shallow_tma runs such splits on 2 stages (peak bandwidth at least
+    DECODE_DEEP_MAX_BW), one tile elsewhere (an H100's bandwidth, other head dims and targets, the
+    2-stage rule turned off)."""
+    from cuflash._config import DECODE_DEEP_MAX_BW, decode_cluster_split_keys as keys
+
+    monkeypatch.delenv("CUFLASH_DECODE_SHALLOW", raising=False)
+    assert keys("sm_90a", 128, 132, 4.8e12) == 128 and keys("sm_90a", 128, 132, DECODE_DEEP_MAX_BW) == 128
+    assert keys("sm_90a", 128, 132, 3.35e12) == 64 and keys("sm_90a", 128, 132, 0.0) == 64
+    assert keys("sm_90a", 64, 132, 4.8e12) == 64 and keys("sm_80", 128, 108, 4.8e12) == 64
+    monkeypatch.setenv("CUFLASH_DECODE_SHALLOW", "0")
+    assert keys("sm_90a", 128, 132, 4.8e12) == 64
