@@ -12,6 +12,8 @@
 #   probe    bench/dev/tail_probe.py: the non-causal forward's last wave of work tiles
 #   ab       this tree against OLD in one process (HDS, SEQS, ROUNDS as fwd_ab_inproc.py reads them)
 #   grid     bench.py's full grid with the peers and plots
+#   dgrid    bench_decode.py's full grid with the peers (DGRID_ENV: environment for it)
+#   dtests   the decode GPU test files
 common_step() {
   case "$1" in
     suite)
@@ -52,6 +54,15 @@ common_step() {
       python3 bench/bench.py --providers cuflash sdpa_flash sdpa_cudnn --no-compile-timing --json "$OUT/${N}_grid.json" \
         --plots "$OUT/${N}_plots" > "$OUT/${N}_grid.log" 2>&1
       sed -n '/^cuflash \/ SDPA flash (TFLOP/,/^cuflash errors/p' "$OUT/${N}_grid.log" ;;
+    dgrid)
+      env ${DGRID_ENV:-} python3 bench/bench_decode.py --json "$OUT/${N}_dgrid.json" --plot "$OUT/${N}_dgrid.png" \
+        > "$OUT/${N}_dgrid.log" 2>&1
+      tail -n 30 "$OUT/${N}_dgrid.log" ;;
+    dtests)
+      python3 -m pytest -m gpu -q -rf -n 8 -p no:cacheprovider tests/test_kvcache_device.py \
+        tests/test_kvcache_decode.py > "$OUT/${N}_dtests.log" 2>&1
+      grep -E "^FAILED|^ERROR|seed" "$OUT/${N}_dtests.log" | head -20
+      echo "dtests: $(tail -n 1 "$OUT/${N}_dtests.log")" ;;
     *) return 1 ;;
   esac
 }

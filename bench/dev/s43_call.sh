@@ -1,10 +1,8 @@
 #!/usr/bin/env bash
 # Session 43's device calls: this session's steps below, and those of bench/dev/call_steps.sh (suite, slow,
-# wstests, splitab, threeab, splittest, probe, ab against OLD, grid).
+# wstests, splitab, threeab, splittest, probe, ab against OLD, grid, dgrid, dtests).
 #   eprobe    bench/dev/eager_probe.py: single eager decode calls, host and event time, per switch (EP_ARGS)
 #   stab      the 4-warp decode kernel's pipeline stages forced (decode_splits.py --stages; STS), one process
-#   dgrid     bench_decode.py's full grid with the peers (DGRID_ENV: environment for it)
-#   dtests    the decode GPU test files
 #   STEPS="l2ab" CALL=c1 bash bench/dev/s43_call.sh   (OUT: where logs go; the kernel cache carried as
 #   .cache/cf.tgz)
 set -u
@@ -22,15 +20,6 @@ session_step() {
         --shapes ${SHAPES2:-16x131072x4 1x8192x4 1x2048x4 4x32768x8 16x8192x8 1x131072x8 64x131072x8 64x8192x1 \
                   256x2048x4} > "$OUT/${N}_stab.log" 2>&1
       cut -c1-160 "$OUT/${N}_stab.log" | tail -n 100 ;;
-    dgrid)
-      env ${DGRID_ENV:-} python3 bench/bench_decode.py --json "$OUT/${N}_dgrid.json" --plot "$OUT/${N}_dgrid.png" \
-        > "$OUT/${N}_dgrid.log" 2>&1
-      tail -n 30 "$OUT/${N}_dgrid.log" ;;
-    dtests)
-      python3 -m pytest -m gpu -q -rf -n 8 -p no:cacheprovider tests/test_kvcache_device.py \
-        tests/test_kvcache_decode.py > "$OUT/${N}_dtests.log" 2>&1
-      grep -E "^FAILED|^ERROR|seed" "$OUT/${N}_dtests.log" | head -20
-      echo "dtests: $(tail -n 1 "$OUT/${N}_dtests.log")" ;;
     *) return 1 ;;
   esac
   return 0
