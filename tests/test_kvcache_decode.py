@@ -476,9 +476,11 @@ def test_decode_shallow_tma_plan(monkeypatch, shallow):
     a 512-key cache with an append and ragged lengths on 8 kv heads, contiguous and 16-row pages
     (cuda_src/flash_decode.cu with STAGES = 2 reads the same tiles in a shallower ring, three blocks
     to an SM); and one entry of 2048 keys, split into short splits (the rule's grids of at most one
-    block per SM whose blocks see at most DECODE_SHALLOW_MAX_KEYS keys). Matches the float64
-    reference; on sm_90a the plans run the 2-stage kernel where the rule holds (an H200), and always
-    with CUFLASH_DECODE_SHALLOW=1 (so an H100 runs it too). torch CUDA."""
+    block per SM whose blocks see at most DECODE_SHALLOW_MAX_KEYS keys); and 32 blocks of 512 keys,
+    which _config.decode_cluster_split_keys runs as 4 clustered splits of 128 keys on 2 stages where
+    the rule holds, else the 8-warp kernel unsplit. Matches the float64 reference; on sm_90a the plans
+    run the 2-stage kernel where the rule holds (an H200), and always with CUFLASH_DECODE_SHALLOW=1
+    (so an H100 runs it too). torch CUDA."""
     from cuflash import _config, _gpu, _kvcache
 
     _stage_rule(monkeypatch, "CUFLASH_DECODE_SHALLOW", shallow)
