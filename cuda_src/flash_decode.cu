@@ -85,53 +85,59 @@ namespace cuflash {
 
 
 struct DecodeParams {
+    // What a decode block reads first (its indices from blockIdx, its entry's length and table row,
+    // the early copies' keys, Q's address; then the mask's fields), together at the struct's start,
+    // so that a block's prologue reads its parameters from four 64-byte lines of the constant bank
+    // instead of six: each line is a miss at a block's first touch (bench/NOTES.md, session 45: 1-2 %
+    // off the latency-bound decodes on an H200).
+    int num_splits;
+    int num_row_tiles;  // ceil(rows / 16)
+    int nheads_kv;
+    int head_group;     // nheads / nheads_kv
+    int rows;           // seqlen_q * head_group
+    int seqlen_q;
+    int capacity;       // keys an entry can hold
+    int page_size;      // 0: contiguous
+    int fixed_seqlen;   // cache_seqlens when that pointer is null
+    int seqlen_new;     // tokens appended per entry (counted in L_b)
+    int cache_rows;     // batch_cache (contiguous) or num_blocks (paged)
+    int page_tiles;     // TMA, paged: 1 where page_size is a multiple of the tile's BN keys (the maps'
+                        // boxes are then BN rows: a tile is one box per panel, from one table entry)
+    int cluster_merge;  // sm_90, 2 <= num_splits <= CLUSTER_MAX (8): the splits of a row tile are one
+                        // thread block cluster, merged through distributed shared memory
+    int batch;
+    const int* cache_seqlens;   // (batch,) or null: fixed_seqlen for every entry
+    const int* cache_batch_idx; // (batch,) or null: entry b uses cache row b (contiguous caches)
+    const int* block_table;     // (batch, table_stride) or null: a contiguous cache
+    i64 table_stride;
+    int* split_counters;        // null, or (batch * nheads_kv * num_row_tiles) ints, zero between calls:
+                                // the last split block of each row tile combines the splits itself
+    unsigned long long seq;     // (with started, below) where seq != 0 (an eager call on sm_90), the
+                                // decode kernel's last block writes seq into `started` as it starts,
+                                // so the host's next call can tell whether this one has begun
+                                // (cuflash/_kvcache.py DecodePlan.run: busy streams launch PDL)
     const void* q;
+    i64 q_batch_stride, q_row_stride, q_head_stride;
+    float scale_log2;   // softmax_scale * log2(e)
+    MaskParams mask;    // window, sink tokens, sink logits, ALiBi, softcap (the rest unused)
+
+    int nheads;
+    int head_dim;       // the append kernel's (the others have it as a template argument)
     const void* k;              // k_cache
     const void* v;              // v_cache
     void* o;
     float* lse;                 // null: not wanted
     float* o_part;              // num_splits > 1 only
     float* lse_part;
-    const int* cache_seqlens;   // (batch,) or null: fixed_seqlen for every entry
-    const int* cache_batch_idx; // (batch,) or null: entry b uses cache row b (contiguous caches)
-    const int* block_table;     // (batch, table_stride) or null: a contiguous cache
     const void* k_new;          // append kernel only
     const void* v_new;
-    int* split_counters;        // null, or (batch * nheads_kv * num_row_tiles) ints, zero between calls:
-                                // the last split block of each row tile combines the splits itself
-    unsigned long long* started;  // null, or a word of mapped host memory: the decode kernel's last
-    unsigned long long seq;       // block writes seq there as it starts (where seq != 0: an eager call
-                                  // on sm_90), so the host's next call can tell whether this one has
-                                  // begun (cuflash/_kvcache.py DecodePlan.run: busy streams launch PDL)
+    unsigned long long* started;  // null, or a word of mapped host memory (seq, above)
 
-    i64 q_batch_stride, q_row_stride, q_head_stride;
     i64 k_batch_stride, k_row_stride, k_head_stride;
     i64 v_batch_stride, v_row_stride, v_head_stride;
     i64 o_batch_stride, o_row_stride, o_head_stride;
     i64 kn_batch_stride, kn_row_stride, kn_head_stride;
     i64 vn_batch_stride, vn_row_stride, vn_head_stride;
-    i64 table_stride;
-
-    int batch;
-    int nheads;
-    int nheads_kv;
-    int head_group;     // nheads / nheads_kv
-    int seqlen_q;
-    int cache_rows;     // batch_cache (contiguous) or num_blocks (paged)
-    int capacity;       // keys an entry can hold
-    int page_size;      // 0: contiguous
-    int fixed_seqlen;   // cache_seqlens when that pointer is null
-    int seqlen_new;     // tokens appended per entry (counted in L_b)
-    int rows;           // seqlen_q * head_group
-    int num_row_tiles;  // ceil(rows / 16)
-    int num_splits;
-    int head_dim;       // the append kernel's (the others have it as a template argument)
-    int page_tiles;     // TMA, paged: 1 where page_size is a multiple of the tile's BN keys (the maps'
-                        // boxes are then BN rows: a tile is one box per panel, from one table entry)
-    int cluster_merge;  // sm_90, 2 <= num_splits <= CLUSTER_MAX (8): the splits of a row tile are one
-                        // thread block cluster, merged through distributed shared memory
-    float scale_log2;   // softmax_scale * log2(e)
-    MaskParams mask;    // window, sink tokens, sink logits, ALiBi, softcap (the rest unused)
 };
 
 // The TMA kernel's Params (sm_90a): DecodeParams, then the tensor maps of the K and V caches,

@@ -111,16 +111,20 @@ TAIL_PARAMS = np.dtype(
 
 _TAIL_CHECKS_PARAMS = _compile.params_layout_checks("cuflash", "TailParams", TAIL_PARAMS)
 
-# Mirror of cuflash::DecodeParams (cuda_src/flash_decode.cu).
+# Mirror of cuflash::DecodeParams (cuda_src/flash_decode.cu): what a decode block reads first, then
+# the mask, then the rest (the struct's order; the compiled layout checks hold the two together).
 DECODE_PARAMS = np.dtype(
-    [(n, np.uint64) for n in ("q", "k", "v", "o", "lse", "o_part", "lse_part", "cache_seqlens", "cache_batch_idx",
-                              "block_table", "k_new", "v_new", "split_counters", "started", "seq")]
-    + [(f"{t}_{s}_stride", np.int64) for t in ("q", "k", "v", "o", "kn", "vn") for s in ("batch", "row", "head")]
+    [(n, np.int32) for n in ("num_splits", "num_row_tiles", "nheads_kv", "head_group", "rows", "seqlen_q", "capacity",
+                             "page_size", "fixed_seqlen", "seqlen_new", "cache_rows", "page_tiles", "cluster_merge",
+                             "batch")]
+    + [(n, np.uint64) for n in ("cache_seqlens", "cache_batch_idx", "block_table")]
     + [("table_stride", np.int64)]
-    + [(n, np.int32) for n in ("batch", "nheads", "nheads_kv", "head_group", "seqlen_q", "cache_rows", "capacity",
-                               "page_size", "fixed_seqlen", "seqlen_new", "rows", "num_row_tiles", "num_splits",
-                               "head_dim", "page_tiles", "cluster_merge")]
-    + [("scale_log2", np.float32), ("mask", MASK_PARAMS)],
+    + [(n, np.uint64) for n in ("split_counters", "seq", "q")]
+    + [(f"q_{s}_stride", np.int64) for s in ("batch", "row", "head")]
+    + [("scale_log2", np.float32), ("mask", MASK_PARAMS)]
+    + [(n, np.int32) for n in ("nheads", "head_dim")]
+    + [(n, np.uint64) for n in ("k", "v", "o", "lse", "o_part", "lse_part", "k_new", "v_new", "started")]
+    + [(f"{t}_{s}_stride", np.int64) for t in ("k", "v", "o", "kn", "vn") for s in ("batch", "row", "head")],
     align=True,
 )
 
