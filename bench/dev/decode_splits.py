@@ -2,7 +2,8 @@
 """Decode kernel: GPU time per step against the forced split count (tuning the num_splits heuristic).
 
 For each shape (batch, cache length, GQA group; 32 query heads, head_dim 128, bf16, contiguous cache,
-no append; --paged: also a 16-row paged view of it) and each num_splits in --splits (0 = the
+no append; --paged: also paged views of it, pages of --page-sizes rows in a random order, and in
+order with --in-order) and each num_splits in --splits (0 = the
 heuristic's choice, printed) and each pipeline depth in --stages (0 = the library's choice,
 cuflash/_config.py decode_stages; others are compiled on the spot; 4-warp kernel only) and each warp
 count in --warps (0 = the library's choice, 4 or 8: CUFLASH_DECODE_WARPS), the median over rounds of CUDA-event time around N back-to-back calls
@@ -53,7 +54,12 @@ def main():
                                                     "64x512x8", "64x8192x8", "4x32768x8", "1x131072x8"],
                     help="batch x cache x group")
     ap.add_argument("--splits", type=int, nargs="+", default=[0, 1, 2, 4, 8, 16, 32, 64])
-    ap.add_argument("--paged", action="store_true", help="also time a 16-row paged layout of the same cache")
+    ap.add_argument("--paged", action="store_true", help="also time a paged layout of the same cache")
+    ap.add_argument("--page-sizes", type=int, nargs="+", default=[16],
+                    help="--paged: the page sizes (rows) of the paged layouts, each its own row")
+    ap.add_argument("--in-order", action="store_true",
+                    help="--paged: also time each page size with its pages in order (block_table = arange: "
+                         "the contiguous cache's addresses, only the lookups added), beside the random order")
     ap.add_argument("--stages", type=int, nargs="+", default=[0],
                     help="cp.async pipeline stages of the decode kernel (0: the library's choice)")
     ap.add_argument("--warps", type=int, nargs="+", default=[0], choices=[0, 4, 8],
@@ -80,12 +86,15 @@ def main():
         b, L, g = (int(x) for x in shape.split("x"))
         h, d, hk, q, kc, vc, seqlens = decode_inputs(torch, dev, b, L, g)
         layouts = [("contig", dict(k_cache=kc, v_cache=vc))]
-        if args.paged:
-            page = 16
+        for page in args.page_sizes if args.paged else []:
             nblk = b * L // page
-            table = torch.randperm(nblk, device=dev, dtype=torch.int32).view(b, L // page)
-            layouts.append(("paged16", dict(k_cache=kc.view(nblk, page, hk, d), v_cache=vc.view(nblk, page, hk, d),
-                                             block_table=table)))
+            tables = [("", torch.randperm(nblk, device=dev, dtype=torch.int32))]
+            if args.in_order:
+                tables.append(("o", torch.arange(nblk, device=dev, dtype=torch.int32)))
+            for tag, table in tables:
+                layouts.append((f"paged{page}{tag}", dict(k_cache=kc.view(nblk, page, hk, d),
+                                                          v_cache=vc.view(nblk, page, hk, d),
+                                                          block_table=table.view(b, L // page))))
         kv_bytes = 2 * b * L * hk * d * 2
         for lname, kw, st, w, cl in [(lname, kw, st, w, cl) for lname, kw in layouts for st in args.stages
                                      for w in args.warps for cl in args.cluster]:

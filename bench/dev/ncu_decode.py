@@ -4,9 +4,11 @@ default: (batch, cache, nheads_kv, 128) bf16, 32 query heads, SDPA on transposed
 
 ncu --profile-from-start off --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
     --section WarpStateStats --section LaunchStats --section Occupancy --csv --page details \
-    python3 bench/dev/ncu_decode.py [batch] [cache] [gqa] [num_splits] [stages]
+    python3 bench/dev/ncu_decode.py [batch] [cache] [gqa] [num_splits] [stages] [page_size]
 
 stages: the 4-warp kernel's pipeline depth (0 or absent: the library's; others compiled on the spot).
+page_size: cuflash's cache seen as pages of that many rows in a random order (bench_decode's paged
+layout; 0 or absent: contiguous).
 """
 import sys
 
@@ -21,6 +23,7 @@ cache = int(sys.argv[2]) if len(sys.argv) > 2 else 8192
 gqa = int(sys.argv[3]) if len(sys.argv) > 3 else 8
 splits = int(sys.argv[4]) if len(sys.argv) > 4 else 0
 stages = int(sys.argv[5]) if len(sys.argv) > 5 else 0
+page = int(sys.argv[6]) if len(sys.argv) > 6 else 0
 if stages:
     from cuflash import _config
 
@@ -33,7 +36,16 @@ lens = torch.full((batch,), cache, device="cuda", dtype=torch.int32)
 qt, kt, vt = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
 
 
+paged = {}
+if page:
+    nb = batch * cache // page
+    paged = dict(block_table=torch.randperm(nb, device="cuda").to(torch.int32).view(batch, cache // page))
+
+
 def ours():
+    if page:
+        return cuflash.attention_with_kvcache(q, kc.view(nb, page, hk, d), vc.view(nb, page, hk, d),
+                                              cache_seqlens=lens, num_splits=splits, **paged)
     return cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=splits)
 
 
