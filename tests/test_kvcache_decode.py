@@ -763,6 +763,29 @@ def test_cluster_merge(monkeypatch, tma, warps, layout, splits, sq, gqa, d, opti
             assert splits > 8 or dec.cluster == n
 
 
+def test_decode_params_read_first_lead():
+    """DecodeParams opens with what a decode block reads first (cuda_src/flash_decode.cu; session 45:
+    the prologue's loads from the constant bank cost a miss per 64-byte line at a block's first touch,
+    and packing them into four lines took 1-2 % off the latency-bound decodes on an H200). The host
+    mirror, which the compiled layout checks hold to the struct, must keep those fields, and the
+    mask's window, sink, ALiBi and softcap fields, in the first 256 bytes, and the fields the
+    prologue does not read after them."""
+    from cuflash import _launch
+
+    dt = _launch.DECODE_PARAMS
+    first = ("num_splits", "num_row_tiles", "nheads_kv", "head_group", "rows", "seqlen_q", "capacity", "page_size",
+             "fixed_seqlen", "seqlen_new", "cache_rows", "page_tiles", "cluster_merge", "batch", "cache_seqlens",
+             "cache_batch_idx", "block_table", "table_stride", "split_counters", "seq", "q", "q_batch_stride",
+             "q_row_stride", "q_head_stride", "scale_log2")
+    ends = {n: dt.fields[n][1] + dt.fields[n][0].itemsize for n in first}
+    assert max(ends.values()) <= 256, ends
+    mask, mask_off = _launch.MASK_PARAMS, dt.fields["mask"][1]
+    for n in ("alibi_slopes", "window_left", "window_right", "num_sink_tokens", "softcap"):
+        assert mask_off + mask.fields[n][1] + mask.fields[n][0].itemsize <= 256, n
+    later = ("k", "v", "o", "lse", "o_part", "lse_part", "k_new", "v_new", "started", "nheads", "head_dim")
+    assert min(dt.fields[n][1] for n in later) >= max(ends.values()), later
+
+
 def test_decode_page_tiles_rule(monkeypatch):
     """_config.decode_page_tiles and _launch.decode_tma_rows (CPU): a paged cache is read through TMA in
     whole tiles (boxes of the tile's 16 x warps rows, page_tiles in the Params) where its page size is a
