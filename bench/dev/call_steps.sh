@@ -14,6 +14,9 @@
 #   grid     bench.py's full grid with the peers and plots
 #   dgrid    bench_decode.py's full grid with the peers (DGRID_ENV: environment for it)
 #   dtests   the decode GPU test files
+#   dab      decode_splits.py at the library's plans (contiguous and 16-row pages), OLD's tree and this
+#            one alternately (old new old new), each in its own process on the same card (DAB_SHAPES,
+#            DAB_SPLITS; OLD made with git archive HEAD cuflash cuda_src bench/dev/decode_splits.py)
 common_step() {
   case "$1" in
     suite)
@@ -63,6 +66,17 @@ common_step() {
         tests/test_kvcache_decode.py > "$OUT/${N}_dtests.log" 2>&1
       grep -E "^FAILED|^ERROR|seed" "$OUT/${N}_dtests.log" | head -20
       echo "dtests: $(tail -n 1 "$OUT/${N}_dtests.log")" ;;
+    dab)
+      DABK=0
+      for t in old new old new; do
+        DABK=$((DABK + 1))
+        if [ "$t" = old ]; then root="$OLD"; else root=.; fi
+        PYTHONPATH="$root" python3 "$root/bench/dev/decode_splits.py" --paged --splits ${DAB_SPLITS:-0} \
+          --calls "${CALLS:-30}" --rounds "${ROUNDS:-9}" --json "$OUT/${N}_dab_$t$DABK.json" \
+          --shapes ${DAB_SHAPES:-4x512x1 16x512x4 1x512x1 16x2048x8 1x8192x1 4x32768x4 16x8192x8} \
+          > "$OUT/${N}_dab_$t$DABK.log" 2>&1
+        echo "dab $t$DABK: $(grep -c ' us ' "$OUT/${N}_dab_$t$DABK.log") rows"
+      done ;;
     *) return 1 ;;
   esac
 }

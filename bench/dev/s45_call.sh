@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Session 45's device calls: this session's steps below, and those of bench/dev/call_steps.sh (suite, slow,
-# wstests, splitab, threeab, splittest, probe, ab against OLD, grid, dgrid, dtests).
+# wstests, splitab, threeab, splittest, probe, ab against OLD, grid, dgrid, dtests, dab against OLD).
 #   pages     decode_splits.py at the library's plans: contiguous, and paged at PG_SIZES rows, pages in a
 #             random order and in order (PG_SHAPES): is the paged gap the 16-key groups' or the table's?
 #   ncu       Nsight Compute with per-instruction warp-stall samples on cuflash's decode kernel, one step
 #             per NCU_SHAPES entry ("batch:cache:gqa:splits:stages:page", bench/dev/ncu_decode.py; page 0:
 #             contiguous), summarized by bench/dev/ncu_src_summary.py
 #   pairab    decode_splits.py at the library's plans, contiguous and paged (PA_SIZES rows, PA_SHAPES), with
-#             CUFLASH_DECODE_KV_PAIR=0 and 1 alternated (0 1 0 1), each in its own process
-#   dab       decode_splits.py at the library's plans, OLD's tree and this one alternately (as session 44's)
+#             CUFLASH_DECODE_KV_PAIR=0 and 1 alternated (0 1 0 1), each in its own process (the switch is
+#             the branch s45-kv-pair's; main does not have it)
 #   STEPS="pages ncu" CALL=c1 bash bench/dev/s45_call.sh   (OUT: where logs go; the kernel cache carried as
 #   .cache/cf.tgz)
 set -u
@@ -51,17 +51,6 @@ session_step() {
           --shapes ${PA_SHAPES:-4x512x1 16x512x4 16x512x8 1x512x1 16x2048x8 1x8192x1 4x32768x4 16x8192x8 1x8192x4 4x8192x4} \
           > "$OUT/${N}_pairab_$f$PK.log" 2>&1
         echo "pairab kv_pair=$f run $PK: $(grep -c ' us ' "$OUT/${N}_pairab_$f$PK.log") rows"
-      done ;;
-    dab)
-      DABK=0
-      for t in old new old new; do
-        DABK=$((DABK + 1))
-        if [ "$t" = old ]; then root="$OLD"; else root=.; fi
-        PYTHONPATH="$root" python3 "$root/bench/dev/decode_splits.py" --paged --splits ${DAB_SPLITS:-0} \
-          --calls "${CALLS:-30}" --rounds "${ROUNDS:-9}" --json "$OUT/${N}_dab_$t$DABK.json" \
-          --shapes ${DAB_SHAPES:-4x512x1 16x512x4 1x512x1 16x2048x8 1x8192x1 4x32768x4 16x8192x8} \
-          > "$OUT/${N}_dab_$t$DABK.log" 2>&1
-        echo "dab $t$DABK: $(grep -c ' us ' "$OUT/${N}_dab_$t$DABK.log") rows"
       done ;;
     *) return 1 ;;
   esac
