@@ -961,6 +961,48 @@ def decode_paged_groups_wide(blocks: int, splits: int, keys: int, sm_count: int)
     return per_split >= 8192 or (splits == 1 and keys >= 2048)
 
 
+def decode_paged_fill_splits(target: str, head_dim: int, blocks: int, keys: int, sm_count: int,
+                             peak_bw: float = 0.0) -> int | None:
+    """The split count of a paged decode read in 16-key groups by the TMA kernel (a page_size that is
+    not a multiple of the 64-key tile; decode_page_tiles) where blocks (batch x kv heads x row tiles)
+    fill at most half the SMs: enough splits for two blocks per SM, min(2 sm_count // blocks,
+    DECODE_PAGED_FILL_MAX_SPLITS), on the 4-warp kernel, which decode_shallow_tma then runs on 2
+    stages; None where the rule does not hold: more blocks, a grid that would not pass one block per
+    SM, splits of fewer than DECODE_PAGED_FILL_MIN_KEYS keys, a target or GPU where 2 stages are not
+    taken, or CUFLASH_DECODE_PAGED_FILL=0. The 16-key groups cost their time in TMA copies (eight
+    per 64-key tile against two), which each SM issues for its own blocks: two blocks per SM issue
+    them on every SM, one per SM on half the SMs or fewer. H200, session 47
+    (bench/dev/decode_splits.py, 16-row pages in a random order, 32 query heads, head_dim 128, bf16,
+    GPU us per step, the library's plan -> this count): 32 blocks, 8 splits: 1 x 8k x 1 40.1 -> 38.5,
+    1 x 32k x 1 134.8 -> 127.5, 1 x 128k x 1 502.2 -> 492.2, 4 x 8k x 4 40.4 -> 39.2, 4 x 32k x 4 138.2
+    -> 128.9 (contiguous 125.0), 4 x 128k x 4 502.3 -> 492.3; 64 blocks, 4 splits: 16 x 2k x 8 25.8 ->
+    24.9, 16 x 8k x 8 72.8 -> 70.1, 16 x 32k x 8 256.9 -> 250.4; 16 blocks, 16 splits: 4 x 8k x 8
+    25.4 -> 25.2, 4 x 32k x 8 72.8 -> 70.7, 4 x 128k x 8 258.1 -> 250.8; 8 blocks, 33 splits: 1 x 32k x
+    4 41.5 -> 39.9, 1 x 128k x 4 136.0 -> 129.3. Not at 4 blocks (66 splits: 1 x 32k x 8 24.9 -> 26.0),
+    at 128 blocks (2 splits: 4 x 2k x 1 36.3 -> 38.8, 16 x 8k x 4 127.6 -> 129.7), nor at splits of 256
+    keys or fewer (16 x 512 x 4, 2 splits: 10.4 -> 12.0; 16 x 512 x 8, 4 splits: 9.9 -> 10.7).
+    Contiguous caches lose by it (4 x 32k x 4 125.0 -> 127.4): paged ones only."""
+    import os
+
+    if os.environ.get("CUFLASH_DECODE_PAGED_FILL") == "0" or blocks < 1 or 2 * blocks > sm_count:
+        return None
+    splits = min(2 * sm_count // blocks, DECODE_PAGED_FILL_MAX_SPLITS)
+    if blocks * splits <= sm_count or -(-keys // splits) < DECODE_PAGED_FILL_MIN_KEYS:
+        return None
+    if not decode_shallow_tma(target, head_dim, blocks * splits, sm_count, peak_bw, -(-keys // splits)):
+        return None
+    return splits
+
+
+# decode_paged_fill_splits: the most splits it takes (33 measured faster at 8 blocks, 66 slower at 4),
+# the fewest keys a split may see (512 faster, 256 slower), and the K+V bytes from which an eager call
+# takes its count with a combine kernel (a second launch, hidden behind steps this long: at least
+# 128 MiB, about 30 us at the H200's bandwidth) where the fused combine cannot merge it.
+DECODE_PAGED_FILL_MAX_SPLITS = 33
+DECODE_PAGED_FILL_MIN_KEYS = 512
+DECODE_PAGED_FILL_EAGER_BYTES = 1 << 27
+
+
 def decode_wide_supported(head_dim: int) -> bool:
     """Whether the 8-warp decode kernel (128-key tiles) is built for head_dim: multiples of 16 from
     64 to 128 (its Q stays in registers; above 128 the 4-warp kernel is already at the register
@@ -1138,9 +1180,13 @@ def decode_shallow_tma(target: str, head_dim: int, grid: int, sm_count: int, pea
     0 2 0 2, 32 query heads, head_dim 128, bf16, GPU us per step, 2 / 3 stages at each shape,
     contiguous and 16-row pages, one process): grids of 2048 blocks (64 x 512-32k x 1, 256 x 512-32k
     x 4) 0.957-0.996 (64 x 32k x 1 7.85 -> 7.57 ms, 256 x 2k x 4 in call 1 491.6 -> 479.7 us); 8192
-    blocks (256 x 512-8k x 1) 0.992-1.006; 256 blocks (64 x 512-8k x 8) 0.973-0.998. Not at 512
+    blocks (256 x 512-8k x 1) 0.992-1.006; 256 blocks (64 x 512-8k x 8) 0.973-0.998; 1024 blocks
+    (256 x * x 8) of at most DECODE_SHALLOW_MID_KEYS keys: 512 keys 0.985 (pages 0.973), 2k 0.988
+    (1.003), 8k 0.997 (0.997), but 32k 1.010 (1.013), so grids of DECODE_SHALLOW_MID_WAVES blocks per
+    SM or more take 2 stages up to that many keys (the bound lies between the 3.9 blocks per SM
+    measured slower and the 7.8 measured faster; session 47). Not at 512
     blocks (16 x 512-32k x 1, 64 x 512-32k x 4: 1.02-1.16, worst with the longest caches: 396 slots
-    hold a wave and 116 blocks trail it), at 1024 (256 x 512-32k x 8: 0.974-1.014), nor at one block
+    hold a wave and 116 blocks trail it), nor at one block
     per SM (16 x 128k x 4: 1983 us against 1874-1924) or the split grids of few blocks (1 x 128k x
     8, 4 x 32k x 8, 16 x 8k x 8: 1.02-1.03, 62-64 tiles a block) unless a block sees at most four
     tiles: call 10, one block per SM, 8 splits of 256 keys in clusters, 1 x 2k x 4 9.55 -> 9.31
@@ -1156,6 +1202,8 @@ def decode_shallow_tma(target: str, head_dim: int, grid: int, sm_count: int, pea
         return decode_shallow_supported(target, head_dim)
     return (decode_shallow_supported(target, head_dim) and peak_bw >= DECODE_DEEP_MAX_BW
             and (sm_count < grid <= 2 * sm_count or grid >= DECODE_SHALLOW_MIN_WAVES * sm_count
+                 or (grid >= DECODE_SHALLOW_MID_WAVES * sm_count and keys is not None
+                     and keys <= DECODE_SHALLOW_MID_KEYS)
                  or (grid <= sm_count and keys is not None and keys <= DECODE_SHALLOW_MAX_KEYS)))
 
 
@@ -1175,6 +1223,10 @@ def decode_resident_unsplit(target: str, head_dim: int, blocks: int, sm_count: i
 # see there (four 64-key tiles: 128- and 256-key splits measured faster, 4096-key ones slower).
 DECODE_SHALLOW_MIN_WAVES = 12
 DECODE_SHALLOW_MAX_KEYS = 256
+# ... and from DECODE_SHALLOW_MID_WAVES blocks per SM, grids whose blocks see at most
+# DECODE_SHALLOW_MID_KEYS keys (1024 blocks on 132 SMs: 512-8k keys faster on 2 stages, 32k slower).
+DECODE_SHALLOW_MID_WAVES = 6
+DECODE_SHALLOW_MID_KEYS = 8192
 
 
 def decode_shallow_supported(target: str, head_dim: int) -> bool:

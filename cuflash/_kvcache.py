@@ -607,6 +607,19 @@ class DecodePlan:
                 num_splits = graph_splits = 1
         else:
             graph_splits = num_splits
+        # Paged 16-key groups through TMA on few blocks: two blocks per SM on 2 stages
+        # (_config.decode_paged_fill_splits) for graphs, and for eager calls where the split merges
+        # without a second kernel or the step is long enough to hide its launch.
+        fill = None
+        if (not forced and one and c.paged and not _config.decode_warps_forced()
+                and not _config.decode_page_tiles(c.page_size, _config.DECODE_BLOCK_N)):
+            fill = _config.decode_paged_fill_splits(target, d, blocks, keys, _sm_count(dev),
+                                                    _gpu.peak_memory_bandwidth(dev))
+            if fill is not None:
+                graph_splits = fill
+                kv_bytes = 2 * b * c.nheads_kv * keys * d * 2  # K and V, 2-byte elements
+                if self._merged(fill) or kv_bytes >= _config.DECODE_PAGED_FILL_EAGER_BYTES:
+                    num_splits = fill
         table = infos.get("block_table")
         table_stride = 0
         if table is not None:
@@ -647,7 +660,7 @@ class DecodePlan:
             """The decode kernel's warps and split count for the 4-warp kernel's split count: 8 warps
             where that kernel is built and the grid leaves each SM one block
             (_config.decode_warps_and_splits), or as CUFLASH_DECODE_WARPS forces."""
-            if not wide_ok:
+            if not wide_ok or splits == fill:  # (the paged fill's count: the 4-warp kernel)
                 return 4, splits
             if forced_warps:
                 return forced_warps, splits

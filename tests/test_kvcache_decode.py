@@ -10,6 +10,7 @@ of tests/test_kvcache_device.py (`_check`)."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import numpy as np
 import pytest
@@ -414,7 +415,8 @@ def test_decode_deep_tma_rule(monkeypatch):
 def test_decode_shallow_tma_rule(monkeypatch):
     """cuflash/_config.py decode_shallow_tma: 2 stages for the TMA kernel at head_dim 128 on sm_90a, at
     or above DECODE_DEEP_MAX_BW of peak bandwidth, for grids of more than one block per SM up to two,
-    of at least DECODE_SHALLOW_MIN_WAVES blocks per SM, or of at most one per SM whose blocks see at
+    of at least DECODE_SHALLOW_MIN_WAVES blocks per SM, of at least DECODE_SHALLOW_MID_WAVES per SM
+    whose blocks see at most DECODE_SHALLOW_MID_KEYS keys, or of at most one per SM whose blocks see at
     most DECODE_SHALLOW_MAX_KEYS keys; decode_resident_unsplit on its resident region; the 2-stage
     specialization is built (compile-gated) beside the others, and three of its blocks fit an SM."""
     from cuflash import _config, _launch
@@ -427,7 +429,14 @@ def test_decode_shallow_tma_rule(monkeypatch):
         assert f("sm_90a", 128, grid, 132, _config.DECODE_DEEP_MAX_BW), grid
     for grid in (1, 64, 132, 265, 512, 1024, 12 * 132 - 1):  # one block per SM; the trailing waves' region
         assert not f("sm_90a", 128, grid, 132, h200), grid
-        assert not f("sm_90a", 128, grid, 132, h200, 4096), grid
+        assert not f("sm_90a", 128, grid, 132, h200, _config.DECODE_SHALLOW_MID_KEYS + 1), grid
+        # blocks that see at most DECODE_SHALLOW_MID_KEYS keys: from DECODE_SHALLOW_MID_WAVES per SM
+        mid = grid >= _config.DECODE_SHALLOW_MID_WAVES * 132
+        assert f("sm_90a", 128, grid, 132, h200, _config.DECODE_SHALLOW_MID_KEYS) == mid, grid
+        assert f("sm_90a", 128, grid, 132, h200, 512) == mid or grid <= 132, grid
+    assert _config.DECODE_SHALLOW_MID_WAVES * 132 <= 1024 < 12 * 132  # 256 x * x 8 kv heads on an H200
+    assert f("sm_90a", 128, 6 * 114, 114, h200, 2048) and not f("sm_90a", 128, 6 * 114 - 1, 114, h200, 2048)
+    assert not f("sm_90a", 128, 1024, 132, 3.35e12, 2048) and not f("sm_90a", 64, 1024, 132, h200, 2048)
     # one block per SM or fewer, each seeing at most DECODE_SHALLOW_MAX_KEYS keys (short splits)
     for grid in (1, 64, 128, 132):
         assert f("sm_90a", 128, grid, 132, h200, 256) and f("sm_90a", 128, grid, 132, h200, 64), grid
@@ -486,9 +495,10 @@ def test_decode_shallow_tma_plan(monkeypatch, shallow):
     _stage_rule(monkeypatch, "CUFLASH_DECODE_SHALLOW", shallow)
     monkeypatch.delenv("CUFLASH_DECODE_DEEP", raising=False)
     sm = torch.cuda.get_device_properties(0).multi_processor_count
-    batch = -(-_config.DECODE_SHALLOW_MIN_WAVES * sm // 8)  # 8 kv heads: batch * 8 >= 12 x sm blocks
     bw = _gpu.peak_memory_bandwidth(torch.cuda.current_device())
-    for layout in ("contig", "paged16"):
+    # 8 kv heads: batch * 8 >= 12 x sm blocks; and >= DECODE_SHALLOW_MID_WAVES x sm blocks of 512 keys
+    for batch, layout in itertools.product((-(-_config.DECODE_SHALLOW_MIN_WAVES * sm // 8),
+                                            -(-_config.DECODE_SHALLOW_MID_WAVES * sm // 8)), ("contig", "paged16")):
         _fresh_decode_plans(monkeypatch)
         seed = _new_seed()
         rng = np.random.default_rng(seed)
@@ -999,3 +1009,102 @@ def test_cluster_split_keys_rule(monkeypatch):
     assert keys("sm_90a", 64, 132, 4.8e12) == 64 and keys("sm_80", 128, 108, 4.8e12) == 64
     monkeypatch.setenv("CUFLASH_DECODE_SHALLOW", "0")
     assert keys("sm_90a", 128, 132, 4.8e12) == 64
+
+
+def test_paged_fill_rule(monkeypatch):
+    """cuflash/_config.py decode_paged_fill_splits on the CPU: a paged decode read in 16-key groups on at
+    most half the SMs' blocks takes min(2 sm // blocks, DECODE_PAGED_FILL_MAX_SPLITS) splits, where
+    that passes one block per SM, each split sees at least DECODE_PAGED_FILL_MIN_KEYS keys and 2
+    stages are taken (sm_90a, head_dim 128, an H200's bandwidth); otherwise None."""
+    from cuflash import _config
+
+    monkeypatch.delenv("CUFLASH_DECODE_PAGED_FILL", raising=False)
+    monkeypatch.delenv("CUFLASH_DECODE_SHALLOW", raising=False)
+    f = _config.decode_paged_fill_splits
+    h200 = 4.8e12
+    # (blocks, keys) -> splits on 132 SMs: 32 / 64 / 16 / 8 blocks, as measured
+    for blocks, keys, want in ((32, 8192, 8), (32, 131072, 8), (64, 2048, 4), (64, 32768, 4), (16, 32768, 16),
+                               (8, 131072, 33), (8, 16896, 33), (66, 2048, 4)):
+        assert f("sm_90a", 128, blocks, keys, 132, h200) == want, (blocks, keys)
+    # 4 blocks (33 splits would not pass one block per SM); more than half the SMs' blocks; short splits
+    for blocks, keys in ((4, 131072), (67, 8192), (128, 8192), (64, 2044), (64, 512), (32, 2048), (8, 16863)):
+        assert f("sm_90a", 128, blocks, keys, 132, h200) is None, (blocks, keys)
+    assert f("sm_90a", 128, 32, 8192, 114, h200) == 7  # the count follows the SM count (224 blocks on 114)
+    # where 2 stages are not taken: an H100's bandwidth, another head_dim or target; the switches
+    assert f("sm_90a", 128, 32, 8192, 132, 3.35e12) is None and f("sm_90a", 64, 32, 8192, 132, h200) is None
+    assert f("sm_80", 128, 32, 8192, 108, h200) is None
+    monkeypatch.setenv("CUFLASH_DECODE_SHALLOW", "0")
+    assert f("sm_90a", 128, 32, 8192, 132, h200) is None
+    monkeypatch.delenv("CUFLASH_DECODE_SHALLOW")
+    monkeypatch.setenv("CUFLASH_DECODE_PAGED_FILL", "0")
+    assert f("sm_90a", 128, 32, 8192, 132, h200) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["eager", "graph"])
+def test_decode_paged_fill_plan(monkeypatch, case):
+    """The paged fill (_config.decode_paged_fill_splits: 16-row pages through TMA on few blocks, split
+    into two blocks per SM on the 4-warp 2-stage kernel), against the float64 reference.
+    eager: 4 entries x 8 kv heads (32 blocks) of 4096 keys with an append and ragged lengths, whose
+    count (8 on 132 SMs) the fused combine merges, so eager calls take it too. graph: 2 entries x 4
+    kv heads (8 blocks) of 16896 keys (33 splits of 512 on 132 SMs, past the fused combine and under
+    DECODE_PAGED_FILL_EAGER_BYTES): eager calls keep the library's count, a captured step takes the
+    rule's, merged by the combine kernel, and replays after the lengths change. Where the rule holds
+    (an H200), the plans take its count and kernel; elsewhere the library's. torch CUDA."""
+    from cuflash import _config, _gpu, _kvcache
+
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device")
+    for name in ("CUFLASH_DECODE_PAGED_FILL", "CUFLASH_DECODE_SHALLOW", "CUFLASH_DECODE_WARPS",
+                 "CUFLASH_DECODE_FUSED_COMBINE", "CUFLASH_DECODE_CLUSTER"):
+        monkeypatch.delenv(name, raising=False)
+    _fresh_decode_plans(monkeypatch)
+    sm = torch.cuda.get_device_properties(0).multi_processor_count
+    dev = torch.cuda.current_device()
+    target = _config.compile_arch(*torch.cuda.get_device_capability())
+    bw = _gpu.peak_memory_bandwidth(dev)
+    batch, hk, cap = (4, 8, 4096) if case == "eager" else (2, 4, 16896)
+    want = _config.decode_paged_fill_splits(target, 128, batch * hk, cap, sm, bw)
+    seed = _new_seed()
+    rng = np.random.default_rng(seed)
+    c = make_case(rng, dtype=BF16, batch=batch, seqlen_q=1, nheads=32, nheads_kv=hk, head_dim=128, layout="paged16",
+                  capacity=cap, seqlen_new=1, table_garbage=True)
+    ctx = _ctx(seed, case=case, sm=sm, want=want)
+    args = {n: _to(x, "cuda") for n, x in c.args().items()}
+    if case == "eager":
+        ref = kvcache_reference(c.q, c.k_cache, c.v_cache, c.k, c.v, c.cache_seqlens, c.cache_batch_idx,
+                                c.block_table, True, None)
+        out = attention_with_kvcache(**args, causal=True)
+        torch.cuda.synchronize()
+    else:
+        def copies():
+            return {n: x.clone() if isinstance(x, torch.Tensor) else x for n, x in args.items()}
+
+        static = copies()
+        attention_with_kvcache(**copies(), causal=True)  # plan, compile
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with _capture(graph):
+            out = attention_with_kvcache(**static, causal=True)
+        lengths = np.maximum(c.cache_seqlens - rng.integers(0, 600, size=batch).astype(np.int32), 0)
+        ref = kvcache_reference(c.q, c.k_cache, c.v_cache, c.k, c.v, lengths, c.cache_batch_idx, c.block_table,
+                                True, None)
+        static["cache_seqlens"].copy_(torch.from_numpy(lengths).to("cuda"))
+        graph.replay()
+        torch.cuda.synchronize()
+        args = static
+    ok, msg = check_close(_back(out), ref.out, ref.naive_out, factor=FWD_FACTOR, floor=FWD_FLOOR)
+    assert ok, f"out: {msg}; {ctx}"
+    assert _diff_count(_back(args["k_cache"]), ref.k_cache) == 0, f"k_cache after the append; {ctx}"
+    plans = [pl for pl in _kvcache._DECODE_PLANS.values() if pl.call.capacity == cap]
+    assert plans, ctx
+    for pl in plans:
+        eager_s, graph_s = pl.eager[0], pl.graph[0]
+        if want is None:
+            continue
+        assert graph_s == want, (eager_s, graph_s, ctx)
+        assert (eager_s == want) == (case == "eager"), (eager_s, graph_s, ctx)
+        dec = [L for L in pl.graph[2] if L.name.startswith("decode_") and "combine" not in L.name
+               and "append" not in L.name]
+        assert len(dec) == 1 and dec[0].name.endswith("_s2_tma") and dec[0].grid == batch * hk * want, (
+            [L.name for L in pl.graph[2]], ctx)
