@@ -45,25 +45,28 @@
 //
 // Inside a block. WARPS warps (4, or 8 where the grid leaves SMs with a single block: twice the
 // warps to hide latencies and twice the bytes in flight) split each BN = 16 * WARPS-key tile
-// (64 or 128 keys): warp w takes keys [16w, 16w + 16), keeps
-// its own online softmax (m, l) and O accumulator for all 16 rows, and never waits for the others
-// inside the loop. K/V tiles come through a STAGES-deep cp.async pipeline (tile it + STAGES - 1 is
-// issued while tile it computes). At the end the warps' (m, l, O) are merged through shared memory
-// in a fixed order (deterministic). Q goes from shared memory into registers once (head_dim a
-// multiple of 16 from 64; otherwise it is read at every tile); S = Q K^T and O += P V are mma.sync m16n8k16
-// (P re-packed from the S accumulators as the A operand). Per tile, a warp pays for the element-wise
-// mask only where a bound crosses its 16 keys or a score modification applies, and for the rescale
-// of O only where a row's maximum moved (warp votes keep both branches uniform).
+// (64 or 128 keys): warp w takes keys [16w, 16w + 16), keeps its own online softmax (m, l) and O
+// accumulator for all 16 rows, and never waits for the others inside the loop. K/V tiles come
+// through a STAGES-deep cp.async pipeline (tile it + STAGES - 1 is issued while tile it computes).
+// At the end the warps' (m, l, O) are merged through shared memory in a fixed order
+// (deterministic): each warp stores its O rescaled to the rows' common maximum in rows 8 banks
+// apart (decode_o_pitch), and the block sums them 4 columns a thread. Q goes from shared memory
+// into registers once (head_dim a multiple of 16 from 64; otherwise it is read at every tile);
+// S = Q K^T and O += P V are mma.sync m16n8k16 (P re-packed from the S accumulators as the A
+// operand). Per tile, a warp pays for the element-wise mask only where a bound crosses its 16 keys
+// or a score modification applies, and for the rescale of O only where a row's maximum moved (warp
+// votes keep both branches uniform).
 //
 // Copies. cp.async (every layout and target): the block's threads copy the K/V tile's rows into
 // padded rows (load_tile below). TMA (TMA = true: sm_90a, head_dim 64 or 128, no sink tokens beside
 // a window, so that a tile's keys are consecutive): tensor-map boxes complete on the stage's
-// mbarrier: warp 0 issues one per 64-column panel of K and of V (a contiguous cache, or a paged one
-// whose page_size is a multiple of the tile: page_tiles), or each warp one per panel for its 16-key
-// group (another paged one: a group never straddles a page; at head_dim 128 one 5-D box for both
-// panels, into group-major tiles: GROUP_BOX); the tiles are dense SW128
-// panels that the warps read with ldmatrix at swizzled addresses. The TMA unit reads a cache faster
-// than the threads' 16-byte copies: H200, batch 64, 8k keys, 32 kv heads, reads alone
+// mbarrier (on 8 warps, K and V on one each: KV_APART): warp 0 issues one per 64-column panel of
+// K and of V (a contiguous cache, or a paged one whose page_size is a multiple of the tile:
+// page_tiles), or each warp one per panel for its 16-key group (another paged one: a group never
+// straddles a page; at head_dim 128 one 5-D box for both panels, into group-major tiles:
+// GROUP_BOX); the tiles are dense SW128 panels that the warps read with ldmatrix at swizzled
+// addresses. The TMA unit reads a cache faster than the threads' 16-byte copies: H200, batch 64,
+// 8k keys, 32 kv heads, reads alone
 // (bench/dev/decode_read_bw.py) 4.66 TB/s against 4.26-4.31, the copy 4.23.
 //
 // Grid. 1-D: block = ((b * nheads_kv + h_kv) * num_row_tiles + row_tile) * num_splits + split.
@@ -80,6 +83,40 @@
 #include "softmax.cuh"
 #include "tma.cuh"
 #include "warp_gemm.cuh"
+
+// A timeline probe (CUFLASH_DECODE_TIMELINE=1 in the environment compiles it in: cuflash/_compile.py;
+// absent from every normal build). Thread 0 of block x (x < DECODE_TL_BLOCKS) writes its SM clock at
+// fixed points into slots x * DECODE_TL_SLOTS + i of this module's global (read back by
+// bench/dev/decode_timeline.py), with the global timer at the block's start and end to align blocks.
+#ifdef CUFLASH_DECODE_TIMELINE
+#define DECODE_TL_BLOCKS 4096
+#define DECODE_TL_SLOTS 40
+extern "C" __device__ unsigned long long cuflash_decode_timeline[DECODE_TL_BLOCKS * DECODE_TL_SLOTS];
+#define DECODE_TL(slot, value)                                                                   \
+    do {                                                                                         \
+        if (blockIdx.x < DECODE_TL_BLOCKS)                                                       \
+            cuflash_decode_timeline[blockIdx.x * DECODE_TL_SLOTS + (slot)] = (value);            \
+    } while (0)
+#define DECODE_TL_CLK(slot) DECODE_TL(slot, (unsigned long long)clock64())
+// The clock once `after` (a float register) is ready: the read waits for the instruction that writes it.
+#define DECODE_TL_CLK_AFTER(slot, after)                                                         \
+    do {                                                                                         \
+        unsigned long long t_;                                                                   \
+        asm volatile("mov.u64 %0, %%clock64;" : "=l"(t_) : "f"(after));                          \
+        DECODE_TL(slot, t_);                                                                     \
+    } while (0)
+#define DECODE_TL_GT(slot)                                                                       \
+    do {                                                                                         \
+        unsigned long long t_;                                                                   \
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_));                                   \
+        DECODE_TL(slot, t_);                                                                     \
+    } while (0)
+#else
+#define DECODE_TL(slot, value) do {} while (0)
+#define DECODE_TL_CLK(slot) do {} while (0)
+#define DECODE_TL_GT(slot) do {} while (0)
+#define DECODE_TL_CLK_AFTER(slot, after) do {} while (0)
+#endif
 
 namespace cuflash {
 
@@ -160,6 +197,10 @@ __device__ __forceinline__ u32 decode_sw128(int r, int c) {
     return (u32)((c >> 3) * ROWS * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4));
 }
 
+// The row pitch (floats) of the warps' O in the merge buffer: at least head_dim, 8 (mod 32), so that
+// the rows g = 0..7 of an mma fragment's store start 8 banks apart (four rows fill the 32 banks).
+__host__ __device__ constexpr int decode_o_pitch(int head_dim) { return head_dim + ((8 - head_dim % 32) + 32) % 32; }
+
 template <int HEAD_DIM, int STAGES, int WARPS_ = 4, bool TMA = false>
 struct DecodeTraits {
     static constexpr int WARPS = WARPS_;
@@ -175,7 +216,8 @@ struct DecodeTraits {
     // rows x 128 bytes, 16-byte chunk c of row r at chunk c ^ (r % 8)).
     static constexpr int SKV_ELEMS = TMA ? BN * HEAD_DIM : BN * PITCH;
     static constexpr int KV_BYTES = 2 * STAGES * SKV_ELEMS * 2;
-    static constexpr int MERGE_BYTES = WARPS * ROWS * HEAD_DIM * 4;  // the warps' O, reusing the K/V stages
+    static constexpr int O_PITCH = decode_o_pitch(HEAD_DIM);
+    static constexpr int MERGE_BYTES = WARPS * ROWS * O_PITCH * 4;  // the warps' O, reusing the K/V stages
     // cp.async: sQ, then sK[STAGES], sV[STAGES]. TMA: up to 1023 bytes of alignment, sK[STAGES],
     // sV[STAGES] (each 1024-byte aligned), then sQ. Must equal cuflash/_config.py:decode_smem_bytes.
     static constexpr int SMEM_BYTES = SQ_ELEMS * 2 + KV_BYTES + (TMA ? 1024 : 0);
@@ -185,6 +227,7 @@ struct DecodeTraits {
     static_assert(STAGES >= 2, "a pipeline needs two stages");
     static_assert(WARPS == 4 || WARPS == 8, "4 warps (64-key tiles) or 8 (128-key tiles)");
     static_assert(MERGE_BYTES <= KV_BYTES, "the merge buffer lives in the K/V stages");
+    static_assert(O_PITCH >= HEAD_DIM && O_PITCH % 32 == 8, "the merge buffer's rows: 8 banks apart");
 };
 
 // Keys an entry sees: min(cache_seqlens[b] + seqlen_new, capacity), every value clamped. Split in
@@ -421,7 +464,7 @@ __device__ __noinline__ void cluster_merge_tile(const DecodeParams& p, int b, in
         for (int s = 0; s < CLUSTER_MAX; ++s) {
             if (s < S) {
                 const float ws = fast_exp2(ld_cluster_f32(cluster_map(s_lse + 4 * rr, s)) - base);  // 0: no key
-                const float4 v = ld_cluster_v4(cluster_map(sO + 4 * (rr * HEAD_DIM + 4 * c), s));
+                const float4 v = ld_cluster_v4(cluster_map(sO + 4 * (rr * decode_o_pitch(HEAD_DIM) + 4 * c), s));
                 lt += ws;
                 acc.x += ws * v.x;
                 acc.y += ws * v.y;
@@ -468,7 +511,7 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
         sK = sQ + Tr::SQ_ELEMS;
         sV = sK + STAGES * Tr::SKV_ELEMS;
     }
-    __shared__ float s_m[Tr::WARPS][16], s_l[Tr::WARPS][16], s_lp[Tr::WARPS][16];
+    __shared__ float s_m[Tr::WARPS][16], s_l[Tr::WARPS][16], s_lp[Tr::WARPS][16], s_mx[16];
 #if __CUDA_ARCH__ >= 900
     // The cluster merge is built (it runs where p.cluster_merge); not at head_dim 8, where its call
     // took a stack frame and spilled (sm_90a), and the host never asks (as for the fused combine).
@@ -478,9 +521,24 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
     constexpr bool CLUSTER = false;
     float* s_clse = nullptr;
 #endif
-    __shared__ alignas(8) unsigned long long s_full[TMA ? STAGES : 1];  // TMA: stage s's tile landed
+    // TMA: stage s's tile landed (s_full[s]); on 8 warps (KV_APART) s_full[s] is its K and
+    // s_full[STAGES + s] its V, so that a tile's S = Q K^T and softmax run while its V still arrives
+    // (H200, session 48: 0.95-0.99 of the time of 8-warp plans at 64-128 blocks of 512-2048 keys; on
+    // 4 warps, 1.003-1.017).
+    constexpr bool KV_APART = TMA && WARPS == 8;
+    constexpr int BARRIERS = KV_APART ? 2 * STAGES : STAGES;
+    __shared__ alignas(8) unsigned long long s_full[TMA ? BARRIERS : 1];
 
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, t4 = lane % 4;
+#ifdef CUFLASH_DECODE_TIMELINE
+    if (tid == 0) {
+        DECODE_TL_GT(0);
+        DECODE_TL_CLK(1);
+        unsigned smid;
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+        DECODE_TL(20, smid);
+    }
+#endif
     const int2 split_rest = divmod_rt((int)blockIdx.x, p.num_splits);
     const int2 tile_bh = divmod_rt(split_rest.x, p.num_row_tiles);
     const int2 b_h = divmod_rt(tile_bh.x, p.nheads_kv);
@@ -500,15 +558,28 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
     // block, the last to be placed, so the whole grid is on the SMs.
     if (p.seq != 0 && tid == 0 && blockIdx.x == gridDim.x - 1)
         *reinterpret_cast<volatile unsigned long long*>(p.started) = p.seq;
-    pdl_wait();
-    // The entry's length, loaded now and clamped below the early copies (which do not need it).
-    const int L_raw = decode_length_raw(p, b);
     const bool paged = p.page_size != 0;
     // A paged cache through TMA: whole tiles (page_tiles: every tile lies in one page, and thread 0
     // issues it as the contiguous path does, from the block of the tile's first key), or 16-key
     // groups (each warp's lane 0 issues its own group's boxes).
     const bool whole = TMA && paged && p.page_tiles != 0;
     const bool groups = paged && !whole;
+    // TMA: the maps and the barriers, ahead of pdl_wait (they read nothing another kernel writes), so
+    // that a call launched as a programmatic dependent issues its first copies as soon as it may.
+    if constexpr (TMA) {
+        if (tid == 0) {
+            tma_prefetch_desc(&p.map_k);
+            tma_prefetch_desc(&p.map_v);
+#pragma unroll
+            for (int st = 0; st < BARRIERS; ++st) mbar_init(smem_addr(&s_full[st]), groups ? WARPS : 1);
+            fence_mbar_init();
+            DECODE_TL_CLK(31);
+        }
+    }
+    pdl_wait();
+    if (tid == 0) DECODE_TL_CLK(2);
+    // The entry's length, loaded now and clamped below the early copies (which do not need it).
+    const int L_raw = decode_length_raw(p, b);
     const int* table_row = p.block_table != nullptr ? p.block_table + b * p.table_stride : nullptr;
     const bool early = TMA && split == 0 && p.mask.window_left < 0 && p.cache_batch_idx == nullptr;
 
@@ -529,11 +600,13 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
         }
     }
 
-    // ---- TMA: the barriers, the maps, and (where they are known already) the first tiles' copies ----
+    if (tid == 0) DECODE_TL_CLK(30);
+    // ---- TMA: (where they are known already) the first tiles' copies ----
     // The tiles start at key 0 wherever the keys begin at 0 and the block is the first split (no
     // window; a contiguous cache: the entry's own cache row): then the pipeline's first STAGES - 1
-    // copies go out before the mask and key arithmetic below, which need the entry's length (a paged
-    // cache's after their table entries, with those of the next two tiles). Tiles the block then
+    // copies go out (their barriers made before pdl_wait) before the mask and key arithmetic below,
+    // which need the entry's length (a paged cache's after their table entries, with those of the
+    // next two tiles). Tiles the block then
     // does not have are waited for before their stages are reused (the merge), and rows past the
     // length are treated as those of any tile (the loop zeroes the last tile's V rows past the
     // chunk). H200, 128 blocks of 512 keys, 16-row pages: 12.5 us per call with the first tile alone
@@ -550,13 +623,25 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
     const u32 tile_bytes = 2u * Tr::SKV_ELEMS * sizeof(T);
     auto tma_contig = [&](int stage, int key, int row) {  // a contiguous cache's tile, by one thread
         if constexpr (TMA) {
-            const u32 bar = smem_addr(&s_full[stage]);
             const u32 dK = smem_addr(sK + stage * Tr::SKV_ELEMS), dV = smem_addr(sV + stage * Tr::SKV_ELEMS);
-            mbar_arrive_expect_tx(bar, tile_bytes);
+            if constexpr (KV_APART) {
+                const u32 barK = smem_addr(&s_full[stage]), barV = smem_addr(&s_full[STAGES + stage]);
+                mbar_arrive_expect_tx(barK, tile_bytes / 2);
 #pragma unroll
-            for (int c = 0; c < HEAD_DIM / 64; ++c) {
-                tma_load_4d(dK + c * BN * 128, &p.map_k, bar, 64 * c, key, h_kv, row);
-                tma_load_4d(dV + c * BN * 128, &p.map_v, bar, 64 * c, key, h_kv, row);
+                for (int c = 0; c < HEAD_DIM / 64; ++c)
+                    tma_load_4d(dK + c * BN * 128, &p.map_k, barK, 64 * c, key, h_kv, row);
+                mbar_arrive_expect_tx(barV, tile_bytes / 2);
+#pragma unroll
+                for (int c = 0; c < HEAD_DIM / 64; ++c)
+                    tma_load_4d(dV + c * BN * 128, &p.map_v, barV, 64 * c, key, h_kv, row);
+            } else {
+                const u32 bar = smem_addr(&s_full[stage]);
+                mbar_arrive_expect_tx(bar, tile_bytes);
+#pragma unroll
+                for (int c = 0; c < HEAD_DIM / 64; ++c) {
+                    tma_load_4d(dK + c * BN * 128, &p.map_k, bar, 64 * c, key, h_kv, row);
+                    tma_load_4d(dV + c * BN * 128, &p.map_v, bar, 64 * c, key, h_kv, row);
+                }
             }
         }
     };
@@ -593,20 +678,25 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
     };
     auto tma_group = [&](int stage, int2 br) {  // this warp's 16 keys of a paged tile, by lane 0
         if constexpr (TMA) {
-            const u32 bar = smem_addr(&s_full[stage]);
+            const u32 barK = smem_addr(&s_full[stage]), barV = smem_addr(&s_full[KV_APART ? STAGES + stage : stage]);
             const u32 dK = smem_addr(sK + stage * Tr::SKV_ELEMS), dV = smem_addr(sV + stage * Tr::SKV_ELEMS);
-            mbar_arrive_expect_tx(bar, tile_bytes / WARPS);
+            if constexpr (KV_APART) {
+                mbar_arrive_expect_tx(barK, tile_bytes / 2 / WARPS);
+                mbar_arrive_expect_tx(barV, tile_bytes / 2 / WARPS);
+            } else {
+                mbar_arrive_expect_tx(barK, tile_bytes / WARPS);
+            }
             if constexpr (GROUP_BOX) {  // one 5-D box per group: both panels, group-major (kv_off)
                 const u32 off = warp * GROUP_BYTES;
-                tma_load_5d(dK + off, &p.map_k, bar, 0, br.y, 0, h_kv, br.x);
-                tma_load_5d(dV + off, &p.map_v, bar, 0, br.y, 0, h_kv, br.x);
+                tma_load_5d(dK + off, &p.map_k, barK, 0, br.y, 0, h_kv, br.x);
+                tma_load_5d(dV + off, &p.map_v, barV, 0, br.y, 0, h_kv, br.x);
             } else {
 #pragma unroll
-                for (int c = 0; c < HEAD_DIM / 64; ++c) {
-                    const u32 off = c * BN * 128 + warp * 16 * 128;
-                    tma_load_4d(dK + off, &p.map_k, bar, 64 * c, br.y, h_kv, br.x);
-                    tma_load_4d(dV + off, &p.map_v, bar, 64 * c, br.y, h_kv, br.x);
-                }
+                for (int c = 0; c < HEAD_DIM / 64; ++c)
+                    tma_load_4d(dK + c * BN * 128 + warp * 16 * 128, &p.map_k, barK, 64 * c, br.y, h_kv, br.x);
+#pragma unroll
+                for (int c = 0; c < HEAD_DIM / 64; ++c)
+                    tma_load_4d(dV + c * BN * 128 + warp * 16 * 128, &p.map_v, barV, 64 * c, br.y, h_kv, br.x);
             }
         }
     };
@@ -616,15 +706,12 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
     __shared__ int2 s_blk[TMA ? STAGES : 1][GROUPS];  // (block, row) of each group of the next tiles
     int pend_row = 0, pend_entry = 0;  // paged, looks_up: a later tile's row and table entry, in flight
     if constexpr (TMA) {
-        if (tid == 0) {
-            tma_prefetch_desc(&p.map_k);
-            tma_prefetch_desc(&p.map_v);
+        // (Thread 0's copies of the first tiles issued ahead of its share of Q's: Q then landed after
+        // the first tile, and the loop began 0.25-0.4 us later; H200, session 48.)
+        if (tid == 0 && early && !paged) {
 #pragma unroll
-            for (int st = 0; st < STAGES; ++st) mbar_init(smem_addr(&s_full[st]), groups ? WARPS : 1);
-            fence_mbar_init();
-            if (early && !paged)
-#pragma unroll
-                for (int st = 0; st < EARLY; ++st) tma_contig(st, st * BN, b);
+            for (int st = 0; st < EARLY; ++st) tma_contig(st, st * BN, b);
+            DECODE_TL_CLK(3);
         }
         if (early && paged) {
             // Tiles 0 .. EARLY - 1: looked up and issued by the issuing lanes; tiles EARLY and STAGES:
@@ -663,6 +750,7 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
                 pend_row = row[STAGES];                                    // stored in iteration 0
                 pend_entry = entry[STAGES];
             }
+            if (tid == 0) DECODE_TL_CLK(3);
         }
     }
 
@@ -920,26 +1008,37 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
                      :: "l"(reinterpret_cast<unsigned long long>(p.o)), "l"(p.o_row_stride),
                         "r"(smem_addr(&s_m[warp][0]))
                      : "memory");
+    // TMA: the chunk's last tile's V rows past the chunk (cache rows beyond the entry's length) zeroed
+    // once they landed, before P V reads them (block-uniform: a block barrier follows).
+    auto zero_v_tail = [&](int stage, int it) {
+        const int valid = v_end - (v_begin + it * BN);
+        if (valid < BN) {
+            const u32 tV = smem_addr(sV + stage * Tr::SKV_ELEMS);
+            for (int c = tid; c < (BN - valid) * CHUNKS; c += THREADS)
+                asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};"
+                             :: "r"(tV + tile_off(valid + c / CHUNKS, c % CHUNKS)), "r"(0u) : "memory");
+            __syncthreads();
+        }
+    };
     if constexpr (TMA) cp_async_wait<0>();  // Q (visible to all after the loop's first barrier)
+    if (tid == 0) {
+        DECODE_TL_CLK(4);
+        DECODE_TL(21, (unsigned long long)n_tiles);
+    }
     for (int it = 0; it < n_tiles; ++it) {
         const int stage = it % STAGES;
         if constexpr (TMA) {
             __syncthreads();  // every warp is done with tile it - 1, whose stage tile it + STAGES - 1 takes
             if ((groups || warp == 0) && it + STAGES - 1 < n_tiles) tma_tile(it + STAGES - 1);
+            if (tid == 0 && it == 1) DECODE_TL_CLK(23);
             // Lookups: the slot's pairs were read at the issue in iteration it - STAGES + 1 (a barrier since).
             if (paged && it + STAGES < n_tiles) {
                 lookup_store(it + STAGES);
                 if (it + STAGES + 1 < n_tiles) lookup_load(it + STAGES + 1);
             }
-            mbar_wait(smem_addr(&s_full[stage]), (it / STAGES) & 1);
-            const int valid = v_end - (v_begin + it * BN);
-            if (valid < BN) {  // the chunk's last tile (block-uniform)
-                const u32 tV = smem_addr(sV + stage * Tr::SKV_ELEMS);
-                for (int c = tid; c < (BN - valid) * CHUNKS; c += THREADS)
-                    asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};"
-                                 :: "r"(tV + tile_off(valid + c / CHUNKS, c % CHUNKS)), "r"(0u) : "memory");
-                __syncthreads();
-            }
+            mbar_wait(smem_addr(&s_full[stage]), (it / STAGES) & 1);  // the tile (KV_APART: its K)
+            if (tid == 0 && it < 8) DECODE_TL_CLK(5 + it);
+            if constexpr (!KV_APART) zero_v_tail(stage, it);
         } else {
             cp_async_wait<STAGES - 2>();
             __syncthreads();
@@ -980,6 +1079,7 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
             warp_mma<T, HEAD_DIM, N_TILES, false, false>(s[0], sQ, PITCH, sKw, PITCH, N_TILES, lane);
         }
 
+        if (tid == 0 && (it == 0 || it == n_tiles - 1)) DECODE_TL_CLK_AFTER(it == 0 ? 24 : 27, s[0][N_TILES - 1][3]);
         // ---- logits in log2 units, masked; then the online softmax ----
         const int vw0 = v_begin + it * BN + warp * WN;
         bool plain = !score_mod && vw0 >= n_sink && vw0 + WN <= v_end;
@@ -1020,6 +1120,8 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
         float alpha[1][2];
         u32 pp[1][N_TILES][2];  // P, rounded and packed (softmax.cuh)
         softmax.prepare(s, 1.f, alpha, pp);
+        if (tid == 0 && (it == 0 || it == n_tiles - 1))
+            DECODE_TL_CLK_AFTER(it == 0 ? 25 : 28, alpha[0][1] + __uint_as_float(pp[0][N_TILES - 1][1]));
         // Once the rows' maxima settle, alpha is exactly 1 (exp2(0)) and the rescale can go.
         if (__any_sync(0xffffffffu, alpha[0][0] != 1.f || alpha[0][1] != 1.f)) {
 #pragma unroll
@@ -1031,6 +1133,11 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
             }
         }
 
+        if constexpr (KV_APART) {
+            mbar_wait(smem_addr(&s_full[STAGES + stage]), (it / STAGES) & 1);  // V
+            if (tid == 0 && (it == 0 || it == n_tiles - 1)) DECODE_TL_CLK(it == 0 ? 34 : 35);
+            zero_v_tail(stage, it);
+        }
         // ---- O += P V: P (16 rows, 16 keys) from registers, V (16 keys, HEAD_DIM) ----
         u32 pa[4];
         pa[0] = pp[0][0][0];
@@ -1053,66 +1160,76 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
             Ops::mma16816(acc_o[D_TILES - 1], pa, b0, b1);
         }
         softmax.commit(alpha, pp);  // with P V issued
+        if (tid == 0 && (it == 0 || it == n_tiles - 1)) DECODE_TL_CLK_AFTER(it == 0 ? 26 : 29, acc_o[D_TILES - 1][3]);
     }
 
     // ---- merge the warps: (m, l) per row, then O in a fixed order through shared memory ----
+    if (lane == 0 && warp == 0) DECODE_TL_CLK(13);
+    if (lane == 0 && warp == Tr::WARPS - 1) DECODE_TL_CLK(14);
     if (TMA && early)  // early copies of tiles the block did not have
-        for (int st = n_tiles; st < EARLY; ++st) mbar_wait(smem_addr(&s_full[st]), 0);
+        for (int st = n_tiles; st < EARLY; ++st) {
+            mbar_wait(smem_addr(&s_full[st]), 0);
+            if constexpr (KV_APART) mbar_wait(smem_addr(&s_full[STAGES + st]), 0);
+        }
     cp_async_wait<0>();
     __syncthreads();  // every warp is done with the K/V stages, which now hold the merge buffer
+    if (tid == 0) DECODE_TL_CLK(15);
+    // Each warp's (m, l, lp) of its rows; O below. Rows past r_end (padding: a decode's rows are
+    // head_group query heads, often fewer than 16) are neither written nor read.
+    float l_w[2], lp_w[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        const float l = softmax.l_of(0, r);
-        const float lp = softmax.lp_of(0, r);
-        if (t4 == 0) {
-            s_m[warp][g + 8 * r] = softmax.row_m[0][r];
-            s_l[warp][g + 8 * r] = l;
-            s_lp[warp][g + 8 * r] = lp;
-        }
+        l_w[r] = softmax.l_of(0, r);
+        lp_w[r] = softmax.lp_of(0, r);
+        if (t4 == 0) s_m[warp][g + 8 * r] = softmax.row_m[0][r];
     }
     __syncthreads();
-    float* sO = reinterpret_cast<float*>(sK);  // (WARPS, 16, HEAD_DIM)
+    // Each warp's O, l and lp rescaled to the rows' common maximum (f = 2^(m_w - m)): O into sO
+    // (WARPS, 16, O_PITCH) floats, l and lp in place; the maximum in s_mx. O_PITCH = 8 (mod 32) words:
+    // a store's 8 rows x 4 lanes x 8 bytes fall on distinct banks, two wavefronts (a pitch of
+    // HEAD_DIM words put the 8 rows on the same 8 banks: 8 wavefronts a store, and the phase took 1.35
+    // us of an 8.4 us block at 64 blocks of 512 keys, H200, bench/dev/decode_timeline.py).
+    float* sO = reinterpret_cast<float*>(sK);
+    constexpr int OP = Tr::O_PITCH;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int rr = g + 8 * r;
+        if (r0 + rr >= r_end) continue;
         float mx = -CUFLASH_INF;
 #pragma unroll
         for (int w = 0; w < Tr::WARPS; ++w) mx = fmaxf(mx, s_m[w][rr]);
         const float f = fast_exp2(softmax.row_m[0][r] - exp_base(mx));
-        float* dst = sO + (warp * 16 + rr) * HEAD_DIM + 2 * t4;
+        float* dst = sO + (warp * 16 + rr) * OP + 2 * t4;
 #pragma unroll
         for (int dt = 0; dt < D_TILES; ++dt)
             *reinterpret_cast<float2*>(dst + dt * 8) = make_float2(acc_o[dt][2 * r] * f, acc_o[dt][2 * r + 1] * f);
+        if (t4 == 0) {
+            s_l[warp][rr] = l_w[r] * f;
+            s_lp[warp][rr] = lp_w[r] * f;
+            if (warp == 0) s_mx[rr] = mx;
+        }
     }
     __syncthreads();
+    if (tid == 0) DECODE_TL_CLK(16);
 
-    // ---- out: 8 columns per step; each row's max and sum from the warps' (m, l) ----
-    for (int c = tid; c < 16 * CHUNKS; c += THREADS) {
-        const int rr = c / CHUNKS, col = (c % CHUNKS) * 8, r = r0 + rr;
-        if (r >= r_end) continue;
+    // ---- out: 4 columns per item, a warp's 32 items consecutive (one 512-byte row of sO at head_dim
+    // 128: each of its 8 loads is four wavefronts, the fewest) ----
+    constexpr int QUADS = HEAD_DIM / 4;
+    for (int c = tid; c < (r_end - r0) * QUADS; c += THREADS) {
+        const int rr = c / QUADS, col = (c % QUADS) * 4, r = r0 + rr;
         const int2 qh = divmod_rt(r, G);
         const int qi = qh.x, head = h_kv * G + qh.y;
-        float mx = -CUFLASH_INF;
-#pragma unroll
-        for (int w = 0; w < Tr::WARPS; ++w) mx = fmaxf(mx, s_m[w][rr]);
-        const float base = exp_base(mx);
+        const float mx = s_mx[rr];
         float l = 0.f, lp = 0.f;  // the sums of p and of p rounded (softmax.cuh: O is divided by lp)
+        float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
         for (int w = 0; w < Tr::WARPS; ++w) {
-            const float f = fast_exp2(s_m[w][rr] - base);
-            l += s_l[w][rr] * f;
-            lp += s_lp[w][rr] * f;
+            l += s_l[w][rr];
+            lp += s_lp[w][rr];
+            const float4 a = *reinterpret_cast<const float4*>(sO + (w * 16 + rr) * OP + col);
+            o.x += a.x; o.y += a.y; o.z += a.z; o.w += a.w;
         }
-        float o[8];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) o[e] = 0.f;
-#pragma unroll
-        for (int w = 0; w < Tr::WARPS; ++w) {
-            const float4* src = reinterpret_cast<const float4*>(sO + (w * 16 + rr) * HEAD_DIM + col);
-            const float4 a = src[0], bq = src[1];
-            o[0] += a.x; o[1] += a.y; o[2] += a.z; o[3] += a.w;
-            o[4] += bq.x; o[5] += bq.y; o[6] += bq.z; o[7] += bq.w;
-        }
+        if (c == 0) DECODE_TL_CLK_AFTER(32, o.w + lp);
         const i64 row_index = ((i64)b * p.nheads + head) * p.seqlen_q + qi;  // (batch, nheads, seqlen_q)
         if (p.num_splits == 1) {
             // A sink logit joins after every key (softmax.cuh: finalize with a sink).
@@ -1124,35 +1241,35 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
             const float lt = l * a + ps;
             const bool empty = lt == 0.f;
             const float sc = empty ? 0.f : a / (lp * a + ps);
-            uint4 pk;
-            pk.x = Ops::pack(o[0] * sc, o[1] * sc);
-            pk.y = Ops::pack(o[2] * sc, o[3] * sc);
-            pk.z = Ops::pack(o[4] * sc, o[5] * sc);
-            pk.w = Ops::pack(o[6] * sc, o[7] * sc);
+            uint2 pk;
+            pk.x = Ops::pack(o.x * sc, o.y * sc);
+            pk.y = Ops::pack(o.z * sc, o.w * sc);
             T* gO = static_cast<T*>(p.o) + b * p.o_batch_stride + qi * p.o_row_stride + head * p.o_head_stride + col;
-            *reinterpret_cast<uint4*>(gO) = pk;
+            *reinterpret_cast<uint2*>(gO) = pk;
             if (col == 0 && p.lse != nullptr)
                 p.lse[row_index] = empty ? -CUFLASH_INF : (m_new + fast_log2(lt)) * 0.6931471805599453f;
         } else if (CLUSTER && p.cluster_merge) {
-            // The partial stays in this block's shared memory for the cluster merge: its 8 columns of
+            // The partial stays in this block's shared memory for the cluster merge: its 4 columns of
             // the row in warp 0's slice of sO, which only this thread has read; the row's lse in s_clse.
             const bool empty = l == 0.f;
             const float sc = empty ? 0.f : 1.f / lp;
-            float4* dst = reinterpret_cast<float4*>(sO + rr * HEAD_DIM + col);
-            dst[0] = make_float4(o[0] * sc, o[1] * sc, o[2] * sc, o[3] * sc);
-            dst[1] = make_float4(o[4] * sc, o[5] * sc, o[6] * sc, o[7] * sc);
+            *reinterpret_cast<float4*>(sO + rr * OP + col) = make_float4(o.x * sc, o.y * sc, o.z * sc, o.w * sc);
             if (col == 0) s_clse[rr] = empty ? -CUFLASH_INF : mx + fast_log2(l);
         } else {
             const bool empty = l == 0.f;
             const float sc = empty ? 0.f : 1.f / lp;
             const i64 part = (i64)split * p.batch * p.nheads * p.seqlen_q + row_index;
-            float4* dst = reinterpret_cast<float4*>(p.o_part + part * HEAD_DIM + col);
-            dst[0] = make_float4(o[0] * sc, o[1] * sc, o[2] * sc, o[3] * sc);
-            dst[1] = make_float4(o[4] * sc, o[5] * sc, o[6] * sc, o[7] * sc);
+            *reinterpret_cast<float4*>(p.o_part + part * HEAD_DIM + col) =
+                make_float4(o.x * sc, o.y * sc, o.z * sc, o.w * sc);
             if (col == 0) p.lse_part[part] = empty ? -CUFLASH_INF : mx + fast_log2(l);
         }
+        if (c == 0) DECODE_TL_CLK(33);
     }
 
+    if (tid == 0) {
+        DECODE_TL_CLK(17);
+        DECODE_TL_GT(22);
+    }
 #if __CUDA_ARCH__ >= 900
     // ---- the cluster merge (cluster_merge): the row tile's splits, one cluster, merge together ----
     if (CLUSTER && p.num_splits > 1 && p.cluster_merge) {
@@ -1161,6 +1278,10 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
         cluster_sync();  // every block's partials are in its shared memory
         cluster_merge_tile<T, HEAD_DIM, THREADS>(p, b, h_kv, r0, r_end, (int)rank, smem_addr(sO), smem_addr(s_clse));
         cluster_sync();  // no block exits while another may still read its shared memory
+        if (tid == 0) {
+            DECODE_TL_CLK(18);
+            DECODE_TL_GT(19);
+        }
         return;
     }
 #endif
@@ -1179,6 +1300,10 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
         static_assert(Tr::KV_BYTES >= TILE_MERGE_MAX * 4, "the merge's weights fit in the K/V stages");
         merge_tile<T, HEAD_DIM, THREADS>(p, b, h_kv, r0, r_end, reinterpret_cast<float*>(sK));
         if (tid == 0) p.split_counters[rest] = 0;  // zero again for the next call
+        if (tid == 0) {
+            DECODE_TL_CLK(18);
+            DECODE_TL_GT(19);
+        }
     }
 }
 

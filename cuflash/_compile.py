@@ -26,6 +26,8 @@ Environment:
   * CUFLASH_CACHE_DIR: the disk cache directory.
   * CUFLASH_LINEINFO=1: compile with -lineinfo (for profilers); part of the cache key.
   * CUFLASH_DEBUG=1: compile with -G (device debug); part of the cache key.
+  * CUFLASH_DECODE_TIMELINE=1: compile the decode kernel's timeline probe in (cuda_src/flash_decode.cu,
+    read by bench/dev/decode_timeline.py); part of the cache key. For measurements only.
 """
 
 from __future__ import annotations
@@ -111,6 +113,8 @@ def base_options(target: str) -> list[str]:
         opts.append("-lineinfo")
     if os.environ.get("CUFLASH_DEBUG") == "1":
         opts.append("-G")
+    if os.environ.get("CUFLASH_DECODE_TIMELINE") == "1":
+        opts.append("-DCUFLASH_DECODE_TIMELINE=1")
     return opts
 
 

@@ -272,6 +272,22 @@ def test_cache_key_covers_headers_options_and_target(tmp_path, monkeypatch):
     assert _compile.cache_key(spec, "sm_90a", opts) != k0
 
 
+def test_decode_timeline_probe_is_opt_in(monkeypatch):
+    """CUFLASH_DECODE_TIMELINE=1 compiles the decode kernel's timeline probe in (its own cache key);
+    without it the kernel carries no probe: the normal cubin has no trace of the probe's buffer."""
+    spec = next(s for s, _ in _launch.all_decode_specializations("sm_90a", head_dims=[128], dtypes=["bfloat16"])
+                if s.name == "decode_bf16_d128_s3_w8_tma")
+    monkeypatch.delenv("CUFLASH_DECODE_TIMELINE", raising=False)
+    plain = _compile.base_options("sm_90a")
+    assert not any("TIMELINE" in o for o in plain)
+    assert b"cuflash_decode_timeline" not in _compile.nvrtc_compile(spec, "sm_90a", plain).cubin
+    monkeypatch.setenv("CUFLASH_DECODE_TIMELINE", "1")
+    probe = _compile.base_options("sm_90a")
+    assert "-DCUFLASH_DECODE_TIMELINE=1" in probe
+    assert _compile.cache_key(spec, "sm_90a", probe) != _compile.cache_key(spec, "sm_90a", plain)
+    assert b"cuflash_decode_timeline" in _compile.nvrtc_compile(spec, "sm_90a", probe).cubin
+
+
 def test_disk_cache_roundtrip(tmp_path, monkeypatch):
     monkeypatch.setenv("CUFLASH_CACHE_DIR", str(tmp_path))
     cfg = _config.fwd_config("sm90", 32, "bfloat16")

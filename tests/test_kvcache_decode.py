@@ -924,7 +924,8 @@ def test_warps_and_splits_rule():
 def test_one_per_sm_rule():
     """_config.decode_num_splits / decode_warps_and_splits with one_per_sm (the TMA kernel at head_dim
     128, session 14): below sm_count blocks, the most splits that keep one block per SM, none left
-    without tiles; the counts measured fastest on an H100; 8 warps where a split sees 257-512 keys,
+    without tiles; the counts measured fastest on an H100; 8 warps where a split sees 129-512 keys
+    (257-512 past 8 splits),
     unsplit 8 warps at 2048 keys only up to sm_count // 2 blocks."""
     from cuflash._config import DECODE_BLOCK_N, decode_num_splits, decode_warps_and_splits as rule
 
@@ -952,7 +953,7 @@ def test_one_per_sm_rule():
         assert decode_num_splits(blocks, keys, 132, 2, host_bound_rule=False, one_per_sm=True) == want, (blocks, keys)
     assert decode_num_splits(4, 8192, 132, 2, host_bound_rule=False) == 64  # the model without it
     # Warps: 4 unsplit at 128 blocks past 512 keys; 8 unsplit at 512 keys, and at 2048 keys only up to
-    # sm_count // 2 blocks; 8 where a split sees 257-512 keys and the grid fits one block per SM.
+    # sm_count // 2 blocks; 8 where a split sees 129-512 keys and the grid fits one block per SM.
     assert rule(128, 1, 132, False, keys=2048, one_per_sm=True) == (4, 1)
     assert rule(128, 1, 132, False, keys=1024, one_per_sm=True) == (4, 1)
     assert rule(128, 1, 132, False, keys=512, one_per_sm=True) == (8, 1)
@@ -961,9 +962,12 @@ def test_one_per_sm_rule():
     assert rule(66, 2, 132, False, keys=2048, one_per_sm=True) == (8, 1)
     assert rule(67, 1, 132, False, keys=2048, one_per_sm=True) == (4, 1)
     assert rule(32, 4, 132, False, keys=2048, one_per_sm=True) == (8, 4)  # 512 keys a split
-    assert rule(16, 8, 132, False, keys=2048, one_per_sm=True) == (4, 8)  # 256
+    assert rule(16, 8, 132, False, keys=2048, one_per_sm=True) == (8, 8)  # 256 (session 48)
+    assert rule(16, 16, 132, False, keys=2048, one_per_sm=True) == (4, 16)  # 128: one 8-warp tile
     assert rule(34, 4, 132, False, keys=2048, one_per_sm=True) == (4, 4)  # 132 < 34 x 4
-    assert rule(4, 32, 132, False, keys=8192, one_per_sm=True) == (4, 32)
+    assert rule(4, 32, 132, False, keys=8192, one_per_sm=True) == (4, 32)  # 256 a split, past 8 splits
+    assert rule(8, 8, 132, False, keys=2048, one_per_sm=True) == (8, 8)  # 256 a split, 8 splits (session 48)
+    assert rule(4, 32, 132, False, keys=32768, one_per_sm=True) == (4, 32)  # 1024 a split
     assert rule(8, 16, 132, False, keys=8192, one_per_sm=True) == (8, 16)
     assert rule(64, 2, 132, False, keys=8192, one_per_sm=True) == (4, 2)
     # Forced counts and the cp.async paged rule are not overridden.
