@@ -431,7 +431,7 @@ __device__ __forceinline__ void merge_tile(const DecodeParams& p, int b, int h_k
 // The cluster merge (cluster_merge): block `rank` of the row tile's cluster of S = num_splits blocks
 // takes items i = rank * THREADS + tid, + S * THREADS, ... of the tile's R x HEAD_DIM / 4 (row, 4
 // columns) items; for each it reads the S blocks' log2-sum-exp of the row (s_lse) and their 4
-// columns of the row's partial O (sO: 16 rows of HEAD_DIM floats) from their shared memory, and
+// columns of the row's partial O (sO: 16 rows at decode_o_pitch) from their shared memory, and
 // writes out = sum_s w_s O_s, w_s = exp2(lse_s - base) / (sum_s exp2(lse_s - base) + exp2(sink -
 // base)), summed in split order (deterministic), and the row's lse (natural log) with its first
 // item. The same weights as merge_tile and combine_row. Not inlined: inlined, it moved ptxas to spill
@@ -879,10 +879,11 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
 
     // TMA (contiguous caches without a sink boundary: every tile is affine): thread 0 issues one box
     // per 64-column panel of K and of V for the tile's BN keys from key v0 + key_off, completing on
-    // stage's s_full barrier, at the same points where the cp.async path issues its copies. Cache
-    // rows past the capacity land as zeros; rows past the chunk but inside the capacity (the cache
-    // beyond an entry's length) are garbage, so the last tile's V rows past the chunk are zeroed in
-    // shared memory before use (its K rows only give scores that the mask drops).
+    // the stage's s_full barrier (KV_APART: K's and V's), at the same points where the cp.async path
+    // issues its copies. Cache rows past the capacity land as zeros; rows past the chunk but inside
+    // the capacity (the cache beyond an entry's length) are garbage, so the last tile's V rows past
+    // the chunk are zeroed in shared memory before use (its K rows only give scores that the mask
+    // drops).
     //   A paged cache: the maps describe (num_blocks, page_size, nheads_kv, head_dim) with 16-row
     //   boxes, and a tile is BN / 16 boxes per panel, group g's from block table_row[key / page_size]
     //   (clamped), row key % page_size; at head_dim 128 one 5-D box per group and tensor for both
