@@ -1039,15 +1039,17 @@ def decode_warps_forced() -> int:
 DECODE_WIDE_UNSPLIT = ((4, 512), (64, 2048))
 
 # one_per_sm: the 8-warp kernel where a split sees more than this many keys (and at most 512;
-# decode_warps_and_splits); 256 until session 48. Session 48's cheaper cross-warp merge and split
-# K / V barriers made the 8-warp kernel faster at two of its 128-key tiles a split, where the splits
-# merge in a cluster or in the last block (H200, GPU us per step, the 4-warp plan -> 8 warps,
-# bench/dev/decode_splits.py, alternated twice): 1 x 2048 x 4 (8 blocks x 8 splits in clusters) 9.10
-# -> 8.04 (16-row pages 9.69 -> 8.53), 4 x 2048 x 8 (16 x 8, fused) 9.94 -> 9.60 (pages 10.58 ->
-# 10.29). It lost at 1 x 8192 x 8 (4 x 32, the combine kernel): 10.14 -> 10.36 (pages 10.74 -> 11.55).
-# Bounding the window to 8 splits is the measured fix, not yet run through the GPU tests (session 48
-# ran out of device time), so the window is unbounded here. At 1024 keys a split it was mixed (4 x 8192
-# x 8 23.0 against 23.8; 1 x 32768 x 8 24.0 against 23.6): not taken.
+# decode_warps_and_splits), at most DECODE_CLUSTER_MAX splits (more: 256, as before session 48).
+# Session 48's cheaper cross-warp merge and split K / V barriers made the 8-warp kernel faster at two
+# of its 128-key tiles a split, where the splits merge in a cluster or in the last block (H200, GPU us
+# per step, main's plan -> this one, bench/dev/decode_splits.py, alternated twice): 1 x 2048 x 4 (8
+# blocks x 8 splits in clusters) 9.10 -> 8.04 (16-row pages 9.69 -> 8.53), 4 x 2048 x 8 (16 x 8,
+# fused) 9.94 -> 9.60 (pages 10.58 -> 10.29); but 1 x 8192 x 8 (4 x 32, the combine kernel) 10.14 ->
+# 10.36 (pages 10.74 -> 11.55), so not past 8 splits: session 49, the unbounded window -> this bound
+# (alternated twice, one card), 1 x 8192 x 8 contiguous 10.33 -> 10.32 us, 16-row pages 11.51 -> 10.90
+# (0.947), the plans of 1 x 2048 x 4, 4 x 2048 x 8 and 16 x 512 x 8 unchanged (0.996-1.001). At 1024
+# keys a split it was mixed (4 x 8192 x 8 23.0 against 23.8; 1 x 32768 x 8 24.0 against 23.6): not
+# taken.
 DECODE_WIDE_MIN_SPLIT_KEYS = 2 * DECODE_BLOCK_N
 
 # Head dims where the TMA decode kernel takes the one-block-per-SM rule (decode_num_splits and
@@ -1093,11 +1095,11 @@ def decode_warps_and_splits(blocks: int, splits: int, sm_count: int, forced: boo
     one_per_sm (the TMA kernel at DECODE_ONE_PER_SM_HEAD_DIMS, whose `splits` come from
     decode_num_splits(one_per_sm=True): at most one block per SM where the grid allows): the split
     count is kept, and the 8-warp kernel runs where each split sees 129 to 512 keys (two to four of
-    its tiles; DECODE_WIDE_MIN_SPLIT_KEYS, from 257 until session 48) and blocks x splits <=
-    sm_count; the unsplit region (64, 2048) holds only up to sm_count // 2 blocks. H100, session 14
-    (bench/dev/decode_splits.py, GQA 1 / 4 / 8, 32 query heads, head_dim 128, GPU us per step, 8
-    against 4 warps at the same count): 32 blocks of 2048 keys x 4 splits (512 keys each) 14.0
-    against 15.1; at 256 keys a split, a tie: 16 x 2048 x 8
+    its tiles; DECODE_WIDE_MIN_SPLIT_KEYS, from 257 until session 48 and still past
+    DECODE_CLUSTER_MAX splits) and blocks x splits <= sm_count; the unsplit region (64, 2048) holds
+    only up to sm_count // 2 blocks. H100, session 14 (bench/dev/decode_splits.py, GQA 1 / 4 / 8, 32
+    query heads, head_dim 128, GPU us per step, 8 against 4 warps at the same count): 32 blocks of
+    2048 keys x 4 splits (512 keys each) 14.0 against 15.1; at 256 keys a split, a tie: 16 x 2048 x 8
     splits 12.9 against 13.1, 4 x 8192 x 32 13.6 against 13.5; 128 blocks unsplit: 1024 keys 29.9 /
     30.8 against 29.0 / 29.6, 2048 keys 51.6 / 52.5 against 50.2 / 50.6, 8192 keys 182.6 / 185.4
     against 180.3 / 179.3; 512 keys 10.5 against 12.0 (the (4, 512) region). 64 blocks of 2048
@@ -1125,7 +1127,8 @@ def decode_warps_and_splits(blocks: int, splits: int, sm_count: int, forced: boo
         return 8, 1
     if one_per_sm:
         per_split = -(-keys // splits) if keys is not None else 0
-        wide = blocks * splits <= sm_count and DECODE_WIDE_MIN_SPLIT_KEYS < per_split <= 8 * DECODE_BLOCK_N
+        low = DECODE_WIDE_MIN_SPLIT_KEYS if splits <= DECODE_CLUSTER_MAX else 4 * DECODE_BLOCK_N
+        wide = blocks * splits <= sm_count and low < per_split <= 8 * DECODE_BLOCK_N
         return (8 if wide else 4), splits
     wide = max(1, -(-splits // 2))
     return (8, wide) if splits <= 4 and blocks * wide <= sm_count else (4, splits)

@@ -924,8 +924,8 @@ def test_warps_and_splits_rule():
 def test_one_per_sm_rule():
     """_config.decode_num_splits / decode_warps_and_splits with one_per_sm (the TMA kernel at head_dim
     128, session 14): below sm_count blocks, the most splits that keep one block per SM, none left
-    without tiles; the counts measured fastest on an H100; 8 warps where a split sees 129-512 keys,
-    unsplit 8 warps at 2048 keys only up to sm_count // 2 blocks."""
+    without tiles; the counts measured fastest on an H100; 8 warps where a split sees 129-512 keys
+    (257-512 past 8 splits), unsplit 8 warps at 2048 keys only up to sm_count // 2 blocks."""
     from cuflash._config import DECODE_BLOCK_N, decode_num_splits, decode_warps_and_splits as rule
 
     for sms in (108, 132):
@@ -964,7 +964,7 @@ def test_one_per_sm_rule():
     assert rule(16, 8, 132, False, keys=2048, one_per_sm=True) == (8, 8)  # 256 (session 48)
     assert rule(16, 16, 132, False, keys=2048, one_per_sm=True) == (4, 16)  # 128: one 8-warp tile
     assert rule(34, 4, 132, False, keys=2048, one_per_sm=True) == (4, 4)  # 132 < 34 x 4
-    assert rule(4, 32, 132, False, keys=8192, one_per_sm=True) == (8, 32)  # 256 a split (session 48)
+    assert rule(4, 32, 132, False, keys=8192, one_per_sm=True) == (4, 32)  # 256 a split, past 8 splits
     assert rule(8, 8, 132, False, keys=2048, one_per_sm=True) == (8, 8)  # 256 a split, 8 splits (session 48)
     assert rule(4, 32, 132, False, keys=32768, one_per_sm=True) == (4, 32)  # 1024 a split
     assert rule(8, 16, 132, False, keys=8192, one_per_sm=True) == (8, 16)
