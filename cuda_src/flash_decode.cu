@@ -582,6 +582,46 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
     const int L_raw = decode_length_raw(p, b);
     const int* table_row = p.block_table != nullptr ? p.block_table + b * p.table_stride : nullptr;
     const bool early = TMA && split == 0 && p.mask.window_left < 0 && p.cache_batch_idx == nullptr;
+    // A paged cache's (block, row) pair: the table entry (clamped into the cache) and the key's row in
+    // its page. page_of(key): (the key's table index, its row), one division through divmod_rt (an
+    // int division by the runtime page_size is about 20 dependent instructions; the lookup lanes run
+    // one per tile, off the issuing lanes' path).
+    auto page_of = [&](int key) { return divmod_rt(key, p.page_size); };
+    auto page_pair = [&](int entry, int row) { return make_int2(min(max(entry, 0), p.cache_rows - 1), row); };
+    // Who issues which keys, and who looks them up. Issue: warp g's lane 0 issues group g (16-key
+    // groups), or warp 0's lane 0 the whole tile (from its first key). Lookups in the loop: the last
+    // warp's lanes, lane g for group g (or lane 0 for a whole tile), so that the table's loads and
+    // the divisions stay off the issuing lanes' path and run as one warp's SIMT step.
+    const int issue_off = whole ? 0 : 16 * warp;  // the first key of this warp's group in a tile
+    const bool looks_up = warp == WARPS - 1 && lane < (whole ? 1 : BN / 16);
+    const int look_off = whole ? 0 : 16 * lane;   // ... and of the looking-up lane's group
+    constexpr int EARLY = STAGES - 1;  // tiles issued early
+    // A paged cache's first table entries (tiles 0 .. EARLY - 1 by the issuing lanes, tiles EARLY and
+    // STAGES by the lookup lanes). On 8 warps (one block an SM) they are loaded here, ahead of Q's
+    // copies, so that the first tiles' copies do not wait for Q's address arithmetic and copies as
+    // well as the table; the 4-warp kernels load them after Q's copies (below: the early block).
+    constexpr bool ENTRIES_FIRST = TMA && WARPS == 8;
+    const bool issues = lane == 0 && (!whole || warp == 0);
+    int row[STAGES + 1], entry[STAGES + 1];
+    auto load_entries = [&]() {
+        if (issues) {
+#pragma unroll
+            for (int j = 0; j < EARLY; ++j) {
+                const int2 ir = page_of(min(j * BN + issue_off, p.capacity - 1));
+                row[j] = ir.y;
+                entry[j] = table_row[ir.x];
+            }
+        }
+        if (looks_up) {
+#pragma unroll
+            for (int j = EARLY; j <= STAGES; ++j) {
+                const int2 ir = page_of(min(j * BN + look_off, p.capacity - 1));
+                row[j] = ir.y;
+                entry[j] = table_row[ir.x];
+            }
+        }
+    };
+    if (ENTRIES_FIRST && early && paged) load_entries();
 
     // ---- Q: the 16 packed rows (zeros past the last), in the first cp.async group ----
     {
@@ -615,11 +655,11 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
     // early copies wait for neither the length nor Q's address arithmetic (session 13's source
     // counters found them waiting for both: ptxas had clamped the length right after its load, and
     // the Q loop's runtime divisions came first). A paged block's first table entries are loaded
-    // here, after Q's copies: loaded ahead of them, they read 0.2-0.4 us faster at latency-bound
-    // shapes but 2 % slower at bandwidth-bound paged ones (H200, session 14; the 8-warp kernel took
-    // 192 registers instead of 165). (Loaded after the early block, a paged block waited for the
-    // table entries, then for the length: H100, 128 blocks of 512 keys, 16-row pages, 13.2 us
-    // against 11.7 without the early copies.)
+    // after Q's copies on 4 warps (load_entries, above: ahead of them, they read 0.2-0.4 us faster at
+    // latency-bound shapes but 2 % slower at bandwidth-bound paged ones, session 14, when the 8-warp
+    // kernel took 192 registers instead of 165), ahead of them on 8. (Loaded after the early block,
+    // a paged block waited for the table entries, then for the length: H100, 128 blocks of 512 keys,
+    // 16-row pages, 13.2 us against 11.7 without the early copies.)
     const u32 tile_bytes = 2u * Tr::SKV_ELEMS * sizeof(T);
     auto tma_contig = [&](int stage, int key, int row) {  // a contiguous cache's tile, by one thread
         if constexpr (TMA) {
@@ -645,19 +685,6 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
             }
         }
     };
-    // A paged cache's (block, row) pair: the table entry (clamped into the cache) and the key's row in
-    // its page. page_of(key): (the key's table index, its row), one division through divmod_rt (an
-    // int division by the runtime page_size is about 20 dependent instructions; the lookup lanes run
-    // one per tile, off the issuing lanes' path).
-    auto page_of = [&](int key) { return divmod_rt(key, p.page_size); };
-    auto page_pair = [&](int entry, int row) { return make_int2(min(max(entry, 0), p.cache_rows - 1), row); };
-    // Who issues which keys, and who looks them up. Issue: warp g's lane 0 issues group g (16-key
-    // groups), or warp 0's lane 0 the whole tile (from its first key). Lookups in the loop: the last
-    // warp's lanes, lane g for group g (or lane 0 for a whole tile), so that the table's loads and
-    // the divisions stay off the issuing lanes' path and run as one warp's SIMT step.
-    const int issue_off = whole ? 0 : 16 * warp;  // the first key of this warp's group in a tile
-    const bool looks_up = warp == WARPS - 1 && lane < (whole ? 1 : BN / 16);
-    const int look_off = whole ? 0 : 16 * lane;   // ... and of the looking-up lane's group
     // Tiles of 16-key groups at head_dim 128 (GROUP_BOX) are group-major: group g's 16 rows of both
     // panels at g * GROUP_BYTES, panel after panel (2 KB each, SW128), as one 5-D box fills them
     // (cuflash/_tma.py kv_map with panels=2), one copy per group and tensor where a box per panel
@@ -700,7 +727,6 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
             }
         }
     };
-    constexpr int EARLY = STAGES - 1;  // tiles issued early
     constexpr int GROUPS = BN / 16;   // a paged tile's 16-key groups: warp g's keys
     static_assert(GROUPS == WARPS && STAGES <= 32, "a group per warp; a lane per first tile");
     __shared__ int2 s_blk[TMA ? STAGES : 1][GROUPS];  // (block, row) of each group of the next tiles
@@ -714,26 +740,9 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
             DECODE_TL_CLK(3);
         }
         if (early && paged) {
-            // Tiles 0 .. EARLY - 1: looked up and issued by the issuing lanes; tiles EARLY and STAGES:
-            // looked up by the lookup lanes (into the ring, and in flight for iteration 0).
-            const bool issues = lane == 0 && (!whole || warp == 0);
-            int row[STAGES + 1], entry[STAGES + 1];
-            if (issues) {
-#pragma unroll
-                for (int j = 0; j < EARLY; ++j) {
-                    const int2 ir = page_of(min(j * BN + issue_off, p.capacity - 1));
-                    row[j] = ir.y;
-                    entry[j] = table_row[ir.x];
-                }
-            }
-            if (looks_up) {
-#pragma unroll
-                for (int j = EARLY; j <= STAGES; ++j) {
-                    const int2 ir = page_of(min(j * BN + look_off, p.capacity - 1));
-                    row[j] = ir.y;
-                    entry[j] = table_row[ir.x];
-                }
-            }
+            // Tiles 0 .. EARLY - 1: issued by the issuing lanes; tiles EARLY and STAGES: into the
+            // ring, and in flight for iteration 0, by the lookup lanes.
+            if (!ENTRIES_FIRST) load_entries();
             __syncthreads();  // the barriers' init, before every warp arms one
             if (issues) {
 #pragma unroll
