@@ -4,6 +4,7 @@
 #   psplit    decode_splits.py on this tree at forced split counts (PS_SPLITS) and warps (PS_WARPS),
 #             contiguous and 16-row pages (PS_SHAPES)
 #   tl        bench/dev/decode_timeline.py on this tree (TL_SHAPES, --paged, TL_SPLITS)
+#   host      bench/bench_host.py on HOST_ROWS (host time per call against SDPA flash and cuDNN)
 #   newcache  the kernel cache entries this call compiled (newer than the call's start), as
 #             ${CALL}_newcache.tgz, to merge into the carried cache here
 #   STEPS="psplit dab dtests newcache" CALL=c1 OLD=.oldtree/main49 bash bench/dev/s49_call.sh
@@ -25,6 +26,11 @@ session_step() {
         --calls "${CALLS:-30}" --rounds "${ROUNDS:-7}" --json "$OUT/${N}_psplit.json" \
         --shapes ${PS_SHAPES:-16x2048x8 16x2048x4 16x512x4 4x512x1 16x512x8} > "$OUT/${N}_psplit.log" 2>&1
       echo "psplit: $(grep -c ' us ' "$OUT/${N}_psplit.log") rows"; tail -n 2 "$OUT/${N}_psplit.log" ;;
+    host)
+      python3 bench/bench_host.py --rounds "${HOST_ROUNDS:-9}" --json "$OUT/${N}_host.json" \
+        --rows ${HOST_ROWS:-torch.fwd torch.fwd_grad torch.fwdbwd sdpa_flash.* sdpa_cudnn.* cupy.fwd} \
+        > "$OUT/${N}_host.log" 2>&1
+      tail -n 14 "$OUT/${N}_host.log" ;;
     newcache)
       (cd .cache && find cf -type f -newer "$T0" > "$T0.list" && tar czf "$OUT/${N}_newcache.tgz" -T "$T0.list")
       echo "newcache: $(wc -l < "$T0.list") files, $(du -h "$OUT/${N}_newcache.tgz" | cut -f1)" ;;
