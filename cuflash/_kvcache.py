@@ -493,6 +493,10 @@ _D_COUNTERS = 13  # the fused combine's counters: the plan's own buffer, not an 
 _D_SEQ = 14       # the call's number (DecodePlan.run; DecodeParams::seq), not a pointer
 _D_ARRAYS = ("q", "k_cache", "v_cache", "out", "lse", "scratch", "cache_seqlens", "cache_batch_idx", "block_table",
              "k", "v", "alibi_slopes", "sink_logits")
+# The arrays of a call as DecodePlan.run reads them (a tuple in this order; attention_with_kvcache's
+# fast path passes its arguments so, with no dict).
+_RUN_ARRAYS = ("q", "k_cache", "v_cache", "k", "v", "cache_seqlens", "cache_batch_idx", "block_table",
+               "sink_logits", "alibi_slopes")
 
 
 class DecodePlan:
@@ -649,8 +653,13 @@ class DecodePlan:
                                     ("sink_logits", infos.get("sink_logits") is not None)) if on)
         self.used = frozenset(used)
         self.zero_ptrs = [0] * (len(_D_ARRAYS) + 2)  # + the counters' and the call number's slots
-        self.input_slots = tuple((i, n) for i, n in enumerate(_D_ARRAYS)
-                                 if n in used and n not in ("out", "lse", "scratch"))
+        # run()'s reads: (Params slot, position in _RUN_ARRAYS) of each array the kernels read, and
+        # the positions of the arrays it copies first.
+        self.input_positions = tuple((i, _RUN_ARRAYS.index(n)) for i, n in enumerate(_D_ARRAYS)
+                                     if n in used and n not in ("out", "lse", "scratch"))
+        self.copy_positions = tuple(_RUN_ARRAYS.index(n) for n in copy)
+        self.appends, self.return_lse = c.appends, c.return_lse
+        self.allocs = {}  # adapter lib -> (out, lse) allocators (_allocators)
 
         wide_ok = _config.decode_wide_stages(target, d) is not None
         cluster_keys = _config.decode_cluster_split_keys(target, d, _sm_count(dev), _gpu.peak_memory_bandwidth(dev))
@@ -745,7 +754,7 @@ class DecodePlan:
                                          f"got one that requires grad (pass {name}.detach(), which shares the "
                                          "storage)")
             _check_caches_apart(self.cache_layouts, names, ad)
-        out, lse = self.run(ad, names)
+        out, lse = self.run(ad, tuple(names.get(n) for n in _RUN_ARRAYS))
         if c.appends and c.lib == "torch":
             import torch
 
@@ -753,29 +762,49 @@ class DecodePlan:
                 torch.autograd.graph.increment_version(names[name])
         return (out, lse) if c.return_lse else out
 
+    def run_fast(self, arrays: tuple):
+        """run_call for a call whose signature was seen (attention_with_kvcache's fast path): the
+        arrays in _RUN_ARRAYS order. A call that appends takes run_call, for its checks."""
+        if self.appends:
+            return self.run_call(dict(zip(_RUN_ARRAYS, arrays)))
+        out, lse = self.run(self.ad, arrays)
+        return (out, lse) if self.return_lse else out
+
     def _what(self, splits: int) -> str:
         c = self.call
         return (f"attention_with_kvcache {c.dtype} q {self.out_shape}, cache capacity {c.capacity}, "
                 f"paged={c.paged}, num_splits {splits}")
 
-    def run(self, ad, arrays: dict):
-        """(out, lse or None) as the caller's arrays; appends first when the call has k and v."""
-        dev, c = self.device_id, self.call
+    def _allocators(self, ad):
+        """(out, lse or None) allocators of this plan for adapter `ad`: functions of no argument
+        (Adapter.allocator), made at its first call."""
+        c, tmpl = self.call, self.templates.setdefault(ad.lib, {})
+        allocs = self.allocs[ad.lib] = (
+            ad.allocator(tmpl, self.out_shape, c.dtype, self.device_id),
+            ad.allocator(tmpl, self.lse_shape, "float32", self.device_id) if c.return_lse else None)
+        return allocs
+
+    def run(self, ad, arrays: tuple):
+        """(out, lse or None) as the caller's arrays; appends first when the call has k and v.
+        arrays: the call's arrays in _RUN_ARRAYS order (None where absent)."""
+        dev = self.device_id
         keep = []
+        ptr = ad.ptr_fn  # a pointer read that needs no `keep` (None: the adapter's ptr with it)
+        if ptr is None:
+            def ptr(x):
+                return ad.ptr(x, keep)
         if self.copy:
-            arrays = dict(arrays)
-            for n in self.copy:
-                arrays[n] = ad.contiguous(arrays[n], dev, keep)
-        tmpl = self.templates.get(ad.lib)
-        if tmpl is None:
-            tmpl = self.templates[ad.lib] = {}
-        out = ad.empty_from(tmpl, self.out_shape, c.dtype, dev)
+            arrays = list(arrays)
+            for i in self.copy_positions:
+                arrays[i] = ad.contiguous(arrays[i], dev, keep)
+        allocs = self.allocs.get(ad.lib) or self._allocators(ad)
+        out = allocs[0]()
         ptrs = self.zero_ptrs.copy()
-        ptrs[_D_OUT] = ad.ptr(out, keep)
+        ptrs[_D_OUT] = ptr(out)
         lse = None
-        if c.return_lse:
-            lse = ad.empty_from(tmpl, self.lse_shape, "float32", dev)
-            ptrs[_D_LSE] = ad.ptr(lse, keep)
+        if allocs[1] is not None:
+            lse = allocs[1]()
+            ptrs[_D_LSE] = ptr(lse)
         stream = ad.stream(dev)
         splits, scratch_floats, launches, fused = self.eager
         # Programmatic dependent launch (_launch.PdlConfig). In a CUDA graph, between the call's own
@@ -801,13 +830,14 @@ class DecodePlan:
                 launches = fused
                 ptrs[_D_COUNTERS] = counters
         if scratch_floats:
-            scratch = ad.empty_from(tmpl, (scratch_floats,), "float32", dev)
-            ptrs[_D_SCRATCH] = ad.ptr(scratch, keep)
-        for i, n in self.input_slots:
-            ptrs[i] = ad.ptr(arrays[n], keep)
-        run_launches(self, stream, ptrs, launches, lambda: self._what(splits), pdl, not capturing)
-        return ad.export(out), (None if lse is None else ad.export(lse))
-
+            scratch = ad.empty_from(self.templates.setdefault(ad.lib, {}), (scratch_floats,), "float32", dev)
+            ptrs[_D_SCRATCH] = ptr(scratch)
+        for slot, i in self.input_positions:
+            ptrs[slot] = ptr(arrays[i])
+        run_launches(self, stream, ptrs, launches, functools.partial(self._what, splits), pdl, not capturing)
+        if lse is None:
+            return ad.export(out), None
+        return ad.export(out), ad.export(lse)
 
     def _counters(self, stream: int) -> int:
         """The fused combine's counters for this stream (one int per row tile, zero between calls:
@@ -873,20 +903,15 @@ def _gpu_kvcache(c: KVCacheCall, ad, infos: dict, names: dict, num_splits: int, 
 _FAST_PLANS: dict = {}
 
 
-def _fast_key(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, causal, softmax_scale,
-              return_lse, window, num_sink_tokens, sink_logits, alibi_slopes, softcap, num_splits) -> tuple:
+def _fast_key(sig, wkey, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, causal,
+              softmax_scale, return_lse, window, num_sink_tokens, sink_logits, alibi_slopes, softcap,
+              num_splits) -> tuple:
     """The signature of a call: equal for two calls only when validation and planning give the same
-    result (the arrays' signatures from q's adapter, every scalar with its type). Raises (so that the
-    call takes the full path) for anything it cannot key, e.g. arrays of another type than q's."""
-    global _window_key
+    result (the arrays' signatures from q's adapter, `sig`, every scalar with its type; the window
+    by `wkey`). Raises (so that the call takes the full path) for anything it cannot key, e.g. arrays
+    of another type than q's. An adapter may supply its own function of the same facts
+    (Adapter.kvcache_key)."""
     t = q.__class__
-    sig = _SIGS.get(t)
-    if sig is None:
-        from ._adapters import adapter_for
-        from ._adapters._base import window_key
-
-        sig = _SIGS[t] = adapter_for(q).sig
-        _window_key = window_key
     # Optional arrays: None, or q's type (anything else raises: the full path names the argument).
     opt = []
     for x in (k, v, cache_batch_idx, block_table, sink_logits, alibi_slopes):
@@ -902,13 +927,27 @@ def _fast_key(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_t
         seqlens = sig(cache_seqlens)
     else:
         raise TypeError("mixed array types")
+    if k_cache.__class__ is not t or v_cache.__class__ is not t:
+        raise TypeError("mixed array types")
     return (t, sig(q), sig(k_cache), sig(v_cache), seqlens, *opt, causal.__class__, causal, softmax_scale.__class__,
-            softmax_scale, return_lse.__class__, return_lse, _window_key(window), num_sink_tokens.__class__,
+            softmax_scale, return_lse.__class__, return_lse, wkey(window), num_sink_tokens.__class__,
             num_sink_tokens, softcap.__class__, softcap, num_splits.__class__, num_splits)
 
 
-_SIGS: dict = {}  # array type -> its adapter's sig
-_window_key = None  # _adapters._base.window_key, imported with the first sig
+_KEYERS: dict = {}  # array type -> the key function of its calls (_keyer)
+
+
+def _keyer(q):
+    """The key function of calls whose q has q's type (made once per type): its adapter's
+    kvcache_key, else _fast_key with its adapter's sig. Raises TypeError for a type no adapter
+    takes (the full path then names the argument)."""
+    from ._adapters import adapter_for
+    from ._adapters._base import window_key
+
+    ad = adapter_for(q)
+    fn = ad.kvcache_key or functools.partial(_fast_key, ad.sig, window_key)
+    _KEYERS[q.__class__] = fn
+    return fn
 
 
 def _check_caches_apart(infos: dict, names: dict, ad) -> None:
@@ -1003,16 +1042,15 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
     # A repeated signature (decoding calls the same shapes again and again) goes straight to its GPU
     # plan: every check that depends only on the signature passed when the plan was made.
     try:
-        key = _fast_key(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, causal,
-                        softmax_scale, return_lse, window, num_sink_tokens, sink_logits, alibi_slopes, softcap,
-                        num_splits)
+        key = (_KEYERS.get(q.__class__) or _keyer(q))(
+            q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, causal, softmax_scale, return_lse,
+            window, num_sink_tokens, sink_logits, alibi_slopes, softcap, num_splits)
         plan = _FAST_PLANS.get(key)
     except Exception:  # cannot be keyed: the full path checks (and raises)
         key = plan = None
     if plan is not None:
-        return plan.run_call(dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=cache_seqlens,
-                                  cache_batch_idx=cache_batch_idx, block_table=block_table, sink_logits=sink_logits,
-                                  alibi_slopes=alibi_slopes))
+        return plan.run_fast((q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, sink_logits,
+                              alibi_slopes))
 
     from ._adapters import adapter_for, info_of
 

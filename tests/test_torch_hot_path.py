@@ -13,6 +13,10 @@ launch.
 
 from __future__ import annotations
 
+import functools
+import math
+
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -243,3 +247,149 @@ def test_explicit_plan_torch_route(torch_dev, grad):
         with pytest.raises(ValueError, match=r"q, k, v: this plan was made for"):
             p(*bad)
     assert len(launched) == n
+
+
+# ---- attention_with_kvcache's torch key and its repeat calls (DecodePlan.run_fast) ----
+
+def _kv_args(**over):
+    """attention_with_kvcache's arguments in _fast_key's order (CPU tensors: the keys only read
+    metadata), with `over` replacing some."""
+    g = torch.Generator().manual_seed(0)
+    a = dict(q=torch.randn(2, 1, 8, 64, generator=g, dtype=torch.bfloat16),
+             k_cache=torch.randn(2, 48, 2, 64, generator=g, dtype=torch.bfloat16),
+             v_cache=torch.randn(2, 48, 2, 64, generator=g, dtype=torch.bfloat16), k=None, v=None,
+             cache_seqlens=torch.tensor([5, 48], dtype=torch.int32), cache_batch_idx=None, block_table=None,
+             causal=False, softmax_scale=None, return_lse=False, window=None, num_sink_tokens=0, sink_logits=None,
+             alibi_slopes=None, softcap=None, num_splits=0)
+    a.update(over)
+    return tuple(a.values())
+
+
+def _misaligned(shape, dtype=torch.bfloat16):
+    """A tensor of `shape` whose data starts 2 bytes past a 16-byte boundary."""
+    n = math.prod(shape)
+    return torch.zeros(n + 8, dtype=dtype)[1:n + 1].view(shape)
+
+
+def test_kvcache_torch_key_has_the_generic_keys_facts():
+    """The torch adapter's kvcache_key (one flat tuple) against _fast_key over the adapter's sig (the
+    generic key): for each pair of calls, the two keys are equal exactly when the generic ones are.
+    The pairs change one fact each (dtype, shape, strides, pointer alignment of each array, an option
+    array's presence or layout, a scalar's value or type) or none (fresh tensors of the same layout),
+    and calls the generic key refuses (arrays of mixed classes) the torch key refuses too."""
+    from cuflash import _kvcache
+    from cuflash._adapters import _torch as adapter
+    from cuflash._adapters._base import window_key
+
+    generic = functools.partial(_kvcache._fast_key, adapter.ADAPTER.sig, window_key)
+    fast = adapter.ADAPTER.kvcache_key
+    assert _kvcache._keyer(torch.zeros(1)) is fast
+    table = torch.zeros(2, 3, dtype=torch.int32)
+    cases = {
+        "same layout": _kv_args(),
+        "q fp16": _kv_args(q=torch.zeros(2, 1, 8, 64, dtype=torch.float16)),
+        "q shape": _kv_args(q=torch.zeros(2, 2, 8, 64, dtype=torch.bfloat16)),
+        "q strides": _kv_args(q=torch.zeros(2, 8, 1, 64, dtype=torch.bfloat16).transpose(1, 2)),
+        "q misaligned": _kv_args(q=_misaligned((2, 1, 8, 64))),
+        "k_cache misaligned": _kv_args(k_cache=_misaligned((2, 48, 2, 64))),
+        "v_cache misaligned": _kv_args(v_cache=_misaligned((2, 48, 2, 64))),
+        "k_cache strides": _kv_args(k_cache=torch.zeros(2, 2, 48, 64, dtype=torch.bfloat16).transpose(1, 2)),
+        "v_cache shape": _kv_args(v_cache=torch.zeros(2, 40, 2, 64, dtype=torch.bfloat16)),
+        "v_cache fp16": _kv_args(v_cache=torch.zeros(2, 48, 2, 64, dtype=torch.float16)),
+        "seqlens int64": _kv_args(cache_seqlens=torch.zeros(2, dtype=torch.int64)),
+        "seqlens misaligned": _kv_args(cache_seqlens=_misaligned((2,), torch.int32)),
+        "seqlens int": _kv_args(cache_seqlens=48),
+        "seqlens other int": _kv_args(cache_seqlens=40),
+        "seqlens None": _kv_args(cache_seqlens=None),
+        "block_table": _kv_args(block_table=table),
+        "block_table strides": _kv_args(block_table=torch.zeros(3, 2, dtype=torch.int32).t()),
+        "new tokens": _kv_args(k=torch.zeros(2, 1, 2, 64, dtype=torch.bfloat16),
+                               v=torch.zeros(2, 1, 2, 64, dtype=torch.bfloat16)),
+        "alibi": _kv_args(alibi_slopes=torch.zeros(8)),
+        "sink_logits": _kv_args(sink_logits=torch.zeros(8)),
+        "causal": _kv_args(causal=True),
+        "causal as int": _kv_args(causal=1),
+        "scale": _kv_args(softmax_scale=0.125),
+        "scale as int": _kv_args(softmax_scale=1),
+        "scale as float": _kv_args(softmax_scale=1.0),
+        "return_lse": _kv_args(return_lse=True),
+        "window": _kv_args(window=(16, 0)),
+        "window as list": _kv_args(window=[16, 0]),
+        "sink tokens": _kv_args(num_sink_tokens=4),
+        "softcap": _kv_args(softcap=30.0),
+        "num_splits": _kv_args(num_splits=2),
+    }
+    keys = {n: (generic(*a), fast(*a)) for n, a in cases.items()}
+    assert generic(*_kv_args()) == keys["same layout"][0] and fast(*_kv_args()) == keys["same layout"][1]
+    names = list(keys)
+    for i, a in enumerate(names):
+        for b in names[i:]:
+            same_generic = keys[a][0] == keys[b][0]
+            assert (keys[a][1] == keys[b][1]) == same_generic, (a, b)
+            assert same_generic == (a == b), (a, b)  # (each case changes a fact the generic key holds)
+    mixed = {"k_cache": torch.nn.Parameter(torch.zeros(2, 48, 2, 64, dtype=torch.bfloat16), requires_grad=False),
+             "cache_seqlens": np.zeros(2, np.int32), "block_table": np.zeros((2, 3), np.int32)}
+    for name, x in mixed.items():
+        a = _kv_args(**{name: x})
+        for key in (generic, fast):
+            with pytest.raises(TypeError):
+                key(*a)
+
+
+def test_kvcache_torch_repeat_calls_patch_their_own_pointers(torch_dev, monkeypatch):
+    """attention_with_kvcache on torch tensors (the fake device): the first call of a signature plans
+    through the full path, repeat calls take the torch key and DecodePlan.run_fast without
+    describe_kvcache; each call's decode launch reads its own q and lengths, the caches in place, and
+    writes a fresh out (and lse with return_lse, which is its own signature). A repeat signature with
+    one fact changed (q's strides) goes through the full path again, and a bad value on a repeat
+    signature still raises before any launch."""
+    from _cpu_helpers import _fresh_decode_plans
+
+    from cuflash import _kvcache
+    from cuflash._adapters import _torch as adapter
+
+    def allocator(self, cache, shape, dtype, device_id):
+        return functools.partial(torch.empty, shape, dtype=getattr(torch, dtype))
+
+    monkeypatch.setattr(adapter.TorchAdapter, "allocator", allocator)
+    monkeypatch.setattr(adapter.TorchAdapter, "empty_from",
+                        lambda self, cache, shape, dtype, device_id: torch.empty(shape, dtype=getattr(torch, dtype)))
+    monkeypatch.setattr(_kvcache, "_sm_count", lambda device_id: 132)
+    _fresh_decode_plans(monkeypatch)
+    described = []
+    real = _kvcache.describe_kvcache
+    monkeypatch.setattr(_kvcache, "describe_kvcache", lambda *a, **k: described.append(1) or real(*a, **k))
+    _, launched = torch_dev
+    g = torch.Generator().manual_seed(0)
+    kc, vc = (torch.randn(2, 48, 2, 64, generator=g, dtype=torch.bfloat16) for _ in range(2))
+
+    def decode_params():
+        (p,) = [L["p"] for L in launched if L["name"].startswith("decode_") and "combine" not in L["name"]]
+        launched.clear()
+        return p
+
+    outs = []
+    for i in range(3):
+        q = torch.randn(2, 1, 8, 64, generator=g, dtype=torch.bfloat16)
+        seqlens = torch.tensor([5 + i, 48], dtype=torch.int32)
+        for lse_seen in (False, True):
+            res = cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens, return_lse=lse_seen)
+            out, lse = res if lse_seen else (res, None)
+            p = decode_params()
+            assert int(p["q"]) == q.data_ptr() and int(p["cache_seqlens"]) == seqlens.data_ptr()
+            assert int(p["k"]) == kc.data_ptr() and int(p["v"]) == vc.data_ptr()
+            assert out.shape == q.shape and out.dtype == q.dtype and int(p["o"]) == out.data_ptr()
+            if lse_seen:
+                assert lse.shape == (2, 8, 1) and lse.dtype == torch.float32 and int(p["lse"]) == lse.data_ptr()
+            else:
+                assert int(p["lse"]) == 0
+            outs.append(out)
+    assert len(described) == 2, "planned once per signature; the repeats took the fast path"
+    assert len({o.data_ptr() for o in outs}) == len(outs), "a fresh out per call"
+    q_t = torch.randn(2, 8, 1, 64, generator=g, dtype=torch.bfloat16).transpose(1, 2)
+    cuflash.attention_with_kvcache(q_t, kc, vc, cache_seqlens=seqlens)
+    assert len(described) == 3, "another q layout: the full path"
+    decode_params()
+    with pytest.raises(ValueError, match="num_splits"):
+        cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens, num_splits=-1)
+    assert not launched

@@ -15,6 +15,8 @@ that is where bad input gets its error.
 
 from __future__ import annotations
 
+import functools
+
 from .. import _call
 from .._call import ArrayInfo, Foreign
 from .._features import ARRAY_OPTIONS
@@ -101,6 +103,13 @@ class Adapter:
     """Base class: the generic pipeline over the primitives a library supplies."""
 
     lib = ""
+    # Optional fast paths (None: the generic route):
+    #   ptr_fn       a function of one array giving its device pointer, where reading it needs no
+    #                `keep` list (ptr's), called directly by the decode plans' hot path
+    #   kvcache_key  attention_with_kvcache's signature key written out for this library's arrays,
+    #                the same facts as cuflash/_kvcache.py _fast_key over this adapter's sig
+    ptr_fn = None
+    kvcache_key = None
 
     # ---- primitives (each library implements these) ----
     def info(self, x) -> ArrayInfo:
@@ -124,6 +133,11 @@ class Adapter:
         """empty(shape, dtype, device_id) for a caller that allocates the same output on every call:
         `cache` (the caller's, per adapter) may keep what makes the next allocation cheaper."""
         return self.empty(shape, dtype, device_id)
+
+    def allocator(self, cache: dict, shape, dtype: str, device_id: int):
+        """A function of no argument giving empty_from(cache, shape, dtype, device_id): for a caller
+        that keeps it and allocates the same output on every call."""
+        return functools.partial(self.empty_from, cache, shape, dtype, device_id)
 
     def contiguous(self, x, device_id: int, keep: list):
         raise NotImplementedError

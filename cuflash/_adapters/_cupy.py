@@ -20,8 +20,13 @@ def np_dtype(name: str):
     return name
 
 
+def _ptr(x) -> int:
+    return x.data.ptr
+
+
 class CupyAdapter(Adapter):
     lib = "cupy"
+    ptr_fn = staticmethod(_ptr)
 
     def info(self, x) -> ArrayInfo:
         return ArrayInfo("cupy", tuple(x.shape), tuple(s // x.itemsize for s in x.strides), x.dtype.name,
@@ -31,7 +36,7 @@ class CupyAdapter(Adapter):
         return (x.dtype, x.shape, x.strides, x.device.id, x.data.ptr & 15)
 
     def ptr(self, x, keep) -> int:
-        return x.data.ptr
+        return _ptr(x)
 
     def stream(self, device_id: int) -> int:
         if _get_device() == device_id:

@@ -19,6 +19,8 @@ torch.cuda.CUDAGraph once a warm-up call has compiled the kernels.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .. import _call
@@ -334,8 +336,47 @@ def _varlen_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     return key
 
 
+def _kvcache_key(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, causal, softmax_scale,
+                 return_lse, window, num_sink_tokens, sink_logits, alibi_slopes, softcap, num_splits) -> tuple:
+    """cuflash/_kvcache.py _fast_key over this adapter's sig, written out for torch tensors as one
+    flat tuple (the same facts: every array's class, dtype, shape, strides, device and pointer
+    alignment, every scalar with its type), read on every decode call. Raises TypeError for arrays
+    of another class than q's (the full path names them)."""
+    t = q.__class__
+    if k_cache.__class__ is not t or v_cache.__class__ is not t:
+        raise TypeError("mixed array types")
+    s = cache_seqlens
+    if s.__class__ is t:
+        s = (s.dtype, s.shape, s.stride(), s.device, s.data_ptr() & 15)
+    elif s is None or s.__class__ is int:
+        s = (s.__class__, s)
+    else:
+        raise TypeError("mixed array types")
+    if (k is None and v is None and cache_batch_idx is None and block_table is None and sink_logits is None
+            and alibi_slopes is None):
+        opt = None
+    else:
+        opt = []
+        for x in (k, v, cache_batch_idx, block_table, sink_logits, alibi_slopes):
+            if x is None:
+                opt.append(None)
+            elif x.__class__ is t:
+                opt.append((x.dtype, x.shape, x.stride(), x.device, x.data_ptr() & 15))
+            else:
+                raise TypeError("mixed array types")
+        opt = tuple(opt)
+    return (t, q.dtype, q.shape, q.stride(), q.device, k_cache.dtype, k_cache.shape, k_cache.stride(),
+            k_cache.device, v_cache.dtype, v_cache.shape, v_cache.stride(), v_cache.device,
+            q.data_ptr() & 15 | (k_cache.data_ptr() & 15) << 4 | (v_cache.data_ptr() & 15) << 8, s, opt,
+            causal.__class__, causal, softmax_scale.__class__, softmax_scale, return_lse.__class__, return_lse,
+            window_key(window), num_sink_tokens.__class__, num_sink_tokens, softcap.__class__, softcap,
+            num_splits.__class__, num_splits)
+
+
 class TorchAdapter(Adapter):
     lib = "torch"
+    ptr_fn = staticmethod(_data_ptr)
+    kvcache_key = staticmethod(_kvcache_key)
 
     def info(self, x) -> ArrayInfo:
         d = x.device
@@ -389,6 +430,13 @@ class TorchAdapter(Adapter):
         if t is None:
             t = cache[key] = _like(shape, getattr(torch, dtype), torch.device("cuda", device_id))
         return _empty_like(t)
+
+    def allocator(self, cache: dict, shape, dtype: str, device_id: int):
+        key = (shape, dtype, device_id)  # empty_from's template, then empty_like of it bound once
+        t = cache.get(key)
+        if t is None:
+            t = cache[key] = _like(shape, getattr(torch, dtype), torch.device("cuda", device_id))
+        return functools.partial(_empty_like, t)
 
     def contiguous(self, x, device_id, keep):
         return x.clone(memory_format=torch.contiguous_format)  # a new, aligned allocation (see _copies)
