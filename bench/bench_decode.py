@@ -49,7 +49,7 @@ Timing per shape, the implementations round-robin (round 1 of each, then round 2
                --round-ms); median (and min) over --rounds rounds, the implementations taking
                turns in serpentine order (reversed in odd rounds).
   eager ms     one call with the host included: synchronize, start event, call, end event;
-               median of --eager-reps.
+               median of --eager-reps, the implementations' calls taken in turn.
   graph        one decode step captured in torch.cuda.CUDAGraph (after two warm-up calls on a
                side stream) and replayed: whether capture and replay work, whether the replay's
                output equals an eager call's, whether a replay after cache_seqlens.fill_(L // 2)
@@ -742,16 +742,25 @@ class Runner:
                 r.update(ms=_median(r["rounds_ms"]), ms_min=min(r["rounds_ms"]), rounds=len(r["rounds_ms"]),
                          lead_ms=c.lead_ms)
                 r["gbps"] = s["kv_bytes"] / (r["ms"] * 1e-3) / 1e9
-            # eager single calls
+            # eager single calls, round-robin as the GPU time's rounds (serpentine): one call of each
+            # implementation in turn (its context entered outside the events), so that no
+            # implementation's calls all fall in one stretch of the host's state (clocks, other load)
             if args.eager_reps:
+                eager = {id(c): [] for c in live}
+                for rep in range(args.eager_reps):
+                    for c in (list(live) if rep % 2 == 0 else list(live)[::-1]):
+                        if "eager_error" in c.row:
+                            continue
+                        try:
+                            with c.ctx():
+                                eager[id(c)].append(clock.eager_ms(c.fn))
+                        except Exception as e:
+                            c.row["eager_error"] = _err(e)
+                            self._recover()
                 for c in live:
-                    try:
-                        with c.ctx():
-                            t = [clock.eager_ms(c.fn) for _ in range(args.eager_reps)]
+                    t = eager[id(c)]
+                    if t and "eager_error" not in c.row:
                         c.row.update(eager_ms=_median(t), eager_ms_min=min(t), eager_reps=len(t))
-                    except Exception as e:
-                        c.row["eager_error"] = _err(e)
-                        self._recover()
             # output check
             for c in live:
                 try:

@@ -17,6 +17,14 @@
 #   dab      decode_splits.py at the library's plans (contiguous and 16-row pages), OLD's tree and this
 #            one alternately (old new old new), each in its own process on the same card (DAB_SHAPES,
 #            DAB_SPLITS; OLD made with git archive HEAD cuflash cuda_src bench/dev/decode_splits.py)
+#   tl       bench/dev/decode_timeline.py on this tree (TL_SHAPES, --paged, TL_SPLITS)
+#   psplit   decode_splits.py on this tree at forced split counts (PS_SPLITS) and warps (PS_WARPS),
+#            contiguous and 16-row pages (PS_SHAPES)
+#   host     bench/bench_host.py on HOST_ROWS (host time per call against SDPA flash and cuDNN)
+#   newcache the kernel cache entries this call compiled (newer than T0, made when this file is
+#            sourced: the carried cache unpacks with its archived times), as ${N}_newcache.tgz, to
+#            merge into the carried cache there
+T0="${T0:-$(mktemp)}"
 common_step() {
   case "$1" in
     suite)
@@ -77,6 +85,24 @@ common_step() {
           > "$OUT/${N}_dab_$t$DABK.log" 2>&1
         echo "dab $t$DABK: $(grep -c ' us ' "$OUT/${N}_dab_$t$DABK.log") rows"
       done ;;
+    tl)
+      python3 bench/dev/decode_timeline.py --paged --reps "${TL_REPS:-10}" --modes ${TL_MODES:-idle graph} \
+        --splits "${TL_SPLITS:-0}" --shapes ${TL_SHAPES:-16x2048x8 16x512x4} --json "$OUT/${N}_tl.json" \
+        > "$OUT/${N}_tl.log" 2>&1
+      echo "tl: $(grep -c span "$OUT/${N}_tl.log") rows" ;;
+    psplit)
+      python3 bench/dev/decode_splits.py --paged --splits ${PS_SPLITS:-0 1 2 4} --warps ${PS_WARPS:-0 4 8} \
+        --calls "${CALLS:-30}" --rounds "${ROUNDS:-7}" --json "$OUT/${N}_psplit.json" \
+        --shapes ${PS_SHAPES:-16x2048x8 16x2048x4 16x512x4 4x512x1 16x512x8} > "$OUT/${N}_psplit.log" 2>&1
+      echo "psplit: $(grep -c ' us ' "$OUT/${N}_psplit.log") rows"; tail -n 2 "$OUT/${N}_psplit.log" ;;
+    host)
+      python3 bench/bench_host.py --rounds "${HOST_ROUNDS:-9}" --json "$OUT/${N}_host.json" \
+        --rows ${HOST_ROWS:-torch.fwd torch.fwd_grad torch.fwdbwd sdpa_flash.* sdpa_cudnn.* cupy.fwd} \
+        > "$OUT/${N}_host.log" 2>&1
+      tail -n 14 "$OUT/${N}_host.log" ;;
+    newcache)
+      (cd .cache && find cf -type f -newer "$T0" > "$T0.list" && tar czf "$OUT/${N}_newcache.tgz" -T "$T0.list")
+      echo "newcache: $(wc -l < "$T0.list") files, $(du -h "$OUT/${N}_newcache.tgz" | cut -f1)" ;;
     *) return 1 ;;
   esac
 }

@@ -19,12 +19,12 @@ import contextlib
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from decode_splits import decode_inputs, gpu_ms_per_call  # noqa: E402
+from eager_parts import single_call_us  # noqa: E402
 
 VARIANTS = {
     "lib": {},
@@ -112,16 +112,9 @@ def main():
                 fn()
             host, ev = [], []
             for _ in range(args.reps):
-                torch.cuda.synchronize()
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                t0 = time.perf_counter()
-                fn()
-                t1 = time.perf_counter()
-                e1.record()
-                torch.cuda.synchronize()
-                host.append((t1 - t0) * 1e6)
-                ev.append(e0.elapsed_time(e1) * 1e3)
+                h, e = single_call_us(torch, fn)
+                host.append(h)
+                ev.append(e)
             gpu = gpu_ms_per_call(torch, fn, 50, 5) * 1e3
             ctx.__exit__(None, None, None)
             _config.DECODE_FUSED_MAX_PARTS = fused_default
