@@ -23,6 +23,9 @@ Rows (bench_host's shape by default: bf16, 2 heads, head_dim 64, 128 tokens):
   fwdbwd            out = attention(q, k, v, causal=True) on inputs that require grad, then
                     torch.autograd.grad(out, (q, k, v), dout) (on CPU tensors the engine runs the
                     backward on the calling thread: a GPU host adds its device-thread hand-off)
+  decode, decode_paged   attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=...), q (4, 1, 32, 128),
+                    a 512-key cache of 32 kv heads (bench_decode's 4 x 512 x 1), contiguous / in 16-row
+                    pages with a block_table (no append)
   plan, plan_grad, plan_lengths   the explicit plan API: p = cuflash.plan(...) once, then p(q, k, v)
                     per call (plain, plain_grad and lengths's calls; compared with those rows)
 
@@ -42,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import io
 import json
 import os
@@ -92,6 +96,20 @@ def install_fake_device(no_alloc: bool) -> None:
             kv = (c.total_k, c.nheads_kv, c.head_dim) if c.packed else (c.batch, c.seqlen_k, c.nheads_kv, c.head_dim)
             self.kv = T._like(kv, dt, self.device)
 
+    def cpu_template(cache, shape, dtype):  # the adapter's stride-0 template, on the CPU
+        key = (shape, dtype, 0)
+        t = cache.get(key)
+        if t is None:
+            t = cache[key] = T._like(shape, getattr(torch, dtype), torch.device("cpu"))
+        return t
+
+    # The decode plans' outputs (attention_with_kvcache): empty_from, and the allocators of trees that
+    # have them, on CPU templates.
+    T.TorchAdapter.empty_from = lambda self, cache, shape, dtype, device_id: T._empty_like(
+        cpu_template(cache, shape, dtype))
+    if hasattr(T.TorchAdapter, "allocator"):
+        T.TorchAdapter.allocator = lambda self, cache, shape, dtype, device_id: functools.partial(
+            T._empty_like, cpu_template(cache, shape, dtype))
     _gpu.compute_capability = lambda device_id: (9, 0)
     _kvcache._sm_count = lambda device_id: 132   # an H100's (the causal tail order, persistent grids)
     _compile.get_function = lambda spec, target, device_id, smem: Loaded()
@@ -142,7 +160,18 @@ def make_rows(args):
     pl, plg = cuflash.plan(q, k, v, causal=True), cuflash.plan(qg, kg, vg, causal=True)
     pll = cuflash.plan(q, k, v, causal=True, q_lengths=lengths, kv_lengths=lengths)
 
+    # A decode step (attention_with_kvcache, no append): 4 x 512-key cache, 32 query heads over 32
+    # kv heads, head_dim 128 (bench_decode's 4 x 512 x 1), contiguous and in 16-row pages.
+    qd = mk(4, 1, 32, 128)
+    kc, vc = mk(4, 512, 32, 128), mk(4, 512, 32, 128)
+    seqlens = torch.full((4,), 512, dtype=torch.int32)
+    table = torch.randperm(128, generator=g).to(torch.int32).view(4, 32)
+    kp16, vp16 = kc.view(128, 16, 32, 128), vc.view(128, 16, 32, 128)
+    kvc = cuflash.attention_with_kvcache
+
     return {
+        "decode": lambda: kvc(qd, kc, vc, cache_seqlens=seqlens),
+        "decode_paged": lambda: kvc(qd, kp16, vp16, cache_seqlens=seqlens, block_table=table),
         "plain": lambda: att(q, k, v, causal=True),
         "varlen": lambda: attv(qp, kp, vp, cu, cu, s, s, causal=True),
         "plain_grad": lambda: att(qg, kg, vg, causal=True),
@@ -201,7 +230,7 @@ def main(argv=None):
     for name in rows:
         med, lo = statistics.median(times[name]), min(times[name])
         res[name] = dict(us_median=med, us_min=lo, launches=launches[name], rounds=times[name])
-        ref = ("plain_grad" if name.endswith("_grad") else None if name == "fwdbwd"
+        ref = ("plain_grad" if name.endswith("_grad") else None if name == "fwdbwd" or name.startswith("decode")
                else "lengths" if name == "plan_lengths" else "plain")
         extra = ""
         if name != ref and ref in times:
