@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from ._call import MAX_SOFTMAX_SCALE, SUPPORTED_DTYPES, ArrayInfo, _check_bool
 from ._config import HEAD_DIMS
 from ._features import Features, _is_int, check_features
-from ._launch import stream_capturing
+from ._launch import stream_capturing, stream_scratch
 from ._plan import run_launches
 
 __all__ = ["attention_with_kvcache", "describe_kvcache", "KVCacheCall"]
@@ -830,8 +830,16 @@ class DecodePlan:
                 launches = fused
                 ptrs[_D_COUNTERS] = counters
         if scratch_floats:
-            scratch = ad.empty_from(self.templates.setdefault(ad.lib, {}), (scratch_floats,), "float32", dev)
-            ptrs[_D_SCRATCH] = ptr(scratch)
+            # The partials of a split without a cluster merge. An eager call takes its stream's scratch
+            # (_launch.stream_scratch), no allocation: H200, session 51 (bench/dev/eager_splits.py --alloc,
+            # one process), a torch allocation a call made single eager calls 4.6-13 us longer at 1 x 8k x 1,
+            # 1 x 32k x 4 / 8 and paged 16 x 2k x 8. A graph capture allocates its own, which the graph's
+            # memory pool keeps for its replays.
+            if capturing if self.pdl or busy or self.graph is not self.eager else stream_capturing(stream):
+                scratch = ad.empty_from(self.templates.setdefault(ad.lib, {}), (scratch_floats,), "float32", dev)
+                ptrs[_D_SCRATCH] = ptr(scratch)
+            else:
+                ptrs[_D_SCRATCH] = stream_scratch(dev, stream, 4 * scratch_floats)
         for slot, i in self.input_positions:
             ptrs[slot] = ptr(arrays[i])
         run_launches(self, stream, ptrs, launches, functools.partial(self._what, splits), pdl, not capturing)

@@ -318,6 +318,58 @@ def test_eager_steps_on_a_busy_stream(monkeypatch, layout, splits, merge):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("merge", ["kernel", "fused"])
+def test_eager_split_scratch_streams(monkeypatch, merge):
+    """Eager split decodes keep their partials in one scratch buffer a stream, shared by every plan
+    (_launch.stream_scratch). Two streams, each held behind a sleep so that the host queues all of
+    its calls first: calls of two plans alternate on each stream, on both streams at once, with
+    fresh q per call; the second plan needs more scratch than the first, so the first stream's buffer
+    is replaced while its earlier calls are still queued. Every output matches its reference."""
+    from cuflash import _launch
+
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device")
+    monkeypatch.setenv("CUFLASH_DECODE_FUSED_COMBINE", "1" if merge == "fused" else "0")
+    monkeypatch.setenv("CUFLASH_DECODE_CLUSTER", "0")
+    _fresh_decode_plans(monkeypatch)
+    seed = _new_seed()
+    rng = np.random.default_rng(seed)
+    cases = [make_case(rng, dtype=BF16, batch=b, seqlen_q=1, nheads=8, nheads_kv=2, head_dim=128, layout=layout,
+                       capacity=700, seqlen_new=0) for b, layout in ((2, "contig"), (5, "paged16"))]
+    splits = (3, 7)  # (rows x splits within the fused combine's limit: 4 x 7 <= 64)
+    calls = 3
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    work = []  # (stream index, case index, q as NumPy, out)
+    args = [{n: _to(x, "cuda") for n, x in c.args().items() if x is not None} for c in cases]
+    for c, a, s_ in zip(cases, args, splits):  # compile and plan on the default stream
+        attention_with_kvcache(**a, num_splits=s_)
+    torch.cuda.synchronize()
+    monkeypatch.setattr(_launch, "_SCRATCH", {})  # (from here: the two streams' buffers alone)
+    qs = [[[(c.q * (1.0 + 0.5 * rng.standard_normal())).astype(c.q.dtype) for _ in range(calls)] for c in cases]
+          for _ in streams]
+    q_dev = [[[_to(x, "cuda") for x in per_case] for per_case in per_stream] for per_stream in qs]
+    torch.cuda.synchronize()
+    for si, st in enumerate(streams):
+        with torch.cuda.stream(st):
+            torch.cuda._sleep(50_000_000)  # (tens of ms: the host queues every call below first)
+    for i in range(calls):
+        for si, st in enumerate(streams):
+            with torch.cuda.stream(st):
+                for ci in ((0, 1) if si == 0 else (1, 0)):
+                    out = attention_with_kvcache(**dict(args[ci], q=q_dev[si][ci][i]), num_splits=splits[ci])
+                    work.append((si, ci, qs[si][ci][i], out))
+    torch.cuda.synchronize()
+    held = {key: mem for key, (mem, _) in _launch._SCRATCH.items()}
+    assert len(held) == 2, ("a buffer for each stream", list(held))
+    for si, ci, q, out in work:
+        c = cases[ci]
+        ref = kvcache_reference(q, c.k_cache, c.v_cache, None, None, c.cache_seqlens, c.cache_batch_idx,
+                                c.block_table, False, None)
+        ok, msg = check_close(_back(out), ref.out, ref.naive_out, factor=FWD_FACTOR, floor=FWD_FLOOR)
+        assert ok, f"stream {si}, case {ci}: {msg}; {_ctx(seed, merge=merge)}"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("splits,cluster", [(0, "0"), (7, "0"), (7, "1")])
 def test_cuda_graph_two_steps(monkeypatch, splits, cluster):
     """Two decode steps (append a token, attend) captured in one CUDA graph: the second step's append

@@ -204,6 +204,14 @@ def dev(monkeypatch):
         return 0x5B117000
 
     monkeypatch.setattr(_launch, "split_workspace", split_workspace)
+    # The eager split decodes' scratch (cupy memory, one a stream, on a GPU): recorded, at a fake pointer.
+    ad.scratches = []
+
+    def stream_scratch(device_id, stream, nbytes):
+        ad.scratches.append((device_id, stream, nbytes))
+        return 0x5C7A000
+
+    monkeypatch.setattr(_kvcache, "stream_scratch", stream_scratch)
     # No driver for tensor maps, as on a machine without a GPU, where these tests are written for (a GPU
     # machine's libcuda would put the calls on the TMA kernels); fake_tma_driver puts a stand-in here.
     from cuflash import _tma
@@ -1674,14 +1682,15 @@ def test_kvcache_decode_wiring(dev, monkeypatch, layout, splits, warps, cluster)
         out = next(a for a in ad.allocs if a.shape == q.shape)
         assert int(p["o"]) == addr(out)
         assert int(p["cluster_merge"]) == int(clustered)
+        # An eager call's partials: the stream's scratch (_launch.stream_scratch), no allocation.
+        assert not any(a.dtype == np.float32 and a.ndim == 1 for a in ad.allocs), "no scratch allocated"
         if splits > 1 and not clustered:
-            scratch = next(a for a in ad.allocs if a.dtype == np.float32 and a.ndim == 1)
-            assert scratch.size == splits * b * h * sq * (d + 1)
-            assert int(p["o_part"]) == addr(scratch)
-            assert int(p["lse_part"]) == addr(scratch) + 4 * splits * b * h * sq * d
+            assert ad.scratches[-1] == (0, 77, 4 * splits * b * h * sq * (d + 1))
+            assert int(p["o_part"]) == 0x5C7A000
+            assert int(p["lse_part"]) == 0x5C7A000 + 4 * splits * b * h * sq * d
         else:
             assert int(p["o_part"]) == 0 and int(p["lse_part"]) == 0
-            assert not any(a.dtype == np.float32 and a.ndim == 1 for a in ad.allocs), "no scratch"
+            assert not ad.scratches, "no scratch"
     assert launched[1]["grid"] == b * hkv * 1 * splits and launched[1]["threads"] == (256 if wide else 128)
     # an eager call: plain launches (PDL only in a graph capture: test_decode_pdl_launches)
     assert not any(L["pdl"] for L in launched) and all(L["stream"] == 77 for L in launched)
@@ -1844,6 +1853,53 @@ def test_decode_eager_pdl_when_busy(dev, monkeypatch, case, cluster):
         capturing[0] = False
         ad.held[0] = False
         assert all(L["pdl"] for L in call())  # call 2's kernel had still not begun
+
+
+@pytest.mark.parametrize("merge", ["fused", "kernel", "kernel_no_pdl"])
+def test_kvcache_split_scratch_eager_and_captured(dev, monkeypatch, merge):
+    """A split decode's partials (o_part, then lse_part): an eager call points them at its stream's
+    scratch (_launch.stream_scratch, asked for the call's bytes) and allocates none; a call made while
+    the stream captures a graph allocates its own (the graph's pool keeps it) and leaves the stream's
+    scratch alone. With CUFLASH_PDL=0 the plan makes no PDL choice, and asks whether the stream
+    captures for the scratch alone."""
+    from cuflash import _kvcache
+
+    monkeypatch.setattr(_kvcache, "_sm_count", lambda device_id: 132)
+    monkeypatch.setenv("CUFLASH_DECODE_FUSED_COMBINE", "1" if merge == "fused" else "0")
+    monkeypatch.setenv("CUFLASH_DECODE_CLUSTER", "0")
+    if merge == "kernel_no_pdl":
+        monkeypatch.setenv("CUFLASH_PDL", "0")
+    capturing = [False]
+    monkeypatch.setattr(_kvcache, "stream_capturing", lambda stream: capturing[0])
+    _fresh_decode_plans(monkeypatch)
+    ad, launched = dev
+    rng = np.random.default_rng()
+    b, h, hkv, d, splits = 3, 8, 2, 64, 3
+    q = arr(rng, (b, 1, h, d))
+    k_cache, v_cache = arr(rng, (b, 100, hkv, d)), arr(rng, (b, 100, hkv, d))
+    seqlens = np.array([3, 0, 50], np.int32).view(Dev)
+    floats = splits * b * h * (d + 1)
+
+    def decode_p():
+        return next(L["p"] for L in launched[::-1] if L["name"].startswith("decode_f16") and "combine" not in L["name"])
+
+    def scratch_allocs():
+        return [a for a in ad.allocs if a.dtype == np.float32 and a.ndim == 1]
+
+    for _ in range(2):
+        cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, num_splits=splits)
+        p = decode_p()
+        assert int(p["o_part"]) == 0x5C7A000 and int(p["lse_part"]) == 0x5C7A000 + 4 * splits * b * h * d
+        assert ad.scratches[-1] == (0, 77, 4 * floats) and not scratch_allocs()
+    (pl,) = [x for x in _kvcache._DECODE_PLANS.values() if x.out_shape == (b, 1, h, d)]
+    assert pl.pdl == (merge != "kernel_no_pdl") and pl.graph is pl.eager and (pl.started is None) == (not pl.pdl)
+    asked = len(ad.scratches)
+    capturing[0] = True
+    cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, num_splits=splits)
+    (own,) = scratch_allocs()
+    assert own.size == floats and len(ad.scratches) == asked
+    p = decode_p()
+    assert int(p["o_part"]) == addr(own) and int(p["lse_part"]) == addr(own) + 4 * splits * b * h * d
 
 
 @pytest.mark.parametrize("counters", [0xABC000, 0])

@@ -48,6 +48,14 @@ def decode_inputs(torch, dev, b: int, L: int, g: int):
     return h, d, hk, q, kc, vc, torch.full((b,), L, device=dev, dtype=torch.int32)
 
 
+def paged16(torch, dev, b: int, L: int, kc, vc) -> dict:
+    """The k_cache, v_cache and block_table arguments of a paged view of contiguous caches (b, L, hk, d):
+    16-row pages in a random order."""
+    nblk, hk, d = b * L // 16, kc.shape[2], kc.shape[3]
+    table = torch.randperm(nblk, device=dev, dtype=torch.int32).view(b, L // 16)
+    return dict(k_cache=kc.view(nblk, 16, hk, d), v_cache=vc.view(nblk, 16, hk, d), block_table=table)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", nargs="+", default=["1x512x8", "1x8192x8", "1x8192x1", "16x512x8", "16x8192x8",

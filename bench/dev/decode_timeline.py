@@ -34,6 +34,10 @@ import argparse
 import json
 import os
 import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from decode_splits import paged16  # noqa: E402
 
 os.environ["CUFLASH_DECODE_TIMELINE"] = "1"
 
@@ -110,10 +114,7 @@ def main():
         seqlens = torch.full((b,), L, device=dev, dtype=torch.int32)
         layouts = [("contig", dict(k_cache=kc, v_cache=vc))]
         if args.paged:
-            nblk = b * L // 16
-            table = torch.randperm(nblk, device=dev, dtype=torch.int32).view(b, L // 16)
-            layouts.append(("paged16", dict(k_cache=kc.view(nblk, 16, hk, d), v_cache=vc.view(nblk, 16, hk, d),
-                                            block_table=table)))
+            layouts.append(("paged16", paged16(torch, dev, b, L, kc, vc)))
         for lname, kw in layouts:
             def step(kw=kw):
                 return cuflash.attention_with_kvcache(q, cache_seqlens=seqlens, num_splits=args.splits, **kw)
