@@ -5,6 +5,7 @@
 #            library's plan and the peers (ES_SHAPES, ES_SPLITS, ES_PAGED=1 for 16-row pages, ES_REPS)
 #   esab     eager_splits.py at the library's plans, OLD's tree and this one alternately (ES_SHAPES, ES_PAGED)
 #   esalloc  eager_splits.py --alloc --paged twice: the stream's scratch against an allocation a call
+#   grid8    bench.py's full grid with the peers, GRID_ROUNDS (8) rounds, and its plots
 #   tmaab    decode_splits.py at the library's plans, contiguous and 16-row pages, with the TMA decode
 #            kernel and with the cp.async one (CUFLASH_DECODE_TMA=0), alternately, each its own process
 #            (TA_SHAPES)
@@ -47,10 +48,14 @@ session_step() {
           > "$OUT/${N}_esalloc_$k.log" 2>&1
         echo "== run $k"; grep -v "^NVIDIA\|^==" "$OUT/${N}_esalloc_$k.log" | cut -c1-100
       done ;;
+    grid8)  # bench.py's full grid with the peers, 8 rounds (session 42's setting), and its plots
+      python3 bench/bench.py --providers cuflash sdpa_flash sdpa_cudnn --rounds "${GRID_ROUNDS:-8}" --no-compile-timing \
+        --json "$OUT/${N}_grid.json" --plots "$OUT/${N}_plots" > "$OUT/${N}_grid.log" 2>&1
+      sed -n '/^cuflash \/ SDPA flash (TFLOP/,/^cuflash errors/p' "$OUT/${N}_grid.log" | head -60 ;;
     *) return 1 ;;
   esac
   return 0
 }
 run_steps
 (cd "$OUT" && tar czf "${N}_logs.tgz" ${N}_*.log ${N}_*.json 2>/dev/null && find . -maxdepth 1 -name "${N}_*" \
-  ! -name "${N}_logs.tgz" ! -name "${N}_dgrid.json" ! -name "${N}_dgrid.png" ! -name "${N}_newcache.tgz" -delete)
+  ! -name "${N}_logs.tgz" ! -name "${N}_dgrid.json" ! -name "${N}_dgrid.png" ! -name "${N}_newcache.tgz" ! -name "${N}_grid.json" ! -name "${N}_plots" -delete)
