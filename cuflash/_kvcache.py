@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from ._call import MAX_SOFTMAX_SCALE, SUPPORTED_DTYPES, ArrayInfo, _check_bool
 from ._config import HEAD_DIMS
 from ._features import Features, _is_int, check_features
-from ._launch import stream_capturing, stream_scratch
+from ._launch import stream_capturing
 from ._plan import run_launches
 
 __all__ = ["attention_with_kvcache", "describe_kvcache", "KVCacheCall"]
@@ -554,6 +554,7 @@ class DecodePlan:
         self.keys = keys  # the most keys one block may see
         self.counter_count = blocks
         self.counters = {}  # stream -> the fused combine's counters (cupy memory, zeroed once)
+        self.scratches = {}  # stream -> the eager split calls' partials (cupy memory; _scratch)
         # Eager calls on sm_90 launch as programmatic dependents where the stream is busy: where the
         # decode kernel of this plan's previous call has not begun when the next call is made (its
         # last block writes the call's number into this word of host memory as it starts; run()).
@@ -830,8 +831,8 @@ class DecodePlan:
                 launches = fused
                 ptrs[_D_COUNTERS] = counters
         if scratch_floats:
-            # The partials of a split without a cluster merge. An eager call takes its stream's scratch
-            # (_launch.stream_scratch), no allocation: H200, session 51 (bench/dev/eager_splits.py --alloc,
+            # The partials of a split without a cluster merge. An eager call takes the plan's scratch for
+            # its stream (_scratch), no allocation: H200, session 51 (bench/dev/eager_splits.py --alloc,
             # one process), a torch allocation a call made single eager calls 4.6-13 us longer at 1 x 8k x 1,
             # 1 x 32k x 4 / 8 and paged 16 x 2k x 8. A graph capture allocates its own, which the graph's
             # memory pool keeps for its replays.
@@ -839,13 +840,31 @@ class DecodePlan:
                 scratch = ad.empty_from(self.templates.setdefault(ad.lib, {}), (scratch_floats,), "float32", dev)
                 ptrs[_D_SCRATCH] = ptr(scratch)
             else:
-                ptrs[_D_SCRATCH] = stream_scratch(dev, stream, 4 * scratch_floats)
+                ptrs[_D_SCRATCH] = self._scratch(stream, 4 * scratch_floats)
         for slot, i in self.input_positions:
             ptrs[slot] = ptr(arrays[i])
         run_launches(self, stream, ptrs, launches, functools.partial(self._what, splits), pdl, not capturing)
         if lse is None:
             return ad.export(out), None
         return ad.export(out), ad.export(lse)
+
+    def _scratch(self, stream: int, nbytes: int) -> int:
+        """The address of this plan's scratch for eager split calls on this stream (o_part, lse_part of
+        nbytes, the eager variant's; made at its first use, kept with the plan). A call's kernels write
+        the partials and read them back before the stream's next call of this plan begins: the plan's
+        lock keeps a call's launches together, and a programmatic dependent waits for the grid before
+        it ahead of its first write. Not shared between plans: another plan's call, from another
+        thread on the same stream, may land between a decode kernel and its combine kernel."""
+        mem = self.scratches.get(stream)
+        if mem is None:
+            import cupy
+
+            with self._lock:  # (two threads' first calls on one stream: one allocation, kept)
+                mem = self.scratches.get(stream)
+                if mem is None:
+                    with cupy.cuda.Device(self.device_id):
+                        mem = self.scratches[stream] = cupy.cuda.memory.alloc(nbytes)
+        return mem.ptr
 
     def _counters(self, stream: int) -> int:
         """The fused combine's counters for this stream (one int per row tile, zero between calls:

@@ -964,38 +964,6 @@ def split_workspace(device_id: int, stream: int, nbytes: int) -> int:
         return mem.ptr
 
 
-# (device, stream) -> (allocation, bytes): the split decodes' partials (o_part, lse_part) of eager calls, one
-# buffer a stream, shared by every decode plan on it. A call's kernels write the partials and read them back
-# before the stream's next call begins (stream order; a programmatic dependent waits for the grid before
-# it ahead of its first write), and no value outlives the call, so one buffer serves them all. Replaced by
-# a larger one when a plan needs more; replaced ones stay allocated in _SCRATCH_OLD (a queued launch may
-# still use one). Graph captures do not take it (DecodePlan.run): a replay must not share memory with
-# another stream's calls.
-_SCRATCH: dict = {}
-_SCRATCH_OLD: list = []
-
-
-def stream_scratch(device_id: int, stream: int, nbytes: int) -> int:
-    """The address of a scratch buffer of at least nbytes for eager split decodes on this stream (made at
-    first use, grown by doubling)."""
-    have = _SCRATCH.get((device_id, stream))
-    if have is not None and have[1] >= nbytes:
-        return have[0].ptr
-    import cupy
-
-    with _SPLIT_LOCK:
-        have = _SCRATCH.get((device_id, stream))
-        if have is not None and have[1] >= nbytes:
-            return have[0].ptr
-        size = max(nbytes, 2 * have[1]) if have is not None else nbytes
-        with cupy.cuda.Device(device_id):
-            mem = cupy.cuda.memory.alloc(size)
-        if have is not None:
-            _SCRATCH_OLD.append(have[0])
-        _SCRATCH[(device_id, stream)] = (mem, size)
-        return mem.ptr
-
-
 class SplitLaunch(ScheduledLaunch):
     """The persistent non-causal forward with a split tail (cuflash/_schedule.py split_schedule): a
     ScheduledLaunch whose Params also point to the stream's workspace (split_workspace) and hold the

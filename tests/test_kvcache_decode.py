@@ -319,16 +319,21 @@ def test_eager_steps_on_a_busy_stream(monkeypatch, layout, splits, merge):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("merge", ["kernel", "fused"])
-def test_eager_split_scratch_streams(monkeypatch, merge):
-    """Eager split decodes keep their partials in one scratch buffer a stream, shared by every plan
-    (_launch.stream_scratch). Two streams, each held behind a sleep so that the host queues all of
-    its calls first: calls of two plans alternate on each stream, on both streams at once, with
-    fresh q per call; the second plan needs more scratch than the first, so the first stream's buffer
-    is replaced while its earlier calls are still queued. Every output matches its reference."""
-    from cuflash import _launch
+@pytest.mark.parametrize("order", ["two_streams", "between"])
+def test_eager_split_scratch(monkeypatch, merge, order):
+    """Eager split decodes keep their partials in their plan's scratch for the stream
+    (DecodePlan._scratch), no allocation a call. two_streams: each of two streams held behind a sleep,
+    so that the host queues all of its calls first; calls of two plans alternate on both streams at
+    once, with fresh q per call; each plan ends with one buffer per stream. between: on one stream,
+    another plan's whole call lands between the first plan's decode kernel and its combine kernel
+    (as a call from another thread may; injected at the combine's launch), which a buffer shared by
+    the two plans would let overwrite the first call's partials. Every output matches its reference."""
+    from cuflash import _kvcache, _launch
 
     if not torch.cuda.is_available():
         pytest.skip("torch has no CUDA device")
+    if order == "between" and merge == "fused":
+        pytest.skip("the fused combine is one launch: nothing lands inside a call")
     monkeypatch.setenv("CUFLASH_DECODE_FUSED_COMBINE", "1" if merge == "fused" else "0")
     monkeypatch.setenv("CUFLASH_DECODE_CLUSTER", "0")
     _fresh_decode_plans(monkeypatch)
@@ -337,36 +342,62 @@ def test_eager_split_scratch_streams(monkeypatch, merge):
     cases = [make_case(rng, dtype=BF16, batch=b, seqlen_q=1, nheads=8, nheads_kv=2, head_dim=128, layout=layout,
                        capacity=700, seqlen_new=0) for b, layout in ((2, "contig"), (5, "paged16"))]
     splits = (3, 7)  # (rows x splits within the fused combine's limit: 4 x 7 <= 64)
-    calls = 3
-    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
-    work = []  # (stream index, case index, q as NumPy, out)
     args = [{n: _to(x, "cuda") for n, x in c.args().items() if x is not None} for c in cases]
-    for c, a, s_ in zip(cases, args, splits):  # compile and plan on the default stream
+    for a, s_ in zip(args, splits):  # compile and plan on the default stream
         attention_with_kvcache(**a, num_splits=s_)
     torch.cuda.synchronize()
-    monkeypatch.setattr(_launch, "_SCRATCH", {})  # (from here: the two streams' buffers alone)
-    qs = [[[(c.q * (1.0 + 0.5 * rng.standard_normal())).astype(c.q.dtype) for _ in range(calls)] for c in cases]
-          for _ in streams]
-    q_dev = [[[_to(x, "cuda") for x in per_case] for per_case in per_stream] for per_stream in qs]
-    torch.cuda.synchronize()
-    for si, st in enumerate(streams):
-        with torch.cuda.stream(st):
-            torch.cuda._sleep(50_000_000)  # (tens of ms: the host queues every call below first)
-    for i in range(calls):
-        for si, st in enumerate(streams):
+    plans = [[p for p in _kvcache._DECODE_PLANS.values() if p.out_shape == tuple(c.q.shape)] for c in cases]
+    assert all(len(p) == 1 for p in plans), plans
+    plans = [p[0] for p in plans]
+    work = []  # (label, case index, q as NumPy, out)
+
+    def fresh_q(ci):
+        q = (cases[ci].q * (1.0 + 0.5 * rng.standard_normal())).astype(cases[ci].q.dtype)
+        return q, _to(q, "cuda")
+
+    if order == "two_streams":
+        calls = 3
+        streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+        qs = [[[fresh_q(ci) for _ in range(calls)] for ci in range(2)] for _ in streams]
+        torch.cuda.synchronize()
+        for st in streams:
             with torch.cuda.stream(st):
-                for ci in ((0, 1) if si == 0 else (1, 0)):
-                    out = attention_with_kvcache(**dict(args[ci], q=q_dev[si][ci][i]), num_splits=splits[ci])
-                    work.append((si, ci, qs[si][ci][i], out))
-    torch.cuda.synchronize()
-    held = {key: mem for key, (mem, _) in _launch._SCRATCH.items()}
-    assert len(held) == 2, ("a buffer for each stream", list(held))
-    for si, ci, q, out in work:
+                torch.cuda._sleep(50_000_000)  # (tens of ms: the host queues every call below first)
+        for i in range(calls):
+            for si, st in enumerate(streams):
+                with torch.cuda.stream(st):
+                    for ci in ((0, 1) if si == 0 else (1, 0)):
+                        q, q_dev = qs[si][ci][i]
+                        out = attention_with_kvcache(**dict(args[ci], q=q_dev), num_splits=splits[ci])
+                        work.append((f"stream {si}", ci, q, out))
+        torch.cuda.synchronize()
+        for pl in plans:
+            assert {st.cuda_stream for st in streams} <= set(pl.scratches), (list(pl.scratches), _ctx(seed))
+    else:
+        (q0, q0_dev), (q1, q1_dev) = fresh_q(0), fresh_q(1)
+        combine = next(L for L in plans[0].eager[2] if "combine" in L.name)
+        real_fire = _launch.Launch.fire
+        inner = []
+
+        def fire(self, stream, ptrs, pdl=True):
+            if self is combine and not inner:  # the other plan's call, between this decode and its combine
+                inner.append(attention_with_kvcache(**dict(args[1], q=q1_dev), num_splits=splits[1]))
+            return real_fire(self, stream, ptrs, pdl)
+
+        monkeypatch.setattr(_launch.Launch, "fire", fire)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(50_000_000)  # (the three kernels queue behind it, in that order)
+        out0 = attention_with_kvcache(**dict(args[0], q=q0_dev), num_splits=splits[0])
+        monkeypatch.setattr(_launch.Launch, "fire", real_fire)
+        torch.cuda.synchronize()
+        assert len(inner) == 1, "the other plan's call ran inside the first call"
+        work += [("outer", 0, q0, out0), ("inner", 1, q1, inner[0])]
+    for label, ci, q, out in work:
         c = cases[ci]
         ref = kvcache_reference(q, c.k_cache, c.v_cache, None, None, c.cache_seqlens, c.cache_batch_idx,
                                 c.block_table, False, None)
         ok, msg = check_close(_back(out), ref.out, ref.naive_out, factor=FWD_FACTOR, floor=FWD_FLOOR)
-        assert ok, f"stream {si}, case {ci}: {msg}; {_ctx(seed, merge=merge)}"
+        assert ok, f"{label}, case {ci}: {msg}; {_ctx(seed, merge=merge, order=order)}"
 
 
 @pytest.mark.gpu

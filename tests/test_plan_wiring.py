@@ -204,14 +204,15 @@ def dev(monkeypatch):
         return 0x5B117000
 
     monkeypatch.setattr(_launch, "split_workspace", split_workspace)
-    # The eager split decodes' scratch (cupy memory, one a stream, on a GPU): recorded, at a fake pointer.
+    # A decode plan's scratch for eager split calls (cupy memory, one a stream, on a GPU): recorded, at a
+    # fake pointer.
     ad.scratches = []
 
-    def stream_scratch(device_id, stream, nbytes):
-        ad.scratches.append((device_id, stream, nbytes))
+    def plan_scratch(self, stream, nbytes):
+        ad.scratches.append((self.device_id, stream, nbytes))
         return 0x5C7A000
 
-    monkeypatch.setattr(_kvcache, "stream_scratch", stream_scratch)
+    monkeypatch.setattr(_kvcache.DecodePlan, "_scratch", plan_scratch)
     # No driver for tensor maps, as on a machine without a GPU, where these tests are written for (a GPU
     # machine's libcuda would put the calls on the TMA kernels); fake_tma_driver puts a stand-in here.
     from cuflash import _tma
@@ -1682,7 +1683,7 @@ def test_kvcache_decode_wiring(dev, monkeypatch, layout, splits, warps, cluster)
         out = next(a for a in ad.allocs if a.shape == q.shape)
         assert int(p["o"]) == addr(out)
         assert int(p["cluster_merge"]) == int(clustered)
-        # An eager call's partials: the stream's scratch (_launch.stream_scratch), no allocation.
+        # An eager call's partials: the plan's scratch for the stream (DecodePlan._scratch), no allocation.
         assert not any(a.dtype == np.float32 and a.ndim == 1 for a in ad.allocs), "no scratch allocated"
         if splits > 1 and not clustered:
             assert ad.scratches[-1] == (0, 77, 4 * splits * b * h * sq * (d + 1))
@@ -1857,10 +1858,10 @@ def test_decode_eager_pdl_when_busy(dev, monkeypatch, case, cluster):
 
 @pytest.mark.parametrize("merge", ["fused", "kernel", "kernel_no_pdl"])
 def test_kvcache_split_scratch_eager_and_captured(dev, monkeypatch, merge):
-    """A split decode's partials (o_part, then lse_part): an eager call points them at its stream's
-    scratch (_launch.stream_scratch, asked for the call's bytes) and allocates none; a call made while
-    the stream captures a graph allocates its own (the graph's pool keeps it) and leaves the stream's
-    scratch alone. With CUFLASH_PDL=0 the plan makes no PDL choice, and asks whether the stream
+    """A split decode's partials (o_part, then lse_part): an eager call points them at the plan's
+    scratch for its stream (DecodePlan._scratch, asked for the call's bytes) and allocates none; a call
+    made while the stream captures a graph allocates its own (the graph's pool keeps it) and leaves the
+    plan's scratch alone. With CUFLASH_PDL=0 the plan makes no PDL choice, and asks whether the stream
     captures for the scratch alone."""
     from cuflash import _kvcache
 

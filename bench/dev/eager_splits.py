@@ -13,7 +13,8 @@ to back (decode_splits.gpu_ms_per_call: a sleep kernel queued first). Each cufla
 the split count, the launches and how the splits merge (cluster, fused, kernel).
 
 --alloc adds, per layout, the library's plan with its split scratch allocated per call (torch.empty, as
-before session 51) in place of the stream's scratch (_launch.stream_scratch), in the same process.
+before session 51) in place of the plan's scratch for the stream (DecodePlan._scratch), in the same
+process.
 
 Usage: python bench/dev/eager_splits.py [--shapes 1x8192x1 ...] [--splits 4 8 16] [--paged] [--alloc]
        [--reps 200] [--json out.json]
@@ -75,19 +76,19 @@ def main():
         if args.paged:
             layouts.append(("paged16", paged16(torch, dev, b, L, kc, vc)))
         variants, ctxs, descs = {}, {}, {}
-        real_scratch = getattr(_kvcache, "stream_scratch", None)
+        real_scratch = getattr(_kvcache.DecodePlan, "_scratch", None)
         keep = []
 
-        def alloc_scratch(device_id, stream, nbytes):  # a fresh allocation a call (freed at the next one)
+        def alloc_scratch(plan, stream, nbytes):  # a fresh allocation a call (freed at the next one)
             keep[:] = [torch.empty(nbytes // 4, dtype=torch.float32, device=dev)]
             return keep[0].data_ptr()
 
-        class AllocCtx:  # the per-call allocation in place of the stream's scratch (set outside the timing)
+        class AllocCtx:  # the per-call allocation in place of the plan's scratch (set outside the timing)
             def __enter__(self):
-                _kvcache.stream_scratch = alloc_scratch
+                _kvcache.DecodePlan._scratch = alloc_scratch
 
             def __exit__(self, *a):
-                _kvcache.stream_scratch = real_scratch
+                _kvcache.DecodePlan._scratch = real_scratch
                 return False
 
         _kvcache._FAST_PLANS.clear()

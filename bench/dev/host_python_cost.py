@@ -113,8 +113,8 @@ def install_fake_device(no_alloc: bool) -> None:
     _gpu.compute_capability = lambda device_id: (9, 0)
     _kvcache._sm_count = lambda device_id: 132   # an H100's (the causal tail order, persistent grids)
     _compile.get_function = lambda spec, target, device_id, smem: Loaded()
-    if hasattr(_kvcache, "stream_scratch"):  # the eager split decodes' scratch (cupy memory on a GPU)
-        _kvcache.stream_scratch = lambda device_id, stream, nbytes: 0x5C7A000
+    if hasattr(_kvcache.DecodePlan, "_scratch"):  # the eager split decodes' scratch (cupy memory on a GPU)
+        _kvcache.DecodePlan._scratch = lambda self, stream, nbytes: 0x5C7A000
     _launch._launch_kernel = launch_kernel
     _plan._current_device = lambda: 0
     T.TorchAdapter.info = info
