@@ -423,20 +423,21 @@ class TorchAdapter(Adapter):
     def empty(self, shape, dtype: str, device_id: int):
         return _empty(shape, dtype=getattr(torch, dtype), device=torch.device("cuda", device_id))
 
-    def empty_from(self, cache: dict, shape, dtype: str, device_id: int):
-        # torch.empty_like of a stride-0 template: no dtype / device arguments to parse per call (_like).
+    @staticmethod
+    def _template(cache: dict, shape, dtype: str, device_id: int):
+        """A stride-0 tensor of the shape, kept in cache: torch.empty_like of it allocates with no
+        dtype / device arguments to parse per call (_like)."""
         key = (shape, dtype, device_id)
         t = cache.get(key)
         if t is None:
             t = cache[key] = _like(shape, getattr(torch, dtype), torch.device("cuda", device_id))
-        return _empty_like(t)
+        return t
+
+    def empty_from(self, cache: dict, shape, dtype: str, device_id: int):
+        return _empty_like(self._template(cache, shape, dtype, device_id))
 
     def allocator(self, cache: dict, shape, dtype: str, device_id: int):
-        key = (shape, dtype, device_id)  # empty_from's template, then empty_like of it bound once
-        t = cache.get(key)
-        if t is None:
-            t = cache[key] = _like(shape, getattr(torch, dtype), torch.device("cuda", device_id))
-        return functools.partial(_empty_like, t)
+        return functools.partial(_empty_like, self._template(cache, shape, dtype, device_id))
 
     def contiguous(self, x, device_id, keep):
         return x.clone(memory_format=torch.contiguous_format)  # a new, aligned allocation (see _copies)
