@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Session 52's device calls: this session's step below, and those of bench/dev/call_steps.sh (suite, slow,
+# dgrid, dtests, host, ...).
+#   d64c   bench.py at issue 12's closest forward point (head_dim 64, causal, 4k keys, both dtypes) against
+#          cuDNN, D64C_ROUNDS (16) rounds, once per forward configuration in D64C_VARIANTS (each its own
+#          process, in turn twice): default (the table), s3 (CUFLASH_FWD_WS_STAGES=3), c2
+#          (CUFLASH_FWD_WS_CONSUMERS=2), tma (CUFLASH_FWD_WS=0: the TMA variant)
+#   STEPS="suite d64c" CALL=c1 bash bench/dev/s52_call.sh   (OUT: where logs go)
+set -u
+T0="$(mktemp)"
+source "$(dirname "${BASH_SOURCE[0]}")/call_env.sh"
+OLD="${OLD:-.oldtree/main52}"
+source "$(dirname "${BASH_SOURCE[0]}")/call_steps.sh"
+variant_env() {
+  case "$1" in
+    default) echo "CUFLASH_NONE=1" ;;
+    s3) echo "CUFLASH_FWD_WS_STAGES=3" ;;
+    c2) echo "CUFLASH_FWD_WS_CONSUMERS=2" ;;
+    tma) echo "CUFLASH_FWD_WS=0" ;;
+  esac
+}
+session_step() {
+  case "$1" in
+    d64c)
+      for pass in 1 2; do
+        for var in ${D64C_VARIANTS:-default s3 c2 tma}; do
+          env $(variant_env "$var") python3 bench/bench.py --providers cuflash sdpa_cudnn --head-dims 64 \
+            --seqlens ${D64C_SEQS:-4096} --causal on --passes fwd --rounds "${D64C_ROUNDS:-16}" --no-compile-timing \
+            --json "$OUT/${N}_d64c_${var}_$pass.json" > "$OUT/${N}_d64c_${var}_$pass.log" 2>&1
+          echo "== $var pass $pass"; grep -E "^\[" "$OUT/${N}_d64c_${var}_$pass.log" | cut -c1-220
+        done
+      done ;;
+    *) return 1 ;;
+  esac
+  return 0
+}
+run_steps
+(cd "$OUT" && tar czf "${N}_logs.tgz" ${N}_*.log ${N}_*.json 2>/dev/null && find . -maxdepth 1 -name "${N}_*" \
+  ! -name "${N}_logs.tgz" ! -name "${N}_dgrid.json" ! -name "${N}_dgrid.png" ! -name "${N}_newcache.tgz" ! -name "${N}_grid.json" ! -name "${N}_plots" ! -name "${N}_host.json" -delete)
