@@ -5,6 +5,10 @@
 #          cuDNN, D64C_ROUNDS (16) rounds, once per forward configuration in D64C_VARIANTS (each its own
 #          process, in turn twice): default (the table), s3 (CUFLASH_FWD_WS_STAGES=3), c2
 #          (CUFLASH_FWD_WS_CONSUMERS=2), tma (CUFLASH_FWD_WS=0: the TMA variant)
+#   specab (branch s52-spec-table) decode_splits.py at the library's plans, contiguous and 16-row pages, on OLD's
+#          tree, this tree, and this tree with CUFLASH_DECODE_SPEC_TABLE=1 (the first table entries read
+#          before pdl_wait: a measurement only), in turn twice, each its own process (SA_SHAPES); the
+#          carried .cache/cf52.txz holds this tree's decode kernels
 #   STEPS="suite d64c" CALL=c1 bash bench/dev/s52_call.sh   (OUT: where logs go)
 set -u
 T0="$(mktemp)"
@@ -28,6 +32,20 @@ session_step() {
             --seqlens ${D64C_SEQS:-4096} --causal on --passes fwd --rounds "${D64C_ROUNDS:-16}" --no-compile-timing \
             --json "$OUT/${N}_d64c_${var}_$pass.json" > "$OUT/${N}_d64c_${var}_$pass.log" 2>&1
           echo "== $var pass $pass"; grep -E "^\[" "$OUT/${N}_d64c_${var}_$pass.log" | cut -c1-220
+        done
+      done ;;
+    specab)
+      [ -f .cache/cf52.txz ] && tar -C .cache -xJf .cache/cf52.txz
+      k=0
+      for pass in 1 2; do
+        for var in old br spec; do
+          k=$((k + 1)); root=.; envs="CUFLASH_NONE=1"
+          [ "$var" = old ] && root="$OLD"
+          [ "$var" = spec ] && envs="CUFLASH_DECODE_SPEC_TABLE=1"
+          env $envs PYTHONPATH="$root" python3 "$root/bench/dev/decode_splits.py" --paged --splits 0 --calls 50 \
+            --rounds 7 --shapes ${SA_SHAPES:-4x512x1 16x512x4 16x512x8 16x2048x8 1x512x1} \
+            --json "$OUT/${N}_specab_${k}_$var.json" > "$OUT/${N}_specab_${k}_$var.log" 2>&1
+          echo "== run $k ($var)"; grep " us " "$OUT/${N}_specab_${k}_$var.log" | cut -c1-150
         done
       done ;;
     *) return 1 ;;
