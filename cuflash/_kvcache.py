@@ -818,7 +818,10 @@ class DecodePlan:
         # begun (its number is not yet in `started`), which holds where the host runs ahead of the GPU.
         started = self.started
         busy = started is not None and started.value != self.seq
-        capturing = (self.pdl or busy or self.graph is not self.eager) and stream_capturing(stream)
+        # Whether the stream captures a graph, asked only where the answer changes a launch (PDL, the
+        # graph's variant); the scratch below asks for itself otherwise.
+        asked = self.pdl or busy or self.graph is not self.eager
+        capturing = asked and stream_capturing(stream)
         if self.graph is not self.eager and capturing:
             splits, scratch_floats, launches, fused = self.graph
         pdl = self.pdl and capturing or busy and not capturing
@@ -836,7 +839,7 @@ class DecodePlan:
             # one process), a torch allocation a call made single eager calls 4.6-13 us longer at 1 x 8k x 1,
             # 1 x 32k x 4 / 8 and paged 16 x 2k x 8. A graph capture allocates its own, which the graph's
             # memory pool keeps for its replays.
-            if capturing if self.pdl or busy or self.graph is not self.eager else stream_capturing(stream):
+            if capturing if asked else stream_capturing(stream):
                 scratch = ad.empty_from(self.templates.setdefault(ad.lib, {}), (scratch_floats,), "float32", dev)
                 ptrs[_D_SCRATCH] = ptr(scratch)
             else:
