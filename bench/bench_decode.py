@@ -693,24 +693,31 @@ class Runner:
                     row["note"] = call.note
                 if call.paged is not None:
                     row["page_size"] = call.paged.page_size
-                with call.ctx():
-                    for _ in range(args.warmup):
-                        call.fn()
-                    clock.sync()
-                    t0 = time.perf_counter()
-                    for _ in range(10):
-                        call.fn()
-                    host = (time.perf_counter() - t0) * 1e3 / 10
-                    clock.sync()
-                    wall = (time.perf_counter() - t0) * 1e3 / 10
-                call.n = max(1, min(args.max_calls, math.ceil(args.round_ms / max(wall, 1e-4))))
-                call.lead_ms = 2.0 * call.n * host + 0.2
+                host = self.calibrate(call)
                 row.update(calls=call.n, host_ms_per_call=host)
                 live.append(call)
             except Exception as e:
                 self.fail(row, e)
                 self._recover()
         return rows, live
+
+    def calibrate(self, call) -> float:
+        """Warms a call up and sets its calls per round (call.n, about --round-ms of GPU time) and
+        the sleep ahead of a round (call.lead_ms); returns the host ms per call."""
+        args, clock = self.args, self.clock
+        with call.ctx():
+            for _ in range(args.warmup):
+                call.fn()
+            clock.sync()
+            t0 = time.perf_counter()
+            for _ in range(10):
+                call.fn()
+            host = (time.perf_counter() - t0) * 1e3 / 10
+            clock.sync()
+            wall = (time.perf_counter() - t0) * 1e3 / 10
+        call.n = max(1, min(args.max_calls, math.ceil(args.round_ms / max(wall, 1e-4))))
+        call.lead_ms = 2.0 * call.n * host + 0.2
+        return host
 
     def measure_shape(self, s, keys):
         """Every row of one shape."""
