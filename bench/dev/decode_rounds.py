@@ -12,7 +12,8 @@ sleep kernel), in several orders of turns, each order --rounds rounds:
   after_X     X then cuflash, every round (X each other implementation)
   vars        with --variants: each cuflash variant alone, then after each peer (X then the variant)
 --variants NAME=SPLITS[:WARPS] ... adds cuflash calls of the contiguous cache with num_splits forced
-(and CUFLASH_DECODE_WARPS set while their plan is made).
+(and CUFLASH_DECODE_WARPS set while their plan is made); each needs a split count of its own, since
+the library keeps one plan per split count and reads CUFLASH_DECODE_WARPS only when it makes one.
 Each turn's wall-clock start and end are recorded, so that a caller's nvidia-smi samples (clocks,
 power, throttle reasons) can be matched to it. Prints, per order and implementation, the rounds' ms
 per call and their median.
@@ -56,6 +57,9 @@ def main(argv=None) -> int:
     names = {k: f"{k[0]}/{k[1][:5]}" for k in calls}
     others = [k for k in calls if k != cf]
     variants = []
+    counts = [spec.partition("=")[2].partition(":")[0] for spec in a.variants]
+    if len(set(counts)) < len(counts):  # the library keeps one plan per split count (warps read as it is made)
+        p.error(f"--variants need split counts of their own: got {counts}")
     for spec in a.variants:
         name, _, rest = spec.partition("=")
         splits, _, warps = rest.partition(":")
@@ -107,8 +111,6 @@ def main(argv=None) -> int:
                 order = seq[::-1]
             elif name == "alone":
                 order = [cf]
-            elif name.startswith("alone_"):
-                order = seq
             else:
                 order = seq
             for k in order:

@@ -9,7 +9,8 @@ ncu --profile-from-start off --clock-control base \
     --csv python3 bench/dev/ncu_decode_clock.py BATCH CACHE GQA SPLITS:WARPS ...
 
 SPLITS:WARPS: num_splits forced (0: the library's choice) and CUFLASH_DECODE_WARPS while the plan is
-made (0: the library's). The profiled range holds one call of each variant in the order given, then
+made (0: the library's); each variant needs a split count of its own (the library keeps one plan per
+split count and reads CUFLASH_DECODE_WARPS only when it makes one). The profiled range holds one call of each variant in the order given, then
 SDPA flash, then cuDNN; the variants' labels are printed to stderr in that order.
 """
 import os
@@ -26,6 +27,8 @@ import bench_decode as BD  # noqa: E402
 
 batch, cache, gqa = sys.argv[1:4]
 variants = [tuple(int(y) for y in v.split(":")) for v in (sys.argv[4:] or ["0:0"])]
+if len({s for s, _w in variants}) < len(variants):  # one plan per split count (warps read as it is made)
+    sys.exit(f"variants need split counts of their own: got {sys.argv[4:]}")
 args = BD.parse_args(["--batches", batch, "--caches", cache, "--gqa", gqa])
 (shape,) = BD.build_shapes(args)
 T = BD.Tensors(torch, "cuda", args, shape)  # bench_decode's q, cache and lengths
