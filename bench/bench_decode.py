@@ -47,7 +47,10 @@ Timing per shape, the implementations round-robin (round 1 of each, then round 2
                kernel is queued first so the host runs ahead, so the figure is the GPU's time per
                step, launch gaps included, host stalls not (N from a pilot, so that a round is about
                --round-ms); median (and min) over --rounds rounds, the implementations taking
-               turns in serpentine order (reversed in odd rounds).
+               turns in serpentine order (reversed in odd rounds). Where NVML's binding imports, the
+               SM clock and board power are read as each round ends (rounds_sm_mhz, rounds_watts in
+               the JSON; their range is printed): under the power cap a turn starts at the clock the
+               turn before it left.
   eager ms     one call with the host included: synchronize, start event, call, end event;
                median of --eager-reps, the implementations' calls taken in turn.
   graph        one decode step captured in torch.cuda.CUDAGraph (after two warm-up calls on a
@@ -318,6 +321,35 @@ class Clock:
                 self._calibrate()
             except Exception:
                 self.cycles_per_ms = None
+        self.nvml = self._open_nvml() if cuda else None
+
+    def _open_nvml(self):
+        """(pynvml, handle) of the current GPU, or None where NVML's binding does not import or open."""
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            dev = self.torch.cuda.current_device()
+            props = self.torch.cuda.get_device_properties(dev)
+            try:  # by PCI address: NVML numbers every GPU, CUDA only the visible ones
+                bus = f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+                return pynvml, pynvml.nvmlDeviceGetHandleByPciBusId(bus)
+            except Exception:
+                return pynvml, pynvml.nvmlDeviceGetHandleByIndex(dev)
+        except Exception:
+            return None
+
+    def gauges(self):
+        """(SM clock in MHz, board power in W) now, from NVML; None without it. Under the GPU's power
+        cap the clock a turn runs at depends on the turns before it, and a kernel with one warp per
+        scheduler slows with the clock (bench/NOTES.md, session 53): the GPU-time rounds record it."""
+        if self.nvml is None:
+            return None
+        nv, handle = self.nvml
+        try:
+            return nv.nvmlDeviceGetClockInfo(handle, nv.NVML_CLOCK_SM), nv.nvmlDeviceGetPowerUsage(handle) / 1000.0
+        except Exception:
+            return None
 
     def _ev(self):
         return self.torch.cuda.Event(enable_timing=True)
@@ -740,6 +772,10 @@ class Runner:
                             c.row["lead_short"] = c.row.get("lead_short", 0) + 1
                             c.lead_ms = 1.5 * host + 0.2
                         c.row.setdefault("rounds_ms", []).append(ms)
+                        g = clock.gauges()
+                        if g is not None:  # read as the round ends
+                            c.row.setdefault("rounds_sm_mhz", []).append(g[0])
+                            c.row.setdefault("rounds_watts", []).append(g[1])
                     except Exception as e:
                         self.fail(c.row, e)
                         live.remove(c)
@@ -1343,6 +1379,15 @@ def format_notes(data):
         lines.append("=== notes ===")
         for (label, note), rows in notes.items():
             lines.append(f"  {label}: {note} ({len(rows)} shapes)")
+    clocks = [(r, mhz) for r in points for mhz in r.get("rounds_sm_mhz") or ()]
+    if clocks:
+        lines.append("=== SM clock as the GPU-time rounds ended (NVML), per implementation ===")
+        for k in KEYS:
+            mhz = [m for r, m in clocks if (r["impl"], r["layout"]) == k]
+            watts = [w for r in points if (r["impl"], r["layout"]) == k for w in r.get("rounds_watts") or ()]
+            if mhz:
+                lines.append(f"  {LABEL[k]:<18}{min(mhz)}-{max(mhz)} MHz, median {_median(mhz):.0f}; power up to "
+                             f"{max(watts):.0f} W")
     flagged = [r for r in points if r.get("max_abs_diff") is not None and r["max_abs_diff"] > CHECK_TOL]
     checked = [r for r in points if r.get("max_abs_diff") is not None]
     lines.append(f"=== output check: {len(checked)} rows checked against SDPA on the logical keys; "
@@ -1607,6 +1652,8 @@ def run(args):
     runner = Runner(torch, args, clock, mods)
     meta = collect_meta(torch, args, mods)
     meta["sleep_calibrated"] = clock.cycles_per_ms is not None
+    meta["gauges"] = ("NVML: the SM clock (MHz) and board power (W) read as each GPU-time round ends "
+                      "(rounds_sm_mhz, rounds_watts)" if clock.gauges() is not None else None)
     data = {"meta": meta, "copy": None, "host": None, "points": [], "targets": []}
     shapes = build_shapes(args)
     print(f"bench_decode.py: {len(shapes)} shapes x {len(keys)} rows ({', '.join(LABEL[k] for k in keys)}) on "

@@ -56,6 +56,8 @@ def test_cpu_smoke_runs_and_writes_json(tmp_path):
     assert all(r.get("x_contiguous") for r in cf if r["layout"] == "paged")
     assert any(r["status"] == "skipped" and r["message"].startswith("memory") for r in pts)   # the cap's skip
 
+    assert meta["gauges"] is None and not any("rounds_sm_mhz" in r for r in pts)   # no NVML on the CPU
+
     assert [t["id"] for t in data["targets"]] == TARGET_IDS
     for t in data["targets"]:
         assert t["verdict"] in ("met", "missed", "not measured"), t
@@ -65,3 +67,30 @@ def test_cpu_smoke_runs_and_writes_json(tmp_path):
         assert "plot skipped: matplotlib" in proc.stdout
     else:
         assert png.stat().st_size > 1000
+
+
+def test_gauges_recorded_per_round(tmp_path, monkeypatch, capsys):
+    """Where NVML answers, every GPU-time round records the SM clock and power as it ends, one entry per
+    round in each measured row, and the report prints their range (a stand-in reader on the CPU)."""
+    spec = importlib.util.spec_from_file_location("bench_decode_gauges", SCRIPT)
+    bd = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bd)   # (its dataclasses look their module up)
+    spec.loader.exec_module(bd)
+    readings = iter(range(1000, 100000, 7))
+    monkeypatch.setattr(bd.Clock, "gauges", lambda self: (next(readings), 650.5))
+    out = tmp_path / "bd.json"
+    assert bd.main(["--cpu-smoke", "--no-host", "--no-graph", "--eager-reps", "0", "--check-mib", "0",
+                    "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["meta"]["gauges"].startswith("NVML")
+    measured = [r for r in data["points"] if r.get("rounds_ms")]
+    assert measured
+    seen = []
+    for r in measured:
+        assert len(r["rounds_sm_mhz"]) == len(r["rounds_ms"]) == len(r["rounds_watts"]), r
+        assert set(r["rounds_watts"]) == {650.5}
+        seen += r["rounds_sm_mhz"]
+    assert len(set(seen)) == len(seen)   # one reading per round, none shared
+    text = capsys.readouterr().out
+    assert "=== SM clock as the GPU-time rounds ended (NVML)" in text
+    assert "power up to 650 W" in text
