@@ -708,7 +708,7 @@ class Runner:
 
     def open_all(self, keys, T, base):
         """Rows for every key, and the live calls (first call done, warm-up done, calls per round set)."""
-        args, clock = self.args, self.clock
+        args = self.args
         rows, live = [], []
         for key in keys:
             row = dict(base, impl=key[0], layout=key[1], label=LABEL[key], status="ok")

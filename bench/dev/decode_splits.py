@@ -48,6 +48,35 @@ def decode_inputs(torch, dev, b: int, L: int, g: int):
     return h, d, hk, q, kc, vc, torch.full((b,), L, device=dev, dtype=torch.int32)
 
 
+def eager_launch_ptrs(torch, plan, out, q, kc, vc, seqlens, names=None):
+    """(ptrs, launches, splits, keep) of one eager call of a contiguous decode plan, set up by hand for
+    timing its parts (eager_parts.py, fire_parts.py): the Params pointer slots of out, the plan's
+    scratch (allocated here; keep holds it alive), the fused combine's counters, and q, the caches and
+    cache_seqlens; launches are the eager variant's (the fused ones where it has them). names: the
+    call's arrays by name, for trees whose plans predate input_positions (input_slots)."""
+    from cuflash import _kvcache
+
+    splits, scratch_floats, launches, fused = plan.eager
+    ptrs = plan.zero_ptrs.copy()
+    ptrs[_kvcache._D_OUT] = out.data_ptr()
+    keep = [out]
+    if scratch_floats:
+        scratch = torch.empty(scratch_floats, device=out.device, dtype=torch.float32)
+        keep.append(scratch)
+        ptrs[_kvcache._D_SCRATCH] = scratch.data_ptr()
+    if fused is not None:
+        launches = fused
+        ptrs[_kvcache._D_COUNTERS] = plan._counters(torch.cuda.current_stream().cuda_stream)
+    arrs = (q, kc, vc, None, None, seqlens, None, None, None, None)  # (_kvcache._RUN_ARRAYS' order)
+    if hasattr(plan, "input_positions"):
+        for slot, i in plan.input_positions:
+            ptrs[slot] = arrs[i].data_ptr()
+    else:
+        for i, n in plan.input_slots:
+            ptrs[i] = names[n].data_ptr()
+    return ptrs, launches, splits, keep
+
+
 def paged16(torch, dev, b: int, L: int, kc, vc) -> dict:
     """The k_cache, v_cache and block_table arguments of a paged view of contiguous caches (b, L, hk, d):
     16-row pages in a random order."""

@@ -35,7 +35,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from decode_splits import decode_inputs  # noqa: E402
+from decode_splits import decode_inputs, eager_launch_ptrs  # noqa: E402
 
 
 def single_call_us(torch, fn):
@@ -90,24 +90,8 @@ def main():
         tmpl = plan.templates[ad.lib]
         out_t = next(iter(tmpl.values()))
         out = torch.empty_like(out_t)
-        splits, scratch_floats, launches, fused = plan.eager
-        ptrs = plan.zero_ptrs.copy()
-        ptrs[_kvcache._D_OUT] = out.data_ptr()
-        keep = [out]
-        if scratch_floats:
-            scratch = torch.empty(scratch_floats, device=dev, dtype=torch.float32)
-            keep.append(scratch)
-            ptrs[_kvcache._D_SCRATCH] = scratch.data_ptr()
-        if fused is not None:
-            launches = fused
-            ptrs[_kvcache._D_COUNTERS] = plan._counters(torch.cuda.current_stream().cuda_stream)
+        ptrs, launches, splits, keep = eager_launch_ptrs(torch, plan, out, q, kc, vc, seqlens, names)
         arrs = (q, kc, vc, None, None, seqlens, None, None, None, None)  # (_kvcache._RUN_ARRAYS' order)
-        if hasattr(plan, "input_positions"):
-            for slot, i in plan.input_positions:
-                ptrs[slot] = arrs[i].data_ptr()
-        else:
-            for i, n in plan.input_slots:
-                ptrs[i] = names[n].data_ptr()
         stream = torch.cuda.current_stream().cuda_stream
         desc = f"splits {splits} launches {'/'.join(x.name for x in launches)}"
 

@@ -18,7 +18,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from decode_splits import decode_inputs  # noqa: E402
+from decode_splits import decode_inputs, eager_launch_ptrs  # noqa: E402
 
 
 def main():
@@ -43,22 +43,9 @@ def main():
         cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens)
         torch.cuda.synchronize()
         plan = next(iter(_kvcache._FAST_PLANS.values()))
-        splits, scratch_floats, launches, fused = plan.eager
         stream = torch.cuda.current_stream().cuda_stream
         out = torch.empty(b, 1, h, d, device=dev, dtype=q.dtype)
-        keep = [out]
-        ptrs = plan.zero_ptrs.copy()
-        ptrs[_kvcache._D_OUT] = out.data_ptr()
-        if scratch_floats:
-            s = torch.empty(scratch_floats, device=dev, dtype=torch.float32)
-            keep.append(s)
-            ptrs[_kvcache._D_SCRATCH] = s.data_ptr()
-        if fused is not None:
-            launches = fused
-            ptrs[_kvcache._D_COUNTERS] = plan._counters(stream)
-        arrs = (q, kc, vc, None, None, seqlens, None, None, None, None)
-        for slot, i in plan.input_positions:
-            ptrs[slot] = arrs[i].data_ptr()
+        ptrs, launches, splits, keep = eager_launch_ptrs(torch, plan, out, q, kc, vc, seqlens)
         x = launches[0]
         ptrs[_kvcache._D_SEQ] = plan.seq
 
@@ -98,7 +85,7 @@ def main():
                 torch.cuda.synchronize()
         desc = (f"{x.name} grid {x.grid} threads {x.threads} smem {x.smem} patches "
                 f"{len(getattr(x, 'patches', ()))}+{len(getattr(x, 'patched', ()))} maps {len(getattr(x, 'maps', ()))} "
-                f"ex {x.ex is not None} splits {splits} fused {fused is not None}")
+                f"ex {x.ex is not None} splits {splits} fused {plan.eager[3] is not None}")
         print(f"== {shape}: {desc}")
         for k in parts:
             print(f"{shape:>10} {k:7} {statistics.median(res[k]):6.2f} us (min {min(res[k]):5.2f})", flush=True)
