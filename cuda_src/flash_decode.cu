@@ -55,7 +55,8 @@
 // S = Q K^T and O += P V are mma.sync m16n8k16 (P re-packed from the S accumulators as the A
 // operand). Per tile, a warp pays for the element-wise mask only where a bound crosses its 16 keys
 // or a score modification applies, and for the rescale of O only where a row's maximum moved (warp
-// votes keep both branches uniform).
+// votes keep both branches uniform). The TMA kernels sum the rounded P on the tensor cores (P times
+// ones) and take each ldmatrix address from registers set before the loop (the tile step, below).
 //
 // Copies. cp.async (every layout and target): the block's threads copy the K/V tile's rows into
 // padded rows (load_tile below). TMA (TMA = true: sm_90a, head_dim 64 or 128, no sink tokens beside
@@ -998,13 +999,50 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
     constexpr bool Q_REGS = HEAD_DIM % 16 == 0 && HEAD_DIM >= 64;
     u32 qa[Q_REGS ? HEAD_DIM / 16 : 1][4];
 
-    OnlineSoftmax<Ops, 1, N_TILES, LP_QUAD> softmax;
+    // The tile step, in two forms. The TMA kernels (session 54; with the ldmatrix addresses below, this
+    // took the warp instructions issued per 16 keys from 384 to 183: Nsight Compute's source counters,
+    // 16 x 32k x 4, H200; the 4-warp kernel no longer slows down at a low SM clock, bench/NOTES.md):
+    //   - the tile is "plain" (no element-wise mask, no score modification) where its first virtual
+    //     key lies in [plain_lo, plain_hi], a range worked out once for the warp;
+    //   - each p takes one fma, exp2(fma(s, sc, -base)) (prepare_in_place), sc the scale on plain
+    //     tiles and 1 on the others (whose logits the mask step leaves in log2 units);
+    //   - l is this thread's share (a quad sum at the end), and lp the row sums of the rounded P on the
+    //     tensor cores, P times ones (acc_lp: LP_TENSOR), one mma a tile.
+    // The cp.async kernels keep the earlier form: a vote per tile for "plain", a scaling pass, then
+    // prepare and the per-tile quad sums of l and lp (LP_QUAD). With the new form's registers (the
+    // range, acc_lp, the scale), ptxas held the head_dim 16 and the 8-warp head_dim 80 kernels at 80
+    // and 128 registers and spilled (sm_90a).
+    constexpr int LP = TMA ? LP_TENSOR : LP_QUAD;
+    OnlineSoftmax<Ops, 1, N_TILES, LP> softmax;
     softmax.init();
-    float acc_o[D_TILES][4];
+    float acc_o[D_TILES][4], acc_lp[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int dt = 0; dt < D_TILES; ++dt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc_o[dt][e] = 0.f;
+    // The TMA kernels' plain range: virtual keys [vw0, vw0 + 16) need no mask where they lie past the
+    // sink tokens, inside the chunk and inside the key span of every valid row of the warp (padding
+    // rows do not count), and no tile does with a score modification.
+    int plain_lo = 0, plain_hi = -1;
+    if constexpr (TMA) {
+        int lo_w = INT_LOWEST, hi_w = INT_HIGHEST;
+        if (!pad_lo) {
+            lo_w = span[0].lo;
+            hi_w = span[0].hi;
+        }
+        if (!pad_hi) {
+            lo_w = max(lo_w, span[1].lo);
+            hi_w = min(hi_w, span[1].hi);
+        }
+#pragma unroll
+        for (int o = 1; o < 32; o *= 2) {
+            lo_w = max(lo_w, __shfl_xor_sync(0xffffffffu, lo_w, o));
+            hi_w = min(hi_w, __shfl_xor_sync(0xffffffffu, hi_w, o));
+        }
+        // (Row r0 is valid, so the warp has a valid row and lo_w, hi_w are a row's: no overflow.)
+        plain_lo = max(n_sink, lo_w - key_off);
+        plain_hi = score_mod ? INT_LOWEST : min(v_end, hi_w - key_off) - WN;
+    }
 
     // The epilogue's parameters lie in two 64-byte lines of the constant bank (o, lse, o_part,
     // lse_part, nheads; the o strides), and each line misses at a block's first read. One field of
@@ -1031,6 +1069,27 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
         }
     };
     if constexpr (TMA) cp_async_wait<0>();  // Q (visible to all after the loop's first barrier)
+    // TMA: each lane's ldmatrix addresses, worked out once. Lane (lrow, li) reads row lrow + 8 (li / 2)
+    // of chunk 2 kc + li % 2 for K (S = Q K^T) and row lrow + 8 (li % 2) of chunk 2 dp + li / 2 for V
+    // (P V). The SW128 swizzle XORs the chunk's bits 4-6 of the byte offset with the row's low 3 bits,
+    // and a chunk 2j + b (j < 4, b < 2) differs from chunk b only in bits 5-6 (2j), so kv_off(r, 2j + b)
+    // = kv_off(r, b) ^ (j << 5); chunks from 8 on lie a panel (kv_pstride) further. In the loop an
+    // address is then the stage's base (warp-uniform) plus one of these registers. (Worked out at every
+    // ldmatrix, the swizzle took about 100 of the 384 instructions a warp issued per 16 keys.)
+    const int lrow = lane % 8, li = lane / 8;
+    u32 k_lane[4], v_lane[4];
+    {
+        const u32 k0 = kv_off(lrow + (li / 2) * 8, li % 2), v0 = kv_off(lrow + (li % 2) * 8, li / 2);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            k_lane[j] = k0 ^ (u32)(j << 5);
+            v_lane[j] = v0 ^ (u32)(j << 5);
+        }
+    }
+    // Shared-memory addresses of the stages and barriers (each conversion from a generic pointer is
+    // several instructions: out of the loop).
+    const u32 sK_base = smem_addr(sK), sV_base = smem_addr(sV);
+    const u32 full_base = TMA ? smem_addr(&s_full[0]) : 0u;
     if (tid == 0) {
         DECODE_TL_CLK(4);
         DECODE_TL(21, (unsigned long long)n_tiles);
@@ -1046,7 +1105,7 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
                 lookup_store(it + STAGES);
                 if (it + STAGES + 1 < n_tiles) lookup_load(it + STAGES + 1);
             }
-            mbar_wait(smem_addr(&s_full[stage]), (it / STAGES) & 1);  // the tile (KV_APART: its K)
+            mbar_wait(full_base + 8u * stage, (it / STAGES) & 1);  // the tile (KV_APART: its K)
             if (tid == 0 && it < 8) DECODE_TL_CLK(5 + it);
             if constexpr (!KV_APART) zero_v_tail(stage, it);
         } else {
@@ -1059,8 +1118,9 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
 
         const T* sKw = sK + stage * Tr::SKV_ELEMS + warp * WN * PITCH;
         const T* sVw = sV + stage * Tr::SKV_ELEMS + warp * WN * PITCH;
-        const u32 sKt = smem_addr(sK + stage * Tr::SKV_ELEMS), sVt = smem_addr(sV + stage * Tr::SKV_ELEMS);
-        const int lrow = lane % 8, li = lane / 8;  // (TMA) this lane's ldmatrix row in the warp's 16 keys, matrix
+        // (TMA) the stage's K and V, and their second panels (head_dim 128)
+        const u32 sKt = sK_base + stage * (u32)(Tr::SKV_ELEMS * sizeof(T)), sVt = sV_base + stage * (u32)(Tr::SKV_ELEMS * sizeof(T));
+        const u32 sKt1 = sKt + kv_pstride, sVt1 = sVt + kv_pstride;
 
         // ---- S = Q K^T for this warp's 16 keys ----
         float s[1][N_TILES][4];
@@ -1078,7 +1138,7 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
             for (int kc = 0; kc < HEAD_DIM / 16; ++kc) {
                 u32 bk[4];
                 if constexpr (TMA)  // load_b_pair_k16<false>'s rows and columns, in the SW128 panels
-                    ldmatrix_x4(bk, sKt + kv_off(lrow + (li / 2) * 8, 2 * kc + li % 2));
+                    ldmatrix_x4(bk, (kc < 4 ? sKt : sKt1) + k_lane[kc % 4]);
                 else
                     load_b_pair_k16<false>(bk, sKw, PITCH, kc * 16, 0, lane);
                 Ops::mma16816(s[0][0], qa[kc], bk[0], bk[1]);
@@ -1092,18 +1152,19 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
         if (tid == 0 && (it == 0 || it == n_tiles - 1)) DECODE_TL_CLK_AFTER(it == 0 ? 24 : 27, s[0][N_TILES - 1][3]);
         // ---- logits in log2 units, masked; then the online softmax ----
         const int vw0 = v_begin + it * BN + warp * WN;
-        bool plain = !score_mod && vw0 >= n_sink && vw0 + WN <= v_end;
-        if (plain) {
-            const int k0 = vw0 + key_off;
-            plain = (pad_lo || (k0 >= span[0].lo && k0 + WN <= span[0].hi))
-                    && (pad_hi || (k0 >= span[1].lo && k0 + WN <= span[1].hi));
-        }
-        if (__all_sync(0xffffffffu, plain)) {
-#pragma unroll
-            for (int nt = 0; nt < N_TILES; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) s[0][nt][e] *= p.scale_log2;
+        bool plain;
+        if constexpr (TMA) {
+            plain = vw0 >= plain_lo && vw0 <= plain_hi;
         } else {
+            plain = !score_mod && vw0 >= n_sink && vw0 + WN <= v_end;
+            if (plain) {
+                const int k0 = vw0 + key_off;
+                plain = (pad_lo || (k0 >= span[0].lo && k0 + WN <= span[0].hi))
+                        && (pad_hi || (k0 >= span[1].lo && k0 + WN <= span[1].hi));
+            }
+            plain = __all_sync(0xffffffffu, plain);
+        }
+        if (!plain) {
 #pragma unroll
         for (int nt = 0; nt < N_TILES; ++nt)
 #pragma unroll
@@ -1128,8 +1189,22 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
             }
         }
         float alpha[1][2];
-        u32 pp[1][N_TILES][2];  // P, rounded and packed (softmax.cuh)
-        softmax.prepare(s, 1.f, alpha, pp);
+        u32 pp[1][N_TILES][2];  // P, rounded and packed
+        if constexpr (TMA) {
+            softmax.prepare_in_place(s, plain ? p.scale_log2 : 1.f, alpha);
+#pragma unroll
+            for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+                for (int r = 0; r < 2; ++r) pp[0][nt][r] = Ops::pack(s[0][nt][2 * r], s[0][nt][2 * r + 1]);
+        } else {
+            if (plain) {
+#pragma unroll
+                for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) s[0][nt][e] *= p.scale_log2;
+            }
+            softmax.prepare(s, 1.f, alpha, pp);
+        }
         if (tid == 0 && (it == 0 || it == n_tiles - 1))
             DECODE_TL_CLK_AFTER(it == 0 ? 25 : 28, alpha[0][1] + __uint_as_float(pp[0][N_TILES - 1][1]));
         // Once the rows' maxima settle, alpha is exactly 1 (exp2(0)) and the rescale can go.
@@ -1141,10 +1216,16 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
                 acc_o[dt][2] *= alpha[0][1];
                 acc_o[dt][3] *= alpha[0][1];
             }
+            if constexpr (LP == LP_TENSOR) {
+                acc_lp[0] *= alpha[0][0];
+                acc_lp[1] *= alpha[0][0];
+                acc_lp[2] *= alpha[0][1];
+                acc_lp[3] *= alpha[0][1];
+            }
         }
 
         if constexpr (KV_APART) {
-            mbar_wait(smem_addr(&s_full[STAGES + stage]), (it / STAGES) & 1);  // V
+            mbar_wait(full_base + 8u * (STAGES + stage), (it / STAGES) & 1);  // V
             if (tid == 0 && (it == 0 || it == n_tiles - 1)) DECODE_TL_CLK(it == 0 ? 34 : 35);
             zero_v_tail(stage, it);
         }
@@ -1158,7 +1239,7 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
         for (int dp = 0; dp < D_TILES / 2; ++dp) {
             u32 bv[4];
             if constexpr (TMA)  // load_b_pair_k16<true>'s rows and columns, in the SW128 panels
-                ldmatrix_x4_trans(bv, sVt + kv_off(lrow + (li % 2) * 8, 2 * dp + li / 2));
+                ldmatrix_x4_trans(bv, (dp < 4 ? sVt : sVt1) + v_lane[dp % 4]);
             else
                 load_b_pair_k16<true>(bv, sVw, PITCH, 0, dp * 16, lane);
             Ops::mma16816(acc_o[2 * dp], pa, bv[0], bv[1]);
@@ -1169,7 +1250,10 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
             load_b_one_k16<true>(b0, b1, sVw, PITCH, 0, (D_TILES - 1) * 8, lane);
             Ops::mma16816(acc_o[D_TILES - 1], pa, b0, b1);
         }
-        softmax.commit(alpha, pp);  // with P V issued
+        if constexpr (LP == LP_TENSOR)
+            Ops::mma16816(acc_lp, pa, Ops::ONES2, Ops::ONES2);  // lp: P times ones
+        else
+            softmax.commit(alpha, pp);  // with P V issued
         if (tid == 0 && (it == 0 || it == n_tiles - 1)) DECODE_TL_CLK_AFTER(it == 0 ? 26 : 29, acc_o[D_TILES - 1][3]);
     }
 
@@ -1186,6 +1270,7 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
     if (tid == 0) DECODE_TL_CLK(15);
     // Each warp's (m, l, lp) of its rows; O below. Rows past r_end (padding: a decode's rows are
     // head_group query heads, often fewer than 16) are neither written nor read.
+    if constexpr (LP == LP_TENSOR) softmax.take_lp(acc_lp);
     float l_w[2], lp_w[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
