@@ -4,7 +4,8 @@
 #   src    Nsight Compute's source counters (SASS, instructions executed and warp-stall samples per
 #          instruction) of one decode step per plan variant in SRC_VARIANTS (bench/dev/ncu_decode_clock.py's
 #          SPLITS:WARPS; default the library's plan and the 8-warp unsplit one) at SRC_SHAPE (16 32768 4),
-#          clocks left free; summarized by bench/dev/ncu_src_ops.py
+#          once per --clock-control setting in SRC_CLOCKS (default none: clocks left free); summarized by
+#          bench/dev/ncu_src_ops.py
 #   clock  bench/dev/s53_clock.sh: Nsight Compute at base and free clocks, CLOCK_SHAPES (16 131072 4 and
 #          16 32768 4) x CLOCK_VARIANTS (0:0 1:8: the library's plan and the 8-warp unsplit one), with
 #          SDPA flash and cuDNN
