@@ -981,10 +981,18 @@ def decode_paged_fill_splits(target: str, head_dim: int, blocks: int, keys: int,
     4 41.5 -> 39.9, 1 x 128k x 4 136.0 -> 129.3. Not at 4 blocks (66 splits: 1 x 32k x 8 24.9 -> 26.0),
     at 128 blocks (2 splits: 4 x 2k x 1 36.3 -> 38.8, 16 x 8k x 4 127.6 -> 129.7), nor at splits of 256
     keys or fewer (16 x 512 x 4, 2 splits: 10.4 -> 12.0; 16 x 512 x 8, 4 splits: 9.9 -> 10.7).
-    Contiguous caches lose by it (4 x 32k x 4 125.0 -> 127.4): paged ones only."""
+    Contiguous caches lose by it (4 x 32k x 4 125.0 -> 127.4): paged ones only.
+    Not in the 8-warp kernel's unsplit region (decode_wide_unsplit: 64 blocks of 2048 keys): after
+    session 54 halved the TMA loop, 16 x 2k x 8 (64 blocks) ran 20.9-21.0 us there against 23.4-23.5
+    with this rule's 4 splits (H200, session 55, bench/dev/s55_call.sh fillab: the library's plan
+    with the rule and with CUFLASH_DECODE_PAGED_FILL=0, alternated twice; contiguous 19.1-19.2). The
+    rule's other points kept their lead in the same run: 16 x 8k / 32k x 8 68.4 / 248 against 70.1 /
+    257, 4 x 32k x 4 127.1 against 136, 1 x 32k x 1 126.4 against 133, 1 x 128k x 4 128.3 against 139."""
     import os
 
     if os.environ.get("CUFLASH_DECODE_PAGED_FILL") == "0" or blocks < 1 or 2 * blocks > sm_count:
+        return None
+    if decode_wide_unsplit(blocks, keys, sm_count, one_per_sm=True):
         return None
     splits = min(2 * sm_count // blocks, DECODE_PAGED_FILL_MAX_SPLITS)
     if blocks * splits <= sm_count or -(-keys // splits) < DECODE_PAGED_FILL_MIN_KEYS:
@@ -1057,6 +1065,16 @@ DECODE_WIDE_MIN_SPLIT_KEYS = 2 * DECODE_BLOCK_N
 DECODE_ONE_PER_SM_HEAD_DIMS = (128,)
 
 
+def decode_wide_unsplit(blocks: int, keys: int, sm_count: int, one_per_sm: bool = False) -> bool:
+    """Whether a decode of `blocks` blocks that see at most `keys` keys lies in a region of
+    DECODE_WIDE_UNSPLIT, where decode_warps_and_splits runs the 8-warp kernel unsplit: blocks <=
+    sm_count and, for some (min_blocks, max_keys), blocks >= min_blocks and keys <= max_keys; with
+    one_per_sm, the (64, 2048) region only up to sm_count // 2 blocks."""
+    return blocks <= sm_count and any(
+        blocks >= nb and keys <= nk and (not one_per_sm or nk <= 512 or 2 * blocks <= sm_count)
+        for nb, nk in DECODE_WIDE_UNSPLIT)
+
+
 def decode_warps_and_splits(blocks: int, splits: int, sm_count: int, forced: bool,
                             paged: bool = False, keys: int | None = None,
                             one_per_sm: bool = False, cluster: int = 0,
@@ -1121,9 +1139,7 @@ def decode_warps_and_splits(blocks: int, splits: int, sm_count: int, forced: boo
     if (cluster and one_per_sm and keys is not None and 1 < splits <= cluster and blocks * splits <= sm_count
             and -(-keys // splits) <= cluster_keys):
         return 4, splits
-    if keys is not None and blocks <= sm_count and any(
-            blocks >= nb and keys <= nk and (not one_per_sm or nk <= 512 or 2 * blocks <= sm_count)
-            for nb, nk in DECODE_WIDE_UNSPLIT):
+    if keys is not None and decode_wide_unsplit(blocks, keys, sm_count, one_per_sm):
         return 8, 1
     if one_per_sm:
         per_split = -(-keys // splits) if keys is not None else 0
@@ -1221,6 +1237,42 @@ def decode_shallow_tma(target: str, head_dim: int, grid: int, sm_count: int, pea
                  or (grid >= DECODE_SHALLOW_MID_WAVES * sm_count and keys is not None
                      and keys <= DECODE_SHALLOW_MID_KEYS)
                  or (grid <= sm_count and keys is not None and keys <= DECODE_SHALLOW_MAX_KEYS)))
+
+
+def decode_long_splits(target: str, head_dim: int, blocks: int, keys: int, sm_count: int,
+                       peak_bw: float = 0.0) -> int:
+    """The split count of a TMA decode of long caches on a grid of more than two and at most
+    DECODE_LONG_SPLIT_MAX_WAVES blocks per SM, which decode_num_splits leaves unsplit: enough splits
+    for DECODE_SHALLOW_MIN_WAVES blocks per SM (so that decode_shallow_tma runs them on 2 stages),
+    ceil(DECODE_SHALLOW_MIN_WAVES x sm_count / blocks), each seeing at least
+    DECODE_LONG_SPLIT_MIN_SPLIT_KEYS keys; 1 where the rule does not hold: fewer than
+    DECODE_LONG_SPLIT_MIN_KEYS keys, another grid, or where 2 stages are not taken (an H100's
+    bandwidth, another head_dim or target), or CUFLASH_DECODE_LONG_SPLIT=0. H200, session 55
+    (bench/dev/decode_splits.py, 32 query heads, head_dim 128, bf16, contiguous, GPU us per step,
+    unsplit -> this count, two runs): 256 x 128k x 8 (1024 blocks, 2 splits) 15550-15624 -> 15200-15207,
+    256 x 32k x 8 3889-3890 -> 3803-3804; 512 blocks, 4 splits: 16 x 128k x 1 7699-7715 -> 7660-7662,
+    16 x 32k x 1 1910 -> 1896-1897, 64 x 128k x 4 7689 -> 7639-7652, 64 x 32k x 4 1917 -> 1903. Not
+    at 8k keys (256 x 8k x 8 955 -> 971 with 2 splits; 16 x 8k x 1 480 -> 485 with 4), nor on grids of
+    2048 blocks (64 x 32k x 1 7544 -> 7602 with 2, though 256 x 32k x 4 7674 -> 7586). The rule against
+    CUFLASH_DECODE_LONG_SPLIT=0 (bench/dev/s55_call.sh ruleab, alternated twice, another card), time
+    with / without: those six points 0.963-0.991 contiguous, 0.960-0.985 with 16-row pages."""
+    import os
+
+    if os.environ.get("CUFLASH_DECODE_LONG_SPLIT") == "0" or keys < DECODE_LONG_SPLIT_MIN_KEYS:
+        return 1
+    if not 2 * sm_count < blocks <= DECODE_LONG_SPLIT_MAX_WAVES * sm_count:
+        return 1
+    splits = min(-(-DECODE_SHALLOW_MIN_WAVES * sm_count // blocks), keys // DECODE_LONG_SPLIT_MIN_SPLIT_KEYS)
+    if splits < 2 or not decode_shallow_tma(target, head_dim, blocks * splits, sm_count, peak_bw):
+        return 1
+    return splits
+
+
+# decode_long_splits: the fewest keys a block must see (32k measured faster, 8k slower), the fewest a
+# split keeps, and the most blocks per SM of the unsplit grid (1024 blocks on 132 SMs measured, 2048 mixed).
+DECODE_LONG_SPLIT_MIN_KEYS = 32768
+DECODE_LONG_SPLIT_MIN_SPLIT_KEYS = 8192
+DECODE_LONG_SPLIT_MAX_WAVES = 8
 
 
 def decode_resident_unsplit(target: str, head_dim: int, blocks: int, sm_count: int, peak_bw: float = 0.0) -> bool:

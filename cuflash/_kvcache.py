@@ -610,6 +610,13 @@ class DecodePlan:
             if one and _config.decode_resident_unsplit(target, d, blocks, _sm_count(dev),
                                                        _gpu.peak_memory_bandwidth(dev)):
                 num_splits = graph_splits = 1
+            elif one:
+                # Long caches on 2-8 blocks per SM: split into 2-stage blocks (_config.decode_long_splits),
+                # where the splits merge without a second kernel.
+                long = _config.decode_long_splits(target, d, blocks, keys, _sm_count(dev),
+                                                  _gpu.peak_memory_bandwidth(dev))
+                if long > 1 and self._merged(long):
+                    num_splits = graph_splits = long
         else:
             graph_splits = num_splits
         # Paged 16-key groups through TMA on few blocks: two blocks per SM on 2 stages

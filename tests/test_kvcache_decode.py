@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from _cpu_helpers import _ctx, _fresh_decode_plans, _new_seed
+from _decode_stand_in import decode_launch, install_stand_in, stand_in_plan
 from _kvcache_reference import kvcache_reference
 from cuflash._kvcache import attention_with_kvcache
 from cuflash._reference import check_close
@@ -1109,12 +1110,19 @@ def test_paged_fill_rule(monkeypatch):
     f = _config.decode_paged_fill_splits
     h200 = 4.8e12
     # (blocks, keys) -> splits on 132 SMs: 32 / 64 / 16 / 8 blocks, as measured
-    for blocks, keys, want in ((32, 8192, 8), (32, 131072, 8), (64, 2048, 4), (64, 32768, 4), (16, 32768, 16),
-                               (8, 131072, 33), (8, 16896, 33), (66, 2048, 4)):
+    for blocks, keys, want in ((32, 8192, 8), (32, 131072, 8), (64, 2049, 4), (64, 8192, 4), (64, 32768, 4),
+                               (16, 32768, 16), (8, 131072, 33), (8, 16896, 33), (66, 4096, 4), (63, 2048, 4)):
         assert f("sm_90a", 128, blocks, keys, 132, h200) == want, (blocks, keys)
     # 4 blocks (33 splits would not pass one block per SM); more than half the SMs' blocks; short splits
     for blocks, keys in ((4, 131072), (67, 8192), (128, 8192), (64, 2044), (64, 512), (32, 2048), (8, 16863)):
         assert f("sm_90a", 128, blocks, keys, 132, h200) is None, (blocks, keys)
+    # the 8-warp kernel's unsplit region (decode_wide_unsplit: 64 to sm // 2 blocks of at most 2048 keys)
+    for blocks, keys in ((64, 2048), (66, 2048), (64, 1500)):
+        assert _config.decode_wide_unsplit(blocks, keys, 132, one_per_sm=True), (blocks, keys)
+        assert f("sm_90a", 128, blocks, keys, 132, h200) is None, (blocks, keys)
+    assert not _config.decode_wide_unsplit(63, 2048, 132, True) and not _config.decode_wide_unsplit(64, 2049, 132, True)
+    assert not _config.decode_wide_unsplit(67, 2048, 132, True) and _config.decode_wide_unsplit(67, 2048, 132, False)
+    assert _config.decode_wide_unsplit(128, 512, 132, True) and not _config.decode_wide_unsplit(133, 512, 132, True)
     assert f("sm_90a", 128, 32, 8192, 114, h200) == 7  # the count follows the SM count (224 blocks on 114)
     # where 2 stages are not taken: an H100's bandwidth, another head_dim or target; the switches
     assert f("sm_90a", 128, 32, 8192, 132, 3.35e12) is None and f("sm_90a", 64, 32, 8192, 132, h200) is None
@@ -1124,6 +1132,84 @@ def test_paged_fill_rule(monkeypatch):
     monkeypatch.delenv("CUFLASH_DECODE_SHALLOW")
     monkeypatch.setenv("CUFLASH_DECODE_PAGED_FILL", "0")
     assert f("sm_90a", 128, 32, 8192, 132, h200) is None
+
+
+def test_long_split_rule(monkeypatch):
+    """cuflash/_config.py decode_long_splits on the CPU: a TMA decode of at least
+    DECODE_LONG_SPLIT_MIN_KEYS keys on more than two and at most DECODE_LONG_SPLIT_MAX_WAVES blocks
+    per SM splits into ceil(DECODE_SHALLOW_MIN_WAVES x sm / blocks) (each split at least
+    DECODE_LONG_SPLIT_MIN_SPLIT_KEYS keys), where decode_shallow_tma runs that grid on 2 stages;
+    otherwise 1."""
+    from cuflash import _config
+
+    for name in ("CUFLASH_DECODE_LONG_SPLIT", "CUFLASH_DECODE_SHALLOW"):
+        monkeypatch.delenv(name, raising=False)
+    f = _config.decode_long_splits
+    h200 = 4.8e12
+    # (blocks, keys) -> splits on 132 SMs: bench_decode's points, and the bounds
+    for blocks, keys, want in ((1024, 131072, 2), (1024, 32768, 2), (512, 131072, 4), (512, 32768, 4),
+                               (265, 131072, 6), (1056, 32768, 2), (300, 131072, 6)):
+        assert f("sm_90a", 128, blocks, keys, 132, h200) == want, (blocks, keys)
+    # short caches; one or two blocks per SM; past DECODE_LONG_SPLIT_MAX_WAVES; splits that would see
+    # fewer than DECODE_LONG_SPLIT_MIN_SPLIT_KEYS keys
+    for blocks, keys in ((1024, 8192), (512, 32767), (264, 131072), (132, 131072), (64, 131072), (1057, 131072),
+                         (2048, 131072), (8192, 32768)):
+        assert f("sm_90a", 128, blocks, keys, 132, h200) == 1, (blocks, keys)
+    assert _config.DECODE_LONG_SPLIT_MIN_KEYS // _config.DECODE_LONG_SPLIT_MIN_SPLIT_KEYS == 4
+    # 4 splits of 8192 keys at most, too few for DECODE_SHALLOW_MIN_WAVES blocks per SM: not split
+    assert f("sm_90a", 128, 265, 32768, 132, h200) == 1 and f("sm_90a", 128, 300, 32768, 132, h200) == 1
+    assert f("sm_90a", 128, 912, 131072, 114, h200) == 2 and f("sm_90a", 128, 913, 131072, 114, h200) == 1
+    # where 2 stages are not taken: an H100's bandwidth, another head_dim or target; the switches
+    assert f("sm_90a", 128, 1024, 131072, 132, 3.35e12) == 1 and f("sm_90a", 64, 1024, 131072, 132, h200) == 1
+    assert f("sm_80", 128, 1024, 131072, 108, h200) == 1
+    monkeypatch.setenv("CUFLASH_DECODE_SHALLOW", "0")
+    assert f("sm_90a", 128, 1024, 131072, 132, h200) == 1
+    monkeypatch.delenv("CUFLASH_DECODE_SHALLOW")
+    monkeypatch.setenv("CUFLASH_DECODE_LONG_SPLIT", "0")
+    assert f("sm_90a", 128, 1024, 131072, 132, h200) == 1
+
+
+def _stand_in_plan(batch: int, cache: int, gqa: int, paged: bool):
+    """(eager splits, graph splits, the eager variant's decode kernel and grid, whether it merges fused)
+    of bench_decode's layout on the stand-in Hopper (tests/_decode_stand_in.py)."""
+    plan = stand_in_plan(batch, cache, gqa, paged)
+    dec, fused = decode_launch(plan.eager)
+    return plan.eager[0], plan.graph[0], dec.name, dec.grid, fused
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged16"])
+def test_decode_plans_on_a_stand_in_hopper(monkeypatch, layout):
+    """The decode planner end to end on the CPU (a stand-in H200: 132 SMs, 4.8 TB/s): long caches on 2-8
+    blocks per SM take decode_long_splits' count on the 2-stage kernel, merged fused, in eager calls
+    and graphs alike (both layouts), and not with CUFLASH_DECODE_LONG_SPLIT=0, at 8k keys, nor at
+    an H100's bandwidth; a paged cache of 64 blocks of 2048 keys runs the 8-warp kernel unsplit as the
+    contiguous one does (not the paged fill), while 64 blocks of 8192 keys keep the paged fill's 4
+    splits on the 2-stage kernel."""
+    for name in ("CUFLASH_DECODE_LONG_SPLIT", "CUFLASH_DECODE_SHALLOW", "CUFLASH_DECODE_DEEP",
+                 "CUFLASH_DECODE_PAGED_FILL", "CUFLASH_DECODE_WARPS", "CUFLASH_DECODE_FUSED_COMBINE",
+                 "CUFLASH_DECODE_CLUSTER", "CUFLASH_DECODE_PAGE_TILES"):
+        monkeypatch.delenv(name, raising=False)
+    install_stand_in(monkeypatch.setattr)
+    paged = layout == "paged16"
+    for (b, L, g), want in (((256, 131072, 8), 2), ((256, 32768, 8), 2), ((16, 131072, 1), 4),
+                            ((16, 32768, 1), 4), ((64, 32768, 4), 4)):
+        splits, graph, name, grid, fused = _stand_in_plan(b, L, g, paged)
+        assert (splits, graph, name, grid, fused) == (want, want, "decode_bf16_d128_s2_tma", b * 32 // g * want,
+                                                      True), (b, L, g)
+    for b, L, g in ((256, 8192, 8), (64, 32768, 1), (256, 32768, 4)):  # 8k keys; 2048-block grids
+        splits, graph, name, _grid, _fused = _stand_in_plan(b, L, g, paged)
+        assert (splits, graph) == (1, 1), (b, L, g, name)
+    splits, graph, name, grid, fused = _stand_in_plan(16, 2048, 8, paged)
+    assert (splits, graph, name, grid) == (1, 1, "decode_bf16_d128_s3_w8_tma", 64)
+    if paged:
+        splits, graph, name, grid, fused = _stand_in_plan(16, 8192, 8, True)
+        assert (splits, graph, name, grid, fused) == (4, 4, "decode_bf16_d128_s2_tma", 256, True)
+    monkeypatch.setenv("CUFLASH_DECODE_LONG_SPLIT", "0")
+    assert _stand_in_plan(256, 131072, 8, paged)[:3] == (1, 1, "decode_bf16_d128_s3_tma")
+    monkeypatch.delenv("CUFLASH_DECODE_LONG_SPLIT")
+    install_stand_in(monkeypatch.setattr, bw=3.35e12)  # an H100 SXM: 4 stages, unsplit (decode_deep_tma)
+    assert _stand_in_plan(256, 131072, 8, paged)[:3] == (1, 1, "decode_bf16_d128_s3_tma" if paged
+                                                         else "decode_bf16_d128_s4_tma")
 
 
 @pytest.mark.gpu
