@@ -10,6 +10,9 @@
 #           (CUFLASH_DECODE_PAGED_FILL=0), alternated twice, each its own process
 #   ruleab  decode_splits.py --paged at the library's plans (RA_SHAPES) with a rule (the tree's default) and
 #           without it (RA_VAR=0, default CUFLASH_DECODE_LONG_SPLIT), alternated twice, each its own process
+#   eagerpts  bench_decode.py at the eager grid's worst points (EP_BATCHES x EP_CACHES x EP_GQA), contiguous,
+#           with EP_REPS single eager calls per implementation and shape; EP_ENV: environment for it, and
+#           EP_TAG: a suffix of its file names
 #   STEPS="lsplit psplit" CALL=c1 bash bench/dev/s55_call.sh   (OUT: where logs go)
 set -u
 T0="$(mktemp)"
@@ -50,11 +53,17 @@ session_step() {
         echo "ruleab $t$k: $(grep -c ' us ' "$OUT/${N}_ruleab_$t$k.log") rows"
       done
       unset "$var" ;;
+    eagerpts)
+      env ${EP_ENV:-} python3 bench/bench_decode.py --batches ${EP_BATCHES:-1 4} --caches ${EP_CACHES:-2048 8192 32768} \
+        --gqa ${EP_GQA:-4 8} --layouts contiguous --eager-reps "${EP_REPS:-200}" --no-host --no-graph \
+        --json "$OUT/${N}_eagerpts${EP_TAG:-}.json" > "$OUT/${N}_eagerpts${EP_TAG:-}.log" 2>&1
+      grep -E "MET|MISSED" "$OUT/${N}_eagerpts${EP_TAG:-}.log" | cut -c1-200 ;;
     *) return 1 ;;
   esac
   return 0
 }
 run_steps
-(cd "$OUT" && tar czf "${N}_logs.tgz" ${N}_*.log ${N}_*.json 2>/dev/null && find . -maxdepth 1 -name "${N}_*" \
-  ! -name "${N}_logs.tgz" ! -name "${N}_dgrid.json" ! -name "${N}_dgrid.png" ! -name "${N}_newcache.tgz" \
+# (the archive's name carries EP_TAG, so that runs of one call with different tags keep their own)
+(cd "$OUT" && tar czf "${N}_logs${EP_TAG:-}.tgz" ${N}_*.log ${N}_*.json 2>/dev/null && find . -maxdepth 1 -name "${N}_*" \
+  ! -name "${N}_logs*.tgz" ! -name "${N}_dgrid.json" ! -name "${N}_dgrid.png" ! -name "${N}_newcache.tgz" \
   ! -name "${N}_host.json" -delete)
