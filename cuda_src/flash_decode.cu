@@ -54,9 +54,11 @@
 // into registers once (head_dim a multiple of 16 from 64; otherwise it is read at every tile);
 // S = Q K^T and O += P V are mma.sync m16n8k16 (P re-packed from the S accumulators as the A
 // operand). Per tile, a warp pays for the element-wise mask only where a bound crosses its 16 keys
-// or a score modification applies, and for the rescale of O only where a row's maximum moved (warp
-// votes keep both branches uniform). The TMA kernels sum the rounded P on the tensor cores (P times
-// ones) and take each ldmatrix address from registers set before the loop (the tile step, below).
+// or a score modification applies, and for the rescale of O only where a row's maximum moved. Both
+// tests are uniform across the warp: the rescale's by a vote, the mask's by a vote in the cp.async
+// kernels and, in the TMA kernels, by the warp's range of plain keys, worked out once before the
+// loop. The TMA kernels sum the rounded P on the tensor cores (P times ones) and take each ldmatrix
+// address from registers set before the loop (the tile step, below).
 //
 // Copies. cp.async (every layout and target): the block's threads copy the K/V tile's rows into
 // padded rows (load_tile below). TMA (TMA = true: sm_90a, head_dim 64 or 128, no sink tokens beside
