@@ -48,6 +48,14 @@ def decode_inputs(torch, dev, b: int, L: int, g: int):
     return h, d, hk, q, kc, vc, torch.full((b,), L, device=dev, dtype=torch.int32)
 
 
+def shape_inputs(torch, dev, shape: str):
+    """(b, L, g, q, k_cache, v_cache, cache_seqlens, sdpa) of a "BxLxG" shape (decode_inputs), sdpa being
+    q, k_cache and v_cache as SDPA's (batch, heads, keys, head_dim) views."""
+    b, L, g = (int(x) for x in shape.split("x"))
+    _, _, _, q, kc, vc, seqlens = decode_inputs(torch, dev, b, L, g)
+    return b, L, g, q, kc, vc, seqlens, (q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2))
+
+
 def eager_launch_ptrs(torch, plan, out, q, kc, vc, seqlens, names=None):
     """(ptrs, launches, splits, keep) of one eager call of a contiguous decode plan, set up by hand for
     timing its parts (eager_parts.py, fire_parts.py): the Params pointer slots of out, the plan's

@@ -54,6 +54,7 @@ def main():
                     help="also each layout's library plan with its split scratch allocated per call (torch.empty), "
                          "as before session 51, in the same process")
     ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--gpu1-rounds", type=int, default=60, help="rounds of the one-call GPU time (0: not measured)")
     ap.add_argument("--json")
     args = ap.parse_args()
 
@@ -133,11 +134,13 @@ def main():
         for k, fn in variants.items():
             with ctxs[k]() if k in ctxs else _null():
                 gpu = gpu_ms_per_call(torch, fn, 50, 5) * 1e3
+                gpu1 = gpu_ms_per_call(torch, fn, 1, args.gpu1_rounds) * 1e3 if args.gpu1_rounds else float("nan")
             row = dict(shape=shape, variant=k, plan=descs.get(k, ""), ev_med=statistics.median(ev[k]),
-                       ev_min=min(ev[k]), host_med=statistics.median(host[k]), host_min=min(host[k]), gpu_us=gpu)
+                       ev_min=min(ev[k]), host_med=statistics.median(host[k]), host_min=min(host[k]), gpu_us=gpu,
+                       gpu1_us=gpu1, pdl_env=os.environ.get("CUFLASH_PDL", ""))
             rows.append(row)
             print(f"{shape:>10} {k:20} eager {row['ev_med']:7.1f} (min {row['ev_min']:6.1f})  host "
-                  f"{row['host_med']:5.1f}  gpu {gpu:7.1f} us  {row['plan']}", flush=True)
+                  f"{row['host_med']:5.1f}  gpu {gpu:7.1f}  gpu1 {gpu1:7.1f} us  {row['plan']}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=name, rows=rows), f, indent=1)
