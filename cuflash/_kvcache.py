@@ -612,7 +612,10 @@ class DecodePlan:
                 num_splits = graph_splits = 1
             elif one:
                 # Long caches on 2-8 blocks per SM: split into 2-stage blocks (_config.decode_long_splits),
-                # where the splits merge without a second kernel.
+                # where the plan can merge the splits without a second kernel. A graph captured on a stream
+                # that has no fused-combine counters yet (torch.cuda.graph's own) merges them in the
+                # combine kernel (run()): its replays read 0.976-1.011 of the faster peer's at the six
+                # points of bench_decode's grid this rule splits (H200, session 55).
                 long = _config.decode_long_splits(target, d, blocks, keys, _sm_count(dev),
                                                   _gpu.peak_memory_bandwidth(dev))
                 if long > 1 and self._merged(long):
