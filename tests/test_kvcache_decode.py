@@ -1174,14 +1174,19 @@ def _stand_in_plan(batch: int, cache: int, gqa: int, paged: bool):
     of bench_decode's layout on the stand-in Hopper (tests/_decode_stand_in.py)."""
     plan = stand_in_plan(batch, cache, gqa, paged)
     dec, fused = decode_launch(plan.eager)
+    if plan.graph[0] == plan.eager[0]:  # the graph variant: the same kernel, grid and merge
+        g_dec, g_fused = decode_launch(plan.graph)
+        assert (g_dec.name, g_dec.grid, g_fused) == (dec.name, dec.grid, fused), (batch, cache, gqa, paged)
     return plan.eager[0], plan.graph[0], dec.name, dec.grid, fused
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "paged16"])
 def test_decode_plans_on_a_stand_in_hopper(monkeypatch, layout):
     """The decode planner end to end on the CPU (a stand-in H200: 132 SMs, 4.8 TB/s): long caches on 2-8
-    blocks per SM take decode_long_splits' count on the 2-stage kernel, merged fused, in eager calls
-    and graphs alike (both layouts), and not with CUFLASH_DECODE_LONG_SPLIT=0, at 8k keys, nor at
+    blocks per SM take decode_long_splits' count on the 2-stage kernel, merged fused, in the eager
+    variant and the graph variant alike (both layouts; a capture on a stream without the fused
+    combine's counters takes the combine kernel at run time), and not with
+    CUFLASH_DECODE_LONG_SPLIT=0, at 8k keys, nor at
     an H100's bandwidth; a paged cache of 64 blocks of 2048 keys runs the 8-warp kernel unsplit as the
     contiguous one does (not the paged fill), while 64 blocks of 8192 keys keep the paged fill's 4
     splits on the 2-stage kernel."""
