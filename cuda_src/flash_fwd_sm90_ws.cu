@@ -55,6 +55,9 @@
 //   k_empty[s]      count 4 CONSUMERS: lane 0 of each consumer warp arrives once its wgmma that read
 //                   the K tile of stage s has retired (after wgmma_wait<1> in iteration j).
 //   v_empty[s]      count 4 CONSUMERS: likewise after the P V product that read stage s (wgmma_wait<0>).
+//   (Three consumers: a consumer whose rows need fewer of the block's key tiles (rows past seqlen_q, or
+//   causal rows that see fewer keys: TRIM in the kernel) arrives for each tile it does not read once
+//   that tile's full barrier has completed, so every phase still counts all 4 CONSUMERS warps.)
 // K_j and V_j go to stage s = j % STAGES. Iteration j of a consumer reads K_j and, from j = 1 on,
 // V_(j-1), whose stage is (j - 1) mod STAGES; iteration 0 issues no P V product (there is no previous
 // tile), and the final product after the loop reads V_(n-1). So each V stage is used (and released)
@@ -165,6 +168,12 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
     constexpr int BLOCK_M = Tr::BLOCK_M, N_TILES = Tr::N_TILES;
     constexpr int PV_STEPS = BLOCK_N / 16;
     static_assert(!SPLIT || (PERSISTENT && !IS_CAUSAL), "split tiles: the persistent non-causal grid's");
+    // Each consumer visits only its own rows' key tiles (below, at n_mine): the three-consumer kernels
+    // (head_dim 64) of a block per query block, without FEAT (whose tiles and rows come from the options'
+    // masks). (Pingpong pairs two consumers' products tile by tile. At head_dim 256, two consumers
+    // without pingpong, it read 0.98-1.08x the time at 2k-16k keys, bf16 and fp16, by how ptxas laid out
+    // the loops: H200, session 57.)
+    constexpr bool TRIM = CONSUMERS == 3 && !PERSISTENT && !FEAT;
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     constexpr int LP = fwd_sm90_lp<HEAD_DIM>();  // where the sum of the rounded P comes from
@@ -354,6 +363,23 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
         const u32 sQ_wg = sQ + qb * Tr::SQ_BYTES + cw * 64 * 128;
         const int h = w.blk.h, b = w.blk.b, m0 = w.blk.m0, n_blocks = w.n_blocks;
         const QueryFeat& qf = w.qf;
+        // TRIM: this consumer's own key tiles [0, n_mine) of the block's n_blocks: none where its 64
+        // rows all lie past seqlen_q (the last query block, where BLOCK_M does not divide it: at 192 rows
+        // a block, 4096 = 21 x 192 + 64 leaves two of three consumers idle), and, causal, only those that
+        // hold a key its own last row sees (the block's count is its last consumer's). The rest it
+        // releases unread (below), so the producer's protocol is unchanged, and its tensor-core and
+        // softmax time goes to the block's other consumers. Its mask-free tiles count from its own first
+        // row (c0), which sees more keys than the block's first.
+        const int c0 = TRIM ? m0 + cw * 64 : m0;
+        int n_mine = n_blocks;
+        if constexpr (TRIM) {
+            if (c0 >= sq) {
+                n_mine = 0;
+            } else if constexpr (IS_CAUSAL) {
+                const int visible = min(c0 + 64, sq) + sk - sq;  // keys [0, visible) reach its last row
+                n_mine = min(n_blocks, visible <= 0 ? 0 : (visible + BLOCK_N - 1) / BLOCK_N);
+            }
+        }
         auto tile_of = [&](int it) { if constexpr (FEAT) return qf.kt.tile(it); else return w.n_lo + it; };
 
         // O, and (ONES_PV) after its HEAD_DIM / 2 floats P x ones: lp of rows g, g + 8 in elements
@@ -430,18 +456,27 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
             const bool rescale = !first && (!LAZY || warp_needs_rescale(alpha));  // iteration 0: O and lp are still 0
             rescale_and_pack<Ops, PV_N, BLOCK_N>(acc_o, alpha, pa, sc_, rescale);  // lp with O
         };
-        if (n_blocks > 0) key_tile(0, true, true);
+        if (n_mine > 0) key_tile(0, true, true);
         int n_mid = 1;
         if constexpr (!FEAT) {
-            // The tiles no row of the block needs masked (a split part: of its own range).
-            const int free_end = mask_free_tiles<BLOCK_N, IS_CAUSAL, IS_EVEN>(w.n_lo + n_blocks, m0, sq, sk);
-            n_mid = max(1, min(n_blocks, free_end - w.n_lo));
+            // The tiles no row of the consumer's block (TRIM: of the consumer) needs masked (a split
+            // part: of its own range).
+            const int free_end = mask_free_tiles<BLOCK_N, IS_CAUSAL, IS_EVEN>(w.n_lo + n_blocks, c0, sq, sk);
+            n_mid = max(1, min(n_mine, free_end - w.n_lo));
             for (int j = 1; j < n_mid; ++j) key_tile(j, false, false);
         }
-        for (int j = n_mid; j < n_blocks; ++j) key_tile(j, false, true);
+        for (int j = n_mid; j < n_mine; ++j) key_tile(j, false, true);
 
-        if (n_blocks > 0) {
-            const int jl = j0 + n_blocks - 1;
+        // TRIM: the block's count again, in another form, rather than n_blocks kept through the loops
+        // (kept, it took a register there, and ptxas re-made wgmma descriptors' constants in the mask-free
+        // loop: 7 instructions a key tile more, H200 session 57: d64 causal 16k 1 % slower).
+        int n_all = n_blocks;
+        if constexpr (TRIM && IS_CAUSAL) {
+            const int v = min(m0 + BLOCK_M + sk - sq, sk);
+            n_all = v <= 0 ? 0 : (v + BLOCK_N - 1) / BLOCK_N;
+        }
+        if (n_mine > 0) {
+            const int jl = j0 + n_mine - 1;
             const int sp = jl % STAGES;
             mbar_wait(v_full(sp), (jl / STAGES) & 1);
             if constexpr (FEAT) {
@@ -469,7 +504,26 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
             if constexpr (LP == LP_THREAD) softmax.add_rounded(*reinterpret_cast<const u32(*)[1][N_TILES][2]>(&pa));
             wgmma_wait<0>();
             fence_regs(acc_o);
-            if (PERSISTENT && lane == 0) mbar_arrive(v_empty(sp));  // the stage's next fill may come
+            // The stage's next fill may come (PERSISTENT), or (TRIM) the block's later tiles need it.
+            if ((PERSISTENT || n_mine < n_all) && lane == 0) mbar_arrive(v_empty(sp));
+        }
+        if constexpr (TRIM) {
+            // Tiles [n_mine, n_all): each warp releases K_j and (but the block's last, whose stage no
+            // fill waits for) V_j as if it had read them, each after its fill has landed: an arrival
+            // made sooner could count toward the stage's previous phase, which the other consumers may
+            // not have released yet (the fill of K_j completes only after that phase has).
+            if (lane == 0) {
+                for (int j = n_mine; j < n_all; ++j) {
+                    const int jj = j0 + j, s = jj % STAGES;
+                    mbar_wait(k_full(s), (jj / STAGES) & 1);
+                    mbar_arrive(k_empty(s));
+                    if (j + 1 < n_all) {
+                        mbar_wait(v_full(s), (jj / STAGES) & 1);
+                        mbar_arrive(v_empty(s));
+                    }
+                }
+            }
+            __syncwarp();
         }
         // This consumer's four warps are done reading its rows of sQ: O goes out through them.
         named_barrier_sync(1 + cw, 128);
