@@ -34,13 +34,15 @@ MORE = [  # dtype, head_dim, causal, seqlen_q, seqlen_k, nheads, nheads_kv, layo
     # work tiles, which were measured and dropped; bench/NOTES.md).
     ("bfloat16", 128, False, 4000, 100, 16, 2, "bshd"),
     ("float16", 128, False, 3000, 250, 24, 8, "bhsd"),
-    # Consumers that visit fewer key tiles than their block (flash_fwd_sm90_ws.cu TRIM, without pingpong:
-    # head_dim 64's three consumers, 256's two): a last query block of 70 rows (three consumers: the
-    # second with 6 rows, the third with none, releasing 20 key tiles unread); of 68 rows in a causal
-    # 4100 x 4100 (the second consumer's tiles end before the block's); bottom-right causal with more
-    # keys than rows (the first consumer of each block needs fewer key tiles than the second).
+    # Consumers that visit fewer key tiles than their block (flash_fwd_sm90_ws.cu TRIM: three consumers,
+    # the "three" schedule at head_dim 64): a last query block of 70 rows (the second consumer with 6
+    # rows, the third with none, releasing 20 key tiles unread); of 68 rows in a causal 4100 x 4100 (the
+    # second consumer's tiles end before the block's); bottom-right causal with more keys than rows (a
+    # block's first consumer needs fewer key tiles than its last), at head_dim 64 and, on the kernels
+    # without TRIM, 256.
     ("bfloat16", 64, False, 70, 2500, 4, 2, "bshd"),
     ("bfloat16", 64, True, 4100, 4100, 2, 2, "bshd"),
+    ("float16", 64, True, 200, 1000, 2, 1, "bhsd"),
     ("float16", 256, True, 200, 1000, 2, 1, "bhsd"),
 ]
 
