@@ -31,6 +31,59 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from decode_splits import gpu_ms_per_call, shape_inputs  # noqa: E402
 
 
+def record_captures(kvcache, launch, label=lambda L: L.name) -> list:
+    """Patches kvcache.run_launches so that each call made while its stream captures a graph appends
+    its launches (label of each, joined by "/") to the list returned."""
+    names = []
+    real_run = kvcache.run_launches
+
+    def run_launches(plan, stream, ptrs, launches, *a, **k):
+        if launch.stream_capturing(stream):
+            names.append("/".join(label(x) for x in launches))
+        return real_run(plan, stream, ptrs, launches, *a, **k)
+
+    kvcache.run_launches = run_launches
+    return names
+
+
+def warm_and_capture(torch, fn, names: list, on_side_stream: bool = False):
+    """(graph, out): fn called three times on a side stream, then captured in a CUDAGraph on
+    torch.cuda.graph's own capture stream (or, on_side_stream, on that side stream, which has then
+    run the calls) and replayed once; names (record_captures's list) emptied before the capture."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    del names[:]
+    with torch.cuda.graph(graph, stream=s if on_side_stream else None):
+        out = fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph, out
+
+
+def shape_case(torch, dev, shape: str):
+    """(q, k_cache, v_cache, cache_seqlens, ref, cudnn) of a "BxLxG" decode shape: ref, the library's
+    eager output (float32); cudnn, SDPA's cuDNN backend on the same arrays."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import cuflash
+
+    b, L, g, q, kc, vc, seqlens, (qt, kt, vt) = shape_inputs(torch, dev, shape)
+    ref = cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens).float()
+
+    def cudnn():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=(g > 1))
+
+    return q, kc, vc, seqlens, ref, cudnn
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", nargs="+", default=["1x2048x4", "1x2048x8", "4x2048x4", "4x2048x8", "1x8192x4",
@@ -40,34 +93,19 @@ def main():
     args = ap.parse_args()
 
     import torch
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import cuflash
     from cuflash import _config, _kvcache, _launch
 
-    names = []
-    real_run = _kvcache.run_launches
-
-    def run_launches(plan, stream, ptrs, launches, *a, **k):  # records what a capture takes
-        if _launch.stream_capturing(stream):
-            names.append("/".join(x.name for x in launches))
-        return real_run(plan, stream, ptrs, launches, *a, **k)
-
-    _kvcache.run_launches = run_launches
+    names = record_captures(_kvcache, _launch)  # what each capture takes
     dev = torch.device("cuda")
     print(torch.cuda.get_device_name(), flush=True)
     rows = []
     for shape in args.shapes:
-        b, L, g, q, kc, vc, seqlens, (qt, kt, vt) = shape_inputs(torch, dev, shape)
-        ref = cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens).float()
+        q, kc, vc, seqlens, ref, cudnn = shape_case(torch, dev, shape)
 
         def lib():
             return cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens)
-
-        def cudnn():
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=(g > 1))
 
         times = {v: [] for v in ("fresh", "warm32", "warm64", "cudnn")}
         info = {}
@@ -77,23 +115,7 @@ def main():
                 _kvcache._DECODE_PLANS.clear()
                 _kvcache._FAST_PLANS.clear()
                 fn = cudnn if v == "cudnn" else lib
-                s = torch.cuda.Stream()
-                s.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(s):
-                    for _ in range(3):
-                        fn()
-                torch.cuda.current_stream().wait_stream(s)
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                del names[:]
-                if v.startswith("warm"):
-                    with torch.cuda.graph(graph, stream=s):
-                        out = fn()
-                else:
-                    with torch.cuda.graph(graph):
-                        out = fn()
-                graph.replay()
-                torch.cuda.synchronize()
+                graph, out = warm_and_capture(torch, fn, names, on_side_stream=v.startswith("warm"))
                 if v == "cudnn":
                     diff = float((out.transpose(1, 2).float() - ref).abs().max())
                 else:
