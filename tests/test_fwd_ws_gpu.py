@@ -37,9 +37,9 @@ MORE = [  # dtype, head_dim, causal, seqlen_q, seqlen_k, nheads, nheads_kv, layo
     # Consumers that visit fewer key tiles than their block (flash_fwd_sm90_ws.cu TRIM: three consumers,
     # the "three" schedule at head_dim 64): a last query block of 70 rows (the second consumer with 6
     # rows, the third with none, releasing 20 key tiles unread); of 68 rows in a causal 4100 x 4100 (the
-    # second consumer's tiles end before the block's); bottom-right causal with more keys than rows (a
-    # block's first consumer needs fewer key tiles than its last), at head_dim 64 and, on the kernels
-    # without TRIM, 256.
+    # first consumer's tiles end a tile before the block's, the second has 4 rows, the third none);
+    # bottom-right causal with more keys than rows (a block's first consumer needs fewer key tiles than
+    # its last), at head_dim 64 and, on the kernels without TRIM, 256.
     ("bfloat16", 64, False, 70, 2500, 4, 2, "bshd"),
     ("bfloat16", 64, True, 4100, 4100, 2, 2, "bshd"),
     ("float16", 64, True, 200, 1000, 2, 1, "bhsd"),
