@@ -52,7 +52,10 @@ class FakeCuda(NumpyAdapter):
         return 77
 
     def empty(self, shape, dtype, device_id):
-        a = np.full(shape, np.nan, dtype=BF16 if dtype == "bfloat16" else dtype).view(Dev)
+        dt = np.dtype(BF16 if dtype == "bfloat16" else dtype)
+        # NaN where a float can hold it; an integer buffer (offsets, counters) gets its type's minimum
+        fill = np.iinfo(dt).min if dt.kind in "iu" else np.nan
+        a = np.full(shape, fill, dtype=dt).view(Dev)
         self.allocs.append(a)
         return a
 
