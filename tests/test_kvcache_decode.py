@@ -1186,9 +1186,9 @@ def test_decode_plans_on_a_stand_in_hopper(monkeypatch, layout):
     blocks per SM take decode_long_splits' count on the 2-stage kernel, merged fused, in the eager
     variant and the graph variant alike (both layouts; a capture on a stream without the fused
     combine's counters takes the combine kernel at run time), and not with CUFLASH_DECODE_LONG_SPLIT=0,
-    at 8k keys, nor at an H100's bandwidth; a paged cache of 64 blocks of 2048 keys runs the 8-warp kernel unsplit as the
-    contiguous one does (not the paged fill), while 64 blocks of 8192 keys keep the paged fill's 4
-    splits on the 2-stage kernel."""
+    at 8k keys, nor at an H100's bandwidth; a paged cache of 64 blocks of 2048 keys runs the 8-warp
+    kernel unsplit as the contiguous one does (not the paged fill), while 64 blocks of 8192 keys keep
+    the paged fill's 4 splits on the 2-stage kernel."""
     for name in ("CUFLASH_DECODE_LONG_SPLIT", "CUFLASH_DECODE_SHALLOW", "CUFLASH_DECODE_DEEP",
                  "CUFLASH_DECODE_PAGED_FILL", "CUFLASH_DECODE_WARPS", "CUFLASH_DECODE_FUSED_COMBINE",
                  "CUFLASH_DECODE_CLUSTER", "CUFLASH_DECODE_PAGE_TILES"):

@@ -53,8 +53,9 @@ class FakeCuda(NumpyAdapter):
 
     def empty(self, shape, dtype, device_id):
         dt = np.dtype(BF16 if dtype == "bfloat16" else dtype)
-        # NaN where a float can hold it; an integer buffer (offsets, counters) gets its type's minimum
-        fill = np.iinfo(dt).min if dt.kind in "iu" else np.nan
+        # NaN where a float can hold it; an integer buffer (offsets, counters) gets a value no count or
+        # offset takes: a signed type's minimum, an unsigned type's maximum
+        fill = np.nan if dt.kind not in "iu" else np.iinfo(dt).min if dt.kind == "i" else np.iinfo(dt).max
         a = np.full(shape, fill, dtype=dt).view(Dev)
         self.allocs.append(a)
         return a
