@@ -236,15 +236,16 @@ FWD_PAD_SMALL_TMA_SEQLEN_K = {(32, False): (512, 2048), (32, True): (512, 4096),
 FWD_PAD_SMALL_TMA_TILE = {(40, False): (128, 64), (40, True): (128, 64), (56, False): (128, 64)}
 
 
-def fwd_pad_tma_config(target: str, head_dim: int, dtype: str, causal: bool) -> TileConfig:
+def fwd_pad_tma_config(target: str, head_dim: int, dtype: str, causal: bool,
+                       seqlen_k: int | None = None) -> TileConfig:
     """The TMA variant of 64's tiles for a call of head_dim that fwd_pad_tma puts there:
-    FWD_PAD_SMALL_TMA_TILE's where it has the call, else head_dim 64's own (fwd_tma_config_for_target,
-    which CUFLASH_FWD_TMA_TILE overrides for both)."""
+    FWD_PAD_SMALL_TMA_TILE's where it has the call, else head_dim 64's own at seqlen_k
+    (fwd_tma_config_for_target, which CUFLASH_FWD_TMA_TILE overrides for both)."""
     import os
 
     tile = FWD_PAD_SMALL_TMA_TILE.get((head_dim, bool(causal)))
     if tile is None or os.environ.get("CUFLASH_FWD_TMA_TILE"):
-        return fwd_tma_config_for_target(target, 64, dtype, causal)
+        return fwd_tma_config_for_target(target, 64, dtype, causal, seqlen_k)
     return TileConfig(tile[0], tile[1], tile[0] // 16, wgmma=True)
 
 
@@ -328,7 +329,8 @@ def fwd_tma_mode() -> str:
     return "off" if v == "0" else "force" if v == "1" else "auto"
 
 
-def fwd_tma_config_for_target(target: str, head_dim: int, dtype: str, causal: bool = False) -> TileConfig:
+def fwd_tma_config_for_target(target: str, head_dim: int, dtype: str, causal: bool = False,
+                              seqlen_k: int | None = None) -> TileConfig:
     """The tiles of the TMA variant: those of fwd_config_for_target, except at head_dim 256, where
     128 x 64 fits without the cp.async kernel's spill (235 registers, NVRTC 13) and is faster.
     Measured on an H100 (bench/dev/tma_tiles.py, bf16, 16k tokens, hidden 2048, TFLOP/s non-causal /
@@ -340,7 +342,9 @@ def fwd_tma_config_for_target(target: str, head_dim: int, dtype: str, causal: bo
     at 512 / 1k / 2k / 4k keys: non-causal 64x128 311 / 340 / 364 / 388, 64x64 302 / 331 / 352 /
     369, 128x64 303 / 335 / 359 / 376; causal 64x64 224 / 270 / 316 / 328, 64x128 205 / 268 / 305 /
     355, 128x64 206 / 263 / 304 / 337 (bench/results/tma_tiles_d64_s21_h100.json).
-    CUFLASH_FWD_TMA_TILE="MxN" overrides head_dim 64's tiles (tuning runs; read when a plan is made)."""
+    Causal from FWD_TMA_CAUSAL_WIDE_SEQLEN_K keys on: 64 x 128 (seqlen_k None, as when a caller
+    does not know the length: 64 x 64). CUFLASH_FWD_TMA_TILE="MxN" overrides head_dim 64's tiles
+    (tuning runs; read when a plan is made)."""
     import os
 
     cfg = fwd_config_for_target(target, head_dim, dtype, causal)
@@ -353,8 +357,19 @@ def fwd_tma_config_for_target(target: str, head_dim: int, dtype: str, causal: bo
     if cfg.wgmma and head_dim == 256:
         return TileConfig(128, 64, 8, wgmma=True)
     if cfg.wgmma and head_dim == 64:
-        return TileConfig(64, 64, 4, wgmma=True) if causal else TileConfig(64, 128, 4, wgmma=True)
+        narrow = causal and (seqlen_k is None or seqlen_k < FWD_TMA_CAUSAL_WIDE_SEQLEN_K)
+        return TileConfig(64, 64, 4, wgmma=True) if narrow else TileConfig(64, 128, 4, wgmma=True)
     return cfg
+
+
+# Head_dim 64 causal on the TMA variant (below FWD_WS_MIN_SEQLEN_K's 4096 keys): 64 x 128 tiles from
+# this many keys, 64 x 64 below. Measured on an H200 (session 59, bench/dev/fwd_ab_inproc.py, both
+# tiles in one process, 9 rounds, 16k tokens; bench/results/logs_s59), 64 x 128's time / 64 x 64's,
+# bf16 / fp16: 1024 keys 1.035 / 1.032, 1536 0.998 / 1.004, 2048 0.985 / 0.984 (0.986 / 0.979 and
+# 0.983 / 0.978 in two more calls), 3072 0.966 / 0.966; head_dim 32, which pads up to this kernel
+# (fwd_pad_tma), 1536 1.003 / 1.001, 2048 0.989 / 0.986, 3072 0.970 / 0.970. (On an H100 in session
+# 21, before the later softmax changes, 64 x 64 led at 2048 keys causal: 316 against 305 TFLOP/s.)
+FWD_TMA_CAUSAL_WIDE_SEQLEN_K = 2048
 
 
 # The warp-specialized sm_90a forward (cuda_src/flash_fwd_sm90_ws.cu; docs/hopper_plan.md step 2):

@@ -326,20 +326,25 @@ def all_fwd_specializations(target: str, head_dims=None, dtypes=None, causal=(Fa
 def all_fwd_tma_specializations(target: str, head_dims=None, dtypes=None, causal=(False, True)):
     """The TMA variants of the sm_90a forward (plain calls; cuflash/_config.py fwd_tma_mode): every
     plain wgmma forward whose head_dim a tensor map can carry (a multiple of 64), and that of 64 for
-    the head dims that pad up to it (_config.fwd_pad_tma). None on other targets."""
+    the head dims that pad up to it (_config.fwd_pad_tma), in the tiles of each length they run at. None
+    on other targets."""
     out = []
     dims = list(head_dims or _config.HEAD_DIMS)
+    # The lengths where a tile or the pad-up starts: each span of lengths they keep opens at one.
+    lengths = sorted({1, _config.FWD_TMA_CAUSAL_WIDE_SEQLEN_K}
+                     | {lo for lo, _ in _config.FWD_PAD_SMALL_TMA_SEQLEN_K.values()})
     for dtype in dtypes or _config.DTYPES:
         for d in dims:
             for c in causal:
-                if d % 64 == 0:
-                    kd, cfg = d, _config.fwd_tma_config_for_target(target, d, dtype, c)
-                elif _config.fwd_pad_tma(target, d, c):
-                    kd, cfg = 64, _config.fwd_pad_tma_config(target, d, dtype, c)
-                else:
-                    continue
-                if cfg.wgmma:
-                    out += [fwd_specialization(dtype, kd, cfg, c, e, tma=True) for e in (False, True)]
+                for sk in lengths:
+                    if d % 64 == 0:
+                        kd, cfg = d, _config.fwd_tma_config_for_target(target, d, dtype, c, sk)
+                    elif _config.fwd_pad_tma(target, d, c, sk):
+                        kd, cfg = 64, _config.fwd_pad_tma_config(target, d, dtype, c, sk)
+                    else:
+                        continue
+                    if cfg.wgmma:
+                        out += [fwd_specialization(dtype, kd, cfg, c, e, tma=True) for e in (False, True)]
     return list({spec.expression: (spec, smem) for spec, smem in out}.values())
 
 
@@ -1125,7 +1130,7 @@ def fwd_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTen
         # columns past it zero-filled, O's not written (FwdTmaParams.d_cols).
         tma_pad = None
         if not chosen and _config.fwd_pad_tma(target, head_dim, causal, seqlen_k):
-            tcfg = _config.fwd_pad_tma_config(target, head_dim, dtype, causal)
+            tcfg = _config.fwd_pad_tma_config(target, head_dim, dtype, causal, seqlen_k)
             if _use_tma(k, v, tcfg.block_n, dtype, True):
                 cfg, tma_pad, pad_dim = tcfg, 64, None
         if pad_dim is not None:
@@ -1155,7 +1160,7 @@ def fwd_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTen
                                                persistent=pers is not None, split=split is not None)
         else:
             if tma and not chosen and not tma_pad:
-                cfg = _config.fwd_tma_config_for_target(target, head_dim, dtype, causal)
+                cfg = _config.fwd_tma_config_for_target(target, head_dim, dtype, causal, seqlen_k)
                 tma = _use_tma(k, v, cfg.block_n, dtype)  # the maps' box is the tile's rows
             even = seqlen_q % cfg.block_m == 0 and seqlen_k % cfg.block_n == 0
             spec, smem = fwd_specialization(dtype, tma_pad or head_dim, cfg, causal, even, tma=tma)

@@ -67,15 +67,21 @@ def _all_specs(kind, target):
         specs = _tma.all_probe_specializations(target)
         assert len(specs) == (len(_tma.PROBE_SHAPES) if target == "sm_90a" else 0)
         # ... and the forward's TMA variant (plain calls on sm_90a): every plain wgmma forward, with its
-        # tiles, and head_dim 64's in the tiles of the head dims that pad up to it where they differ
-        # from its own (cuflash/_config.py fwd_pad_tma_config; even and ragged, each dtype).
+        # tiles; head_dim 64 causal in 64 x 128 tiles too (from FWD_TMA_CAUSAL_WIDE_SEQLEN_K keys);
+        # and head_dim 64's in the tiles of the head dims that pad up to it where they differ from its
+        # own (cuflash/_config.py fwd_pad_tma_config; even and ragged, each dtype).
         tma_fwd = _launch.all_fwd_tma_specializations(target)
         n_wgmma = sum(spec.name.startswith("fwd90_") for spec, _ in _launch.all_fwd_specializations(target))
-        own = {(c, _config.fwd_tma_config_for_target(target, 64, "float16", c)) for c in (False, True)}
-        pad_tiles = {(c, _config.fwd_pad_tma_config(target, d, "float16", c))
-                     for d, c in _config.FWD_PAD_SMALL_TMA_SEQLEN_K if _config.fwd_pad_tma(target, d, c)} - own
+        wide = _config.FWD_TMA_CAUSAL_WIDE_SEQLEN_K
+        own = {(c, _config.fwd_tma_config_for_target(target, 64, "float16", c, sk))
+               for c in (False, True) for sk in (1, wide)}
+        assert len(own) == (3 if target == "sm_90a" else 2), own  # causal: 64 x 64, 64 x 128
+        extra_own = len(own) - 2  # past the plain wgmma forward's one tile per (head_dim 64, causal)
+        pad_tiles = {(c, _config.fwd_pad_tma_config(target, d, "float16", c, lo))
+                     for (d, c), (lo, _) in _config.FWD_PAD_SMALL_TMA_SEQLEN_K.items()
+                     if _config.fwd_pad_tma(target, d, c, lo)} - own
         assert len(pad_tiles) == (2 if target == "sm_90a" else 0), pad_tiles  # 128 x 64, causal and not
-        assert len(tma_fwd) == n_wgmma + len(_config.DTYPES) * 2 * len(pad_tiles)
+        assert len(tma_fwd) == n_wgmma + len(_config.DTYPES) * 2 * (len(pad_tiles) + extra_own)
         assert all(spec.name.endswith("_tma") for spec, _ in tma_fwd)
         # ... and the warp-specialized forward: every (head_dim, causal) of its table, even and ragged,
         # in both schedules (pingpong: CUFLASH_FWD_WS_PINGPONG=1), on both grids (persistent:

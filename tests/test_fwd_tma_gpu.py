@@ -59,6 +59,11 @@ CASES = [  # dtype, head_dim, causal, seqlen_q, seqlen_k, nheads, nheads_kv, lay
     ("bfloat16", 256, True, 300, 300, 2, 2, "packed"),
     ("float16", 256, False, 64, 1000, 2, 1, "mixed"),
     ("bfloat16", 128, True, 1, 4097, 8, 8, "bshd"),
+    # head_dim 64 causal from 2048 keys: 64 x 128 tiles (_config.FWD_TMA_CAUSAL_WIDE_SEQLEN_K)
+    ("float16", 64, True, 2100, 2500, 4, 2, "bshd"),
+    ("bfloat16", 64, True, 2048, 2048, 4, 4, "bhsd"),
+    ("bfloat16", 64, True, 3000, 2049, 4, 1, "padded"),  # more queries than keys: the first rows see none
+    ("float16", 64, True, 700, 2047, 2, 2, "mixed"),     # the last length of 64 x 64 tiles
 ]
 
 
@@ -72,6 +77,10 @@ def test_tma_forward(tma_on, dtype, head_dim, causal, seqlen_q, seqlen_k, nheads
     label = f"tma {dtype} d{head_dim} causal={causal} {seqlen_q}x{seqlen_k} h{nheads}/{nheads_kv} {layout}"
     run_and_check(cuflash, q, k, v, causal=causal, seed=seed, label=label)
     assert tma_on and all(n.endswith("_tma") for n in tma_on), f"not the TMA kernel: {tma_on}; {label}"
+    from cuflash import _config
+
+    cfg = _config.fwd_tma_config_for_target("sm_90a", head_dim, dtype, causal, seqlen_k)
+    assert all(f"_m{cfg.block_m}_n{cfg.block_n}_" in n for n in tma_on), (cfg, tma_on, label)
     # A second call on new tensors of the same shapes: new pointers, new maps, the same plan.
     q2, k2, v2 = make_qkv(2, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, getattr(torch, dtype), layout)
     run_and_check(cuflash, q2, k2, v2, causal=causal, seed=seed, label=label + " (second call)")

@@ -703,10 +703,11 @@ def test_fwd_ws_wiring(dev, monkeypatch):
     assert launched[-1]["grid"] == 2 * 4 * 32, launched[-1]["grid"]
     monkeypatch.delenv("CUFLASH_FWD_WS_PERSISTENT")
     # head_dim 64: three consumers (192-row blocks) from seqlen_k 2048 (non-causal) and 4096 (causal),
-    # the TMA variant below (_config.FWD_WS_MIN_SEQLEN_K).
+    # the TMA variant below (_config.FWD_WS_MIN_SEQLEN_K; causal in 64 x 128 tiles from 2048 keys).
     for sk, causal, want in ((512, False, "fwd90_f16_d64_m64_n128_full_even_tma"),
                              (2048, False, "fwd90ws_f16_d64_m192_n128_s3_full_ragged"),
-                             (2048, True, "fwd90_f16_d64_m64_n64_causal_even_tma"),
+                             (1024, True, "fwd90_f16_d64_m64_n64_causal_even_tma"),
+                             (2048, True, "fwd90_f16_d64_m64_n128_causal_even_tma"),
                              (4096, True, "fwd90ws_f16_d64_m192_n128_s2_causal_ragged")):
         q, k, v = arr(rng, (1, 256, 4, 64)), arr(rng, (1, sk, 2, 64)), arr(rng, (1, sk, 2, 64))
         cuflash.attention(q, k, v, causal=causal)
@@ -852,6 +853,9 @@ def test_fwd_padup_tma_below_64_wiring(dev, monkeypatch):
     monkeypatch.delenv("CUFLASH_FWD_PAD_TMA")
     _plan.CACHE.clear()
     run(64, 1000, True, "fwd90_f16_d64_m64_n64_causal_ragged_tma")
+    run(64, _config.FWD_TMA_CAUSAL_WIDE_SEQLEN_K - 1, True, "fwd90_f16_d64_m64_n64_causal_ragged_tma")
+    run(64, _config.FWD_TMA_CAUSAL_WIDE_SEQLEN_K, True, "fwd90_f16_d64_m64_n128_causal_even_tma")
+    run(64, 3000, True, "fwd90_f16_d64_m64_n128_causal_ragged_tma")
     # The table: (from, below) per (head_dim, causal); inside the span it goes before the
     # warp-specialized kernel's pad-up, past it that pad-up (or mma.sync) serves the call.
     table = _config.FWD_PAD_SMALL_TMA_SEQLEN_K
@@ -861,12 +865,17 @@ def test_fwd_padup_tma_below_64_wiring(dev, monkeypatch):
         assert _config.fwd_pad_tma("sm_90a", d, causal, hi - 1) and not _config.fwd_pad_tma("sm_90a", d, causal, hi)
     ws_least = _config.FWD_PAD_SMALL_MIN_SEQLEN_K[(32, True)]
     assert table[(32, True)][0] < ws_least < table[(32, True)][1]
-    run(32, ws_least, True, "fwd90_f16_d64_m64_n64_causal_even_tma")   # the TMA variant first
+    wide = _config.FWD_TMA_CAUSAL_WIDE_SEQLEN_K  # causal: 64 x 128 tiles from here on (64 x 64 below)
+    assert ws_least == wide
+    run(32, wide - 8, True, "fwd90_f16_d64_m64_n64_causal_ragged_tma")
+    run(32, ws_least, True, "fwd90_f16_d64_m64_n128_causal_even_tma")  # the TMA variant first
     run(32, table[(32, True)][1], True, "fwd90ws_f16_d64_m192_n128_s2_causal_ragged")  # then the other
     run(48, table[(48, False)][0] - 8, False, None)                     # (shorter: mma.sync)
     run(24, 1000, False, None)                                          # not in the table
     # precompile(head_dims=[...]) builds the kernels of 64 they pad to, in their tiles; 24 pads to none.
-    for d, tiles in ((48, ((64, 128, "full"), (64, 64, "causal"))), (40, ((128, 64, "full"), (128, 64, "causal")))):
+    for d, tiles in ((48, ((64, 128, "full"), (64, 64, "causal"))), (40, ((128, 64, "full"), (128, 64, "causal"))),
+                     (32, ((64, 128, "full"), (64, 64, "causal"), (64, 128, "causal"))),
+                     (64, ((64, 128, "full"), (64, 64, "causal"), (64, 128, "causal")))):
         names = {spec.name for spec, _ in _launch.all_fwd_tma_specializations("sm_90a", [d], ["float16"])}
         assert names == {f"fwd90_f16_d64_m{m}_n{n}_{c}_{e}_tma" for m, n, c in tiles for e in ("even", "ragged")}, names
     assert _launch.all_fwd_tma_specializations("sm_90a", [24], ["float16"]) == []
@@ -2197,23 +2206,29 @@ def test_head_dim_64_tma_tiles_keep_their_blocks_per_sm():
     from cuflash import _config
 
     per_sm, reserved = 233472, 1024  # an H100's / H200's shared memory per SM; 1 KB a block for the system
-    for causal, want in ((False, 3), (True, 4)):
-        cfg = _config.fwd_tma_config_for_target("sm_90a", 64, "bfloat16", causal)
+    wide = _config.FWD_TMA_CAUSAL_WIDE_SEQLEN_K
+    for causal, sk, want in ((False, None, 3), (True, None, 4), (True, wide - 1, 4), (True, wide, 3)):
+        cfg = _config.fwd_tma_config_for_target("sm_90a", 64, "bfloat16", causal, sk)
         smem = _config.fwd_smem_bytes(64, cfg) + _config.fwd_tma_bar_bytes(64)
         assert per_sm // (smem + reserved) >= want, (causal, cfg, smem)
 
 
 def test_head_dim_64_tma_tile_override(monkeypatch):
     """CUFLASH_FWD_TMA_TILE (tuning runs, session 27) replaces head_dim 64's TMA tiles, with one warp
-    per 16 query rows, and touches no other head_dim; unset, the table's 64 x 128 / 64 x 64 stand."""
+    per 16 query rows, and touches no other head_dim; unset, the table's 64 x 128 / 64 x 64 stand (causal:
+    64 x 128 from FWD_TMA_CAUSAL_WIDE_SEQLEN_K keys)."""
     from cuflash import _config
 
     tiles = lambda c: (c.block_m, c.block_n, c.warps)  # noqa: E731
     assert tiles(_config.fwd_tma_config_for_target("sm_90a", 64, "bfloat16", False)) == (64, 128, 4)
     assert tiles(_config.fwd_tma_config_for_target("sm_90a", 64, "bfloat16", True)) == (64, 64, 4)
+    wide = _config.FWD_TMA_CAUSAL_WIDE_SEQLEN_K  # causal 64 x 128 from here on
+    assert tiles(_config.fwd_tma_config_for_target("sm_90a", 64, "bfloat16", True, wide - 1)) == (64, 64, 4)
+    assert tiles(_config.fwd_tma_config_for_target("sm_90a", 64, "bfloat16", True, wide)) == (64, 128, 4)
+    assert tiles(_config.fwd_tma_config_for_target("sm_90a", 64, "bfloat16", False, 512)) == (64, 128, 4)
     monkeypatch.setenv("CUFLASH_FWD_TMA_TILE", "128x64")
-    for causal in (False, True):
-        cfg = _config.fwd_tma_config_for_target("sm_90a", 64, "float16", causal)
+    for causal, sk in ((False, None), (True, None), (True, wide)):
+        cfg = _config.fwd_tma_config_for_target("sm_90a", 64, "float16", causal, sk)
         assert (cfg.block_m, cfg.block_n, cfg.warps, cfg.wgmma) == (128, 64, 8, True)
     assert _config.fwd_tma_config_for_target("sm_90a", 128, "bfloat16", False) == \
         _config.fwd_config_for_target("sm_90a", 128, "bfloat16", False)
