@@ -320,15 +320,15 @@ def cuflash_specs(configs, passes, target):
         # Other head dims pad up to the next wgmma head_dim (_config.fwd_pad_head_dim / bwd_pad_head_dim).
         fd = _config.fwd_pad_head_dim(target, d, True, c, s) if _config.fwd_tma_mode() != "off" else None
         tma = (fc.wgmma and d % 64 == 0 or fd is not None) and _config.fwd_tma_mode() != "off"
-        ws = (_config.fwd_ws_config(fd, c) if fd else _config.fwd_ws_config(d, c, s)) if tma else None
+        ws = (_config.fwd_ws_config(fd, c) if fd else _config.fwd_ws_config(d, c, s, s)) if tma else None
         if _config.fwd_pad_tma(target, d, c, s):  # (or pad-up on the TMA variant of 64, which goes first)
-            fc = _config.fwd_pad_tma_config(target, d, dt, c)
+            fc = _config.fwd_pad_tma_config(target, d, dt, c, s)
             spec, smem = _launch.fwd_specialization(dt, 64, fc, c, s % fc.block_m == 0 and s % fc.block_n == 0, tma=True)
         elif ws:
             spec, smem = _launch.fwd_ws_specialization(dt, fd or d, c, s % (64 * ws[3]) == 0 and s % ws[0] == 0, *ws)
         else:
             if tma:
-                fc = _config.fwd_tma_config_for_target(target, d, dt, c)
+                fc = _config.fwd_tma_config_for_target(target, d, dt, c, s)
             spec, smem = _launch.fwd_specialization(dt, d, fc, c, s % fc.block_m == 0 and s % fc.block_n == 0, tma=tma)
         seen.setdefault(spec.expression, (spec, smem))
         if needs_backward(passes):

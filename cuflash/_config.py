@@ -410,16 +410,26 @@ FWD_WS_STAGES = 2
 # the TMA variant's 0.945 at 4096 keys (bf16 and fp16 alike), 1.007 at 2048, 1.21 at 1024. Three
 # consumers from 4096 keys.
 FWD_WS_MIN_SEQLEN_K = {(64, False): 2048, (64, True): 4096}
+# ... and from these keys where seqlen_q fills the kernel's blocks (a multiple of 64 rows a consumer: 192
+# at head_dim 64), whose last block then has no idle consumer. Measured on an H200 (session 59,
+# bench/dev/fwd_ab_inproc.py, 16k tokens, 9 rounds, bf16 / fp16), head_dim 64 causal, three consumers'
+# time / the TMA variant's (64 x 128 tiles): whole blocks 2304 keys 0.979 / 0.984, 3072 0.966 / 0.957 and
+# 0.963 / 0.962 (two calls); a last block 2/3 full 2816 1.015 / 1.016, 3584 0.997 / 0.997; 1/3 full
+# 2560 1.044 / 1.047; 2048 (10 2/3 blocks) about 1.07. With the rule, time / without it (another
+# call): 2304 0.982 / 0.979, 2496 1.015 / 1.017, 2688 0.970 / 0.951, 3072 0.962 / 0.972, 3264 0.986 /
+# 0.982 (geomean 0.981); the lengths it leaves alone (2048, 2560, 4096) 0.994-1.003.
+FWD_WS_WHOLE_BLOCKS_MIN_SEQLEN_K = {(64, True): 2304}
 FWD_WS_TABLE = {(64, False): (128, 3, False, 3), (64, True): (128, 2, False, 3), (128, False): (128, 2, True, 2),
                 (128, True): (128, 2, True, 2), (256, False): (64, 2, False, 2), (256, True): (64, 2, False, 2)}
 
 
-def fwd_ws_config(head_dim: int, causal: bool, seqlen_k: int | None = None):
+def fwd_ws_config(head_dim: int, causal: bool, seqlen_k: int | None = None, seqlen_q: int | None = None):
     """(BLOCK_N, STAGES, PINGPONG, CONSUMERS) of the warp-specialized forward for a plain call, or None where the
     table keeps the TMA variant. CUFLASH_FWD_WS: "0" never; "1" at every head_dim it serves (64, 128,
     256); unset: the table. CUFLASH_FWD_WS_BLOCK_N and CUFLASH_FWD_WS_STAGES override the tiles
     (tuning runs, bench/dev/tma_tiles.py); seqlen_k below FWD_WS_MIN_SEQLEN_K keeps the TMA variant
-    (unless CUFLASH_FWD_WS=1); CUFLASH_FWD_WS_PINGPONG "1" / "0" turns the pingpong
+    (unless CUFLASH_FWD_WS=1), except from FWD_WS_WHOLE_BLOCKS_MIN_SEQLEN_K's keys when seqlen_q is a
+    multiple of the blocks' rows; CUFLASH_FWD_WS_PINGPONG "1" / "0" turns the pingpong
     schedule between the two consumers on / off (flash_fwd_sm90_ws.cu); CUFLASH_FWD_WS_CONSUMERS
     "2" / "3" the consumer warpgroups (three: head_dim 64 only, where 160 registers a thread suffice;
     no pingpong)."""
@@ -431,7 +441,9 @@ def fwd_ws_config(head_dim: int, causal: bool, seqlen_k: int | None = None):
     cfg = FWD_WS_TABLE.get((head_dim, causal))
     if cfg is not None and mode != "1" and seqlen_k is not None and seqlen_k < FWD_WS_MIN_SEQLEN_K.get(
             (head_dim, causal), 0):
-        return None
+        whole = FWD_WS_WHOLE_BLOCKS_MIN_SEQLEN_K.get((head_dim, causal))
+        if whole is None or seqlen_k < whole or seqlen_q is None or seqlen_q % (64 * cfg[3]):
+            return None
     if cfg is None:
         if mode != "1":
             return None

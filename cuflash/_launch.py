@@ -1145,7 +1145,8 @@ def fwd_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTen
         if pad_dim is None:
             pers = None if chosen or tma_pad or not tma else _config.fwd_ws_persistent_config(
                 head_dim, causal, seqlen_k, seqlen_q)
-            ws = pers or (None if chosen or tma_pad or not tma else _config.fwd_ws_config(head_dim, causal, seqlen_k))
+            ws = pers or (None if chosen or tma_pad or not tma else _config.fwd_ws_config(head_dim, causal, seqlen_k,
+                                                                                           seqlen_q))
         if pad_dim is not None or (ws and _use_tma(q, q, 64 * ws[3], dtype) and _use_tma(k, v, ws[0], dtype)):
             cfg = _config.TileConfig(64 * ws[3], ws[0], 4 * (1 + ws[3]), wgmma=True)
             even = seqlen_q % cfg.block_m == 0 and seqlen_k % cfg.block_n == 0

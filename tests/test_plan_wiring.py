@@ -712,6 +712,20 @@ def test_fwd_ws_wiring(dev, monkeypatch):
         q, k, v = arr(rng, (1, 256, 4, 64)), arr(rng, (1, sk, 2, 64)), arr(rng, (1, sk, 2, 64))
         cuflash.attention(q, k, v, causal=causal)
         assert launched[-1]["name"] == want, (sk, causal, launched[-1]["name"])
+    # ... and causal from 2304 keys (FWD_WS_WHOLE_BLOCKS_MIN_SEQLEN_K) where seqlen_q fills 192-row blocks.
+    assert _config.FWD_WS_WHOLE_BLOCKS_MIN_SEQLEN_K[(64, True)] == 2304
+    for sq, sk, want in ((2304, 2304, "fwd90ws_f16_d64_m192_n128_s2_causal_even"),
+                         (3072, 3072, "fwd90ws_f16_d64_m192_n128_s2_causal_even"),
+                         (192, 3000, "fwd90ws_f16_d64_m192_n128_s2_causal_ragged"),
+                         (2112, 2112, "fwd90_f16_d64_m64_n128_causal_ragged_tma"),  # whole blocks, fewer keys
+                         (2560, 2560, "fwd90_f16_d64_m64_n128_causal_even_tma"),    # 13 1/3 blocks
+                         (3136, 3136, "fwd90_f16_d64_m64_n128_causal_ragged_tma")):  # 16 1/3
+        q, k, v = arr(rng, (1, sq, 4, 64)), arr(rng, (1, sk, 2, 64)), arr(rng, (1, sk, 2, 64))
+        cuflash.attention(q, k, v, causal=True)
+        assert launched[-1]["name"] == want, (sq, sk, launched[-1]["name"])
+    assert _config.fwd_ws_config(64, True, 3072) is None            # seqlen_q unknown: the length rule alone
+    assert _config.fwd_ws_config(64, True, 3072, 3072) == _config.FWD_WS_TABLE[(64, True)]
+    assert _config.fwd_ws_config(64, False, 1024, 1152) is None     # non-causal: FWD_WS_MIN_SEQLEN_K alone
     # Options: the FEAT variant (_config.FWD_WS_FEAT_TABLE), except narrow windows (NARROW_WINDOW).
     monkeypatch.delenv("CUFLASH_FWD_WS_PINGPONG")
     _plan.CACHE.clear()
