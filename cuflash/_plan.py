@@ -282,6 +282,7 @@ class BackwardPlan:
         self.state: dict = {}
         self._lock = threading.Lock()
         self.launches = ()
+        self.first = self.rest = self.late = ()
         self.copy = ()
         self.scratch_floats = 0
         self.dsink_offset = 0
@@ -293,6 +294,44 @@ class BackwardPlan:
         if infos["lse"].strides != contiguous_strides(infos["lse"].shape):
             self.copy += ("lse",)
         self.launches = tuple(self._gpu_backward(infos))
+        # The preprocess first, before the gradients exist (launch_split): it reads dout, out and lse
+        # and writes the scratch only. The launches after it that share its Params buffer
+        # (share_params) read dq, dk and dv from words it patched, which launch_split writes again.
+        lead = self.launches[0] if self.launches else None
+        if type(lead) is _launch.Launch and lead.name.startswith("bwd_pre_"):
+            self.first, self.rest = self.launches[:1], self.launches[1:]
+            self.late = tuple(p for p in lead.patches if p[1] in (B_DQ, B_DK, B_DV))
+
+    def launch_split(self, stream: int, ptrs, empty_like, out_t, kv_t) -> tuple:
+        """The backward with the preprocess fired before the gradients exist (where `first` is set):
+        ptrs' gradient slots are 0 for it; then dq = empty_like(out_t), dk and dv = empty_like(kv_t)
+        (the caller library's allocator and templates; an allocation error is the caller library's),
+        their pointers go into ptrs and into the preprocess's Params words that later launches share,
+        and the rest fire. One hold of the lock for both halves, so that no other call's pointers come
+        between. Where the plan's device is not the current one: allocations, then run_launches (which
+        switches). Returns (dq, dk, dv)."""
+        with self._lock:
+            if _current_device() == self.device_id:
+                launch = self.first[0]
+                try:
+                    launch.fire(stream, ptrs)
+                except Exception as e:
+                    raise _launch_error(self, launch, None, e) from e
+                dq, dk, dv = empty_like(out_t), empty_like(kv_t), empty_like(kv_t)
+                ptrs[6], ptrs[7], ptrs[8] = dq.data_ptr(), dk.data_ptr(), dv.data_ptr()  # B_DQ, B_DK, B_DV
+                words = launch.words
+                for word, slot, add in self.late:
+                    words[word] = ptrs[slot] + add
+                try:
+                    for launch in self.rest:
+                        launch.fire(stream, ptrs)
+                except Exception as e:
+                    raise _launch_error(self, launch, None, e) from e
+                return dq, dk, dv
+        dq, dk, dv = empty_like(out_t), empty_like(kv_t), empty_like(kv_t)
+        ptrs[B_DQ], ptrs[B_DK], ptrs[B_DV] = dq.data_ptr(), dk.data_ptr(), dv.data_ptr()
+        run_launches(self, stream, ptrs, self.launches)
+        return dq, dk, dv
 
     def _layout(self, infos, name, slot):
         info = infos[name]
@@ -365,10 +404,14 @@ def run_launches(plan, stream: int, ptrs, launches, what=None, pdl: bool = True,
     except Exception as e:
         if launch is None:
             raise
-        raise LaunchError(
-            f"cuflash: launching {launch.name} failed (grid {launch.grid}, {launch.threads} threads, "
-            f"{launch.smem} B shared memory, device {plan.device_id}) for "
-            f"{what() if what is not None else _call_text(plan.call)}: {type(e).__name__}: {e}") from e
+        raise _launch_error(plan, launch, what, e) from e
+
+
+def _launch_error(plan, launch, what, e) -> LaunchError:
+    return LaunchError(
+        f"cuflash: launching {launch.name} failed (grid {launch.grid}, {launch.threads} threads, "
+        f"{launch.smem} B shared memory, device {plan.device_id}) for "
+        f"{what() if what is not None else _call_text(plan.call)}: {type(e).__name__}: {e}")
 
 
 def _call_text(c: Call) -> str:

@@ -1299,9 +1299,12 @@ def test_torch_hot_path_wiring(torch_dev):
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
     names = [L["name"] for L in launched[n:]]
     assert len(names) == 3 and names[0].startswith("bwd_pre"), names
-    for L in launched[n:]:
+    for i, L in enumerate(launched[n:]):
         p = L["p"]
-        assert int(p["dq"]) == dq.data_ptr() and int(p["dk"]) == dk.data_ptr() and int(p["dv"]) == dv.data_ptr()
+        # The preprocess goes out before the gradients are allocated (it reads none of them); the
+        # launches after it, the one that shares its Params buffer included, see all three.
+        grads = (0, 0, 0) if i == 0 else (dq.data_ptr(), dk.data_ptr(), dv.data_ptr())
+        assert (int(p["dq"]), int(p["dk"]), int(p["dv"])) == grads, (names[i], grads)
         assert int(p["o"]) == out.data_ptr() and int(p["lse"]) == lse.data_ptr() and int(p["q"]) == q.data_ptr()
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
     # options: the sink logit's gradient comes back; lengths reach MaskParams
@@ -1475,7 +1478,60 @@ def test_out_of_memory_is_the_libraries_own(torch_dev, monkeypatch):
         torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
     monkeypatch.setattr(adapter, "_empty_like", real)
     out = cuflash.attention(q, k, v, causal=True)
+
+    def fail_grad(t):  # a gradient (bf16); the scratch before it is allocated
+        if t.dtype == torch.bfloat16:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(t)
+
+    # The preprocess goes out before the gradients are allocated (BackwardPlan.launch_split): when one
+    # fails, it is the only launch, it wrote cuflash's own scratch alone, and the plan's lock is free.
+    monkeypatch.setattr(adapter, "_empty_like", fail_grad)
+    n = len(launched)
+    with pytest.raises(torch.OutOfMemoryError):
+        torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    assert [L["name"][:8] for L in launched[n:]] == ["bwd_pre_"]
+    monkeypatch.setattr(adapter, "_empty_like", real)
+    out = cuflash.attention(q, k, v, causal=True)
     assert all(g.shape == x.shape for g, x in zip(torch.autograd.grad(out, (q, k, v), torch.randn_like(out)), (q, k, v)))
+
+
+def test_backward_split_on_a_device_not_current(torch_dev, monkeypatch):
+    """BackwardPlan.launch_split where the plan's device is not the current one: the gradients are
+    allocated first and every launch goes out under the device switch (run_launches), each with the
+    gradients' pointers; on the current device the preprocess goes first with none."""
+    import sys
+    import types
+
+    torch, launched = torch_dev
+    entered = []
+
+    class Device:
+        def __init__(self, i):
+            self.i = i
+
+        def __enter__(self):
+            entered.append(self.i)
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=types.SimpleNamespace(Device=Device)))
+    q, k, v = (torch.randn(2, 70, 2, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    for current in (0, 1):
+        monkeypatch.setattr(_plan, "_current_device", lambda: 0)
+        out = cuflash.attention(q, k, v, causal=True)
+        monkeypatch.setattr(_plan, "_current_device", lambda current=current: current)
+        n = len(launched)
+        del entered[:]
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+        names = [L["name"] for L in launched[n:]]
+        assert len(names) == 3 and names[0].startswith("bwd_pre_"), names
+        assert entered == ([0] if current else [])
+        for i, L in enumerate(launched[n:]):
+            p = L["p"]
+            grads = (0, 0, 0) if i == 0 and not current else (dq.data_ptr(), dk.data_ptr(), dv.data_ptr())
+            assert (int(p["dq"]), int(p["dk"]), int(p["dv"])) == grads, (current, names[i])
 
 
 def test_jax_out_of_memory_is_jaxs_own(monkeypatch):

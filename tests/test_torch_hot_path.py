@@ -233,9 +233,11 @@ def test_explicit_plan_torch_route(torch_dev, grad):
         n = len(launched)
         dq, dk, dv = torch.autograd.grad(out, (q2, k2, v2), torch.randn_like(out))
         assert len(launched) - n == 3
-        for L in launched[n:]:
+        for i, L in enumerate(launched[n:]):
             assert int(L["p"]["o"]) == out.data_ptr() and int(L["p"]["lse"]) == int(fwd["lse"])
-            assert int(L["p"]["dq"]) == dq.data_ptr() and int(L["p"]["dk"]) == dk.data_ptr()
+            # (the preprocess, first, goes out before the gradients exist: BackwardPlan.launch_split)
+            grads = (0, 0) if i == 0 else (dq.data_ptr(), dk.data_ptr())
+            assert (int(L["p"]["dq"]), int(L["p"]["dk"])) == grads
     with torch.no_grad():
         out, lse = p(q2, k2, v2, return_lse=True)
         assert int(launched[-1]["p"]["lse"]) == lse.data_ptr() and lse.shape == (2, 4, 40)
