@@ -24,6 +24,13 @@
 //           atomics into dq_accum.
 //      dK and dV are written once, at the end, in the input dtype: summing the GQA group inside the
 //      block needs no scratch and no atomics, so dK and dV are deterministic.
+//      SINGLE (plain calls whose keys fit one block: seqlen_k <= BLOCK_N): the whole backward in this
+//      one launch, for calls so short that launches cost more than the work. Each iteration forms
+//      its rows' lse * log2(e) from the forward's lse and D = rowsum(dO * O) from the landed dO tile
+//      and O (global) itself, where the preprocess would have; phase C writes dQ = scale * dS K in the
+//      input dtype directly (the block holds every key, so a row's dQ is complete within one
+//      iteration); and the query rows before the first block that sees a key (causal, seqlen_q >
+//      seqlen_k) get dq = 0. No scratch, no atomics: deterministic.
 //   3a. (ATOMIC_DQ) flash_bwd_convert_dq_kernel: dq = scale * dq_accum, in the input dtype.
 //   3b. (deterministic) flash_bwd_dq_kernel: one block per (query block, head, batch), the forward's
 //      partition: recomputes S and dP for its rows over the visible key tiles and accumulates
@@ -252,12 +259,17 @@ __device__ __forceinline__ void load_row_floats_async(float* s_dst, const float*
 }
 
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, bool IS_CAUSAL, bool IS_EVEN, bool ATOMIC_DQ,
-          bool FEAT = false>
+          bool FEAT = false, bool SINGLE = false>
 __global__ void __launch_bounds__(WARPS * 32, 1)
 flash_bwd_dkdv_kernel(const __grid_constant__ BwdParams p) {
     using Tr = BwdTraits<HEAD_DIM, BLOCK_M, BLOCK_N, WARPS>;
     constexpr int THREADS = Tr::THREADS, PITCH = Tr::PITCH, PPITCH = Tr::PPITCH, D_TILES = Tr::D_TILES;
     constexpr int A_TILES = Tr::A_TILES, B_TILES = Tr::B_TILES, C_TILES = Tr::C_TILES, B_MT = Tr::B_MT;
+    static_assert(!(SINGLE && (ATOMIC_DQ || FEAT)), "SINGLE: plain calls; dQ is written, not accumulated");
+    // SINGLE: the threads of a query row when D is formed (consecutive lanes of one warp).
+    constexpr int ROW_TPR = THREADS / BLOCK_M;
+    static_assert(!SINGLE || (THREADS % BLOCK_M == 0 && (ROW_TPR & (ROW_TPR - 1)) == 0 && ROW_TPR <= 32),
+                  "SINGLE: a power-of-two number of a warp's lanes per query row");
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* sK = reinterpret_cast<T*>(smem_raw);        // (BLOCK_N, PITCH)
@@ -310,9 +322,11 @@ flash_bwd_dkdv_kernel(const __grid_constant__ BwdParams p) {
         const T* gdO = static_cast<const T*>(p.dout) + b * p.do_batch_stride + hq * p.do_head_stride + (si.q_row0 + m0) * p.do_row_stride;
         load_tile_async<T, HEAD_DIM, PITCH, BLOCK_M, THREADS, !IS_EVEN>(sQ + st * Tr::SQ_ELEMS, gQ, p.q_row_stride, q_valid - m0, tid);
         load_tile_async<T, HEAD_DIM, PITCH, BLOCK_M, THREADS, !IS_EVEN>(sdO + st * Tr::SQ_ELEMS, gdO, p.do_row_stride, q_valid - m0, tid);
-        const i64 row = ((i64)b * p.nheads + hq) * p.seqlen_q_pad + m0;
-        load_row_floats_async<BLOCK_M, THREADS>(sLse + st * BLOCK_M, p.lse_log2 + row, tid);
-        load_row_floats_async<BLOCK_M, THREADS>(sDelta + st * BLOCK_M, p.delta + row, tid);
+        if constexpr (!SINGLE) {  // (SINGLE forms them once the tiles have landed)
+            const i64 row = ((i64)b * p.nheads + hq) * p.seqlen_q_pad + m0;
+            load_row_floats_async<BLOCK_M, THREADS>(sLse + st * BLOCK_M, p.lse_log2 + row, tid);
+            load_row_floats_async<BLOCK_M, THREADS>(sDelta + st * BLOCK_M, p.delta + row, tid);
+        }
     };
 
     if (iters > 0) {
@@ -330,6 +344,18 @@ flash_bwd_dkdv_kernel(const __grid_constant__ BwdParams p) {
     // Phase C: query group (16 queries) and head_dim column group.
     const int qg = warp % Tr::Q_GROUPS, cgc = warp / Tr::Q_GROUPS;
     const int c_tile0 = cgc * C_TILES, c_count = min(C_TILES, D_TILES - c_tile0);
+
+    if constexpr (SINGLE) {
+        // Rows before the first query block that sees a key (causal, seqlen_q > seqlen_k: they see
+        // none): dq = 0, for every query head of the group (here, before the loop's registers are live).
+        const int zero_rows = min(m_begin * BLOCK_M, sq);
+        constexpr int CH = HEAD_DIM / 8;
+        for (int x = tid; x < p.head_group * zero_rows * CH; x += THREADS) {
+            const int hq = h_kv * p.head_group + x / (zero_rows * CH), rc = x % (zero_rows * CH);
+            T* dst = static_cast<T*>(p.dq) + b * p.dq_batch_stride + hq * p.dq_head_stride + (rc / CH) * p.dq_row_stride;
+            *reinterpret_cast<uint4*>(dst + (rc % CH) * 8) = make_uint4(0u, 0u, 0u, 0u);
+        }
+    }
 
     float acc_dk[B_MT][B_TILES][4], acc_dv[B_MT][B_TILES][4];  // (16 * B_MT keys, B_TILES * 8 of head_dim) per warp
 #pragma unroll
@@ -350,6 +376,35 @@ flash_bwd_dkdv_kernel(const __grid_constant__ BwdParams p) {
         const int m0 = (m_begin + it % m_iters) * BLOCK_M;
         const T* sQs = sQ + st * Tr::SQ_ELEMS;
         const T* sdOs = sdO + st * Tr::SQ_ELEMS;
+
+        if constexpr (SINGLE) {
+            // The preprocess's rows, here: lse * log2(e) (+inf past seqlen_q or where the row sees no
+            // key, so P = 0 there) and D = rowsum(dO * O), ROW_TPR threads a row, dO from the tile
+            // (zero past seqlen_q), O from global memory in 16-byte chunks.
+            const int r = tid / ROW_TPR, part = tid % ROW_TPR, row = m0 + r;
+            const bool valid = row < sq;
+            float d = 0.f;
+            if (valid) {
+                const T* o = static_cast<const T*>(p.o) + b * p.o_batch_stride + hq * p.o_head_stride + row * p.o_row_stride;
+#pragma unroll 1
+                for (int c = part * 8; c < HEAD_DIM; c += ROW_TPR * 8) {
+                    const uint4 ov = *reinterpret_cast<const uint4*>(o + c);
+                    const uint4 dv = *reinterpret_cast<const uint4*>(sdOs + r * PITCH + c);
+                    const u16* oe = reinterpret_cast<const u16*>(&ov);
+                    const u16* de = reinterpret_cast<const u16*>(&dv);
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) d += ElemOps<T>::to_float(oe[e]) * ElemOps<T>::to_float(de[e]);
+                }
+            }
+#pragma unroll
+            for (int o = ROW_TPR / 2; o > 0; o /= 2) d += __shfl_xor_sync(0xffffffffu, d, o);
+            if (part == 0) {
+                const float l = valid ? p.lse[((i64)b * p.nheads + hq) * sq + row] : -CUFLASH_INF;
+                sDelta[st * BLOCK_M + r] = d;
+                sLse[st * BLOCK_M + r] = l != -CUFLASH_INF ? l * CUFLASH_LOG2E : CUFLASH_INF;
+            }
+            __syncthreads();
+        }
 
         // ---- A: S^T = K Q^T and dP^T = V dO^T, (16 keys, A_COLS queries) per warp ----
         {
@@ -452,6 +507,30 @@ flash_bwd_dkdv_kernel(const __grid_constant__ BwdParams p) {
                             atomicAdd(acc + g * HEAD_DIM + col + 1, dq[i][1]);
                             atomicAdd(acc + (g + 8) * HEAD_DIM + col, dq[i][2]);
                             atomicAdd(acc + (g + 8) * HEAD_DIM + col + 1, dq[i][3]);
+                        }
+                }
+            }
+        }
+        if constexpr (SINGLE) {  // this block holds every key: dQ = scale * dS K is the rows' whole dQ
+            const int row = m0 + qg * 16 + g;
+            T* dq0 = static_cast<T*>(p.dq) + b * p.dq_batch_stride + hq * p.dq_head_stride + row * p.dq_row_stride + 2 * t;
+            T* dq1 = dq0 + 8 * p.dq_row_stride;
+            const bool ok0 = IS_EVEN || row < sq, ok1 = IS_EVEN || row + 8 < sq;
+            // (one tile at a time from head_dim 104: two put ptxas over the register file there)
+            constexpr int C_CHUNK = C_TILES < 2 || HEAD_DIM > 96 ? 1 : 2;
+#pragma unroll
+            for (int c0 = 0; c0 < C_TILES; c0 += C_CHUNK) {
+                const int tile0 = c_tile0 + c0, count = min(C_CHUNK, c_count - c0);
+                if (count > 0) {
+                    float dq[C_CHUNK][4];
+                    zero_acc(dq);
+                    warp_mma<T, BLOCK_N, C_CHUNK, true, true>(dq, sdSt + qg * 16, PPITCH, sK + tile0 * 8, PITCH, count, lane);
+#pragma unroll
+                    for (int i = 0; i < C_CHUNK; ++i)
+                        if (i < count) {
+                            const int col = (tile0 + i) * 8;
+                            if (ok0) *reinterpret_cast<u32*>(dq0 + col) = ElemOps<T>::pack(dq[i][0] * p.scale, dq[i][1] * p.scale);
+                            if (ok1) *reinterpret_cast<u32*>(dq1 + col) = ElemOps<T>::pack(dq[i][2] * p.scale, dq[i][3] * p.scale);
                         }
                 }
             }

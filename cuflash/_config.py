@@ -675,6 +675,37 @@ BWD_ROW_PAD = 128
 # 148 / 157 (131 / 138). The separate pass wins everywhere measured, so it is the default.
 BWD_ATOMIC_DQ = False
 
+# The one-launch backward (flash_bwd.cu's dK/dV kernel with SINGLE): plain calls whose keys fit one
+# key block of the mma.sync kernel (1 <= seqlen_k <= its BLOCK_N) and whose query rows (batch *
+# nheads * seqlen_q) number at most this. It forms D and lse * log2(e) itself and writes dQ, so the
+# preprocess, the dQ conversion (or the dQ kernel) and the scratch allocation go: a short call's
+# backward is one launch instead of three. Above the bound the warp-specialized / wgmma kernels'
+# throughput matters more than two launches.
+BWD_SINGLE_MAX_ROWS = 16384
+# ... and from this head_dim: below it the separate dQ kernel splits dS into two 16-bit operands and
+# corrects D (flash_bwd.cu, DS_SPLIT_BELOW), which the one-launch kernel's dQ, from the rounded dS as
+# the atomic path's, does not.
+BWD_SINGLE_MIN_HEAD_DIM = 32
+
+
+def bwd_single_config(family: str, head_dim: int, dtype: str) -> TileConfig:
+    """The one-launch backward's tiles: the mma.sync kernel's (bwd_config), but 32 x 64 x 8 from head_dim
+    88 to 128, where 32 x 128 x 8 with the kernel's own dQ stores spilled 8-56 bytes (NVRTC 13.0,
+    sm_80 and sm_90a: at 104-128 on both, 88 on sm_90a); its key block, and so the calls it serves, is
+    then 64 keys."""
+    if 80 < head_dim <= 128:
+        return TileConfig(32, 64, 8)
+    return bwd_config(family, head_dim, dtype)
+
+
+def bwd_single_mode() -> str:
+    """CUFLASH_BWD_SINGLE: "0" never the one-launch backward, "1" wherever it can run (tests and
+    tuning: any row count), else "auto" (BWD_SINGLE_MAX_ROWS). Read when a plan is made."""
+    import os
+
+    v = os.environ.get("CUFLASH_BWD_SINGLE")
+    return {"0": "off", "1": "force"}.get(v, "auto")
+
 
 def arch_family(cc_major: int, cc_minor: int) -> str:
     """Maps a compute capability to the table that serves it."""

@@ -76,6 +76,7 @@ def precompile(head_dims=None, dtypes=None, causal=(False, True), backward=True,
         # both dQ paths where the dispatcher can select both (atomic=None)
         specs += _launch.all_bwd_specializations(target, head_dims, dtypes, tuple(causal))
         specs += _launch.all_bwd_ws_specializations(target, head_dims, dtypes, tuple(causal))
+        specs += _launch.all_bwd_single_specializations(target, head_dims, dtypes, tuple(causal))
     if features:
         specs += _launch.all_feat_specializations(target, head_dims, dtypes, backward)
         specs += _launch.all_decode_specializations(target, head_dims, dtypes)

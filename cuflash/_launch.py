@@ -591,6 +591,45 @@ def bwd_specializations(dtype: str, head_dim: int, target: str, causal: bool, ev
     return out
 
 
+def bwd_single_specialization(dtype: str, head_dim: int, target: str, causal: bool, even: bool):
+    """The one-launch backward (flash_bwd.cu's dK/dV kernel with SINGLE) on the mma.sync tiles of the
+    target's family: (Specialization, smem bytes, TileConfig)."""
+    short, ctype = _DTYPE_TAG[dtype]
+    cfg = _config.bwd_single_config(_config.family_of_target(target), head_dim, dtype)
+    smem = _config.bwd_smem_bytes(head_dim, cfg)
+    traits = f"cuflash::BwdTraits<{head_dim}, {cfg.block_m}, {cfg.block_n}, {cfg.warps}>"
+    spec = _compile.Specialization(
+        "flash_bwd.cu",
+        f"cuflash::flash_bwd_dkdv_kernel<{ctype}, {head_dim}, {cfg.block_m}, {cfg.block_n}, {cfg.warps}, "
+        f"{_b(causal)}, {_b(even)}, false, false, true>",
+        f"bwd_single_{short}_d{head_dim}_m{cfg.block_m}_n{cfg.block_n}_w{cfg.warps}"
+        f"_{'causal' if causal else 'full'}_{'even' if even else 'ragged'}",
+        _BWD_CHECKS_PARAMS + "\n" +
+        f"static_assert({traits}::SMEM_BYTES == {smem},"
+        f' "shared memory size differs from cuflash/_config.py:bwd_smem_bytes");')
+    return spec, smem, cfg
+
+
+def bwd_uses_single(target: str | None, head_dim: int, dtype: str, batch: int, nheads: int, seqlen_q: int,
+                    seqlen_k: int) -> bool:
+    """Whether a plain backward call runs as one launch (bwd_single_specialization;
+    _config.BWD_SINGLE_MAX_ROWS, bwd_single_mode): its keys fit one block of the kernel's tiles."""
+    mode = _config.bwd_single_mode()
+    if target is None or mode == "off" or seqlen_q < 1 or seqlen_k < 1 or head_dim < _config.BWD_SINGLE_MIN_HEAD_DIM:
+        return False
+    if seqlen_k > _config.bwd_single_config(_config.family_of_target(target), head_dim, dtype).block_n:
+        return False
+    return mode == "force" or batch * nheads * seqlen_q <= _config.BWD_SINGLE_MAX_ROWS
+
+
+def all_bwd_single_specializations(target: str, head_dims=None, dtypes=None, causal=(False, True)):
+    """The one-launch backward for every (dtype, head_dim from BWD_SINGLE_MIN_HEAD_DIM, causal, even)
+    of a compile target."""
+    return [bwd_single_specialization(dtype, d, target, c, e)[:2] for dtype in dtypes or _config.DTYPES
+            for d in head_dims or _config.HEAD_DIMS if d >= _config.BWD_SINGLE_MIN_HEAD_DIM
+            for c in causal for e in (False, True)]
+
+
 def bwd_atomic_choices(target: str, head_dim: int) -> tuple[bool, ...]:
     """The dQ paths the dispatcher can select for (target, head_dim): the deterministic one always,
     the atomic one where a non-deterministic call takes it."""
@@ -1428,6 +1467,23 @@ def bwd_launches(dout: DeviceTensor, q: DeviceTensor, k: DeviceTensor, v: Device
             cfg = cfg or _config.feat_bwd_config(target, head_dim, dtype)
             qcfg = _config.feat_dq_config(target, head_dim, dtype)
             kernels = bwd_specializations(dtype, head_dim, target, False, False, False, atomic, cfg, feat=True)
+    elif cfg is None and bwd_uses_single(target, head_dim, dtype, batch, nheads, seqlen_q, seqlen_k):
+        # One launch, no scratch: the kernel forms D and lse * log2(e) and writes dQ itself.
+        tiles = _config.bwd_single_config(_config.family_of_target(target), head_dim, dtype)
+        even = seqlen_q % tiles.block_m == 0 and seqlen_k == tiles.block_n
+        spec, smem, cfg = bwd_single_specialization(dtype, head_dim, target, causal, even)
+        p = np.zeros((), dtype=BWD_PARAMS)
+        ptrs = _tensor_ptrs((("q", q), ("k", k), ("v", v), ("o", o), ("dout", dout), ("dq", dq), ("dk", dk), ("dv", dv)))
+        ptrs["lse"], ptrs["delta"], ptrs["dq_accum"], ptrs["lse_log2"] = lse_ptr, 0, 0, 0
+        _set_strides(p, (("q", q), ("k", k), ("v", v), ("o", o), ("do", dout), ("dq", dq), ("dk", dk), ("dv", dv)))
+        p["batch"], p["nheads"], p["nheads_kv"] = batch, nheads, nheads_kv
+        p["head_group"] = nheads // nheads_kv
+        p["seqlen_q"], p["seqlen_k"] = seqlen_q, seqlen_k
+        p["seqlen_q_pad"] = _cdiv(seqlen_q, _config.BWD_ROW_PAD) * _config.BWD_ROW_PAD
+        p["scale_log2"], p["scale"] = softmax_scale * LOG2E, softmax_scale
+        p["num_blocks"] = 1
+        fn = _compile.get_function(spec, target, device_id, smem)
+        return [Launch(spec.name, fn.ptr, batch * nheads_kv, cfg.warps * 32, smem, p, ptrs, device_id)]
     else:
         explicit_cfg = cfg is not None
         cfg = cfg or _config.bwd_config_for_target(target, head_dim, dtype)

@@ -258,6 +258,8 @@ def scratch_layout(c: Call, target: str, has_sink: bool) -> tuple:
     d, batch, h = c.head_dim, c.batch, c.nheads
     if c.feats is None:
         atomic = _launch.bwd_uses_atomics(c.deterministic, target, d)
+        if _launch.bwd_uses_single(target, d, c.dtype, batch, h, c.seqlen_q, c.seqlen_k):
+            return atomic, 0, 0, 0  # the one-launch backward needs no scratch
         n_rows, n_acc = _launch.bwd_scratch_sizes(batch, h, c.seqlen_q, d, atomic, target)
         return atomic, n_rows, n_acc, 0
     # dQ by float atomics from sm_90a's wgmma dK/dV kernel where it fits, unless deterministic.

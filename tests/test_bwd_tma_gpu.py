@@ -33,7 +33,7 @@ def test_tma_backward(monkeypatch, dtype, head_dim, causal, seqlen_q, seqlen_k, 
     import cuflash
     from cuflash import _config, _plan, _tma
 
-    names = record_tma_launches(monkeypatch, CUFLASH_BWD_TMA="1", CUFLASH_BWD_WS="0")
+    names = record_tma_launches(monkeypatch, CUFLASH_BWD_SINGLE="0", CUFLASH_BWD_TMA="1", CUFLASH_BWD_WS="0")
     try:
         seed = fresh_seed()
         torch.manual_seed(seed)

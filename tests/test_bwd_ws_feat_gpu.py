@@ -34,7 +34,8 @@ def _suffix(kind, head_dim, seqs=False):
 
 @pytest.fixture
 def ws_feat(monkeypatch):
-    names = record_tma_launches(monkeypatch, CUFLASH_BWD_WS="1", CUFLASH_BWD_WS_FEAT="1")
+    # (CUFLASH_BWD_SINGLE=0: the feature sets that fold to plain attention keep the warp-specialized kernel)
+    names = record_tma_launches(monkeypatch, CUFLASH_BWD_SINGLE="0", CUFLASH_BWD_WS="1", CUFLASH_BWD_WS_FEAT="1")
     yield names
     from cuflash import _plan
 

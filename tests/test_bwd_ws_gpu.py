@@ -63,7 +63,7 @@ def test_ws_backward(monkeypatch, dtype, head_dim, causal, seqlen_q, seqlen_k, n
         pytest.skip("the default at head_dim 128")
     if (dtype, head_dim, causal, seqlen_q, seqlen_k, nheads, nheads_kv, layout) in MANY_TILES and not persistent:
         pytest.skip("the many-tile shapes check the persistent grid")
-    names = record_tma_launches(monkeypatch, CUFLASH_BWD_WS="1", CUFLASH_BWD_WS_STAGES=stages,
+    names = record_tma_launches(monkeypatch, CUFLASH_BWD_SINGLE="0", CUFLASH_BWD_WS="1", CUFLASH_BWD_WS_STAGES=stages,
                                 CUFLASH_BWD_WS_BLOCK_M=block_m, CUFLASH_BWD_WS_PERSISTENT=persistent,
                                 CUFLASH_BWD_DQ_RED=dq_red)
     try:
@@ -101,7 +101,7 @@ def test_backward_planned_on_a_thread_without_context(monkeypatch, how):
     import cuflash
     from cuflash import _tma
 
-    names = record_tma_launches(monkeypatch, CUFLASH_BWD_WS=None, CUFLASH_FWD_TMA=None)
+    names = record_tma_launches(monkeypatch, CUFLASH_BWD_SINGLE="0", CUFLASH_BWD_WS=None, CUFLASH_FWD_TMA=None)
     monkeypatch.setattr(_tma, "_patches", {})  # nothing learned on the main thread yet
     seed = fresh_seed()
     torch.manual_seed(seed)
@@ -151,7 +151,7 @@ def test_ws256_backward(monkeypatch, dtype, causal, seqlen_q, seqlen_k, nheads, 
 
     if det and persistent:
         pytest.skip("deterministic calls do not take the kernel")
-    names = record_tma_launches(monkeypatch, CUFLASH_BWD_WS=None, CUFLASH_BWD_WS_PERSISTENT=persistent)
+    names = record_tma_launches(monkeypatch, CUFLASH_BWD_SINGLE="0", CUFLASH_BWD_WS=None, CUFLASH_BWD_WS_PERSISTENT=persistent)
     try:
         seed = fresh_seed()
         torch.manual_seed(seed)
@@ -194,7 +194,7 @@ def test_padded_head_dim_backward(monkeypatch, dtype, head_dim, causal, seqlen_q
     import cuflash
     from cuflash import _config, _plan
 
-    names = record_tma_launches(monkeypatch, CUFLASH_BWD_WS=None, CUFLASH_BWD_PAD=None)
+    names = record_tma_launches(monkeypatch, CUFLASH_BWD_SINGLE="0", CUFLASH_BWD_WS=None, CUFLASH_BWD_PAD=None)
     try:
         seed = fresh_seed()
         torch.manual_seed(seed)

@@ -134,6 +134,13 @@ def _all_specs(kind, target):
             names = [spec.name for spec, _ in specs]
             for d in _config.WGMMA_BWD_HEAD_DIMS:
                 assert sum(n.startswith(f"bwd90_dkdv_bf16_d{d}_") for n in names) == 8, d
+        # ... and the one-launch backward of short calls: per (dtype, head_dim from 32), causal x even.
+        single = _launch.all_bwd_single_specializations(target)
+        n_dims = sum(d >= _config.BWD_SINGLE_MIN_HEAD_DIM for d in _config.HEAD_DIMS)
+        assert n_dims == len(_config.HEAD_DIMS) - 3 and len(single) == len(_config.DTYPES) * n_dims * 4
+        assert len({spec.name for spec, _ in single}) == len(single)
+        assert all(spec.name.startswith("bwd_single_") for spec, _ in single)
+        specs = specs + single
     return specs
 
 

@@ -367,6 +367,49 @@ def test_backward_strided_inputs(cf, layout, dout_layout, causal, det):
                            label=f"bwd strides {layout} dout {dout_layout} {strides} deterministic={det}")
 
 
+# (sq, sk) pairs of the one-launch backward's test: one row and key; ragged; rows that see no key (causal,
+# sq > sk: dq = 0 there, written by the kernel); more keys than rows; the key block full (added per head_dim).
+SINGLE_SEQLENS = ((1, 1), (37, 17), (100, 64), (5, 64), (64, 40))
+
+
+@pytest.mark.parametrize("causal", CAUSALS)
+@pytest.mark.parametrize("head_dim", [d for d in HEAD_DIMS if d >= 32])  # (below 32: the three launches)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backward_single_launch(cf, monkeypatch, dtype, head_dim, causal):
+    """The one-launch backward of short calls (flash_bwd.cu's dK/dV kernel with SINGLE: D, lse * log2(e)
+    and dQ formed in the kernel; cuflash/_config.py BWD_SINGLE_MAX_ROWS): at every (sq, sk) of
+    SINGLE_SEQLENS and at sk = its key block, heads, layout and the deterministic flag rotating, the
+    backward is that one launch and its gradients pass the accuracy rule on NaN-poisoned memory."""
+    from cuflash import _config, _launch, _plan
+
+    monkeypatch.delenv("CUFLASH_BWD_SINGLE", raising=False)
+    _plan.CACHE.clear()
+    names = []
+    real = _launch.Launch.fire
+
+    def fire(self, stream, ptrs, pdl=True):
+        names.append(self.name)
+        return real(self, stream, ptrs, pdl)
+
+    monkeypatch.setattr(_launch.Launch, "fire", fire)
+    family = "sm90" if torch.cuda.get_device_capability()[0] == 9 else "sm80"
+    block_n = _config.bwd_single_config(family, head_dim, dtype).block_n
+    tdt = TORCH_DTYPES[dtype]
+    for i, (sq, sk) in enumerate(SINGLE_SEQLENS + ((block_n, block_n),)):
+        h, hkv = HEADS[(i + head_dim // 8 + causal) % len(HEADS)]
+        layout, det = LAYOUTS[i % 2], bool((i + causal) % 2)
+        seed = fresh_seed()
+        q, k, v = make_qkv(GRID_BATCH, sq, sk, h, hkv, head_dim, tdt, layout)
+        dout = make_dout(GRID_BATCH, sq, h, head_dim, tdt, layout)
+        label = f"single {dtype} d={head_dim} causal={causal} sq={sq} sk={sk} h={h} hkv={hkv} {layout} det={det}"
+        n = len(names)
+        run_backward_and_check(cf, q, k, v, dout, causal=causal, deterministic=det, seed=seed, label=label)
+        bwd = [x for x in names[n:] if x.startswith("bwd")]
+        tag = {"float16": "f16", "bfloat16": "bf16"}[dtype]
+        assert len(bwd) == 1 and bwd[0].startswith(f"bwd_single_{tag}_d{head_dim}_"), (label, names[n:])
+    _plan.CACHE.clear()
+
+
 @pytest.mark.parametrize("dtype,det", [("float16", False), ("bfloat16", True), ("bfloat16", False),
                                        ("float16", True)])
 def test_backward_rows_without_keys(cf, dtype, det):

@@ -179,6 +179,9 @@ def dev(monkeypatch):
     monkeypatch.setattr(_launch, "_max_active_clusters", lambda fn, grid, threads, smem, cluster: 1 << 20)
     monkeypatch.setattr(_launch, "_CLUSTER_FITS", {})
     monkeypatch.delenv("CUFLASH_PDL", raising=False)
+    # The backward's three-launch structure at every length; the one-launch backward of short calls
+    # has its own tests (test_bwd_single_*), which set this back.
+    monkeypatch.setenv("CUFLASH_BWD_SINGLE", "0")
     monkeypatch.setattr(_plan, "_current_device", lambda: 0)
     monkeypatch.setattr(_kvcache, "_sm_count", lambda device_id: 132)  # an H100's (persistent grids)
     monkeypatch.setitem(_adapters._BY_TYPE, Dev, ad)
@@ -1494,6 +1497,63 @@ def test_out_of_memory_is_the_libraries_own(torch_dev, monkeypatch):
     monkeypatch.setattr(adapter, "_empty_like", real)
     out = cuflash.attention(q, k, v, causal=True)
     assert all(g.shape == x.shape for g, x in zip(torch.autograd.grad(out, (q, k, v), torch.randn_like(out)), (q, k, v)))
+
+
+def test_bwd_single_wiring(torch_dev, monkeypatch):
+    """The one-launch backward of short calls (flash_bwd.cu's dK/dV kernel with SINGLE): where a plain
+    call's keys fit one block of its tiles (1 <= seqlen_k <= BLOCK_N: 128 at head_dim 64, 64 at 88-128),
+    head_dim >= 32 and batch * nheads * seqlen_q <= BWD_SINGLE_MAX_ROWS, the backward is that one kernel, one block per
+    (batch, kv head), on the forward's lse, with no scratch allocated; beyond either bound, or with
+    CUFLASH_BWD_SINGLE=0, the three launches; CUFLASH_BWD_SINGLE=1 takes it at any row count."""
+    torch, launched = torch_dev
+    from cuflash._adapters import _torch as adapter
+
+    real, allocs = adapter._empty_like, []
+    monkeypatch.setattr(adapter, "_empty_like", lambda t: allocs.append(t.dtype) or real(t))
+
+    def backward(b, sq, sk, h, hkv, d, causal=True, det=False, env=None):
+        if env is None:
+            monkeypatch.delenv("CUFLASH_BWD_SINGLE", raising=False)
+        else:
+            monkeypatch.setenv("CUFLASH_BWD_SINGLE", env)
+        _plan.CACHE.clear()
+        q = torch.randn(b, sq, h, d, dtype=torch.bfloat16, requires_grad=True)
+        k, v = (torch.randn(b, sk, hkv, d, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+        out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True, deterministic=det)
+        n = len(launched)
+        del allocs[:]
+        if det:
+            grads = cuflash.attention_backward(torch.randn_like(out), q, k, v, out, lse, causal=causal,
+                                               deterministic=True)
+        else:
+            grads = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+        return launched[n:], grads, lse, list(allocs)
+
+    # bench_host's shape: one launch, one block per (batch, kv head), no scratch
+    ls, (dq, dk, dv), lse, allocs_made = backward(1, 128, 128, 2, 2, 64)
+    assert [L["name"] for L in ls] == ["bwd_single_bf16_d64_m64_n128_w8_causal_even"]
+    p = ls[0]["p"]
+    assert ls[0]["grid"] == 1 * 2 and ls[0]["threads"] == 256 and int(p["num_blocks"]) == 1
+    assert int(p["lse"]) == lse.data_ptr() and int(p["delta"]) == int(p["dq_accum"]) == int(p["lse_log2"]) == 0
+    assert (int(p["dq"]), int(p["dk"]), int(p["dv"])) == (dq.data_ptr(), dk.data_ptr(), dv.data_ptr())
+    assert torch.float32 not in allocs_made, "the one-launch backward allocated a scratch"
+    # GQA, ragged, sq > sk; deterministic calls too
+    ls, *_ = backward(2, 77, 50, 8, 2, 64, det=True)
+    assert [L["name"] for L in ls] == ["bwd_single_bf16_d64_m64_n128_w8_causal_ragged"] and ls[0]["grid"] == 4
+    # head_dim 128: 64-key blocks
+    assert [L["name"] for L in backward(1, 64, 64, 2, 1, 128, causal=False)[0]] == [
+        "bwd_single_bf16_d128_m32_n64_w8_full_even"]
+    assert len(backward(1, 64, 65, 2, 1, 128)[0]) == 3
+    # below head_dim 32 the separate dQ kernel's split dS: the three launches
+    assert len(backward(1, 64, 64, 2, 2, 24, det=True)[0]) == 3
+    # beyond the key block, or the row bound: the three launches
+    assert len(backward(1, 128, 129, 2, 2, 64)[0]) == 3
+    rows = _config.BWD_SINGLE_MAX_ROWS
+    assert len(backward(1, rows // 64, 64, 64, 64, 64)[0]) == 1
+    assert len(backward(1, rows // 64 + 1, 64, 64, 64, 64)[0]) == 3
+    assert len(backward(1, rows // 64 + 1, 64, 64, 64, 64, env="1")[0]) == 1
+    ls, _, _, allocs_made = backward(1, 128, 128, 2, 2, 64, env="0")
+    assert len(ls) == 3 and ls[0]["name"].startswith("bwd_pre_") and torch.float32 in allocs_made
 
 
 def test_backward_split_on_a_device_not_current(torch_dev, monkeypatch):
