@@ -690,9 +690,9 @@ BWD_SINGLE_MIN_HEAD_DIM = 32
 
 def bwd_single_config(family: str, head_dim: int, dtype: str) -> TileConfig:
     """The one-launch backward's tiles: the mma.sync kernel's (bwd_config), but 32 x 64 x 8 from head_dim
-    88 to 128, where 32 x 128 x 8 with the kernel's own dQ stores spilled 8-56 bytes (NVRTC 13.0,
-    sm_80 and sm_90a: at 104-128 on both, 88 on sm_90a); its key block, and so the calls it serves, is
-    then 64 keys."""
+    88 to 128, where 32 x 128 x 8 with the kernel's own dQ stores spilled 8-56 bytes (NVRTC 13.0: at
+    104-128 and 88 on sm_90a, at 128 on sm_80; bench/NOTES.md, session 60); its key block, and so the
+    calls it serves, is then 64 keys."""
     if 80 < head_dim <= 128:
         return TileConfig(32, 64, 8)
     return bwd_config(family, head_dim, dtype)
