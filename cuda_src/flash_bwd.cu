@@ -486,12 +486,20 @@ flash_bwd_dkdv_kernel(const __grid_constant__ BwdParams p) {
         warp_mma_mt<T, BLOCK_M, B_MT, B_TILES, false, true>(acc_dv, sPt + krow * PPITCH, PPITCH, sdOs + b_tile0 * 8, PITCH, b_count, lane);
         warp_mma_mt<T, BLOCK_M, B_MT, B_TILES, false, true>(acc_dk, sdSt + krow * PPITCH, PPITCH, sQs + b_tile0 * 8, PITCH, b_count, lane);
 
-        // ---- C: dQ_part = dS K, (16 queries, C_TILES * 8 of head_dim) per warp, into dq_accum ----
-        if (ATOMIC_DQ) {
-            // In chunks of C_CHUNK tiles, so that only 4 * C_CHUNK accumulators are live here on top
-            // of dK and dV.
-            float* acc = p.dq_accum + (((i64)b * p.nheads + hq) * p.seqlen_q_pad + m0 + qg * 16) * HEAD_DIM;
-            constexpr int C_CHUNK = C_TILES < 2 ? C_TILES : 2;
+        // ---- C: dQ_part = dS K, (16 queries, C_TILES * 8 of head_dim) per warp: added into dq_accum
+        // (ATOMIC_DQ), or, where this block holds every key (SINGLE), the rows' whole dQ = scale * dS K
+        // written in the input dtype. In chunks of C_CHUNK tiles, so that only 4 * C_CHUNK accumulators
+        // are live here on top of dK and dV (one tile at a time for SINGLE from head_dim 104: two put
+        // ptxas over the register file there).
+        if constexpr (ATOMIC_DQ || SINGLE) {
+            float* acc = ATOMIC_DQ ? p.dq_accum + (((i64)b * p.nheads + hq) * p.seqlen_q_pad + m0 + qg * 16) * HEAD_DIM
+                                   : nullptr;
+            const int row = m0 + qg * 16 + g;  // (SINGLE) rows g and g + 8 of the warp's 16
+            T* dq0 = nullptr;
+            if constexpr (SINGLE)
+                dq0 = static_cast<T*>(p.dq) + b * p.dq_batch_stride + hq * p.dq_head_stride + row * p.dq_row_stride;
+            const bool ok0 = IS_EVEN || row < sq, ok1 = IS_EVEN || row + 8 < sq;
+            constexpr int C_CHUNK = C_TILES < 2 || (SINGLE && HEAD_DIM > 96) ? 1 : 2;
 #pragma unroll
             for (int c0 = 0; c0 < C_TILES; c0 += C_CHUNK) {
                 const int tile0 = c_tile0 + c0, count = min(C_CHUNK, c_count - c0);
@@ -503,34 +511,16 @@ flash_bwd_dkdv_kernel(const __grid_constant__ BwdParams p) {
                     for (int i = 0; i < C_CHUNK; ++i)
                         if (i < count) {
                             const int col = (tile0 + i) * 8 + 2 * t;
-                            atomicAdd(acc + g * HEAD_DIM + col, dq[i][0]);
-                            atomicAdd(acc + g * HEAD_DIM + col + 1, dq[i][1]);
-                            atomicAdd(acc + (g + 8) * HEAD_DIM + col, dq[i][2]);
-                            atomicAdd(acc + (g + 8) * HEAD_DIM + col + 1, dq[i][3]);
-                        }
-                }
-            }
-        }
-        if constexpr (SINGLE) {  // this block holds every key: dQ = scale * dS K is the rows' whole dQ
-            const int row = m0 + qg * 16 + g;
-            T* dq0 = static_cast<T*>(p.dq) + b * p.dq_batch_stride + hq * p.dq_head_stride + row * p.dq_row_stride + 2 * t;
-            T* dq1 = dq0 + 8 * p.dq_row_stride;
-            const bool ok0 = IS_EVEN || row < sq, ok1 = IS_EVEN || row + 8 < sq;
-            // (one tile at a time from head_dim 104: two put ptxas over the register file there)
-            constexpr int C_CHUNK = C_TILES < 2 || HEAD_DIM > 96 ? 1 : 2;
-#pragma unroll
-            for (int c0 = 0; c0 < C_TILES; c0 += C_CHUNK) {
-                const int tile0 = c_tile0 + c0, count = min(C_CHUNK, c_count - c0);
-                if (count > 0) {
-                    float dq[C_CHUNK][4];
-                    zero_acc(dq);
-                    warp_mma<T, BLOCK_N, C_CHUNK, true, true>(dq, sdSt + qg * 16, PPITCH, sK + tile0 * 8, PITCH, count, lane);
-#pragma unroll
-                    for (int i = 0; i < C_CHUNK; ++i)
-                        if (i < count) {
-                            const int col = (tile0 + i) * 8;
-                            if (ok0) *reinterpret_cast<u32*>(dq0 + col) = ElemOps<T>::pack(dq[i][0] * p.scale, dq[i][1] * p.scale);
-                            if (ok1) *reinterpret_cast<u32*>(dq1 + col) = ElemOps<T>::pack(dq[i][2] * p.scale, dq[i][3] * p.scale);
+                            if constexpr (ATOMIC_DQ) {
+                                atomicAdd(acc + g * HEAD_DIM + col, dq[i][0]);
+                                atomicAdd(acc + g * HEAD_DIM + col + 1, dq[i][1]);
+                                atomicAdd(acc + (g + 8) * HEAD_DIM + col, dq[i][2]);
+                                atomicAdd(acc + (g + 8) * HEAD_DIM + col + 1, dq[i][3]);
+                            } else {
+                                if (ok0) *reinterpret_cast<u32*>(dq0 + col) = ElemOps<T>::pack(dq[i][0] * p.scale, dq[i][1] * p.scale);
+                                if (ok1) *reinterpret_cast<u32*>(dq0 + 8 * p.dq_row_stride + col) =
+                                    ElemOps<T>::pack(dq[i][2] * p.scale, dq[i][3] * p.scale);
+                            }
                         }
                 }
             }

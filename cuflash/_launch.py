@@ -1415,12 +1415,27 @@ def bwd_row_pad(seqlen_q: int) -> int:
 def bwd_scratch_sizes(batch: int, nheads: int, seqlen_q: int, head_dim: int, atomic: bool,
                       target: str | None = None):
     """Float32 element counts of the backward's scratch: (delta [+ lse_log2], dq_accum)."""
-    pad = _cdiv(seqlen_q, _config.BWD_ROW_PAD) * _config.BWD_ROW_PAD
-    rows = batch * nheads * pad
+    rows = batch * nheads * bwd_row_pad(seqlen_q)
     per_row = 2 if bwd_needs_lse_log2(target, head_dim, atomic) else 1
     # Under pad-up the accumulator rows are the kernel's head_dim wide.
     acc_dim = (_config.bwd_pad_head_dim(target, head_dim) or head_dim) if target is not None else head_dim
     return per_row * rows, (rows * acc_dim if atomic else 0)
+
+
+def _bwd_params(dout, q, k, v, o, dq, dk, dv, lse_ptr, delta_ptr, dq_accum_ptr, lse_log2_ptr, softmax_scale):
+    """The backward's Params (BWD_PARAMS: shapes, strides, scales) and pointers, shared by its launches
+    (num_blocks and the mask's fields set by the caller). Pointers may be ints or Slots."""
+    batch, seqlen_q, nheads, _ = q.shape
+    _, seqlen_k, nheads_kv, _ = k.shape
+    p = np.zeros((), dtype=BWD_PARAMS)
+    ptrs = _tensor_ptrs((("q", q), ("k", k), ("v", v), ("o", o), ("dout", dout), ("dq", dq), ("dk", dk), ("dv", dv)))
+    ptrs["lse"], ptrs["delta"], ptrs["dq_accum"], ptrs["lse_log2"] = lse_ptr, delta_ptr, dq_accum_ptr, lse_log2_ptr
+    _set_strides(p, (("q", q), ("k", k), ("v", v), ("o", o), ("do", dout), ("dq", dq), ("dk", dk), ("dv", dv)))
+    p["batch"], p["nheads"], p["nheads_kv"] = batch, nheads, nheads_kv
+    p["head_group"] = nheads // nheads_kv
+    p["seqlen_q"], p["seqlen_k"], p["seqlen_q_pad"] = seqlen_q, seqlen_k, bwd_row_pad(seqlen_q)
+    p["scale_log2"], p["scale"] = softmax_scale * LOG2E, softmax_scale
+    return p, ptrs
 
 
 def bwd_launches(dout: DeviceTensor, q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTensor,
@@ -1472,15 +1487,7 @@ def bwd_launches(dout: DeviceTensor, q: DeviceTensor, k: DeviceTensor, v: Device
         tiles = _config.bwd_single_config(_config.family_of_target(target), head_dim, dtype)
         even = seqlen_q % tiles.block_m == 0 and seqlen_k == tiles.block_n
         spec, smem, cfg = bwd_single_specialization(dtype, head_dim, target, causal, even)
-        p = np.zeros((), dtype=BWD_PARAMS)
-        ptrs = _tensor_ptrs((("q", q), ("k", k), ("v", v), ("o", o), ("dout", dout), ("dq", dq), ("dk", dk), ("dv", dv)))
-        ptrs["lse"], ptrs["delta"], ptrs["dq_accum"], ptrs["lse_log2"] = lse_ptr, 0, 0, 0
-        _set_strides(p, (("q", q), ("k", k), ("v", v), ("o", o), ("do", dout), ("dq", dq), ("dk", dk), ("dv", dv)))
-        p["batch"], p["nheads"], p["nheads_kv"] = batch, nheads, nheads_kv
-        p["head_group"] = nheads // nheads_kv
-        p["seqlen_q"], p["seqlen_k"] = seqlen_q, seqlen_k
-        p["seqlen_q_pad"] = _cdiv(seqlen_q, _config.BWD_ROW_PAD) * _config.BWD_ROW_PAD
-        p["scale_log2"], p["scale"] = softmax_scale * LOG2E, softmax_scale
+        p, ptrs = _bwd_params(dout, q, k, v, o, dq, dk, dv, lse_ptr, 0, 0, 0, softmax_scale)
         p["num_blocks"] = 1
         fn = _compile.get_function(spec, target, device_id, smem)
         return [Launch(spec.name, fn.ptr, batch * nheads_kv, cfg.warps * 32, smem, p, ptrs, device_id)]
@@ -1511,20 +1518,11 @@ def bwd_launches(dout: DeviceTensor, q: DeviceTensor, k: DeviceTensor, v: Device
                    and _use_tma(k, v, cfg.block_n, dtype))
             atomic = atomic and (explicit_cfg or _mma_bwd_atomic(target, head_dim))
             kernels = bwd_specializations(dtype, head_dim, target, causal, even_kv, even_q, atomic, cfg, tma=tma)
-    pad = _cdiv(seqlen_q, _config.BWD_ROW_PAD) * _config.BWD_ROW_PAD
-    rows_pad = batch * nheads * pad
-
-    p = np.zeros((), dtype=BWD_PARAMS)
-    ptrs = _tensor_ptrs((("q", q), ("k", k), ("v", v), ("o", o), ("dout", dout), ("dq", dq), ("dk", dk), ("dv", dv)))
-    ptrs["lse"], ptrs["delta"], ptrs["dq_accum"] = lse_ptr, rows_scratch_ptr, dq_accum_ptr
+    rows_pad = batch * nheads * bwd_row_pad(seqlen_q)
     # The feature kernels always read lse * log2(e) from the scratch (+inf marks padding rows).
     needs_lse_log2 = mask is not None or bwd_needs_lse_log2(target, head_dim, atomic)
-    ptrs["lse_log2"] = rows_scratch_ptr + 4 * rows_pad if needs_lse_log2 else 0
-    _set_strides(p, (("q", q), ("k", k), ("v", v), ("o", o), ("do", dout), ("dq", dq), ("dk", dk), ("dv", dv)))
-    p["batch"], p["nheads"], p["nheads_kv"] = batch, nheads, nheads_kv
-    p["head_group"] = nheads // nheads_kv
-    p["seqlen_q"], p["seqlen_k"], p["seqlen_q_pad"] = seqlen_q, seqlen_k, pad
-    p["scale_log2"], p["scale"] = softmax_scale * LOG2E, softmax_scale
+    p, ptrs = _bwd_params(dout, q, k, v, o, dq, dk, dv, lse_ptr, rows_scratch_ptr, dq_accum_ptr,
+                          rows_scratch_ptr + 4 * rows_pad if needs_lse_log2 else 0, softmax_scale)
     if mask is not None:
         ptrs.update(_set_mask(p, mask, softmax_scale, nheads, seqlen_q))
 

@@ -270,6 +270,14 @@ def scratch_layout(c: Call, target: str, has_sink: bool) -> tuple:
     return atomic, n_rows, batch * h * pad * acc_dim if atomic else 0, batch * h * pad if has_sink else 0
 
 
+def _gradients(ptrs, empty_like, out_t, kv_t) -> tuple:
+    """dq = empty_like(out_t), dk and dv = empty_like(kv_t) (the caller library's allocator and
+    templates), their pointers written into ptrs' gradient slots."""
+    dq, dk, dv = empty_like(out_t), empty_like(kv_t), empty_like(kv_t)
+    ptrs[B_DQ], ptrs[B_DK], ptrs[B_DV] = dq.data_ptr(), dk.data_ptr(), dv.data_ptr()
+    return dq, dk, dv
+
+
 class BackwardPlan:
     """The backward of a forward plan for one layout of dout, out and lse: which inputs are copied,
     the scratch it needs (one float32 buffer: delta [+ lse * log2 e], the dQ accumulator of the
@@ -319,8 +327,7 @@ class BackwardPlan:
                     launch.fire(stream, ptrs)
                 except Exception as e:
                     raise _launch_error(self, launch, None, e) from e
-                dq, dk, dv = empty_like(out_t), empty_like(kv_t), empty_like(kv_t)
-                ptrs[6], ptrs[7], ptrs[8] = dq.data_ptr(), dk.data_ptr(), dv.data_ptr()  # B_DQ, B_DK, B_DV
+                dq, dk, dv = _gradients(ptrs, empty_like, out_t, kv_t)
                 words = launch.words
                 for word, slot, add in self.late:
                     words[word] = ptrs[slot] + add
@@ -330,8 +337,7 @@ class BackwardPlan:
                 except Exception as e:
                     raise _launch_error(self, launch, None, e) from e
                 return dq, dk, dv
-        dq, dk, dv = empty_like(out_t), empty_like(kv_t), empty_like(kv_t)
-        ptrs[B_DQ], ptrs[B_DK], ptrs[B_DV] = dq.data_ptr(), dk.data_ptr(), dv.data_ptr()
+        dq, dk, dv = _gradients(ptrs, empty_like, out_t, kv_t)
         run_launches(self, stream, ptrs, self.launches)
         return dq, dk, dv
 

@@ -1,6 +1,6 @@
 """Helpers shared by the CPU tests: seeds that a failure message reports (CUFLASH_TEST_SEED
 replays one), random inputs, which query rows see no key; and dq's error statistic below head_dim
-32, which the GPU backward tests share."""
+32, which the GPU backward tests share; a recorder of fired launches."""
 
 import os
 
@@ -60,3 +60,17 @@ def dq_split_rms_ratio(dq, ref64, dtype) -> float:
     dq, ref64 = np.asarray(dq, np.float64), np.asarray(ref64, np.float64)
     floor = np.sqrt(np.mean((ref64.astype(dtype).astype(np.float64) - ref64) ** 2))
     return float(np.sqrt(np.mean((dq - ref64) ** 2)) / floor)
+
+
+def record_fired(monkeypatch, cls) -> list:
+    """Patches cls.fire (cuflash._launch.Launch or one of its subclasses) to append each fired launch's
+    kernel name to the returned list, then fire it."""
+    names = []
+    real = cls.fire
+
+    def fire(self, stream, ptrs, pdl=True):
+        names.append(self.name)
+        return real(self, stream, ptrs, pdl)
+
+    monkeypatch.setattr(cls, "fire", fire)
+    return names

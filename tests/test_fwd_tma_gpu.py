@@ -8,6 +8,7 @@ launched kernel's name is checked, so a fallback to cp.async cannot pass for it.
 skipped below sm_90."""
 
 import pytest
+from _cpu_helpers import record_fired
 
 from test_gpu_forward import fresh_seed, make_qkv, run_and_check
 
@@ -31,15 +32,7 @@ def record_tma_launches(monkeypatch, **env):
         else:
             monkeypatch.setenv(name, value)
     _plan.CACHE.clear()
-    names = []
-    real = _launch.TmaLaunch.fire
-
-    def fire(self, stream, ptrs, pdl=True):
-        names.append(self.name)
-        return real(self, stream, ptrs, pdl)
-
-    monkeypatch.setattr(_launch.TmaLaunch, "fire", fire)
-    return names
+    return record_fired(monkeypatch, _launch.TmaLaunch)
 
 
 @pytest.fixture

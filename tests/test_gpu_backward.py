@@ -34,7 +34,7 @@ import math
 import ml_dtypes
 import numpy as np
 import pytest
-from _cpu_helpers import DQ_SPLIT_RMS_LIMIT, dq_split_rms_ratio
+from _cpu_helpers import DQ_SPLIT_RMS_LIMIT, dq_split_rms_ratio, record_fired
 
 torch = pytest.importorskip("torch")
 
@@ -384,14 +384,7 @@ def test_backward_single_launch(cf, monkeypatch, dtype, head_dim, causal):
 
     monkeypatch.delenv("CUFLASH_BWD_SINGLE", raising=False)
     _plan.CACHE.clear()
-    names = []
-    real = _launch.Launch.fire
-
-    def fire(self, stream, ptrs, pdl=True):
-        names.append(self.name)
-        return real(self, stream, ptrs, pdl)
-
-    monkeypatch.setattr(_launch.Launch, "fire", fire)
+    names = record_fired(monkeypatch, _launch.Launch)
     family = "sm90" if torch.cuda.get_device_capability()[0] == 9 else "sm80"
     block_n = _config.bwd_single_config(family, head_dim, dtype).block_n
     tdt = TORCH_DTYPES[dtype]
