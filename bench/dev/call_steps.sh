@@ -12,6 +12,8 @@
 #   probe    bench/dev/tail_probe.py: the non-causal forward's last wave of work tiles
 #   ab       this tree against OLD in one process (HDS, SEQS, ROUNDS as fwd_ab_inproc.py reads them)
 #   grid     bench.py's full grid with the peers and plots
+#   bgrid    bench.py's backward over FlashAttention-2's grid with SDPA flash and cuDNN (G_ROUNDS, default
+#            4; G_HDS, default 64 128)
 #   dgrid    bench_decode.py's full grid with the peers (DGRID_ENV: environment for it)
 #   dtests   the decode GPU test files
 #   dab      decode_splits.py at the library's plans (contiguous and 16-row pages), OLD's tree and this
@@ -65,6 +67,10 @@ common_step() {
       python3 bench/bench.py --providers cuflash sdpa_flash sdpa_cudnn --no-compile-timing --json "$OUT/${N}_grid.json" \
         --plots "$OUT/${N}_plots" > "$OUT/${N}_grid.log" 2>&1
       sed -n '/^cuflash \/ SDPA flash (TFLOP/,/^cuflash errors/p' "$OUT/${N}_grid.log" ;;
+    bgrid)
+      python3 bench/bench.py --providers cuflash sdpa_flash sdpa_cudnn --passes bwd --rounds "${G_ROUNDS:-4}" \
+        --head-dims ${G_HDS:-64 128} --no-compile-timing --json "$OUT/${N}_bgrid.json" > "$OUT/${N}_bgrid.log" 2>&1
+      grep -E "^bwd |seqlen>=|^cuflash errors|eager" "$OUT/${N}_bgrid.log" | cut -c1-150 | tail -n 40 ;;
     dgrid)
       env ${DGRID_ENV:-} python3 bench/bench_decode.py --json "$OUT/${N}_dgrid.json" --plot "$OUT/${N}_dgrid.png" \
         > "$OUT/${N}_dgrid.log" 2>&1

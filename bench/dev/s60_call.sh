@@ -5,7 +5,6 @@
 #         new), each in its own process: bench.py --passes bwd, cuflash against cuDNN (BAB_HDS, BAB_SEQS,
 #         BAB_CAUSAL, BAB_ROUNDS, BAB_EAGER: eager runs per measurement)
 #   hab   bench_host.py's grad rows, OLD's tree and this one alternately (old new old new)
-#   bgrid bench.py's backward over FlashAttention-2's grid with SDPA flash and cuDNN (G_ROUNDS, default 4)
 #   srows bench/dev/bwd_single_rows.py: the one-launch backward against the three launches by row count
 #   STEPS="suite bab hab" CALL=c1 OLD=.oldtree/main60 bash bench/dev/s60_call.sh   (OUT: where logs go)
 set -u
@@ -38,10 +37,6 @@ session_step() {
           --json "$OUT/${N}_hab_$t$j.json" > "$OUT/${N}_hab_$t$j.log" 2>&1
         echo "hab $t$j: $(grep -E '^torch.fwdbwd ' "$OUT/${N}_hab_$t$j.log" | tail -n 1 | cut -c1-120)"
       done ;;
-    bgrid)
-      python3 bench/bench.py --providers cuflash sdpa_flash sdpa_cudnn --passes bwd --rounds "${G_ROUNDS:-4}" \
-        --no-compile-timing --json "$OUT/${N}_bgrid.json" > "$OUT/${N}_bgrid.log" 2>&1
-      grep -E "^bwd |seqlen>=|^cuflash errors|eager" "$OUT/${N}_bgrid.log" | cut -c1-150 | tail -n 40 ;;
     srows)
       python3 bench/dev/bwd_single_rows.py --json "$OUT/${N}_srows.json" > "$OUT/${N}_srows.log" 2>&1
       tail -n 30 "$OUT/${N}_srows.log" ;;
