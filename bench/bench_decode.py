@@ -122,6 +122,8 @@ if os.environ.get("CUFLASH_BENCH_PATH"):  # measure another checkout (an earlier
 elif os.path.isdir(os.path.join(ROOT, "cuflash")) and ROOT not in sys.path:
     sys.path.insert(0, ROOT)   # measure the checkout this script belongs to
 
+from bench_forward import nvidia_smi_info, write_json  # noqa: E402
+
 T_START = time.perf_counter()
 
 # (implementation, layout) in table order; the label is the column name
@@ -278,16 +280,6 @@ def kv_bytes(batch, cache, nheads_kv, head_dim, elt=2) -> int:
 
 def size_text(n) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
-def write_json(path, data):
-    if not path:
-        return
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, path)
 
 
 def build_shapes(args):
@@ -1564,12 +1556,7 @@ def collect_meta(torch, args, mods):
         meta["capability"] = list(torch.cuda.get_device_capability(0))
         meta["sm_count"] = props.multi_processor_count
         meta["memory_gib"] = round(props.total_memory / 2**30, 1)
-        try:
-            from bench_forward import nvidia_smi_info
-
-            meta["nvidia_smi"] = nvidia_smi_info()
-        except Exception:
-            meta["nvidia_smi"] = None
+        meta["nvidia_smi"] = nvidia_smi_info()  # (None where nvidia-smi fails)
         if meta.get("nvidia_smi"):
             parts = [x.strip() for x in meta["nvidia_smi"][0].split(",")]
             if len(parts) > 1:

@@ -289,14 +289,15 @@ def format_table(data) -> str:
     return "\n".join(lines)
 
 
-def write_json(path, data):
+def write_json(path, data, default=None):
+    """data as JSON at path (none: nothing), through a temporary file so that a reader never sees half
+    of it; default as json.dump's (bench_jax: str). The benchmark scripts share this one."""
     if not path:
         return
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
+        json.dump(data, f, indent=1, default=default)
     os.replace(tmp, path)
 
 

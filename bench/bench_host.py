@@ -78,7 +78,6 @@ import datetime
 import fnmatch
 import gc
 import io
-import json
 import os
 import platform
 import pstats
@@ -96,6 +95,8 @@ if os.environ.get("CUFLASH_BENCH_PATH"):  # measure another checkout (an earlier
     sys.path.insert(0, os.environ["CUFLASH_BENCH_PATH"])
 elif os.path.isdir(os.path.join(ROOT, "cuflash")) and ROOT not in sys.path:
     sys.path.insert(0, ROOT)   # measure the checkout this script belongs to
+
+from bench_forward import nvidia_smi_info, write_json  # noqa: E402
 
 OPTIONS = ("window", "lengths", "sink_logits", "alibi", "softcap", "sink_tokens", "varlen")
 FWD_LIMIT_VS_SDPA = 1.0       # forward: at most this x SDPA flash's forward
@@ -788,28 +789,13 @@ def collect_meta(libs, args):
             meta["capability"] = list(torch.cuda.get_device_capability())
         except Exception as e:
             meta["capability"] = _err(e)
-    try:
-        from bench_forward import nvidia_smi_info
-
-        meta["nvidia_smi"] = nvidia_smi_info()
-    except Exception:
-        meta["nvidia_smi"] = None
+    meta["nvidia_smi"] = nvidia_smi_info()  # (None where nvidia-smi fails)
     if "cupy" in libs.mods:
         try:
             meta["cuda_driver_version"] = libs.mods["cupy"].cuda.runtime.driverGetVersion()
         except Exception as e:
             meta["cuda_driver_version"] = _err(e)
     return meta
-
-
-def write_json(path, data):
-    if not path:
-        return
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, path)
 
 
 # ------------------------------------------------------------------------------------ main

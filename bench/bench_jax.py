@@ -86,15 +86,18 @@ import os
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import time
 import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
 if os.path.isdir(os.path.join(ROOT, "cuflash")) and ROOT not in sys.path:
     sys.path.insert(0, ROOT)   # benchmark the checkout this script belongs to
+
+from bench_forward import nvidia_smi_info, write_json  # noqa: E402
 
 T_START = time.perf_counter()
 
@@ -296,25 +299,6 @@ def _fail(row, e, unavailable=False):
         row["error"] = _err(e)
         if _is_oom(e):
             row["oom"] = True
-
-
-def write_json(path, data):
-    if not path:
-        return
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1, default=str)
-    os.replace(tmp, path)
-
-
-def _nvidia_smi():
-    try:
-        r = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm",
-                            "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
-        return r.stdout.strip().splitlines() if r.returncode == 0 and r.stdout.strip() else None
-    except Exception:
-        return None
 
 
 def memory_analysis(compiled):
@@ -692,7 +676,7 @@ def collect_meta(jax, torch, cuflash, cuflash_error, torch_error, args, smoke):
         "cuflash_import_error": cuflash_error,
         "torch": getattr(torch, "__version__", None) if torch is not None else None,
         "torch_error": torch_error,
-        "nvidia_smi": None if smoke else _nvidia_smi(),
+        "nvidia_smi": None if smoke else nvidia_smi_info(),
         "flop_convention": FLOP_CONVENTION,
         "grid": {"tokens": args.tokens, "hidden": args.hidden, "dtypes": args.dtypes, "head_dims": args.head_dims,
                  "seqlens": args.seqlens, "causal": args.causal, "passes": args.passes, "providers": args.providers},
@@ -1288,7 +1272,7 @@ def main(argv=None) -> int:
         print(f"  {p.get('specializations', '?')} kernels, {p.get('compiled', '?')} compiled, {p['wall_s']:.1f} s"
               + (f"; ERROR {p['error']} (kernels then compile at their first call)" if p.get("error") else ""),
               flush=True)
-    write_json(args.json, data)
+    write_json(args.json, data, default=str)
 
     runner = Runner(jax, torch if torch_error is None else None, torch_error, cuflash, args, smoke)
     est_done = act_done = 0.0
@@ -1315,13 +1299,13 @@ def main(argv=None) -> int:
             data["results"] += rows
             data["checks"].append(dict({k: pt[k] for k in SEL}, check=check))
             print(progress_line(i, len(points), pt, rows, check, time.perf_counter() - T_START), flush=True)
-            write_json(args.json, data)
+            write_json(args.json, data, default=str)
     finally:
         data["meta"]["wall_s"] = time.perf_counter() - T_START
         data["meta"]["measure_s"] = time.perf_counter() - t_loop
         finalize(data)
         data["summary_text"] = format_summary(data)
-        write_json(args.json, data)
+        write_json(args.json, data, default=str)
 
     print_report(data)
     if args.json:

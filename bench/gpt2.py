@@ -115,8 +115,12 @@ import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
 if os.path.isdir(os.path.join(ROOT, "cuflash")) and ROOT not in sys.path:
     sys.path.insert(0, ROOT)   # benchmark the checkout this script belongs to
+
+from bench_forward import nvidia_smi_info, write_json  # noqa: E402
 
 T_START = time.perf_counter()
 
@@ -1070,16 +1074,6 @@ def make_plot(data, path):
 
 # ------------------------------------------------------------------------------------------ meta, json
 
-def nvidia_smi():
-    """(name, driver) of each GPU, or None without nvidia-smi."""
-    try:
-        r = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-                           capture_output=True, text=True, timeout=20)
-        return r.stdout.strip().splitlines() if r.returncode == 0 and r.stdout.strip() else None
-    except Exception:
-        return None
-
-
 # What a process that ran cells knows and the one that started it may not (it touches no GPU).
 DEVICE_META = ("cudnn", "cupy", "device", "capability", "total_memory_gib")
 
@@ -1098,7 +1092,7 @@ def collect_meta(args, dev, cuflash_version, cuflash_error, query_device=True):
     """The run's metadata. query_device=False (the parent of --isolate processes): no CUDA call here;
     the device's fields come from the first process that ran a cell (the name from nvidia-smi until
     then)."""
-    smi = nvidia_smi() if dev.cuda else None
+    smi = nvidia_smi_info() if dev.cuda else None
     meta = {"timestamp_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "argv": sys.argv[1:], "python": platform.python_version(), "platform": platform.platform(),
             "torch": torch.__version__, "torch_cuda": torch.version.cuda,
@@ -1121,16 +1115,6 @@ def collect_meta(args, dev, cuflash_version, cuflash_error, query_device=True):
     meta["models"] = {name: dict(MODELS[name], n_params=count_params(model_config(name, 1024)))
                       for name in args.models}
     return meta
-
-
-def write_json(path, data):
-    if not path:
-        return
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, path)
 
 
 def load_merged(paths):
