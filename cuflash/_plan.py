@@ -313,30 +313,32 @@ class BackwardPlan:
             self.late = tuple(p for p in lead.patches if p[1] in (B_DQ, B_DK, B_DV))
 
     def launch_split(self, stream: int, ptrs, empty_like, out_t, kv_t) -> tuple:
-        """The backward with the preprocess fired before the gradients exist (where `first` is set):
-        ptrs' gradient slots are 0 for it; then dq = empty_like(out_t), dk and dv = empty_like(kv_t)
-        (the caller library's allocator and templates; an allocation error is the caller library's),
-        their pointers go into ptrs and into the preprocess's Params words that later launches share,
-        and the rest fire. One hold of the lock for both halves, so that no other call's pointers come
-        between. Where the plan's device is not the current one: allocations, then run_launches (which
-        switches). Returns (dq, dk, dv)."""
-        with self._lock:
-            if _current_device() == self.device_id:
-                launch = self.first[0]
-                try:
-                    launch.fire(stream, ptrs)
-                except Exception as e:
-                    raise _launch_error(self, launch, None, e) from e
-                dq, dk, dv = _gradients(ptrs, empty_like, out_t, kv_t)
-                words = launch.words
-                for word, slot, add in self.late:
-                    words[word] = ptrs[slot] + add
-                try:
-                    for launch in self.rest:
+        """The backward with its gradients allocated here: dq = empty_like(out_t), dk and dv =
+        empty_like(kv_t) (the caller library's allocator and templates; an allocation error is the
+        caller library's), their pointers written into ptrs' gradient slots (0 on the way in). Where
+        `first` is set, the preprocess fires before the gradients exist; then their pointers go into
+        ptrs and into the preprocess's Params words that later launches share, and the rest fire, under
+        one hold of the lock, so that no other call's pointers come between. Otherwise, or where the
+        plan's device is not the current one: allocations, then run_launches (which switches).
+        Returns (dq, dk, dv)."""
+        if self.first:
+            with self._lock:
+                if _current_device() == self.device_id:
+                    launch = self.first[0]
+                    try:
                         launch.fire(stream, ptrs)
-                except Exception as e:
-                    raise _launch_error(self, launch, None, e) from e
-                return dq, dk, dv
+                    except Exception as e:
+                        raise _launch_error(self, launch, None, e) from e
+                    dq, dk, dv = _gradients(ptrs, empty_like, out_t, kv_t)
+                    words = launch.words
+                    for word, slot, add in self.late:
+                        words[word] = ptrs[slot] + add
+                    try:
+                        for launch in self.rest:
+                            launch.fire(stream, ptrs)
+                    except Exception as e:
+                        raise _launch_error(self, launch, None, e) from e
+                    return dq, dk, dv
         dq, dk, dv = _gradients(ptrs, empty_like, out_t, kv_t)
         run_launches(self, stream, ptrs, self.launches)
         return dq, dk, dv

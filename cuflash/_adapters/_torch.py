@@ -155,23 +155,13 @@ def _gpu_backward(plan: Plan, dout, q, k, v, out, lse, arrays=(), bp=None) -> tu
         scratch_t = bp.state["torch"] = _like((max(1, bp.scratch_floats),), _f32, st.device)
     # (no scratch at all for the one-launch backward: BackwardPlan.scratch_floats 0)
     scratch = _empty_like(scratch_t) if bp.scratch_floats else None
-    if bp.first:
-        # The preprocess goes out before the gradients are allocated, so that a single eager backward's
-        # first kernel starts that much sooner (BackwardPlan.launch_split).
-        ptrs = [dout.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
-                0, 0, 0, scratch.data_ptr() if scratch is not None else 0]
-        if arrays:
-            ptrs += _option_ptrs(plan, arrays)
-        dq, dk, dv = bp.launch_split(_raw_stream(plan.device_id), ptrs, _empty_like, st.out, st.kv)
-    else:
-        dq = _empty_like(st.out)
-        dk = _empty_like(st.kv)
-        dv = _empty_like(st.kv)
-        ptrs = [dout.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
-                dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), scratch.data_ptr() if scratch is not None else 0]
-        if arrays:
-            ptrs += _option_ptrs(plan, arrays)
-        bp.launch(_raw_stream(plan.device_id), ptrs)
+    # The gradients' slots are 0 here: launch_split allocates them, after the preprocess has gone out
+    # where there is one, so that a single eager backward's first kernel starts that much sooner.
+    ptrs = [dout.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+            0, 0, 0, scratch.data_ptr() if scratch is not None else 0]
+    if arrays:
+        ptrs += _option_ptrs(plan, arrays)
+    dq, dk, dv = bp.launch_split(_raw_stream(plan.device_id), ptrs, _empty_like, st.out, st.kv)
     dsink = None
     if bp.dsink_shape:
         b, h, rows = bp.dsink_shape
