@@ -123,3 +123,9 @@ run_steps() {
     common_step "$step" || echo "unknown step $step"
   done
 }
+
+archive_logs() {  # the logs and JSON this call wrote, as $OUT/${N}_logs$1.tgz, and the clean-up after it
+  # (whichever exist: a glob without a match would fail tar; newcache's archive is kept as it is)
+  (cd "$OUT" && tar czf "${N}_logs${1:-}.tgz" $(ls ${N}_*.log ${N}_*.json 2>/dev/null) && find . -maxdepth 1 \
+    -name "${N}_*" ! -name "${N}_logs*.tgz" ! -name "${N}_newcache.tgz" -delete)
+}

@@ -36,7 +36,4 @@ session_step() {
   return 0
 }
 run_steps
-# (the logs and JSON this call wrote, whichever exist: a glob without a match would fail tar, and the
-# clean-up after it)
-(cd "$OUT" && tar czf "${N}_logs${ES_TAG:-}.tgz" $(ls ${N}_*.log ${N}_*.json 2>/dev/null) && find . -maxdepth 1 \
-  -name "${N}_*" ! -name "${N}_logs*.tgz" ! -name "${N}_newcache.tgz" -delete)
+archive_logs "${ES_TAG:-}"

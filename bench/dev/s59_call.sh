@@ -43,5 +43,4 @@ session_step() {
   return 0
 }
 run_steps
-(cd "$OUT" && tar czf "${N}_logs.tgz" $(ls ${N}_*.log ${N}_*.json 2>/dev/null) && find . -maxdepth 1 \
-  -name "${N}_*" ! -name "${N}_logs*.tgz" ! -name "${N}_newcache.tgz" -delete)
+archive_logs
