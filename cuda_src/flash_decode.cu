@@ -71,6 +71,11 @@
 // addresses. The TMA unit reads a cache faster than the threads' 16-byte copies: H200, batch 64,
 // 8k keys, 32 kv heads, reads alone
 // (bench/dev/decode_read_bw.py) 4.66 TB/s against 4.26-4.31, the copy 4.23.
+// 16-key groups run a twin of each TMA kernel (GRP: paged and groups compile-time constants; the
+// host takes it for exactly those calls), which leaves the other layouts' code as it was. H200,
+// session 62: 0.94-0.96x the shared kernel's time at 512-key caches of 16-row pages. (Groups
+// copied by the threads instead, cp.async into the boxes' layout with arrivals on the stage's
+// barriers, took 1.03-1.17x the boxes' time there.)
 //
 // Grid. 1-D: block = ((b * nheads_kv + h_kv) * num_row_tiles + row_tile) * num_splits + split.
 //
@@ -492,7 +497,7 @@ __device__ __noinline__ void cluster_merge_tile(const DecodeParams& p, int b, in
 }
 #endif
 
-template <typename T, int HEAD_DIM, int STAGES, int WARPS, bool TMA>
+template <typename T, int HEAD_DIM, int STAGES, int WARPS, bool TMA, bool GRP = false>
 __global__ void __launch_bounds__(WARPS * 32)
 flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p) {
     using Tr = DecodeTraits<HEAD_DIM, STAGES, WARPS, TMA>;
@@ -561,12 +566,15 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
     // block, the last to be placed, so the whole grid is on the SMs.
     if (p.seq != 0 && tid == 0 && blockIdx.x == gridDim.x - 1)
         *reinterpret_cast<volatile unsigned long long*>(p.started) = p.seq;
-    const bool paged = p.page_size != 0;
+    // GRP: a kernel of its own for a paged cache read through TMA in 16-key groups (the host takes it
+    // for exactly those calls), where paged and groups are constants.
+    static_assert(!GRP || TMA, "GRP: the TMA kernel's 16-key groups");
+    const bool paged = GRP || p.page_size != 0;
     // A paged cache through TMA: whole tiles (page_tiles: every tile lies in one page, and thread 0
     // issues it as the contiguous path does, from the block of the tile's first key), or 16-key
     // groups (each warp's lane 0 issues its own group's boxes).
-    const bool whole = TMA && paged && p.page_tiles != 0;
-    const bool groups = paged && !whole;
+    const bool whole = !GRP && TMA && paged && p.page_tiles != 0;
+    const bool groups = GRP || (paged && !whole);
     // TMA: the maps and the barriers, ahead of pdl_wait (they read nothing another kernel writes), so
     // that a call launched as a programmatic dependent issues its first copies as soon as it may.
     if constexpr (TMA) {
@@ -780,7 +788,7 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
     // which must not straddle a page (page_size is a multiple of 16, or of BN for whole tiles): the
     // keys start at a multiple of 16, or of BN (the ones added in front are before every row's
     // window, and the mask drops them; the chunks of the splits are whole tiles).
-    if (TMA && p.page_size != 0) lo &= whole ? ~(BN - 1) : ~15;
+    if (TMA && (GRP || p.page_size != 0)) lo &= whole ? ~(BN - 1) : ~15;
     const int sink_hi = p.mask.window_left < 0 ? 0 : min(p.mask.num_sink_tokens, hi);
     int n_sink = 0;  // virtual keys [0, n_sink) are keys [0, n_sink); the rest map to lo + (v - n_sink)
     if (lo <= sink_hi) lo = 0; else n_sink = sink_hi;
@@ -793,7 +801,7 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
 
     const T* gK = static_cast<const T*>(p.k) + h_kv * p.k_head_stride;
     const T* gV = static_cast<const T*>(p.v) + h_kv * p.v_head_stride;
-    const int cache_row = decode_cache_row(p, b);
+    const int cache_row = GRP ? 0 : decode_cache_row(p, b);
 
     // Copies. Consecutive threads copy consecutive 16-byte chunks of a key row, so one warp
     // instruction moves whole rows (coalesced). Where head_dim's chunks divide the block's threads
@@ -822,7 +830,7 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
     const int my_col = LANE_ROWS ? (tid % CHUNKS) * 8 : 0;
     const u32 sK_lane = smem_addr(sK) + 2u * (my_row * PITCH + my_col);
     const u32 sV_lane = smem_addr(sV) + 2u * (my_row * PITCH + my_col);
-    const bool contiguous = p.page_size == 0;
+    const bool contiguous = !GRP && p.page_size == 0;
     const T* gK_lane = gK + my_col + (contiguous ? cache_row * p.k_batch_stride : 0);
     const T* gV_lane = gV + my_col + (contiguous ? cache_row * p.v_batch_stride : 0);
     const i64 k_pass = RPP * p.k_row_stride, v_pass = RPP * p.v_row_stride;

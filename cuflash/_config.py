@@ -983,6 +983,18 @@ def decode_tma_enabled() -> bool:
     return os.environ.get("CUFLASH_DECODE_TMA") != "0"
 
 
+def decode_group_kernel() -> bool:
+    """Whether a paged decode read through TMA in 16-key groups runs the kernel built for them
+    (cuda_src/flash_decode.cu, GRP: paged and groups constants, "_grp" in its name) rather than the
+    one that serves every layout: yes unless CUFLASH_DECODE_GRP=0 (A/B). H200, session 62, the
+    library's plans, GPU time: 16-row pages at 512-key caches 0.94-0.96x the shared kernel's time (4 x
+    512 x 1, 16 x 512 x 4, 16 x 512 x 8 on 8 warps; 1 x 512 x 1 on 4), 0.98-1.0x at 2k-32k keys; the
+    contiguous kernels unchanged (their SASS is the same). Read when a decode plan is made."""
+    import os
+
+    return os.environ.get("CUFLASH_DECODE_GRP") != "0"
+
+
 def decode_page_tiles(page_size: int, block_n: int) -> bool:
     """Whether the TMA decode kernel reads a paged cache in whole tiles (cuda_src/flash_decode.cu,
     page_tiles): one box per panel of block_n rows, issued by one thread as for a contiguous cache,

@@ -1594,7 +1594,11 @@ def default_scale(head_dim: int) -> float:
 
 # ---- decoding against a KV cache (cuda_src/flash_decode.cu) ----
 
-def decode_specialization(dtype: str, head_dim: int, stages: int, warps: int = 4, tma: bool = False):
+def decode_specialization(dtype: str, head_dim: int, stages: int, warps: int = 4, tma: bool = False,
+                          grp: bool = False):
+    """The decode kernel's specialization and dynamic shared memory; grp (TMA kernels only): the twin
+    built for a paged cache's 16-key groups (_config.decode_group_kernel)."""
+    assert tma or not grp
     short, ctype = _DTYPE_TAG[dtype]
     smem = _config.decode_smem_bytes(head_dim, stages, warps, tma)
     flag = "true" if tma else "false"
@@ -1603,9 +1607,10 @@ def decode_specialization(dtype: str, head_dim: int, stages: int, warps: int = 4
         f"static_assert(cuflash::DecodeTraits<{head_dim}, {stages}, {warps}, {flag}>::SMEM_BYTES == {smem},"
         f' "shared memory size differs from cuflash/_config.py:decode_smem_bytes");',
     ])
-    tag = ("" if warps == 4 else f"_w{warps}") + ("_tma" if tma else "")
+    tag = ("" if warps == 4 else f"_w{warps}") + ("_tma" if tma else "") + ("_grp" if grp else "")
+    extra = ", true" if grp else ""
     return _compile.Specialization("flash_decode.cu",
-                                   f"cuflash::flash_decode_kernel<{ctype}, {head_dim}, {stages}, {warps}, {flag}>",
+                                   f"cuflash::flash_decode_kernel<{ctype}, {head_dim}, {stages}, {warps}, {flag}{extra}>",
                                    f"decode_{short}_d{head_dim}_s{stages}{tag}", checks), smem
 
 
@@ -1622,25 +1627,28 @@ def decode_append_specialization():
 
 def all_decode_specializations(target: str, head_dims=None, dtypes=None):
     """The decode kernel (4 warps; and 8 where built; each also reading through TMA on sm_90a at
-    _config.DECODE_TMA_HEAD_DIMS) and the split combine per (dtype, head_dim) the target serves, the
-    append, and the paged prefill's gather."""
+    _config.DECODE_TMA_HEAD_DIMS, and each TMA kernel's twin for 16-key groups of a paged cache) and
+    the split combine per (dtype, head_dim) the target serves, the append, and the paged prefill's
+    gather."""
     out = []
     for dtype in dtypes or _config.DTYPES:
         for d in head_dims or _config.HEAD_DIMS:
             stages = _config.decode_stages(target, d)
             if stages is not None:
-                tmas = (False, True) if target == "sm_90a" and d in _config.DECODE_TMA_HEAD_DIMS else (False,)
-                for tma in tmas:
-                    out.append(decode_specialization(dtype, d, stages, 4, tma))
-                if True in tmas and _config.decode_deep_supported(target, d):
-                    out.append(decode_specialization(dtype, d, 4, 4, True))
-                if True in tmas and _config.decode_shallow_supported(target, d):
-                    out.append(decode_specialization(dtype, d, 2, 4, True))
+                tma_ok = target == "sm_90a" and d in _config.DECODE_TMA_HEAD_DIMS
+                kinds = ((False, False), (True, False), (True, True)) if tma_ok else ((False, False),)
+                for tma, grp in kinds:
+                    out.append(decode_specialization(dtype, d, stages, 4, tma, grp))
+                for grp in (False, True) if tma_ok else ():
+                    if _config.decode_deep_supported(target, d):
+                        out.append(decode_specialization(dtype, d, 4, 4, True, grp))
+                    if _config.decode_shallow_supported(target, d):
+                        out.append(decode_specialization(dtype, d, 2, 4, True, grp))
                 out.append((decode_combine_specialization(dtype, d), 0))
                 wide = _config.decode_wide_stages(target, d)
                 if wide is not None:
-                    for tma in tmas:
-                        out.append(decode_specialization(dtype, d, wide, 8, tma))
+                    for tma, grp in kinds:
+                        out.append(decode_specialization(dtype, d, wide, 8, tma, grp))
     out.append((decode_append_specialization(), 0))
     out.append((gather_specialization(), 0))
     return out
@@ -1743,12 +1751,13 @@ def decode_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: Device
         fn = _compile.get_function(spec, target, device_id, 0)
         count = batch * seqlen_new * nheads_kv * head_dim
         launches.append(Launch(spec.name, fn.ptr, max(1, min(_cdiv(count, 256), 1024)), 256, 0, p, ptrs, device_id))
-    spec, smem = decode_specialization(dtype, head_dim, stages, warps, tma)
+    rows = decode_tma_rows(a.page_size != 0, warps, a.page_size) if tma else 0
+    grp = tma and rows < 16 * warps and _config.decode_group_kernel()  # (rows < the tile: 16-key groups)
+    spec, smem = decode_specialization(dtype, head_dim, stages, warps, tma, grp)
     fn = _compile.get_function(spec, target, device_id, smem)
     if tma:
         from . import _tma
 
-        rows = decode_tma_rows(a.page_size != 0, warps, a.page_size)
         panels = decode_tma_panels(rows, warps, head_dim)
         p["page_tiles"] = int(a.page_size != 0 and rows == 16 * warps)  # whole tiles of a paged cache
         maps = [(name, t.ptr, _tma.MapCache(t.shape, t.strides, rows, dtype, panels=panels))

@@ -590,7 +590,7 @@ def test_decode_shallow_tma_plan(monkeypatch, shallow):
                                  layout=layout, capacity=512, seqlen_new=1),
                "cuda", True, {}, _ctx(seed, batch=batch, sm=sm, layout=layout))
         names = [L.name for pl in _kvcache._DECODE_PLANS.values() for L in pl.launches]
-        tma_90 = torch.cuda.get_device_capability() >= (9, 0) and any(n.endswith("_tma") for n in names)
+        tma_90 = torch.cuda.get_device_capability() >= (9, 0) and any(_is_tma(n) for n in names)
         want = tma_90 and (shallow == "1" or (bw >= _config.DECODE_DEEP_MAX_BW))
         assert any("_s2_tma" in n for n in names) == want, (layout, names, bw)
     # A grid of one block per SM or fewer: one entry, 2048 keys, 8 kv heads, split (in clusters or with
@@ -607,7 +607,7 @@ def test_decode_shallow_tma_plan(monkeypatch, shallow):
         for pl in _kvcache._DECODE_PLANS.values():
             for splits, _, launches, _ in {id(v): v for v in (pl.eager, pl.graph)}.values():
                 for L in launches:
-                    if not (L.name.startswith("decode_") and L.name.endswith("_tma") and "_w8" not in L.name):
+                    if not (L.name.startswith("decode_") and _is_tma(L.name) and "_w8" not in L.name):
                         continue
                     rule = _config.decode_shallow_tma("sm_90a", 128, L.grid, sm, bw, -(-pl.keys // splits))
                     assert ("_s2_tma" in L.name) == (shallow == "1" or rule), (layout, L.name, L.grid, splits, bw)
@@ -630,7 +630,7 @@ def test_decode_shallow_tma_plan(monkeypatch, shallow):
         assert plans
         for pl in plans:
             dec = [L for L in pl.eager[2] if L.name.startswith("decode_") and "append" not in L.name]
-            tma_90 = torch.cuda.get_device_capability() >= (9, 0) and any(L.name.endswith("_tma") for L in dec)
+            tma_90 = torch.cuda.get_device_capability() >= (9, 0) and any(_is_tma(L.name) for L in dec)
             two = (tma_90 and pl.cluster and sm // 32 == 4
                    and (shallow == "1" or bw >= _config.DECODE_DEEP_MAX_BW))
             got = (pl.eager[0], [(L.name, L.cluster) for L in dec])
@@ -662,7 +662,7 @@ def test_decode_deep_tma_plan(monkeypatch, deep):
                              layout="contig", capacity=2048, seqlen_new=1),
            "cuda", True, {}, _ctx(seed, batch=batch, sm=sm))
     names = [L.name for pl in _kvcache._DECODE_PLANS.values() for L in pl.launches]
-    tma_90 = torch.cuda.get_device_capability() >= (9, 0) and any(n.endswith("_tma") for n in names)
+    tma_90 = torch.cuda.get_device_capability() >= (9, 0) and any(_is_tma(n) for n in names)
     bw = _gpu.peak_memory_bandwidth(torch.cuda.current_device())
     assert any("_s4_tma" in n for n in names) == (tma_90 and (deep == "1" or bw < _config.DECODE_DEEP_MAX_BW)), \
         (names, bw)
@@ -752,6 +752,12 @@ def test_fused_combine(monkeypatch, layout, splits, sq, gqa, opts):
         assert splits == 1 or any(pl.counters for pl in plans), "the fused path made its counters"
 
 
+def _is_tma(name):
+    """A decode kernel that reads the caches through TMA: the shared one ("_tma") or its twin for a
+    paged cache's 16-key groups ("_tma_grp", _config.decode_group_kernel)."""
+    return name.endswith("_tma") or name.endswith("_tma_grp")
+
+
 def _three_decode_calls(layout, splits, sq, gqa, d, option, capacity, **ctx):
     """Three decode calls of one plan against the float64 reference, each with fresh inputs (fp16, bf16,
     fp16): batch 3, 4 kv heads with `gqa` query heads each, the named option, an appended token, NaN
@@ -803,7 +809,44 @@ def test_decode_warps(monkeypatch, tma, warps, layout, splits, fused, d, gqa, op
     assert any("_w8" in n for n in names) == (warps == "8"), names
     sm90 = torch.cuda.get_device_capability() == (9, 0)
     tma_expected = tma == "1" and sm90 and d in (64, 128) and option not in ("sinktok", "all")
-    assert any(n.endswith("_tma") for n in names) == tma_expected, names
+    assert any(_is_tma(n) for n in names) == tma_expected, names
+    # 16-key groups (pages that are not a multiple of the tile) run the kernel built for them
+    groups = layout in ("paged16", "paged48") or (layout == "paged64" and warps == "8")
+    assert any(n.endswith("_tma_grp") for n in names) == (tma_expected and groups), names
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("grp", ["1", "0"])
+@pytest.mark.parametrize("warps", ["4", "8"])
+@pytest.mark.parametrize("layout,splits,sq,gqa,d,option", [
+    ("paged16", 1, 1, 8, 128, None), ("paged16", 0, 1, 4, 128, "win20_0"), ("paged48", 3, 2, 2, 128, "sinklogit"),
+    ("paged16", 2, 1, 4, 64, "alibi_bh"), ("paged64", 1, 3, 1, 128, "softcap"), ("paged48", 7, 1, 8, 64, None),
+    ("paged16", 40, 1, 2, 128, None), ("paged64", 0, 1, 4, 64, "win20_0")])
+def test_decode_group_kernel(monkeypatch, grp, warps, layout, splits, sq, gqa, d, option):
+    """The TMA decode kernel built for a paged cache's 16-key groups (cuda_src/flash_decode.cu, GRP:
+    paged and groups constants; the default), and with CUFLASH_DECODE_GRP=0 the kernel that serves
+    every layout, whose group path the other tests no longer reach. 4 and 8 warps, head_dim 64 and 128,
+    16-, 48- and 64-row pages (64 on 8 warps: groups; on 4 warps whole tiles, which never take the
+    kernel), split (the cluster merge, the fused combine, the combine kernel past a cluster) or not, a
+    window (the first key moved down to a multiple of 16), the options; NaN past each length and
+    garbage in the table's unused entries (make_case). sm_90a."""
+    from cuflash import _kvcache
+
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the TMA decode kernels need sm_90a")
+    monkeypatch.setenv("CUFLASH_DECODE_GRP", grp)
+    monkeypatch.setenv("CUFLASH_DECODE_WARPS", warps)
+    monkeypatch.delenv("CUFLASH_DECODE_TMA", raising=False)
+    monkeypatch.delenv("CUFLASH_DECODE_CLUSTER", raising=False)
+    monkeypatch.delenv("CUFLASH_DECODE_FUSED_COMBINE", raising=False)
+    _fresh_decode_plans(monkeypatch)
+    _three_decode_calls(layout, splits, sq, gqa, d, option, 700, warps=warps, grp=grp)
+    names = {L.name for pl in _kvcache._DECODE_PLANS.values() for L in pl.launches}
+    whole = layout == "paged64" and warps == "4"
+    assert any(n.endswith("_tma_grp") for n in names) == (not whole and grp == "1"), names
+    assert any(n.endswith("_tma") for n in names) == (whole or grp == "0"), names
 
 
 @pytest.mark.gpu
@@ -920,7 +963,7 @@ def test_decode_paged_whole_tiles_plan(monkeypatch, page_tiles):
     _check(lambda: make_case(rng, dtype=BF16, batch=2, seqlen_q=1, nheads=32, nheads_kv=8, head_dim=128,
                              layout="paged256", capacity=3000, seqlen_new=1, table_garbage=True),
            "cuda", True, {}, _ctx(seed, page_tiles=page_tiles), num_splits=4)
-    launches = [L for pl in _kvcache._DECODE_PLANS.values() for L in pl.launches if L.name.endswith("_tma")]
+    launches = [L for pl in _kvcache._DECODE_PLANS.values() for L in pl.launches if _is_tma(L.name)]
     if torch.cuda.get_device_capability() == (9, 0):
         assert launches, [L.name for pl in _kvcache._DECODE_PLANS.values() for L in pl.launches]
     word = _launch._offsets(_launch.DECODE_TMA_PARAMS)["page_tiles"] // 4  # an int32 of the Params
@@ -965,8 +1008,9 @@ def test_decode_paged_groups_wide_plan(monkeypatch, layout):
     names = {L.name for pl in _kvcache._DECODE_PLANS.values() for L in pl.launches}
     props = torch.cuda.get_device_properties(0)
     if (props.major, props.minor) == (9, 0) and props.multi_processor_count >= 128:
-        assert any(n.endswith("_w8_tma") for n in names) == (layout != "paged64"), names
-        assert all(n.endswith("_tma") for n in names if n.startswith("decode_b") or n.startswith("decode_f")), names
+        assert any(n.endswith("_w8_tma_grp") for n in names) == (layout != "paged64"), names
+        assert all(n.endswith("_tma_grp" if layout != "paged64" else "_tma") for n in names
+                   if n.startswith("decode_b") or n.startswith("decode_f")), names
 
 
 def test_warps_and_splits_rule():
@@ -1188,31 +1232,38 @@ def test_decode_plans_on_a_stand_in_hopper(monkeypatch, layout):
     combine's counters takes the combine kernel at run time), and not with CUFLASH_DECODE_LONG_SPLIT=0,
     at 8k keys, nor at an H100's bandwidth; a paged cache of 64 blocks of 2048 keys runs the 8-warp
     kernel unsplit as the contiguous one does (not the paged fill), while 64 blocks of 8192 keys keep
-    the paged fill's 4 splits on the 2-stage kernel."""
+    the paged fill's 4 splits on the 2-stage kernel. The paged cache's 16-key groups run each kernel's
+    twin built for them ("_grp", _config.decode_group_kernel), and the shared kernel with
+    CUFLASH_DECODE_GRP=0."""
     for name in ("CUFLASH_DECODE_LONG_SPLIT", "CUFLASH_DECODE_SHALLOW", "CUFLASH_DECODE_DEEP",
                  "CUFLASH_DECODE_PAGED_FILL", "CUFLASH_DECODE_WARPS", "CUFLASH_DECODE_FUSED_COMBINE",
-                 "CUFLASH_DECODE_CLUSTER", "CUFLASH_DECODE_PAGE_TILES"):
+                 "CUFLASH_DECODE_CLUSTER", "CUFLASH_DECODE_PAGE_TILES", "CUFLASH_DECODE_GRP"):
         monkeypatch.delenv(name, raising=False)
     install_stand_in(monkeypatch.setattr)
     paged = layout == "paged16"
+    grp = "_grp" if paged else ""
     for (b, L, g), want in (((256, 131072, 8), 2), ((256, 32768, 8), 2), ((16, 131072, 1), 4),
                             ((16, 32768, 1), 4), ((64, 32768, 4), 4)):
         splits, graph, name, grid, fused = _stand_in_plan(b, L, g, paged)
-        assert (splits, graph, name, grid, fused) == (want, want, "decode_bf16_d128_s2_tma", b * 32 // g * want,
-                                                      True), (b, L, g)
+        assert (splits, graph, name, grid, fused) == (want, want, "decode_bf16_d128_s2_tma" + grp,
+                                                      b * 32 // g * want, True), (b, L, g)
     for b, L, g in ((256, 8192, 8), (64, 32768, 1), (256, 32768, 4)):  # 8k keys; 2048-block grids
         splits, graph, name, _grid, _fused = _stand_in_plan(b, L, g, paged)
         assert (splits, graph) == (1, 1), (b, L, g, name)
     splits, graph, name, grid, fused = _stand_in_plan(16, 2048, 8, paged)
-    assert (splits, graph, name, grid) == (1, 1, "decode_bf16_d128_s3_w8_tma", 64)
+    assert (splits, graph, name, grid) == (1, 1, "decode_bf16_d128_s3_w8_tma" + grp, 64)
     if paged:
         splits, graph, name, grid, fused = _stand_in_plan(16, 8192, 8, True)
-        assert (splits, graph, name, grid, fused) == (4, 4, "decode_bf16_d128_s2_tma", 256, True)
+        assert (splits, graph, name, grid, fused) == (4, 4, "decode_bf16_d128_s2_tma_grp", 256, True)
+        monkeypatch.setenv("CUFLASH_DECODE_GRP", "0")
+        assert _stand_in_plan(16, 2048, 8, True)[:4] == (1, 1, "decode_bf16_d128_s3_w8_tma", 64)
+        assert _stand_in_plan(16, 8192, 8, True)[:4] == (4, 4, "decode_bf16_d128_s2_tma", 256)
+        monkeypatch.delenv("CUFLASH_DECODE_GRP")
     monkeypatch.setenv("CUFLASH_DECODE_LONG_SPLIT", "0")
-    assert _stand_in_plan(256, 131072, 8, paged)[:3] == (1, 1, "decode_bf16_d128_s3_tma")
+    assert _stand_in_plan(256, 131072, 8, paged)[:3] == (1, 1, "decode_bf16_d128_s3_tma" + grp)
     monkeypatch.delenv("CUFLASH_DECODE_LONG_SPLIT")
     install_stand_in(monkeypatch.setattr, bw=3.35e12)  # an H100 SXM: 4 stages, unsplit (decode_deep_tma)
-    assert _stand_in_plan(256, 131072, 8, paged)[:3] == (1, 1, "decode_bf16_d128_s3_tma" if paged
+    assert _stand_in_plan(256, 131072, 8, paged)[:3] == (1, 1, "decode_bf16_d128_s3_tma_grp" if paged
                                                          else "decode_bf16_d128_s4_tma")
 
 
@@ -1282,5 +1333,5 @@ def test_decode_paged_fill_plan(monkeypatch, case):
         assert (eager_s == want) == (case == "eager"), (eager_s, graph_s, ctx)
         dec = [L for L in pl.graph[2] if L.name.startswith("decode_") and "combine" not in L.name
                and "append" not in L.name]
-        assert len(dec) == 1 and dec[0].name.endswith("_s2_tma") and dec[0].grid == batch * hk * want, (
+        assert len(dec) == 1 and dec[0].name.endswith("_s2_tma_grp") and dec[0].grid == batch * hk * want, (
             [L.name for L in pl.graph[2]], ctx)

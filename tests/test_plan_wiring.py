@@ -126,7 +126,7 @@ def dev(monkeypatch):
 
     def launch_kernel(fn, gx, gy, gz, bx, by, bz, smem, stream, argv_ptr, extra):
         name = names[fn]
-        if name.endswith("_tma"):
+        if name.endswith("_tma") or name.endswith("_tma_grp"):  # (the decode kernel's twin for 16-key groups)
             dtype = (_launch.FWD_TMA_PARAMS if name.startswith("fwd") else
                      _launch.DECODE_TMA_PARAMS if name.startswith("decode") else _launch.BWD_TMA_PARAMS)
         elif name.startswith("fwd90ws_"):
