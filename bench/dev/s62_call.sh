@@ -2,13 +2,15 @@
 # Session 62's device calls: the steps below, and those of bench/dev/call_steps.sh (suite, slow, dtests,
 # dgrid, host, newcache, ...).
 #   lsutest  the GPU tests of the decode kernels whose paged 16-key groups the threads copy
-#            (tests/test_kvcache_decode.py -k lsu)
+#            (tests/test_kvcache_decode.py -k lsu: on branch s62-lsu, call 1; main has no such test)
 #   envtest  tests/test_kvcache_decode.py -k "$ENVT_K" with ENVT_VAR=ENVT_MODE in the environment
 #   envab    decode_splits.py at the library's plans (contiguous and 16-row pages) with the variable
 #            ENVAB_VAR set to each of ENVAB_MODES in turn, each run its own process on the same card
 #            (ENVAB_SHAPES); bench/dev/env_ab_summary.py prints each shape's time per mode. Call 1 ran
 #            it as `lsuab` with CUFLASH_DECODE_LSU (branch s62-lsu)
-#   STEPS="lsutest envab" CALL=c1 bash bench/dev/s62_call.sh   (OUT: where logs go)
+#   ENVT_K=group_kernel ENVAB_VAR=CUFLASH_DECODE_GRP ENVAB_MODES="0 8 1 0 8 1" STEPS="envtest envab" \
+#     CALL=c3 bash bench/dev/s62_call.sh   (OUT: where logs go; call 3 ran this, when the variable
+#     also took 8: the twin on 8 warps only)
 set -u
 T0="$(mktemp)"
 source "$(dirname "${BASH_SOURCE[0]}")/call_env.sh"
