@@ -567,7 +567,9 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
     if (p.seq != 0 && tid == 0 && blockIdx.x == gridDim.x - 1)
         *reinterpret_cast<volatile unsigned long long*>(p.started) = p.seq;
     // GRP: a kernel of its own for a paged cache read through TMA in 16-key groups (the host takes it
-    // for exactly those calls), where paged and groups are constants.
+    // for exactly those calls), where paged and groups are constants. Below, tests that could read
+    // `paged` spell out p.page_size as the shared kernels always did: written as `paged`, ptxas
+    // scheduled those kernels differently (session 62; their SASS is kept as measured).
     static_assert(!GRP || TMA, "GRP: the TMA kernel's 16-key groups");
     const bool paged = GRP || p.page_size != 0;
     // A paged cache through TMA: whole tiles (page_tiles: every tile lies in one page, and thread 0
