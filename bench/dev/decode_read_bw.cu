@@ -20,6 +20,10 @@
 //                 MODE 2 dims (64, 2, heads_kv, seqlen, batch), box {64, 2, 1, ROWS, 1}: [group][ROWS
 //                 rows][panel][64] (increasing strides; the panels of a row interleave). Rows are
 //                 consecutive (no page table): the question is what the box count costs.
+//   read_tma_persist: a persistent reader (gridDim.x blocks, a few per SM): block x streams items x,
+//                 x + gridDim.x, ... (item = b * heads_kv + h) as one sequence of BN-key tiles through
+//                 its ring, so the ring never drains between items and no block starts after the first
+//                 wave (what a grid of many short blocks pays at each block's start and end).
 // Layout: K, V (batch, seqlen, heads_kv, 128) 16-bit, element strides (batch_stride, row_stride,
 // 128, 1). Grid: 1-D, block = b * heads_kv + h; 128 threads.
 #include "common.cuh"
@@ -38,6 +42,7 @@ struct ReadBwParams {
     int seqlen;
     int heads_kv;
     const int* table;  // MODE 3: (batch, seqlen / 16) 16-row pages of (num_blocks, 16, heads_kv, 128)
+    int items;         // read_tma_persist: batch * heads_kv
 };
 
 constexpr int RB_D = 128;
@@ -87,6 +92,18 @@ __global__ void __launch_bounds__(128) read_cpasync(const __grid_constant__ Read
     if (tid == 0) p.sink[blockIdx.x] = acc;
 }
 
+// The TMA readers' start: the maps prefetched and the stages' barriers made, by thread 0, then a block barrier.
+template <int STAGES>
+__device__ __forceinline__ void init_ring(const ReadBwParams& p, unsigned long long* bars) {
+    if (threadIdx.x == 0) {
+        tma_prefetch_desc(&p.kmap);
+        tma_prefetch_desc(&p.vmap);
+        for (int s = 0; s < STAGES; ++s) mbar_init(smem_addr(&bars[s]), 1);
+        fence_mbar_init();
+    }
+    __syncthreads();
+}
+
 template <int BN, int STAGES, int ROWS, int MODE>
 __global__ void __launch_bounds__(128) read_tma_rows(const __grid_constant__ ReadBwParams p) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -101,13 +118,7 @@ __global__ void __launch_bounds__(128) read_tma_rows(const __grid_constant__ Rea
     const int tid = threadIdx.x, lane = tid % 32;
     const int b = blockIdx.x / p.heads_kv, h = blockIdx.x % p.heads_kv;
     const int n_tiles = p.seqlen / BN;
-    if (tid == 0) {
-        tma_prefetch_desc(&p.kmap);
-        tma_prefetch_desc(&p.vmap);
-        for (int s = 0; s < STAGES; ++s) mbar_init(smem_addr(&bars[s]), 1);
-        fence_mbar_init();
-    }
-    __syncthreads();
+    init_ring<STAGES>(p, bars);
     auto load = [&](int it) {  // by warp 0
         const int st = it % STAGES;
         const u32 bar = smem_addr(&bars[st]);
@@ -151,6 +162,47 @@ __global__ void __launch_bounds__(128) read_tma_rows(const __grid_constant__ Rea
         if (tid < 32 && it + STAGES - 1 < n_tiles) load(it + STAGES - 1);
         const int st = it % STAGES;
         mbar_wait(smem_addr(&bars[st]), (it / STAGES) & 1);
+        u32 x;
+        asm volatile("ld.shared.b32 %0, [%1];" : "=r"(x) : "r"(base + st * STAGE_BYTES + 4 * (tid * 33 % (STAGE_BYTES / 4))));
+        acc += __uint_as_float(x);
+    }
+    if (tid == 0) p.sink[blockIdx.x] = acc;
+}
+
+template <int BN, int STAGES>
+__global__ void __launch_bounds__(128) read_tma_persist(const __grid_constant__ ReadBwParams p) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    __shared__ alignas(8) unsigned long long bars[STAGES];
+    constexpr u32 PANEL = BN * 128;
+    constexpr u32 TILE = 2 * PANEL;
+    constexpr u32 STAGE_BYTES = 2 * TILE;
+    const u32 base = (smem_addr(smem_raw) + 1023u) & ~1023u;
+    const int tid = threadIdx.x;
+    const int n_tiles = p.seqlen / BN;
+    const int my_items = (p.items - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x;
+    const int total = my_items * n_tiles;
+    init_ring<STAGES>(p, bars);
+    auto load = [&](int j) {  // by thread 0: tile j of this block's sequence
+        const int st = j % STAGES;
+        const u32 bar = smem_addr(&bars[st]);
+        const u32 dst = base + st * STAGE_BYTES;
+        const int item = (int)blockIdx.x + (j / n_tiles) * (int)gridDim.x;
+        const int b = item / p.heads_kv, h = item % p.heads_kv, row = (j % n_tiles) * BN;
+        mbar_arrive_expect_tx(bar, STAGE_BYTES);
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            tma_load_4d(dst + c * PANEL, &p.kmap, bar, 64 * c, row, h, b);
+            tma_load_4d(dst + TILE + c * PANEL, &p.vmap, bar, 64 * c, row, h, b);
+        }
+    };
+    if (tid == 0)
+        for (int s = 0; s < STAGES - 1 && s < total; ++s) load(s);
+    float acc = 0.f;
+    for (int j = 0; j < total; ++j) {
+        __syncthreads();
+        if (tid == 0 && j + STAGES - 1 < total) load(j + STAGES - 1);
+        const int st = j % STAGES;
+        mbar_wait(smem_addr(&bars[st]), (j / STAGES) & 1);
         u32 x;
         asm volatile("ld.shared.b32 %0, [%1];" : "=r"(x) : "r"(base + st * STAGE_BYTES + 4 * (tid * 33 % (STAGE_BYTES / 4))));
         acc += __uint_as_float(x);

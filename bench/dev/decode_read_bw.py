@@ -35,7 +35,9 @@ for _p in (ROOT, HERE):
         sys.path.insert(0, _p)
 
 VARIANTS = [("cpasync", 64, 3), ("cpasync", 64, 4), ("cpasync", 128, 2), ("cpasync", 128, 3),
-            ("tma", 64, 3), ("tma", 64, 4), ("tma", 128, 2), ("tma", 128, 3)]
+            ("tma", 64, 2), ("tma", 64, 3), ("tma", 64, 4), ("tma", 128, 2), ("tma", 128, 3)]
+# read_tma_persist: (kind, BN, STAGES, blocks per SM); the grid is that many blocks per SM
+PERSIST = [("persist", 64, 2, 3), ("persist", 64, 3, 2), ("persist", 64, 2, 2), ("persist", 64, 4, 1)]
 # read_tma_rows: (kind, BN, STAGES, ROWS, MODE)
 VARIANTS += [("tma_rows", 128, st, rows, mode) for st in (2, 3) for rows in (16, 32, 64, 128) for mode in (0, 1, 2)
              if (rows, mode) != (128, 0)]  # that one is ("tma", 128, st)
@@ -44,6 +46,8 @@ PAGED = [("tma_rows", 128, st, 16, 3) for st in (2, 3)]
 
 
 def expression(kind, bn, stages, rows=None, mode=None):
+    if kind == "persist":  # rows: blocks per SM (a launch choice, not a template argument)
+        return f"cuflash::read_tma_persist<{bn}, {stages}>"
     if kind == "tma":  # one box per panel of the whole tile
         return f"cuflash::read_tma_rows<{bn}, {stages}, {bn}, 0>"
     if kind == "tma_rows":
@@ -52,6 +56,8 @@ def expression(kind, bn, stages, rows=None, mode=None):
 
 
 def label(kind, bn, stages, rows=None, mode=None):
+    if kind == "persist":
+        return f"read_tma_persist<{bn}, {stages}> x{rows}/SM"
     if kind == "tma_rows":
         return f"read_tma_rows<{bn}, {stages}, {rows}, mode {mode}>"
     return f"read_{kind}<{bn}, {stages}>"
@@ -68,7 +74,7 @@ def build(path):
     code = open(os.path.join(HERE, "decode_read_bw.cu")).read()
     prog = nvrtc.createProgram(code, "decode_read_bw.cu", [t.encode() for t in headers.values()],
                                [n.encode() for n in headers])
-    exprs = [expression(*v) for v in VARIANTS + PAGED]
+    exprs = sorted({expression(*v) for v in VARIANTS + PAGED + PERSIST})
     for e in exprs:
         nvrtc.addNameExpression(prog, e)
     nvrtc.compileProgram(prog, _compile.base_options("sm_90a"))
@@ -141,8 +147,8 @@ def main():
             maps = [tensor_map(x, rows or bn, mode) for x in (k, v)]
         buf[0:128] = np.frombuffer(maps[0], np.uint8)
         buf[128:256] = np.frombuffer(maps[1], np.uint8)
-        struct.pack_into("<QQQqqiiQ", buf, 256, k.data_ptr(), v.data_ptr(), sink.data_ptr(), k.stride(0), k.stride(1),
-                         L, hk, table.data_ptr() if table is not None else 0)
+        struct.pack_into("<QQQqqiiQi", buf, 256, k.data_ptr(), v.data_ptr(), sink.data_ptr(), k.stride(0),
+                         k.stride(1), L, hk, table.data_ptr() if table is not None else 0, b * hk)
         return buf
 
     from decode_splits import gpu_ms_per_call
@@ -161,21 +167,25 @@ def main():
     report("copy (bytes read + written)", timed(lambda: dst.copy_(k)), 2 * k.numel() * 2)
     runs = [(var, None, label(*var)) for var in VARIANTS if not (args.no_rows and var[0] == "tma_rows")]
     runs += [(var, t, f"{label(*var)} pages {name}") for var in PAGED for name, t in tables.items()]
+    runs += [(var, None, label(*var)) for var in PERSIST]
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
     for var, table, name in runs:
         kind, bn, stages = var[:3]
         fn = module.get_function(names[expression(*var)])
         smem = smem_bytes(*var)
         fn.max_dynamic_shared_size_bytes = smem
         try:
-            buf = params(*var[1:2], *var[3:], table=table)
+            buf = params(bn, table=table) if kind == "persist" else params(*var[1:2], *var[3:], table=table)
         except _tma.TmaError as e:  # a layout the driver refuses: say so, time the rest
             print(f"{name:28} not encodable: {e}", flush=True)
             rows.append(dict(name=name, error=str(e)))
             continue
         argv = np.array([buf.ctypes.data], dtype=np.uint64)
 
-        def launch(fn=fn, smem=smem, argv=argv):
-            driver.launchKernel(fn.kernel.ptr, b * hk, 1, 1, 128, 1, 1, smem, stream, int(argv.ctypes.data), 0)
+        grid = min(b * hk, var[3] * sms) if kind == "persist" else b * hk
+
+        def launch(fn=fn, smem=smem, argv=argv, grid=grid):
+            driver.launchKernel(fn.kernel.ptr, grid, 1, 1, 128, 1, 1, smem, stream, int(argv.ctypes.data), 0)
 
         report(name, timed(launch))
     q = torch.randn(b, 1, hk * 1, d, device=dev, dtype=torch.bfloat16)
