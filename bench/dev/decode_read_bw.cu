@@ -24,6 +24,9 @@
 //                 x + gridDim.x, ... (item = b * heads_kv + h) as one sequence of BN-key tiles through
 //                 its ring, so the ring never drains between items and no block starts after the first
 //                 wave (what a grid of many short blocks pays at each block's start and end).
+//   read_tma_heads: block (b, h0) streams HEADS adjacent kv heads h0.. at once: one 4-D box {64, BN,
+//                 HEADS, 1} per panel of K and of V, so each key row's bytes of the HEADS heads (adjacent
+//                 in memory) arrive together ([head][row][64] per panel); grid batch * heads_kv / HEADS.
 // Layout: K, V (batch, seqlen, heads_kv, 128) 16-bit, element strides (batch_stride, row_stride,
 // 128, 1). Grid: 1-D, block = b * heads_kv + h; 128 threads.
 #include "common.cuh"
@@ -169,6 +172,26 @@ __global__ void __launch_bounds__(128) read_tma_rows(const __grid_constant__ Rea
     if (tid == 0) p.sink[blockIdx.x] = acc;
 }
 
+// The loop of the readers whose thread 0 issues: tile j + STAGES - 1 issued (load), tile j waited for and one
+// word of it read by each thread; returns the sum of those words.
+template <int STAGES, u32 STAGE_BYTES, class Load>
+__device__ __forceinline__ float ring_loop(u32 base, unsigned long long* bars, int total, Load load) {
+    const int tid = threadIdx.x;
+    if (tid == 0)
+        for (int s = 0; s < STAGES - 1 && s < total; ++s) load(s);
+    float acc = 0.f;
+    for (int j = 0; j < total; ++j) {
+        __syncthreads();
+        if (tid == 0 && j + STAGES - 1 < total) load(j + STAGES - 1);
+        const int st = j % STAGES;
+        mbar_wait(smem_addr(&bars[st]), (j / STAGES) & 1);
+        u32 x;
+        asm volatile("ld.shared.b32 %0, [%1];" : "=r"(x) : "r"(base + st * STAGE_BYTES + 4 * (tid * 33 % (STAGE_BYTES / 4))));
+        acc += __uint_as_float(x);
+    }
+    return acc;
+}
+
 template <int BN, int STAGES>
 __global__ void __launch_bounds__(128) read_tma_persist(const __grid_constant__ ReadBwParams p) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -195,18 +218,35 @@ __global__ void __launch_bounds__(128) read_tma_persist(const __grid_constant__ 
             tma_load_4d(dst + TILE + c * PANEL, &p.vmap, bar, 64 * c, row, h, b);
         }
     };
-    if (tid == 0)
-        for (int s = 0; s < STAGES - 1 && s < total; ++s) load(s);
-    float acc = 0.f;
-    for (int j = 0; j < total; ++j) {
-        __syncthreads();
-        if (tid == 0 && j + STAGES - 1 < total) load(j + STAGES - 1);
-        const int st = j % STAGES;
-        mbar_wait(smem_addr(&bars[st]), (j / STAGES) & 1);
-        u32 x;
-        asm volatile("ld.shared.b32 %0, [%1];" : "=r"(x) : "r"(base + st * STAGE_BYTES + 4 * (tid * 33 % (STAGE_BYTES / 4))));
-        acc += __uint_as_float(x);
-    }
+    const float acc = ring_loop<STAGES, STAGE_BYTES>(base, bars, total, load);
+    if (tid == 0) p.sink[blockIdx.x] = acc;
+}
+
+template <int BN, int STAGES, int HEADS>
+__global__ void __launch_bounds__(128) read_tma_heads(const __grid_constant__ ReadBwParams p) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    __shared__ alignas(8) unsigned long long bars[STAGES];
+    constexpr u32 PANEL = HEADS * BN * 128;
+    constexpr u32 TILE = 2 * PANEL;
+    constexpr u32 STAGE_BYTES = 2 * TILE;
+    const u32 base = (smem_addr(smem_raw) + 1023u) & ~1023u;
+    const int tid = threadIdx.x;
+    const int groups = p.heads_kv / HEADS;
+    const int b = blockIdx.x / groups, h0 = blockIdx.x % groups * HEADS;
+    const int n_tiles = p.seqlen / BN;
+    init_ring<STAGES>(p, bars);
+    auto load = [&](int it) {  // by thread 0
+        const int st = it % STAGES;
+        const u32 bar = smem_addr(&bars[st]);
+        const u32 dst = base + st * STAGE_BYTES;
+        mbar_arrive_expect_tx(bar, STAGE_BYTES);
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            tma_load_4d(dst + c * PANEL, &p.kmap, bar, 64 * c, it * BN, h0, b);
+            tma_load_4d(dst + TILE + c * PANEL, &p.vmap, bar, 64 * c, it * BN, h0, b);
+        }
+    };
+    const float acc = ring_loop<STAGES, STAGE_BYTES>(base, bars, n_tiles, load);
     if (tid == 0) p.sink[blockIdx.x] = acc;
 }
 

@@ -38,6 +38,11 @@ VARIANTS = [("cpasync", 64, 3), ("cpasync", 64, 4), ("cpasync", 128, 2), ("cpasy
             ("tma", 64, 2), ("tma", 64, 3), ("tma", 64, 4), ("tma", 128, 2), ("tma", 128, 3)]
 # read_tma_persist: (kind, BN, STAGES, blocks per SM); the grid is that many blocks per SM
 PERSIST = [("persist", 64, 2, 3), ("persist", 64, 3, 2), ("persist", 64, 2, 2), ("persist", 64, 4, 1)]
+# read_tma_heads: (kind, BN, STAGES, HEADS): HEADS adjacent kv heads a block, one box per panel for all
+HEADS = [("heads", 32, 2, 2), ("heads", 32, 3, 2), ("heads", 64, 2, 2), ("heads", 16, 2, 4)]
+# tma<64, 2> / <64, 3> again with the maps' other L2 promotions (CU_TENSOR_MAP_L2_PROMOTION: 0 none,
+# 1 64 B, 3 256 B; every other reader's maps promote 128 B, as the library's)
+L2 = [("tma", 64, st, None, None, l2) for st in (2, 3) for l2 in (0, 1, 3)]
 # read_tma_rows: (kind, BN, STAGES, ROWS, MODE)
 VARIANTS += [("tma_rows", 128, st, rows, mode) for st in (2, 3) for rows in (16, 32, 64, 128) for mode in (0, 1, 2)
              if (rows, mode) != (128, 0)]  # that one is ("tma", 128, st)
@@ -45,7 +50,9 @@ VARIANTS += [("tma_rows", 128, st, rows, mode) for st in (2, 3) for rows in (16,
 PAGED = [("tma_rows", 128, st, 16, 3) for st in (2, 3)]
 
 
-def expression(kind, bn, stages, rows=None, mode=None):
+def expression(kind, bn, stages, rows=None, mode=None, l2=None):
+    if kind == "heads":  # rows: the heads a block
+        return f"cuflash::read_tma_heads<{bn}, {stages}, {rows}>"
     if kind == "persist":  # rows: blocks per SM (a launch choice, not a template argument)
         return f"cuflash::read_tma_persist<{bn}, {stages}>"
     if kind == "tma":  # one box per panel of the whole tile
@@ -55,7 +62,11 @@ def expression(kind, bn, stages, rows=None, mode=None):
     return f"cuflash::read_{kind}<{bn}, {stages}>"
 
 
-def label(kind, bn, stages, rows=None, mode=None):
+def label(kind, bn, stages, rows=None, mode=None, l2=None):
+    if l2 is not None:
+        return f"read_{kind}<{bn}, {stages}> L2 promotion {l2}"
+    if kind == "heads":
+        return f"read_tma_heads<{bn}, {stages}, {rows} heads>"
     if kind == "persist":
         return f"read_tma_persist<{bn}, {stages}> x{rows}/SM"
     if kind == "tma_rows":
@@ -74,7 +85,7 @@ def build(path):
     code = open(os.path.join(HERE, "decode_read_bw.cu")).read()
     prog = nvrtc.createProgram(code, "decode_read_bw.cu", [t.encode() for t in headers.values()],
                                [n.encode() for n in headers])
-    exprs = sorted({expression(*v) for v in VARIANTS + PAGED + PERSIST})
+    exprs = sorted({expression(*v) for v in VARIANTS + PAGED + PERSIST + HEADS})
     for e in exprs:
         nvrtc.addNameExpression(prog, e)
     nvrtc.compileProgram(prog, _compile.base_options("sm_90a"))
@@ -85,7 +96,9 @@ def build(path):
         json.dump(names, f)
 
 
-def smem_bytes(kind, bn, stages, *_):
+def smem_bytes(kind, bn, stages, rows=None, *_):
+    if kind == "heads":
+        return stages * 4 * rows * bn * 128 + 1024
     return 2 * stages * bn * 136 * 2 if kind == "cpasync" else stages * 4 * bn * 128 + 1024
 
 
@@ -124,8 +137,11 @@ def main():
     kv_bytes = 2 * k.numel() * 2
     stream = torch.cuda.current_stream().cuda_stream
 
-    def tensor_map(x, rows, mode):
+    def tensor_map(x, rows, mode, l2=None, heads=1):
         bs, rs, hs, _ = x.stride()
+        if heads > 1 or l2 is not None:  # (head_dim, seqlen, heads, batch), box {64, rows, heads, 1}
+            return _tma.encode_tiled(x.data_ptr(), "bfloat16", (d, L, hk, b), (2 * rs, 2 * hs, 2 * bs),
+                                     (64, rows, heads, 1), l2=_tma.L2_PROMOTION_128B if l2 is None else l2)
         if mode == 1:  # head_dim as 2 panels of 64: dims (64, seqlen, 2, heads_kv, batch), box {64, rows, 2, 1, 1}
             return _tma.encode_tiled(x.data_ptr(), "bfloat16", (64, L, 2, hk, b), (2 * rs, 128, 2 * hs, 2 * bs),
                                      (64, rows, 2, 1, 1))
@@ -139,9 +155,11 @@ def main():
     tables = {"random": torch.randperm(nb, device=dev).view(b, L // 16).to(torch.int32),
               "in order": torch.arange(nb, device=dev, dtype=torch.int32).view(b, L // 16)}
 
-    def params(bn, rows=None, mode=0, table=None):
+    def params(bn, rows=None, mode=0, table=None, l2=None, heads=1):
         buf = np.zeros(320, dtype=np.uint8)
-        if mode == 3:
+        if heads > 1 or l2 is not None:
+            maps = [tensor_map(x, bn, 0, l2, heads) for x in (k, v)]
+        elif mode == 3:
             maps = [_tma.kv_map(x.data_ptr(), tuple(x.shape), tuple(x.stride()), 16, "bfloat16") for x in (kp, vp)]
         else:
             maps = [tensor_map(x, rows or bn, mode) for x in (k, v)]
@@ -167,7 +185,7 @@ def main():
     report("copy (bytes read + written)", timed(lambda: dst.copy_(k)), 2 * k.numel() * 2)
     runs = [(var, None, label(*var)) for var in VARIANTS if not (args.no_rows and var[0] == "tma_rows")]
     runs += [(var, t, f"{label(*var)} pages {name}") for var in PAGED for name, t in tables.items()]
-    runs += [(var, None, label(*var)) for var in PERSIST]
+    runs += [(var, None, label(*var)) for var in PERSIST + HEADS + L2]
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     for var, table, name in runs:
         kind, bn, stages = var[:3]
@@ -175,14 +193,21 @@ def main():
         smem = smem_bytes(*var)
         fn.max_dynamic_shared_size_bytes = smem
         try:
-            buf = params(bn, table=table) if kind == "persist" else params(*var[1:2], *var[3:], table=table)
+            if kind == "persist":
+                buf = params(bn, table=table)
+            elif kind == "heads":
+                buf = params(bn, heads=var[3])
+            elif len(var) == 6:
+                buf = params(bn, l2=var[5])
+            else:
+                buf = params(*var[1:2], *var[3:], table=table)
         except _tma.TmaError as e:  # a layout the driver refuses: say so, time the rest
             print(f"{name:28} not encodable: {e}", flush=True)
             rows.append(dict(name=name, error=str(e)))
             continue
         argv = np.array([buf.ctypes.data], dtype=np.uint64)
 
-        grid = min(b * hk, var[3] * sms) if kind == "persist" else b * hk
+        grid = min(b * hk, var[3] * sms) if kind == "persist" else b * hk // var[3] if kind == "heads" else b * hk
 
         def launch(fn=fn, smem=smem, argv=argv, grid=grid):
             driver.launchKernel(fn.kernel.ptr, grid, 1, 1, 128, 1, 1, smem, stream, int(argv.ctypes.data), 0)
