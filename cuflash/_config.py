@@ -983,6 +983,15 @@ def decode_tma_enabled() -> bool:
     return os.environ.get("CUFLASH_DECODE_TMA") != "0"
 
 
+def decode_spare_outputs() -> bool:
+    """Whether a decode plan allocates the next eager call's outputs after its launch
+    (cuflash/_kvcache.py DecodePlan._make_spare), so that the next call launches without allocating:
+    yes unless CUFLASH_DECODE_SPARE=0 (A/B). Read when a decode plan is made."""
+    import os
+
+    return os.environ.get("CUFLASH_DECODE_SPARE") != "0"
+
+
 def decode_group_kernel() -> bool:
     """Whether a paged decode read through TMA in 16-key groups runs the kernel built for them
     (cuda_src/flash_decode.cu, GRP: paged and groups constants, "_grp" in its name) rather than the

@@ -493,6 +493,10 @@ _D_COUNTERS = 13  # the fused combine's counters: the plan's own buffer, not an 
 _D_SEQ = 14       # the call's number (DecodePlan.run; DecodeParams::seq), not a pointer
 _D_ARRAYS = ("q", "k_cache", "v_cache", "out", "lse", "scratch", "cache_seqlens", "cache_batch_idx", "block_table",
              "k", "v", "alibi_slopes", "sink_logits")
+# DecodePlan's spare outputs (_make_spare): the largest (out + lse bytes) kept between calls, and the most
+# streams a plan keeps one for.
+_SPARE_MAX_BYTES = 8 << 20
+_SPARE_STREAMS = 8
 # The arrays of a call as DecodePlan.run reads them (a tuple in this order; attention_with_kvcache's
 # fast path passes its arguments so, with no dict).
 _RUN_ARRAYS = ("q", "k_cache", "v_cache", "k", "v", "cache_seqlens", "cache_batch_idx", "block_table",
@@ -671,6 +675,11 @@ class DecodePlan:
         self.copy_positions = tuple(_RUN_ARRAYS.index(n) for n in copy)
         self.appends, self.return_lse = c.appends, c.return_lse
         self.allocs = {}  # adapter lib -> (out, lse) allocators (_allocators)
+        # (lib, stream) -> the next eager call's (out, lse), allocated after a launch (_make_spare);
+        # only for outputs of at most _SPARE_MAX_BYTES, and not with CUFLASH_DECODE_SPARE=0.
+        self.spares = {}
+        out_bytes = 2 * math.prod(self.out_shape) + (4 * math.prod(self.lse_shape) if c.return_lse else 0)
+        self.spare_ok = out_bytes <= _SPARE_MAX_BYTES and _config.decode_spare_outputs()
 
         wide_ok = _config.decode_wide_stages(target, d) is not None
         cluster_keys = _config.decode_cluster_split_keys(target, d, _sm_count(dev), _gpu.peak_memory_bandwidth(dev))
@@ -808,15 +817,26 @@ class DecodePlan:
             arrays = list(arrays)
             for i in self.copy_positions:
                 arrays[i] = ad.contiguous(arrays[i], dev, keep)
-        allocs = self.allocs.get(ad.lib) or self._allocators(ad)
-        out = allocs[0]()
+        stream = ad.stream(dev)
+        # The outputs: the spare that the previous eager call on this stream allocated after its launch
+        # (below), or allocated now. A spare made eagerly never goes into a graph: where one is taken,
+        # the stream's capture state is asked first (and then known below).
+        capturing = None
+        spare = self.spares.pop((ad.lib, stream), None) if self.spare_ok else None
+        if spare is not None:
+            capturing = stream_capturing(stream)
+            if capturing:
+                spare = None
+        if spare is None:
+            allocs = self.allocs.get(ad.lib) or self._allocators(ad)
+            out = allocs[0]()
+            lse = allocs[1]() if allocs[1] is not None else None
+        else:
+            out, lse = spare
         ptrs = self.zero_ptrs.copy()
         ptrs[_D_OUT] = ptr(out)
-        lse = None
-        if allocs[1] is not None:
-            lse = allocs[1]()
+        if lse is not None:
             ptrs[_D_LSE] = ptr(lse)
-        stream = ad.stream(dev)
         splits, scratch_floats, launches, fused = self.eager
         # Programmatic dependent launch (_launch.PdlConfig). In a CUDA graph, between the call's own
         # kernels (append -> decode -> combine): each starts while the one before it finishes (H100,
@@ -829,9 +849,10 @@ class DecodePlan:
         started = self.started
         busy = started is not None and started.value != self.seq
         # Whether the stream captures a graph, asked only where the answer changes a launch (PDL, the
-        # graph's variant); the scratch below asks for itself otherwise.
-        asked = self.pdl or busy or self.graph is not self.eager
-        capturing = asked and stream_capturing(stream)
+        # graph's variant) or a spare was taken; the scratch below asks for itself otherwise.
+        asked = capturing is not None or self.pdl or busy or self.graph is not self.eager
+        if capturing is None:
+            capturing = asked and stream_capturing(stream)
         if self.graph is not self.eager and capturing:
             splits, scratch_floats, launches, fused = self.graph
         pdl = self.pdl and capturing or busy and not capturing
@@ -857,9 +878,27 @@ class DecodePlan:
         for slot, i in self.input_positions:
             ptrs[slot] = ptr(arrays[i])
         run_launches(self, stream, ptrs, launches, functools.partial(self._what, splits), pdl, not capturing)
+        if self.spare_ok and not (capturing if asked else stream_capturing(stream)):
+            self._make_spare(ad, stream)
         if lse is None:
             return ad.export(out), None
         return ad.export(out), ad.export(lse)
+
+    def _make_spare(self, ad, stream: int) -> None:
+        """The next eager call's outputs on this stream, allocated now, while this call's kernels run:
+        off the next call's path to its launch. H200, session 63 (bench/dev/eager_parts.py, 300 single
+        calls): the output's torch allocation took 3.9-5.5 us (median) of a single call's host time
+        before its launch, 2 us back to back; with the spare, single eager calls against the faster
+        peer's at 27 shapes (batch 1-16, 2k-32k keys, GQA 1-8; 200 calls each) went from geomean 1.005,
+        worst 1.098 (4 x 8k x 8) to 0.980, worst 1.101 (1 x 2k x 8, two launches a call; 4 x 8k x 8
+        1.031). The memory is the stream's, as an allocation at the next
+        call's start would be (stream-ordered); a call on another stream, or in a graph capture,
+        allocates its own. At most _SPARE_STREAMS streams' spares are kept."""
+        allocs = self.allocs.get(ad.lib) or self._allocators(ad)
+        spares = self.spares
+        if len(spares) >= _SPARE_STREAMS:
+            spares.clear()
+        spares[(ad.lib, stream)] = (allocs[0](), allocs[1]() if allocs[1] is not None else None)
 
     def _scratch(self, stream: int, nbytes: int) -> int:
         """The address of this plan's scratch for eager split calls on this stream (o_part, lse_part of

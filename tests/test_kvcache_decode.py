@@ -191,6 +191,84 @@ def test_cuda_graph_replay(monkeypatch, layout, mode):
         assert _diff_count(_back(args["k_cache"]), ref.k_cache) == 0, f"replay {step}: cache; {_ctx(seed)}"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["contig", "paged16"])
+def test_spare_outputs(monkeypatch, layout):
+    """Eager calls on a stream launch into the outputs that the call before them allocated after its
+    launch (DecodePlan._make_spare): filled with NaN here before the next call, which writes every
+    element (checked against the reference, out and lse), while the previous call's outputs keep
+    their values. A graph captured on that stream does not take the stream's spare (filled with NaN
+    before the capture, still NaN after the replays) and its replays match the reference; the eager
+    call after the capture allocates its own outputs and matches too."""
+    from cuflash import _kvcache
+    from test_kvcache_device import LSE_ATOL, LSE_RTOL, _score_magnitude
+
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device")
+    _fresh_decode_plans(monkeypatch)
+    seed = _new_seed()
+    rng = np.random.default_rng(seed)
+    case = make_case(rng, dtype=BF16, batch=3, seqlen_q=1, nheads=16, nheads_kv=2, head_dim=128, layout=layout,
+                     capacity=2048, seqlen_new=0, seqlens=np.array([700, 0, 2048], np.int32))
+    args = {n: _to(x, "cuda") for n, x in case.args().items()}
+    stream = torch.cuda.Stream()
+    ctx = _ctx(seed, layout=layout)
+
+    def check(q_np, out, lse, what):
+        ref = kvcache_reference(q_np, case.k_cache, case.v_cache, None, None, case.cache_seqlens,
+                                case.cache_batch_idx, case.block_table, True, None)
+        ok, msg = check_close(_back(out), ref.out, ref.naive_out, factor=FWD_FACTOR, floor=FWD_FLOOR)
+        assert ok, f"{what}: {msg}; {ctx}"
+        got = _back(lse).astype(np.float64)
+        fin = ~np.isneginf(ref.lse)
+        assert np.array_equal(np.isneginf(got), ~fin), f"{what}: lse -inf pattern; {ctx}"
+        mag = np.maximum(np.abs(ref.lse), _score_magnitude(q_np, ref.keys, q_np.shape[-1] ** -0.5, {}))[fin]
+        err = np.abs(got[fin] - ref.lse[fin])
+        assert (err <= LSE_ATOL + LSE_RTOL * mag).all(), f"{what}: lse err {err.max()}; {ctx}"
+
+    def spare_of():
+        (pl,) = [p for p in _kvcache._DECODE_PLANS.values() if p.out_shape == tuple(case.q.shape)]
+        return pl.spares.get(("torch", stream.cuda_stream))
+
+    qs = [(case.q * (1.0 + 0.5 * i)).astype(case.q.dtype) for i in range(4)]
+    with torch.cuda.stream(stream):
+        outs = []
+        for i in range(3):
+            spare = spare_of() if i else None
+            if spare is not None:
+                for x in spare:
+                    x.fill_(float("nan"))
+            out, lse = attention_with_kvcache(**dict(args, q=_to(qs[i], "cuda")), causal=True, return_lse=True)
+            if i:
+                assert spare is not None and (out.data_ptr(), lse.data_ptr()) == tuple(x.data_ptr() for x in spare), (
+                    "the call took the stream's spare", ctx)
+            outs.append((out, lse))
+        stream.synchronize()
+        for i, (out, lse) in enumerate(outs):
+            check(qs[i], out, lse, f"eager call {i}")
+        spare = spare_of()
+        assert spare is not None
+        for x in spare:
+            x.fill_(float("nan"))
+        stream.synchronize()
+        static_q = _to(qs[3], "cuda")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+            g_out, g_lse = attention_with_kvcache(**dict(args, q=static_q), causal=True, return_lse=True)
+        assert spare_of() is None, ("the capture dropped the eager spare and made none", ctx)
+        assert g_out.data_ptr() != spare[0].data_ptr() and g_lse.data_ptr() != spare[1].data_ptr(), ctx
+        for j in range(2):
+            static_q.copy_(_to(qs[j], "cuda"))
+            graph.replay()
+            stream.synchronize()
+            check(qs[j], g_out, g_lse, f"replay {j}")
+        assert all(torch.isnan(x).all() for x in spare), ("a replay wrote the eager spare", ctx)
+        out, lse = attention_with_kvcache(**dict(args, q=_to(qs[2], "cuda")), causal=True, return_lse=True)
+        stream.synchronize()
+        check(qs[2], out, lse, "eager call after the capture")
+        assert out.data_ptr() not in (g_out.data_ptr(), spare[0].data_ptr()), ctx
+
+
 _GATE_SRC = r"""
 extern "C" __global__ void hold(const volatile unsigned long long* word, unsigned long long max_ns,
                                 volatile unsigned long long* held_ns) {

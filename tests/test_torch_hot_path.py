@@ -395,3 +395,92 @@ def test_kvcache_torch_repeat_calls_patch_their_own_pointers(torch_dev, monkeypa
     with pytest.raises(ValueError, match="num_splits"):
         cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens, num_splits=-1)
     assert not launched
+
+
+@pytest.mark.parametrize("lse_seen", [False, True])
+def test_kvcache_spare_outputs(torch_dev, monkeypatch, lse_seen):
+    """A repeat decode call launches into the outputs the previous eager call on its stream allocated
+    after its launch (DecodePlan._make_spare), and allocates the next call's after its own launch:
+    nothing is allocated between a repeat call's start and its launch. Each call still returns
+    outputs of its own (never another call's). Not while the stream captures a graph (the spare is
+    dropped, the call allocates its own before the launch and leaves no spare), not on another
+    stream, not over _SPARE_MAX_BYTES, not with CUFLASH_DECODE_SPARE=0."""
+    from _cpu_helpers import _fresh_decode_plans
+
+    from cuflash import _kvcache
+    from cuflash._adapters import _torch as adapter
+
+    _, launched = torch_dev
+    allocated = []  # (launches so far, the tensor) of each output allocation
+
+    def empty(shape, dtype):
+        t = torch.empty(shape, dtype=getattr(torch, dtype))
+        allocated.append((len(launched), t))
+        return t
+
+    monkeypatch.setattr(adapter.TorchAdapter, "allocator",
+                        lambda self, cache, shape, dtype, device_id: functools.partial(empty, shape, dtype))
+    monkeypatch.setattr(_kvcache, "_sm_count", lambda device_id: 132)
+    capturing = [False]
+    monkeypatch.setattr(_kvcache, "stream_capturing", lambda stream: capturing[0])
+    g = torch.Generator().manual_seed(0)
+    kc, vc = (torch.randn(2, 48, 2, 64, generator=g, dtype=torch.bfloat16) for _ in range(2))
+    per_call = 2 if lse_seen else 1  # allocations of one set of outputs
+
+    def call():
+        """(out, lse or None, the decode launch's Params, the allocations before it, those after it)."""
+        q = torch.randn(2, 1, 8, 64, generator=g, dtype=torch.bfloat16)
+        n, a = len(launched), len(allocated)
+        res = cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=torch.tensor([5, 48], dtype=torch.int32),
+                                             return_lse=lse_seen)
+        out, lse = res if lse_seen else (res, None)
+        (p,) = [L["p"] for L in launched[n:] if L["name"].startswith("decode_") and "combine" not in L["name"]]
+        assert int(p["o"]) == out.data_ptr() and int(p["lse"]) == (lse.data_ptr() if lse_seen else 0)
+        new = allocated[a:]
+        return out, lse, [t for k, t in new if k == n], [t for k, t in new if k > n]
+
+    def spare_of(outs):
+        return [t.data_ptr() for t in outs]
+
+    _fresh_decode_plans(monkeypatch)
+    out1, lse1, before, after = call()
+    assert spare_of(before) == [x.data_ptr() for x in (out1, lse1) if x is not None]
+    assert len(after) == per_call, "the first call leaves a spare"
+    kept = [(out1, lse1)]
+    for _ in range(3):
+        spare = after
+        out, lse, before, after = call()
+        assert not before, "a repeat call allocates nothing before its launch"
+        assert spare_of(spare) == [x.data_ptr() for x in (out, lse) if x is not None], "it takes the spare"
+        assert len(after) == per_call
+        kept.append((out, lse))
+    ptrs = [x.data_ptr() for pair in kept for x in pair if x is not None]
+    assert len(set(ptrs)) == len(ptrs), "every call returns outputs of its own"
+
+    capturing[0] = True  # a graph capture: the eager spare stays out of it, and none is made
+    spare = after
+    out, lse, before, after = call()
+    assert len(before) == per_call and not after
+    assert out.data_ptr() not in spare_of(spare)
+    capturing[0] = False
+    out, lse, before, after = call()  # (no spare: allocates first, then leaves one)
+    assert len(before) == per_call and len(after) == per_call
+
+    monkeypatch.setattr(adapter, "_raw_stream", lambda device_id: 78)  # another stream: its own
+    spare77 = spare_of(after)
+    out, lse, before, after = call()
+    assert len(before) == per_call and out.data_ptr() not in spare77
+    monkeypatch.setattr(adapter, "_raw_stream", lambda device_id: 77)  # back: stream 77's spare
+    out, lse, before, after = call()
+    assert not before and out.data_ptr() == spare77[0]
+
+    for setting in ("env", "size"):
+        _fresh_decode_plans(monkeypatch)
+        with monkeypatch.context() as m:
+            if setting == "env":
+                m.setenv("CUFLASH_DECODE_SPARE", "0")
+            else:
+                m.setattr(_kvcache, "_SPARE_MAX_BYTES", 2 * 8 * 64 * 2 - 1)  # one byte short of out's
+            for _ in range(2):
+                out, lse, before, after = call()
+                assert len(before) == per_call and not after, setting
