@@ -14,6 +14,7 @@ median (min) of the host's time inside the call and of the events' time, us.
            once): lock, device check, Params patch, cuLaunchKernel(Ex)
   fire     Launch.fire of those launches, nothing around it
   empty    torch.empty_like of out's template (the call's one allocation)
+  key      the fast path's signature key and its plan lookup (attention_with_kvcache's first lines)
   nothing  no call (the probe's floor)
   cudnn    SDPA, cuDNN backend (its sdpa_kernel context entered once, outside the timing)
   flash    SDPA, flash backend (the same)
@@ -112,13 +113,19 @@ def main():
         def empty():
             return torch.empty_like(out_t)
 
+        keyer = _kvcache._KEYERS.get(q.__class__) or _kvcache._keyer(q)
+
+        def key():  # the fast path's signature key and plan lookup, nothing else
+            return _kvcache._FAST_PLANS.get(keyer(q, kc, vc, None, None, seqlens, None, None, False, None, False,
+                                                  None, 0, None, None, None, 0))
+
         def nothing():
             return None
 
         def cudnn():
             return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=(g > 1))
 
-        variants = dict(lib=lib, runcall=runcall, launch=launch, fire=fire, empty=empty, nothing=nothing,
+        variants = dict(lib=lib, runcall=runcall, launch=launch, fire=fire, empty=empty, key=key, nothing=nothing,
                         cudnn=cudnn, flash=cudnn)
         ctxs = dict(cudnn=lambda: sdpa_kernel(SDPBackend.CUDNN_ATTENTION),
                     flash=lambda: sdpa_kernel(SDPBackend.FLASH_ATTENTION))
