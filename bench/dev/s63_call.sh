@@ -12,6 +12,7 @@
 #          with 21 rounds (GPU time).
 #   eparts bench/dev/eager_parts.py (a single eager call's host time, part by part, against cuDNN's) at
 #          EP_SHAPES, EP_REPS single calls a variant; eparts0 the same with CUFLASH_DECODE_SPARE=0
+#   envab2 a second envab in the same call (ENVAB2_VAR, ENVAB2_MODES; the same ENVAB_SHAPES)
 #   STEPS="rbw tail envab newcache" ENVAB_VAR=CUFLASH_DECODE_EVICT_FIRST ENVAB_MODES="0 1 0 1" \
 #     ENVAB_SHAPES="256x2048x1 64x8192x1 16x32768x1 4x131072x1" CALL=c1 bash bench/dev/s63_call.sh
 set -u
@@ -47,6 +48,8 @@ session_step() {
         --json "$OUT/${N}_$1.json" > "$OUT/${N}_$1.log" 2>&1
       grep -E "==| lib | cudnn " "$OUT/${N}_$1.log" ;;
     envab) s62_step envab ;;
+    envab2)  # a second envab in the same call: ENVAB2_VAR, ENVAB2_MODES (files ${N}_2_envab_*)
+      (N="${N}_2" ENVAB_VAR="$ENVAB2_VAR" ENVAB_MODES="$ENVAB2_MODES" s62_step envab) ;;
     *) return 1 ;;
   esac
   return 0
