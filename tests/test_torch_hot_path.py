@@ -428,7 +428,7 @@ def test_kvcache_spare_outputs(torch_dev, monkeypatch, lse_seen):
     per_call = 2 if lse_seen else 1  # allocations of one set of outputs
 
     def call():
-        """(out, lse or None, the decode launch's Params, the allocations before it, those after it)."""
+        """(out, lse or None, the outputs it allocated before its decode launch, those after it)."""
         q = torch.randn(2, 1, 8, 64, generator=g, dtype=torch.bfloat16)
         n, a = len(launched), len(allocated)
         res = cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=torch.tensor([5, 48], dtype=torch.int32),
@@ -439,19 +439,19 @@ def test_kvcache_spare_outputs(torch_dev, monkeypatch, lse_seen):
         new = allocated[a:]
         return out, lse, [t for k, t in new if k == n], [t for k, t in new if k > n]
 
-    def spare_of(outs):
+    def ptrs_of(outs):
         return [t.data_ptr() for t in outs]
 
     _fresh_decode_plans(monkeypatch)
     out1, lse1, before, after = call()
-    assert spare_of(before) == [x.data_ptr() for x in (out1, lse1) if x is not None]
+    assert ptrs_of(before) == [x.data_ptr() for x in (out1, lse1) if x is not None]
     assert len(after) == per_call, "the first call leaves a spare"
     kept = [(out1, lse1)]
     for _ in range(3):
         spare = after
         out, lse, before, after = call()
         assert not before, "a repeat call allocates nothing before its launch"
-        assert spare_of(spare) == [x.data_ptr() for x in (out, lse) if x is not None], "it takes the spare"
+        assert ptrs_of(spare) == [x.data_ptr() for x in (out, lse) if x is not None], "it takes the spare"
         assert len(after) == per_call
         kept.append((out, lse))
     ptrs = [x.data_ptr() for pair in kept for x in pair if x is not None]
@@ -461,13 +461,13 @@ def test_kvcache_spare_outputs(torch_dev, monkeypatch, lse_seen):
     spare = after
     out, lse, before, after = call()
     assert len(before) == per_call and not after
-    assert out.data_ptr() not in spare_of(spare)
+    assert out.data_ptr() not in ptrs_of(spare)
     capturing[0] = False
     out, lse, before, after = call()  # (no spare: allocates first, then leaves one)
     assert len(before) == per_call and len(after) == per_call
 
     monkeypatch.setattr(adapter, "_raw_stream", lambda device_id: 78)  # another stream: its own
-    spare77 = spare_of(after)
+    spare77 = ptrs_of(after)
     out, lse, before, after = call()
     assert len(before) == per_call and out.data_ptr() not in spare77
     monkeypatch.setattr(adapter, "_raw_stream", lambda device_id: 77)  # back: stream 77's spare
