@@ -992,6 +992,28 @@ def decode_spare_outputs() -> bool:
     return os.environ.get("CUFLASH_DECODE_SPARE") != "0"
 
 
+def decode_idle_variant() -> bool:
+    """Whether a decode plan whose eager call runs a combine kernel after the decode kernel keeps a
+    one-launch variant for eager calls on an idle stream (cuflash/_kvcache.py DecodePlan.idle): yes
+    unless CUFLASH_DECODE_IDLE=0 (A/B). Read when a decode plan is made."""
+    import os
+
+    return os.environ.get("CUFLASH_DECODE_IDLE") != "0"
+
+
+# The most keys a split of a plan's idle variant (above) may see: past it the longer GPU part costs a
+# single call more than the combine kernel's launch saves. H200, session 64 (bench/dev/eager_splits.py,
+# 300 single calls a variant, interleaved, median us): the library's plan (its combine kernel) against
+# 8 splits merged in one launch on 8 warps, both with CUFLASH_DECODE_WARPS=8: 1 x 2048 x 8 (256 keys a
+# split, clusters) 46.3 -> 39.7, 1 x 4096 x 8 (512, fused) 45.0 -> 39.4, 1 x 8192 x 8 (1024) 45.1 ->
+# 38.4, 2 x 8192 x 8 45.0 -> 39.1; 1 x 32768 x 8 (4096 keys a split) 45.7 -> 56.0, and 16 fused splits
+# there (CUFLASH_DECODE_FUSED_MAX_PARTS=128) 42.0 -> 45.8. The rule as built, CUFLASH_DECODE_IDLE 1 / 0
+# / 1 / 0, each its own process, cuflash / cuDNN (whose figure there includes entering its SDPA backend):
+# 1 x 2048 x 8 0.958 / 1.117 / 0.986 / 1.034, 1 x 8192 x 8 0.973 / 1.148 / 0.997 / 1.094, 2 x 8192 x 8
+# 0.957 / 1.090 / 1.001 / 1.035; 1 x 32768 x 8 (no idle variant) 1.053 / 1.089 / 1.061 / 1.039.
+DECODE_IDLE_SPLIT_KEYS = 1024
+
+
 def decode_group_kernel() -> bool:
     """Whether a paged decode read through TMA in 16-key groups runs the kernel built for them
     (cuda_src/flash_decode.cu, GRP: paged and groups constants, "_grp" in its name) rather than the

@@ -685,14 +685,17 @@ class DecodePlan:
         cluster_keys = _config.decode_cluster_split_keys(target, d, _sm_count(dev), _gpu.peak_memory_bandwidth(dev))
         forced_warps = _config.decode_warps_forced()
 
-        def warps_and_splits(splits):
+        def warps_and_splits(splits, wide=False):
             """The decode kernel's warps and split count for the 4-warp kernel's split count: 8 warps
             where that kernel is built and the grid leaves each SM one block
-            (_config.decode_warps_and_splits), or as CUFLASH_DECODE_WARPS forces."""
+            (_config.decode_warps_and_splits; with `wide`, wherever blocks x splits fit the SMs), or as
+            CUFLASH_DECODE_WARPS forces."""
             if not wide_ok or splits == fill:  # (the paged fill's count: the 4-warp kernel)
                 return 4, splits
             if forced_warps:
                 return forced_warps, splits
+            if wide and blocks * splits <= _sm_count(dev):
+                return 8, splits
             warps, splits = _config.decode_warps_and_splits(blocks, splits, _sm_count(dev), forced, paged_copies,
                                                             keys, one_per_sm=one,
                                                             cluster=_config.DECODE_CLUSTER_MAX if self.cluster else 0,
@@ -703,12 +706,12 @@ class DecodePlan:
                 warps = 8  # 16-key groups of a paged cache (TMA): the 8-warp kernel at the same count
             return warps, splits
 
-        def variant(splits, fused_max_parts):
+        def variant(splits, fused_max_parts, wide=False):
             """(num_splits, scratch floats, launches, launches with the fused combine or None) of the
             4-warp kernel's split count `splits` (the 8-warp kernel's own count where it runs); the
-            fused combine where rows x splits <= fused_max_parts."""
+            fused combine where rows x splits <= fused_max_parts. wide: warps_and_splits'."""
             out_t = DeviceTensor(Slot(_D_OUT), self.out_shape, contiguous_strides(self.out_shape))
-            warps, splits = warps_and_splits(splits)
+            warps, splits = warps_and_splits(splits, wide)
             clustered = self._clustered(splits)
             stages = None  # the 4-warp TMA kernel's depth where a rule picks one (decode_stages' otherwise)
             if self.tma and warps == 4 and not forced_warps:
@@ -740,6 +743,26 @@ class DecodePlan:
         self.graph = self.eager if same else variant(graph_splits, graph_max)
         self.pdl = any(L.pdl is not None for L in self.graph[2][1:])  # (_launch.as_pdl: calls of 2-3 kernels)
         self.num_splits, self.scratch_floats, self.launches = self.eager[:3]  # the eager variant's
+        # Eager calls on an idle stream (the previous call's decode kernel has begun, or there was none:
+        # a single call, or a loop whose host is the slower side), where the eager variant merges its
+        # splits in a combine kernel: the most splits, at most DECODE_CLUSTER_MAX, that merge in the
+        # decode kernel itself (clusters, or the fused combine), each seeing at most
+        # _config.DECODE_IDLE_SPLIT_KEYS keys, on 8 warps where the grid fits the SMs. There the host's
+        # part of a call is the longer one, and the combine's launch costs it more than the fewer
+        # splits cost the GPU; back to back (a busy stream) the eager variant's GPU time decides. Only
+        # where the plan can tell (`started`: eager PDL on sm_90), for contiguous caches (measured
+        # there). run() picks.
+        self.idle = self.eager
+        if (not forced and one and not c.paged and self.started is not None and num_splits > 1
+                and self.eager[3] is None and not self._merged(num_splits) and _config.decode_idle_variant()):
+            for s in range(min(_config.DECODE_CLUSTER_MAX, num_splits - 1), 1, -1):
+                if self._merged(s) and -(-keys // s) <= _config.DECODE_IDLE_SPLIT_KEYS:
+                    v = variant(s, _config.DECODE_FUSED_MAX_PARTS, wide=True)
+                    if v[3] is not None or any(L.cluster > 1 for L in v[2]):  # (its clusters fit the GPU)
+                        self.idle = v
+                    break
+        # The eager split calls' scratch for a stream (_scratch) serves both eager variants.
+        self.scratch_bytes = 4 * max(self.eager[1], self.idle[1])
 
     def _clustered(self, splits: int) -> bool:
         """Whether the cluster merge serves `splits` (sm_90, 2 to DECODE_CLUSTER_MAX splits, each seeing
@@ -837,7 +860,7 @@ class DecodePlan:
         ptrs[_D_OUT] = ptr(out)
         if lse is not None:
             ptrs[_D_LSE] = ptr(lse)
-        splits, scratch_floats, launches, fused = self.eager
+        variant = self.eager
         # Programmatic dependent launch (_launch.PdlConfig). In a CUDA graph, between the call's own
         # kernels (append -> decode -> combine): each starts while the one before it finishes (H100,
         # session 15: a replay 0.3-1.8 us faster where a call has two or three kernels). Eager calls:
@@ -848,13 +871,19 @@ class DecodePlan:
         # begun (its number is not yet in `started`), which holds where the host runs ahead of the GPU.
         started = self.started
         busy = started is not None and started.value != self.seq
+        # An idle stream's eager call takes the plan's idle variant (one launch; __init__), where it
+        # has one.
+        idle = not busy and self.idle is not variant
         # Whether the stream captures a graph, asked only where the answer changes a launch (PDL, the
-        # graph's variant) or a spare was taken; the scratch below asks for itself otherwise.
-        asked = capturing is not None or self.pdl or busy or self.graph is not self.eager
+        # graph's or the idle variant) or a spare was taken; the scratch below asks for itself otherwise.
+        asked = capturing is not None or self.pdl or busy or idle or self.graph is not variant
         if capturing is None:
             capturing = asked and stream_capturing(stream)
-        if self.graph is not self.eager and capturing:
-            splits, scratch_floats, launches, fused = self.graph
+        if capturing:
+            variant = self.graph
+        elif idle:
+            variant = self.idle
+        splits, scratch_floats, launches, fused = variant
         pdl = self.pdl and capturing or busy and not capturing
         if started is not None and not capturing:
             self.seq += 1  # (a captured call writes nothing: seq 0)
@@ -902,7 +931,8 @@ class DecodePlan:
 
     def _scratch(self, stream: int, nbytes: int) -> int:
         """The address of this plan's scratch for eager split calls on this stream (o_part, lse_part of
-        nbytes, the eager variant's; made at its first use, kept with the plan). A call's kernels write
+        nbytes, at least the larger of the two eager variants' (eager, idle); made at its first use,
+        kept with the plan). A call's kernels write
         the partials and read them back before the stream's next call of this plan begins: the plan's
         lock keeps a call's launches together, and a programmatic dependent waits for the grid before
         it ahead of its first write. Not shared between plans: another plan's call, from another
@@ -914,8 +944,8 @@ class DecodePlan:
             with self._lock:  # (two threads' first calls on one stream: one allocation, kept)
                 mem = self.scratches.get(stream)
                 if mem is None:
-                    with cupy.cuda.Device(self.device_id):
-                        mem = self.scratches[stream] = cupy.cuda.memory.alloc(nbytes)
+                    with cupy.cuda.Device(self.device_id):  # (sized for both eager variants)
+                        mem = self.scratches[stream] = cupy.cuda.memory.alloc(max(nbytes, self.scratch_bytes))
         return mem.ptr
 
     def _counters(self, stream: int) -> int:

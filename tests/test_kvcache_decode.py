@@ -269,6 +269,78 @@ def test_spare_outputs(monkeypatch, layout):
         assert out.data_ptr() not in (g_out.data_ptr(), spare[0].data_ptr()), ctx
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1, 2048, 32), (1, 8192, 32), (2, 4096, 64)], ids=["cluster", "fused", "gqa16"])
+def test_idle_variant(monkeypatch, shape):
+    """sm_90: a decode plan whose eager call merges its splits in a combine kernel (batch 1-2 with 8-16
+    query heads a kv head) runs one launch on an idle stream (DecodePlan.idle: 8 splits in clusters at
+    2048 keys, fused at 8192; 4 fused splits at GQA 16), and the combine kernel where the stream is busy
+    (a sleep kernel queued ahead: the previous call's decode kernel has not begun). Each call's outputs,
+    NaN before it, against the float64 reference (out and lse), the cache lengths ragged and the slots
+    past them NaN."""
+    from cuflash import _kvcache
+    from test_gpu_features import poison
+    from test_kvcache_device import LSE_ATOL, LSE_RTOL, _score_magnitude
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("needs an sm_90 torch device (the idle variant goes with eager PDL)")
+    _fresh_decode_plans(monkeypatch)
+    batch, capacity, nheads = shape
+    seed = _new_seed()
+    rng = np.random.default_rng(seed)
+    seqlens = np.array([capacity - 37, 1000][:batch], np.int32)
+    case = make_case(rng, dtype=BF16, batch=batch, seqlen_q=1, nheads=nheads, nheads_kv=4, head_dim=128,
+                     layout="contig", capacity=capacity, seqlen_new=0, seqlens=seqlens)
+    args = {n: _to(x, "cuda") for n, x in case.args().items()}
+    ctx = _ctx(seed, shape=shape)
+    recorded = []
+    real = _kvcache.run_launches
+
+    def record(plan, stream, ptrs, launches, *a, **k):
+        recorded.append([L.name for L in launches])
+        return real(plan, stream, ptrs, launches, *a, **k)
+
+    monkeypatch.setattr(_kvcache, "run_launches", record)
+    qs = [(case.q * (1.0 + 0.5 * i)).astype(case.q.dtype) for i in range(3)]
+    q_dev = [_to(q, "cuda") for q in qs]  # (uploaded now: a copy from host memory would wait for the sleep)
+
+    def call(i):
+        return attention_with_kvcache(**dict(args, q=q_dev[i]), return_lse=True)
+
+    def check(i, out, lse, what):
+        ref = kvcache_reference(qs[i], case.k_cache, case.v_cache, None, None, case.cache_seqlens, None, None,
+                                False, None)
+        ok, msg = check_close(_back(out), ref.out, ref.naive_out, factor=FWD_FACTOR, floor=FWD_FLOOR)
+        assert ok, f"{what}: {msg}; {ctx}"
+        got = _back(lse).astype(np.float64)
+        mag = np.maximum(np.abs(ref.lse), _score_magnitude(qs[i], ref.keys, qs[i].shape[-1] ** -0.5, {}))
+        err = np.abs(got - ref.lse)
+        assert (err <= LSE_ATOL + LSE_RTOL * mag).all(), f"{what}: lse err {err.max()}; {ctx}"
+
+    def nan_spare():
+        (pl,) = [p for p in _kvcache._DECODE_PLANS.values() if p.out_shape == tuple(case.q.shape)]
+        for x in pl.spares[("torch", torch.cuda.current_stream().cuda_stream)]:
+            x.fill_(float("nan"))
+        return pl
+
+    poison()  # (torch's cached free memory NaN: call 0 allocates its own outputs)
+    outs = [call(0)]
+    pl = nan_spare()
+    torch.cuda.synchronize()
+    if pl.started is None:
+        pytest.skip("eager PDL is off here (no idle variant)")
+    assert pl.idle is not pl.eager and len(recorded[0]) == 1, (recorded, ctx)
+    assert pl.eager[2][-1].name.startswith("decode_combine"), ctx
+    torch.cuda._sleep(100_000_000)  # (tens of ms: the host runs ahead)
+    outs.append(call(1))  # call 0's kernel began: idle, one launch
+    nan_spare()
+    outs.append(call(2))  # call 1's has not begun: busy, the combine kernel
+    assert [len(r) for r in recorded] == [1, 1, 2] and recorded[2][-1].startswith("decode_combine"), (recorded, ctx)
+    torch.cuda.synchronize()
+    for i, (out, lse) in enumerate(outs):
+        check(i, out, lse, f"call {i} ({'busy' if i == 2 else 'idle'})")
+
+
 _GATE_SRC = r"""
 extern "C" __global__ void hold(const volatile unsigned long long* word, unsigned long long max_ns,
                                 volatile unsigned long long* held_ns) {

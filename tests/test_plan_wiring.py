@@ -2202,6 +2202,77 @@ def test_kvcache_cluster_instead_of_many_fused_splits(dev, monkeypatch):
         assert pl.graph[0] == 16 and pl.graph[2][-1].name.startswith("decode_combine"), (gqa, cluster, forced)
 
 
+@pytest.mark.parametrize("case", ["cluster", "fused", "long", "paged", "off"])
+def test_decode_idle_variant(dev, monkeypatch, case):
+    """On sm_90a at head_dim 128, a plan whose eager call merges its splits in a combine kernel (batch 1,
+    GQA 8: 16-32 splits of 8 rows) keeps a one-launch variant for eager calls on an idle stream
+    (DecodePlan.idle): 8 splits on 8 warps, merged in clusters where a split sees at most
+    DECODE_CLUSTER_KEYS keys (2048 keys), else by the fused combine (8192 keys). run() takes it where
+    the previous call's decode kernel has begun (its number in `started`), and the eager variant (the
+    combine kernel, PDL launches) where it has not; a capture takes the graph variant. None for splits
+    of more than DECODE_IDLE_SPLIT_KEYS keys (32768 keys), for a paged cache, or with
+    CUFLASH_DECODE_IDLE=0: every eager call runs the combine kernel there."""
+    from cuflash import _kvcache
+
+    fake_tma_driver(monkeypatch, lambda ptr, i, dims, box, strides: (
+        ptr if i == 0 else 31 * i + dims[1] + box[1] + strides[0]), lambda ptr, *rest: ptr)
+    capturing = [False]
+    monkeypatch.setattr(_kvcache, "stream_capturing", lambda stream: capturing[0])
+    monkeypatch.delenv("CUFLASH_DECODE_FUSED_COMBINE", raising=False)
+    monkeypatch.setenv("CUFLASH_DECODE_CLUSTER", "1")
+    if case == "off":
+        monkeypatch.setenv("CUFLASH_DECODE_IDLE", "0")
+    _fresh_decode_plans(monkeypatch)
+    ad, launched = dev
+    rng = np.random.default_rng()
+    keys = {"fused": 8192, "long": 32768}.get(case, 2048)
+    kc, vc = arr(rng, (1, keys, 4, 128)), arr(rng, (1, keys, 4, 128))
+    kw = {}
+    if case == "paged":
+        kc, vc = kc.reshape(keys // 16, 16, 4, 128), vc.reshape(keys // 16, 16, 4, 128)
+        kw["block_table"] = np.arange(keys // 16, dtype=np.int32).reshape(1, -1).view(Dev)
+    seqlens = np.array([keys - 37], np.int32).view(Dev)
+    q = arr(rng, (1, 1, 32, 128))
+
+    def call():
+        n0 = len(launched)
+        cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens, **kw)
+        got = launched[n0:]
+        dec = next(L for L in got if L["name"].startswith("decode_") and "combine" not in L["name"])
+        return got, dec
+
+    def is_idle(got, dec):
+        """The idle variant's launch (checked whole), or False for the eager variant's."""
+        if len(got) == 2:
+            assert got[1]["name"].startswith("decode_combine") and int(dec["p"]["split_counters"]) == 0
+            return False
+        assert len(got) == 1 and dec["name"] == "decode_f16_d128_s3_w8_tma" and int(dec["p"]["num_splits"]) == 8
+        assert not dec["pdl"], "an idle stream's call launches plainly"
+        if case == "cluster":
+            assert dec["cluster"] == 8 and int(dec["p"]["cluster_merge"]) == 1
+        else:
+            assert dec["cluster"] == 1 and int(dec["p"]["split_counters"]) == 0xC0C000
+        return True
+
+    has_idle = case in ("cluster", "fused")
+    first = call()  # nothing before it: an idle stream
+    assert is_idle(*first) == has_idle
+    (pl,) = _kvcache._DECODE_PLANS.values()
+    assert (pl.idle is not pl.eager) == has_idle
+    assert pl.scratch_bytes == 4 * max(pl.eager[1], pl.idle[1])
+    ad.held[0] = True  # from here the decode kernels have not begun when the next call comes
+    assert is_idle(*call()) == has_idle  # the previous call's kernel began: idle
+    busy, dec = call()  # call 2's kernel has not begun: the eager variant, every launch PDL
+    assert not is_idle(busy, dec) and all(L["pdl"] for L in busy)
+    ad.held[0] = False
+    assert not is_idle(*call())  # call 3's had not begun either
+    assert is_idle(*call()) == has_idle  # call 4's began
+    capturing[0] = True  # a capture: the graph variant (the combine kernel)
+    cap, dec = call()
+    assert not is_idle(cap, dec) and int(dec["p"]["seq"]) == 0
+    capturing[0] = False
+
+
 def test_paged_prefill_gpu_wiring(dev):
     """attention_varlen with a block_table on a GPU: two
     gathers copy the pages to packed arrays (batch * max_seqlen_k rows) and write the rebased offsets,
