@@ -20,6 +20,11 @@
 //                 MODE 2 dims (64, 2, heads_kv, seqlen, batch), box {64, 2, 1, ROWS, 1}: [group][ROWS
 //                 rows][panel][64] (increasing strides; the panels of a row interleave). Rows are
 //                 consecutive (no page table): the question is what the box count costs.
+//                 MODE 4 and 5: whole BN-row boxes as MODE 0, but block x starts its walk at tile rot
+//                 and wraps (tile (it + rot) % n_tiles), rot = x * 37 % n_tiles (MODE 4) or a hash
+//                 of x (MODE 5): the blocks that run at once read different key offsets, not the same
+//                 ones at power-of-two distances (does a contiguous cache's regular layout cost what
+//                 random 64-row pages gained in session 63: 1836 against 1846 us?).
 //   read_tma_persist: a persistent reader (gridDim.x blocks, a few per SM): block x streams items x,
 //                 x + gridDim.x, ... (item = b * heads_kv + h) as one sequence of BN-key tiles through
 //                 its ring, so the ring never drains between items and no block starts after the first
@@ -147,6 +152,16 @@ __global__ void __launch_bounds__(128) read_tma_rows(const __grid_constant__ Rea
                     tma_load_4d(dst + c * PANEL + off, &p.kmap, bar, 64 * c, 0, h, blk);
                     tma_load_4d(dst + TILE + c * PANEL + off, &p.vmap, bar, 64 * c, 0, h, blk);
                 }
+            } else if constexpr (MODE == 4 || MODE == 5) {
+                static_assert(ROWS == BN, "whole tiles");
+                const u32 x = blockIdx.x;
+                const u32 rot = MODE == 4 ? x * 37u % n_tiles : ((x * 2654435761u) >> 9) % n_tiles;
+                const int r = (int)((it + rot) % n_tiles) * BN;
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    tma_load_4d(dst + c * PANEL, &p.kmap, bar, 64 * c, r, h, b);
+                    tma_load_4d(dst + TILE + c * PANEL, &p.vmap, bar, 64 * c, r, h, b);
+                }
             } else {
                 const u32 off = lane * ROWS * 128;
 #pragma unroll
@@ -192,13 +207,28 @@ __device__ __forceinline__ float ring_loop(u32 base, unsigned long long* bars, i
     return acc;
 }
 
+// One whole BN-key tile of item (b, h) from key row `row`, K then V, into stage st of the ring at base
+// (by one thread; the stage's barrier armed for its bytes): the persistent and stream-K readers' load.
+template <int BN, int STAGES>
+__device__ __forceinline__ void load_whole_tile(const ReadBwParams& p, unsigned long long* bars, u32 base, int st,
+                                                int b, int h, int row) {
+    constexpr u32 PANEL = BN * 128;
+    constexpr u32 TILE = 2 * PANEL;
+    const u32 bar = smem_addr(&bars[st]);
+    const u32 dst = base + st * 2 * TILE;
+    mbar_arrive_expect_tx(bar, 2 * TILE);
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+        tma_load_4d(dst + c * PANEL, &p.kmap, bar, 64 * c, row, h, b);
+        tma_load_4d(dst + TILE + c * PANEL, &p.vmap, bar, 64 * c, row, h, b);
+    }
+}
+
 template <int BN, int STAGES>
 __global__ void __launch_bounds__(128) read_tma_persist(const __grid_constant__ ReadBwParams p) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     __shared__ alignas(8) unsigned long long bars[STAGES];
-    constexpr u32 PANEL = BN * 128;
-    constexpr u32 TILE = 2 * PANEL;
-    constexpr u32 STAGE_BYTES = 2 * TILE;
+    constexpr u32 STAGE_BYTES = 4 * BN * 128;  // K and V, two 64-column panels each
     const u32 base = (smem_addr(smem_raw) + 1023u) & ~1023u;
     const int tid = threadIdx.x;
     const int n_tiles = p.seqlen / BN;
@@ -206,19 +236,33 @@ __global__ void __launch_bounds__(128) read_tma_persist(const __grid_constant__ 
     const int total = my_items * n_tiles;
     init_ring<STAGES>(p, bars);
     auto load = [&](int j) {  // by thread 0: tile j of this block's sequence
-        const int st = j % STAGES;
-        const u32 bar = smem_addr(&bars[st]);
-        const u32 dst = base + st * STAGE_BYTES;
         const int item = (int)blockIdx.x + (j / n_tiles) * (int)gridDim.x;
-        const int b = item / p.heads_kv, h = item % p.heads_kv, row = (j % n_tiles) * BN;
-        mbar_arrive_expect_tx(bar, STAGE_BYTES);
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-            tma_load_4d(dst + c * PANEL, &p.kmap, bar, 64 * c, row, h, b);
-            tma_load_4d(dst + TILE + c * PANEL, &p.vmap, bar, 64 * c, row, h, b);
-        }
+        load_whole_tile<BN, STAGES>(p, bars, base, j % STAGES, item / p.heads_kv, item % p.heads_kv, (j % n_tiles) * BN);
     };
     const float acc = ring_loop<STAGES, STAGE_BYTES>(base, bars, total, load);
+    if (tid == 0) p.sink[blockIdx.x] = acc;
+}
+
+// read_tma_streamk: the items' tiles as one sequence (item-major, item = b * heads_kv + h), cut into
+// gridDim.x equal ranges, block x streaming range x through its ring (crossing an item boundary where its
+// range does): every SM gets the same number of tiles whatever the item count (128 items on 132 SMs:
+// 124-125 tiles each instead of 128 on 128 SMs and 4 SMs idle).
+template <int BN, int STAGES>
+__global__ void __launch_bounds__(128) read_tma_streamk(const __grid_constant__ ReadBwParams p) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    __shared__ alignas(8) unsigned long long bars[STAGES];
+    constexpr u32 STAGE_BYTES = 4 * BN * 128;  // K and V, two 64-column panels each
+    const u32 base = (smem_addr(smem_raw) + 1023u) & ~1023u;
+    const int tid = threadIdx.x;
+    const int n_tiles = p.seqlen / BN;
+    const i64 all = (i64)p.items * n_tiles;
+    const int j0 = (int)(all * blockIdx.x / gridDim.x), j1 = (int)(all * (blockIdx.x + 1) / gridDim.x);
+    init_ring<STAGES>(p, bars);
+    auto load = [&](int j) {  // by thread 0: tile j0 + j of the sequence
+        const int jj = j0 + j, item = jj / n_tiles;
+        load_whole_tile<BN, STAGES>(p, bars, base, j % STAGES, item / p.heads_kv, item % p.heads_kv, (jj % n_tiles) * BN);
+    };
+    const float acc = ring_loop<STAGES, STAGE_BYTES>(base, bars, j1 - j0, load);
     if (tid == 0) p.sink[blockIdx.x] = acc;
 }
 

@@ -46,6 +46,11 @@ L2 = [("tma", 64, st, None, None, l2) for st in (2, 3) for l2 in (0, 1, 3)]
 # read_tma_rows: (kind, BN, STAGES, ROWS, MODE)
 VARIANTS += [("tma_rows", 128, st, rows, mode) for st in (2, 3) for rows in (16, 32, 64, 128) for mode in (0, 1, 2)
              if (rows, mode) != (128, 0)]  # that one is ("tma", 128, st)
+# read_tma_streamk: (kind, BN, STAGES, blocks per SM); the grid is that many blocks per SM, each a equal
+# range of the items' tiles in sequence
+STREAMK = [("streamk", 64, 2, 1), ("streamk", 64, 3, 1), ("streamk", 64, 2, 2), ("streamk", 64, 2, 3), ("streamk", 128, 2, 1)]
+# MODE 4 / 5: whole tiles, each block's walk starting at its own tile (rotated start) and wrapping
+ROT = [("tma_rows", bn, st, bn, mode) for bn, sts in ((64, (2, 3, 4)), (128, (2, 3))) for st in sts for mode in (4, 5)]
 # MODE 3: 16-row pages through a block table (timed with a random and an in-order table)
 PAGED = [("tma_rows", 128, st, 16, 3) for st in (2, 3)]
 
@@ -53,6 +58,8 @@ PAGED = [("tma_rows", 128, st, 16, 3) for st in (2, 3)]
 def expression(kind, bn, stages, rows=None, mode=None, l2=None):
     if kind == "heads":  # rows: the heads a block
         return f"cuflash::read_tma_heads<{bn}, {stages}, {rows}>"
+    if kind == "streamk":  # rows: blocks per SM (a launch choice)
+        return f"cuflash::read_tma_streamk<{bn}, {stages}>"
     if kind == "persist":  # rows: blocks per SM (a launch choice, not a template argument)
         return f"cuflash::read_tma_persist<{bn}, {stages}>"
     if kind == "tma":  # one box per panel of the whole tile
@@ -67,6 +74,8 @@ def label(kind, bn, stages, rows=None, mode=None, l2=None):
         return f"read_{kind}<{bn}, {stages}> L2 promotion {l2}"
     if kind == "heads":
         return f"read_tma_heads<{bn}, {stages}, {rows} heads>"
+    if kind == "streamk":
+        return f"read_tma_streamk<{bn}, {stages}> x{rows}/SM"
     if kind == "persist":
         return f"read_tma_persist<{bn}, {stages}> x{rows}/SM"
     if kind == "tma_rows":
@@ -85,7 +94,7 @@ def build(path):
     code = open(os.path.join(HERE, "decode_read_bw.cu")).read()
     prog = nvrtc.createProgram(code, "decode_read_bw.cu", [t.encode() for t in headers.values()],
                                [n.encode() for n in headers])
-    exprs = sorted({expression(*v) for v in VARIANTS + PAGED + PERSIST + HEADS})
+    exprs = sorted({expression(*v) for v in VARIANTS + PAGED + PERSIST + HEADS + ROT + STREAMK})
     for e in exprs:
         nvrtc.addNameExpression(prog, e)
     nvrtc.compileProgram(prog, _compile.base_options("sm_90a"))
@@ -112,6 +121,10 @@ def main():
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--json")
     ap.add_argument("--no-rows", action="store_true", help="skip the read_tma_rows box-size variants (not the paged ones)")
+    ap.add_argument("--only-sk", action="store_true",
+                    help="only the whole-tile TMA readers and the stream-K ones (read_tma_streamk), and the library rows")
+    ap.add_argument("--only-rot", action="store_true",
+                    help="only the whole-tile TMA readers, in order and with rotated starts (MODE 4 / 5), and the library rows")
     args = ap.parse_args()
 
     import cupy
@@ -183,9 +196,16 @@ def main():
 
     dst = torch.empty_like(k)
     report("copy (bytes read + written)", timed(lambda: dst.copy_(k)), 2 * k.numel() * 2)
-    runs = [(var, None, label(*var)) for var in VARIANTS if not (args.no_rows and var[0] == "tma_rows")]
-    runs += [(var, t, f"{label(*var)} pages {name}") for var in PAGED for name, t in tables.items()]
-    runs += [(var, None, label(*var)) for var in PERSIST + HEADS + L2]
+    if args.only_sk:
+        runs = [(var, None, label(*var)) for var in VARIANTS if var[0] == "tma"]
+        runs += [(var, None, label(*var)) for var in STREAMK]
+    elif args.only_rot:
+        runs = [(var, None, label(*var)) for var in VARIANTS if var[0] == "tma"]
+        runs += [(var, None, label(*var)) for var in ROT]
+    else:
+        runs = [(var, None, label(*var)) for var in VARIANTS if not (args.no_rows and var[0] == "tma_rows")]
+        runs += [(var, t, f"{label(*var)} pages {name}") for var in PAGED for name, t in tables.items()]
+        runs += [(var, None, label(*var)) for var in PERSIST + HEADS + L2 + ROT + STREAMK]
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     for var, table, name in runs:
         kind, bn, stages = var[:3]
@@ -193,7 +213,7 @@ def main():
         smem = smem_bytes(*var)
         fn.max_dynamic_shared_size_bytes = smem
         try:
-            if kind == "persist":
+            if kind in ("persist", "streamk"):
                 buf = params(bn, table=table)
             elif kind == "heads":
                 buf = params(bn, heads=var[3])
@@ -207,7 +227,7 @@ def main():
             continue
         argv = np.array([buf.ctypes.data], dtype=np.uint64)
 
-        grid = min(b * hk, var[3] * sms) if kind == "persist" else b * hk // var[3] if kind == "heads" else b * hk
+        grid = var[3] * sms if kind == "streamk" else min(b * hk, var[3] * sms) if kind == "persist" else b * hk // var[3] if kind == "heads" else b * hk
 
         def launch(fn=fn, smem=smem, argv=argv, grid=grid):
             driver.launchKernel(fn.kernel.ptr, grid, 1, 1, 128, 1, 1, smem, stream, int(argv.ctypes.data), 0)
