@@ -919,10 +919,10 @@ class DecodePlan:
         calls): the output's torch allocation took 3.9-5.5 us (median) of a single call's host time
         before its launch, 2 us back to back; with the spare, single eager calls against the faster
         peer's at 27 shapes (batch 1-16, 2k-32k keys, GQA 1-8; 200 calls each) went from geomean 1.005,
-        worst 1.098 (4 x 8k x 8) to 0.980, worst 1.101 (1 x 2k x 8, two launches a call; 4 x 8k x 8
-        1.031). The memory is the stream's, as an allocation at the next
-        call's start would be (stream-ordered); a call on another stream, or in a graph capture,
-        allocates its own. At most _SPARE_STREAMS streams' spares are kept."""
+        worst 1.098 (4 x 8k x 8) to 0.980, worst 1.101 (1 x 2k x 8, two launches a call then: session
+        64's idle variant runs one there; 4 x 8k x 8 1.031). The memory is the stream's, as an
+        allocation at the next call's start would be (stream-ordered); a call on another stream, or in
+        a graph capture, allocates its own. At most _SPARE_STREAMS streams' spares are kept."""
         allocs = self.allocs.get(ad.lib) or self._allocators(ad)
         spares = self.spares
         if len(spares) >= _SPARE_STREAMS:
