@@ -29,6 +29,12 @@
 //                 x + gridDim.x, ... (item = b * heads_kv + h) as one sequence of BN-key tiles through
 //                 its ring, so the ring never drains between items and no block starts after the first
 //                 wave (what a grid of many short blocks pays at each block's start and end).
+//   read_tma_dyn: a persistent reader that takes its next item from a global counter (block x first
+//                 reads item x, then gridDim.x + atomicAdd(counter, 1), ..., each fetched as the item
+//                 before it starts): the ring never drains between
+//                 items, as in read_tma_persist, and the items read at once stay consecutive, as the
+//                 hardware's block scheduler keeps them (read_tma_persist's fixed strides let its blocks
+//                 drift apart). The last block to finish sets the counters back to 0.
 //   read_tma_heads: block (b, h0) streams HEADS adjacent kv heads h0.. at once: one 4-D box {64, BN,
 //                 HEADS, 1} per panel of K and of V, so each key row's bytes of the HEADS heads (adjacent
 //                 in memory) arrive together ([head][row][64] per panel); grid batch * heads_kv / HEADS.
@@ -50,7 +56,8 @@ struct ReadBwParams {
     int seqlen;
     int heads_kv;
     const int* table;  // MODE 3: (batch, seqlen / 16) 16-row pages of (num_blocks, 16, heads_kv, 128)
-    int items;         // read_tma_persist: batch * heads_kv
+    int items;         // read_tma_persist / read_tma_dyn: batch * heads_kv
+    int* counter;      // read_tma_dyn: [0, 1] zero before a launch and after it; [2] += the tiles read
 };
 
 constexpr int RB_D = 128;
@@ -241,6 +248,65 @@ __global__ void __launch_bounds__(128) read_tma_persist(const __grid_constant__ 
     };
     const float acc = ring_loop<STAGES, STAGE_BYTES>(base, bars, total, load);
     if (tid == 0) p.sink[blockIdx.x] = acc;
+}
+
+template <int BN, int STAGES>
+__global__ void __launch_bounds__(128) read_tma_dyn(const __grid_constant__ ReadBwParams p) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    __shared__ alignas(8) unsigned long long bars[STAGES];
+    __shared__ int stage_item[STAGES];  // the item of the tile in each stage; -1: the end
+    constexpr u32 STAGE_BYTES = 4 * BN * 128;  // K and V, two 64-column panels each
+    const u32 base = (smem_addr(smem_raw) + 1023u) & ~1023u;
+    const int tid = threadIdx.x;
+    const int n_tiles = p.seqlen / BN;
+    init_ring<STAGES>(p, bars);
+    // Thread 0's: the next tile to issue, and the item after this one, fetched as this one's first tile
+    // is issued (the atomic's latency off the issue path: its result is used n_tiles issues later).
+    int item = blockIdx.x, tile = 0, next = 0;
+    auto issue = [&](int j) {  // by thread 0: the next tile into stage j % STAGES, or the end mark
+        const int st = j % STAGES;
+        if (item < p.items) {
+            if (tile == 0) next = (int)gridDim.x + atomicAdd(p.counter, 1);
+            stage_item[st] = item;
+            load_whole_tile<BN, STAGES>(p, bars, base, st, item / p.heads_kv, item % p.heads_kv, tile * BN);
+            if (++tile == n_tiles) {
+                tile = 0;
+                item = next;
+            }
+        } else {
+            stage_item[st] = -1;
+            mbar_arrive(smem_addr(&bars[st]));
+        }
+    };
+    bool ended = false;  // thread 0's: the end mark issued
+    if (tid == 0)
+        for (int s = 0; s < STAGES - 1 && !ended; ++s) {
+            ended = item >= p.items;
+            issue(s);
+        }
+    float acc = 0.f;
+    int j = 0;
+    for (;; ++j) {
+        __syncthreads();
+        if (tid == 0 && !ended) {
+            ended = item >= p.items;
+            issue(j + STAGES - 1);
+        }
+        const int st = j % STAGES;
+        mbar_wait(smem_addr(&bars[st]), (j / STAGES) & 1);
+        if (stage_item[st] < 0) break;
+        u32 x;
+        asm volatile("ld.shared.b32 %0, [%1];" : "=r"(x) : "r"(base + st * STAGE_BYTES + 4 * (tid * 33 % (STAGE_BYTES / 4))));
+        acc += __uint_as_float(x);
+    }
+    if (tid == 0) {
+        p.sink[blockIdx.x] = acc;
+        atomicAdd(p.counter + 2, j);  // (the check: every item's tiles read once in all)
+        if (atomicAdd(p.counter + 1, 1) == (int)gridDim.x - 1) {  // the last block: every fetch is done
+            p.counter[0] = 0;
+            p.counter[1] = 0;
+        }
+    }
 }
 
 // read_tma_streamk: the items' tiles as one sequence (item-major, item = b * heads_kv + h), cut into

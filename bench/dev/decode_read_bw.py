@@ -38,6 +38,8 @@ VARIANTS = [("cpasync", 64, 3), ("cpasync", 64, 4), ("cpasync", 128, 2), ("cpasy
             ("tma", 64, 2), ("tma", 64, 3), ("tma", 64, 4), ("tma", 128, 2), ("tma", 128, 3)]
 # read_tma_persist: (kind, BN, STAGES, blocks per SM); the grid is that many blocks per SM
 PERSIST = [("persist", 64, 2, 3), ("persist", 64, 3, 2), ("persist", 64, 2, 2), ("persist", 64, 4, 1)]
+# read_tma_dyn: (kind, BN, STAGES, blocks per SM): persistent, the next item from a global counter
+DYN = [("dyn", 64, 2, 3), ("dyn", 64, 3, 2), ("dyn", 64, 2, 2), ("dyn", 64, 4, 1), ("dyn", 128, 2, 1)]
 # read_tma_heads: (kind, BN, STAGES, HEADS): HEADS adjacent kv heads a block, one box per panel for all
 HEADS = [("heads", 32, 2, 2), ("heads", 32, 3, 2), ("heads", 64, 2, 2), ("heads", 16, 2, 4)]
 # tma<64, 2> / <64, 3> again with the maps' other L2 promotions (CU_TENSOR_MAP_L2_PROMOTION: 0 none,
@@ -62,6 +64,8 @@ def expression(kind, bn, stages, rows=None, mode=None, l2=None):
         return f"cuflash::read_tma_streamk<{bn}, {stages}>"
     if kind == "persist":  # rows: blocks per SM (a launch choice, not a template argument)
         return f"cuflash::read_tma_persist<{bn}, {stages}>"
+    if kind == "dyn":  # rows: blocks per SM
+        return f"cuflash::read_tma_dyn<{bn}, {stages}>"
     if kind == "tma":  # one box per panel of the whole tile
         return f"cuflash::read_tma_rows<{bn}, {stages}, {bn}, 0>"
     if kind == "tma_rows":
@@ -76,8 +80,8 @@ def label(kind, bn, stages, rows=None, mode=None, l2=None):
         return f"read_tma_heads<{bn}, {stages}, {rows} heads>"
     if kind == "streamk":
         return f"read_tma_streamk<{bn}, {stages}> x{rows}/SM"
-    if kind == "persist":
-        return f"read_tma_persist<{bn}, {stages}> x{rows}/SM"
+    if kind in ("persist", "dyn"):
+        return f"read_tma_{kind}<{bn}, {stages}> x{rows}/SM"
     if kind == "tma_rows":
         return f"read_tma_rows<{bn}, {stages}, {rows}, mode {mode}>"
     return f"read_{kind}<{bn}, {stages}>"
@@ -94,7 +98,7 @@ def build(path):
     code = open(os.path.join(HERE, "decode_read_bw.cu")).read()
     prog = nvrtc.createProgram(code, "decode_read_bw.cu", [t.encode() for t in headers.values()],
                                [n.encode() for n in headers])
-    exprs = sorted({expression(*v) for v in VARIANTS + PAGED + PERSIST + HEADS + ROT + STREAMK})
+    exprs = sorted({expression(*v) for v in VARIANTS + PAGED + PERSIST + DYN + HEADS + ROT + STREAMK})
     for e in exprs:
         nvrtc.addNameExpression(prog, e)
     nvrtc.compileProgram(prog, _compile.base_options("sm_90a"))
@@ -123,6 +127,8 @@ def main():
     ap.add_argument("--no-rows", action="store_true", help="skip the read_tma_rows box-size variants (not the paged ones)")
     ap.add_argument("--only-sk", action="store_true",
                     help="only the whole-tile TMA readers and the stream-K ones (read_tma_streamk), and the library rows")
+    ap.add_argument("--only-dyn", action="store_true",
+                    help="only the whole-tile TMA readers, the persistent ones (static and from a counter), and the library rows")
     ap.add_argument("--only-rot", action="store_true",
                     help="only the whole-tile TMA readers, in order and with rotated starts (MODE 4 / 5), and the library rows")
     args = ap.parse_args()
@@ -147,6 +153,7 @@ def main():
     k = torch.randn(b, L, hk, d, device=dev, dtype=torch.bfloat16)
     v = torch.randn(b, L, hk, d, device=dev, dtype=torch.bfloat16)
     sink = torch.zeros(b * hk, device=dev, dtype=torch.float32)
+    counter = torch.zeros(3, device=dev, dtype=torch.int32)  # read_tma_dyn's ([0, 1] zero between launches)
     kv_bytes = 2 * k.numel() * 2
     stream = torch.cuda.current_stream().cuda_stream
 
@@ -169,7 +176,7 @@ def main():
               "in order": torch.arange(nb, device=dev, dtype=torch.int32).view(b, L // 16)}
 
     def params(bn, rows=None, mode=0, table=None, l2=None, heads=1):
-        buf = np.zeros(320, dtype=np.uint8)
+        buf = np.zeros(336, dtype=np.uint8)
         if heads > 1 or l2 is not None:
             maps = [tensor_map(x, bn, 0, l2, heads) for x in (k, v)]
         elif mode == 3:
@@ -178,8 +185,8 @@ def main():
             maps = [tensor_map(x, rows or bn, mode) for x in (k, v)]
         buf[0:128] = np.frombuffer(maps[0], np.uint8)
         buf[128:256] = np.frombuffer(maps[1], np.uint8)
-        struct.pack_into("<QQQqqiiQi", buf, 256, k.data_ptr(), v.data_ptr(), sink.data_ptr(), k.stride(0),
-                         k.stride(1), L, hk, table.data_ptr() if table is not None else 0, b * hk)
+        struct.pack_into("<QQQqqiiQi4xQ", buf, 256, k.data_ptr(), v.data_ptr(), sink.data_ptr(), k.stride(0),
+                         k.stride(1), L, hk, table.data_ptr() if table is not None else 0, b * hk, counter.data_ptr())
         return buf
 
     from decode_splits import gpu_ms_per_call
@@ -199,13 +206,16 @@ def main():
     if args.only_sk:
         runs = [(var, None, label(*var)) for var in VARIANTS if var[0] == "tma"]
         runs += [(var, None, label(*var)) for var in STREAMK]
+    elif args.only_dyn:
+        runs = [(var, None, label(*var)) for var in VARIANTS if var[0] == "tma"]
+        runs += [(var, None, label(*var)) for var in PERSIST + DYN]
     elif args.only_rot:
         runs = [(var, None, label(*var)) for var in VARIANTS if var[0] == "tma"]
         runs += [(var, None, label(*var)) for var in ROT]
     else:
         runs = [(var, None, label(*var)) for var in VARIANTS if not (args.no_rows and var[0] == "tma_rows")]
         runs += [(var, t, f"{label(*var)} pages {name}") for var in PAGED for name, t in tables.items()]
-        runs += [(var, None, label(*var)) for var in PERSIST + HEADS + L2 + ROT + STREAMK]
+        runs += [(var, None, label(*var)) for var in PERSIST + DYN + HEADS + L2 + ROT + STREAMK]
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     for var, table, name in runs:
         kind, bn, stages = var[:3]
@@ -213,7 +223,7 @@ def main():
         smem = smem_bytes(*var)
         fn.max_dynamic_shared_size_bytes = smem
         try:
-            if kind in ("persist", "streamk"):
+            if kind in ("persist", "streamk", "dyn"):
                 buf = params(bn, table=table)
             elif kind == "heads":
                 buf = params(bn, heads=var[3])
@@ -227,11 +237,20 @@ def main():
             continue
         argv = np.array([buf.ctypes.data], dtype=np.uint64)
 
-        grid = var[3] * sms if kind == "streamk" else min(b * hk, var[3] * sms) if kind == "persist" else b * hk // var[3] if kind == "heads" else b * hk
+        grid = var[3] * sms if kind == "streamk" else min(b * hk, var[3] * sms) if kind in ("persist", "dyn") else b * hk // var[3] if kind == "heads" else b * hk
 
         def launch(fn=fn, smem=smem, argv=argv, grid=grid):
             driver.launchKernel(fn.kernel.ptr, grid, 1, 1, 128, 1, 1, smem, stream, int(argv.ctypes.data), 0)
 
+        if kind == "dyn":  # one launch first: every tile read once, the counters back at zero
+            counter.zero_()
+            launch()
+            got = counter.tolist()
+            want = b * hk * (L // bn)
+            if got != [0, 0, want]:
+                print(f"{name:28} WRONG: counters {got}, want [0, 0, {want}]", flush=True)
+                rows.append(dict(name=name, error=f"counters {got}"))
+                continue
         report(name, timed(launch))
     q = torch.randn(b, 1, hk * 1, d, device=dev, dtype=torch.bfloat16)
     seqlens = torch.full((b,), L, device=dev, dtype=torch.int32)
