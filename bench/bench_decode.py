@@ -8,6 +8,10 @@ the figure of merit is the achieved read bandwidth, K+V bytes / time, set agains
 device-to-device copy bandwidth of the same GPU (torch copy_ of a >= 1 GiB buffer, bytes read +
 written / time, median of rounds, measured once per run).
 
+--seqlen-q N (default 1) gives q N rows, as speculative decoding does; then every implementation runs
+non-causal (SDPA's causal mask is top-left aligned), so all see the same keys: N - 1 more per row than
+a bottom-right causal call would.
+
 Implementations (rows; each a call on torch CUDA tensors, the same random cache):
   cuflash            cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=True)
                      on the contiguous cache (batch, L, nheads_kv, head_dim)
@@ -174,6 +178,9 @@ def parse_args(argv=None):
     p.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS),
                    help="default all (flash_attn only if it imports)")
     p.add_argument("--heads", type=int, help="query heads (default 32)")
+    p.add_argument("--seqlen-q", type=int, default=1,
+                   help="query rows per entry (default 1: a decode step; 2-8: speculative decoding, every "
+                        "implementation non-causal)")
     p.add_argument("--head-dim", type=int, help="default 128")
     p.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     p.add_argument("--page-size", type=int, default=16, help="rows per page of the paged layout (default 16)")
@@ -232,6 +239,8 @@ def parse_args(argv=None):
         p.error("--head-dim must be a multiple of 8 from 8 to 256")
     if args.page_size < 1:
         p.error("--page-size must be positive")
+    if args.seqlen_q < 1:
+        p.error("--seqlen-q must be positive")
     for name in ("rounds", "graph_rounds", "host_rounds", "host_calls", "copy_rounds", "max_calls"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -270,7 +279,8 @@ def cache_label(n) -> str:
 
 
 def shape_text(s) -> str:
-    return f"b{s['batch']} L{cache_label(s['cache'])} g{s['gqa']}"
+    sq = s.get("seqlen_q", 1)
+    return f"b{s['batch']} L{cache_label(s['cache'])} g{s['gqa']}" + (f" sq{sq}" if sq != 1 else "")
 
 
 def kv_bytes(batch, cache, nheads_kv, head_dim, elt=2) -> int:
@@ -289,7 +299,8 @@ def build_shapes(args):
         for b in args.batches:
             for L in args.caches:
                 hkv = args.heads // g
-                out.append({"batch": b, "cache": L, "gqa": g, "nheads": args.heads, "nheads_kv": hkv,
+                out.append({"batch": b, "cache": L, "gqa": g, "seqlen_q": args.seqlen_q, "nheads": args.heads,
+                            "nheads_kv": hkv,
                             "head_dim": args.head_dim, "dtype": args.dtype,
                             "kv_bytes": kv_bytes(b, L, hkv, args.head_dim)})
     out.sort(key=lambda s: (s["kv_bytes"], s["gqa"], s["batch"]))
@@ -447,7 +458,7 @@ class Tensors:
         self.torch, self.args, self.s = torch, args, s
         dt = getattr(torch, args.dtype)
         b, L, h, hkv, d = s["batch"], s["cache"], s["nheads"], s["nheads_kv"], s["head_dim"]
-        self.q = torch.randn(b, 1, h, d, device=device, dtype=dt)
+        self.q = torch.randn(b, s.get("seqlen_q", 1), h, d, device=device, dtype=dt)
         self.k = torch.randn(b, L, hkv, d, device=device, dtype=dt)
         self.v = torch.randn(b, L, hkv, d, device=device, dtype=dt)
         self.seqlens = torch.full((b,), L, dtype=torch.int32, device=device)
@@ -485,7 +496,7 @@ class Tensors:
         return self._expanded
 
     def reference(self, paged):
-        """(reference out (E, 1, h, d), E) for the first E entries, E as --check-mib allows, or (None, 0).
+        """(reference out (E, seqlen_q, h, d), E) for the first E entries, E as --check-mib allows, or (None, 0).
         The reference is SDPA (torch's backend choice) on those entries' logical keys."""
         key = None if paged is None else paged.page_size
         if key in self._refs:
@@ -523,7 +534,7 @@ class Call:
     key: tuple
     fn: object                  # () -> out
     ctx: object = contextlib.nullcontext   # () -> context manager, entered around rounds (SDPA's backend)
-    bshd: object = None         # out -> (b, 1, h, d)
+    bshd: object = None         # out -> (b, seqlen_q, h, d)
     uses_seqlens: bool = False
     note: str = ""
     paged: object = None        # the Paged the call reads, for the reference
@@ -579,16 +590,20 @@ class Runner:
         args, s = self.args, T.s
         q, cs = T.q, T.seqlens
         ident = lambda o: o  # noqa: E731
+        # causal=True at one query row is no mask (bottom-right aligned: the row sees every key). With more
+        # rows, every implementation runs non-causal (SDPA's causal mask is top-left aligned): the same
+        # keys for all, seqlen_q - 1 more per row than a causal call would see.
+        causal = s.get("seqlen_q", 1) == 1
         if impl == "cuflash":
             if self.cf is None:
                 raise RuntimeError(f"cuflash did not import: {self.cf_error}")
             f = self.cf.attention_with_kvcache
             if layout == "contiguous":
                 k, v = T.k, T.v
-                call = Call(key, lambda: f(q, k, v, cache_seqlens=cs, causal=True), bshd=ident, uses_seqlens=True)
+                call = Call(key, lambda: f(q, k, v, cache_seqlens=cs, causal=causal), bshd=ident, uses_seqlens=True)
             else:
                 P = T.paged(args.page_size)
-                call = Call(key, lambda: f(q, P.k, P.v, cache_seqlens=cs, block_table=P.table, causal=True),
+                call = Call(key, lambda: f(q, P.k, P.v, cache_seqlens=cs, block_table=P.table, causal=causal),
                             bshd=ident, uses_seqlens=True, paged=P, note=f"page_size {P.page_size}")
             return call, self._first(call)
         if impl in PEERS:
@@ -637,7 +652,7 @@ class Runner:
             f = self.fa
             if layout == "contiguous":
                 k, v = T.k, T.v
-                call = Call(key, lambda: f(q, k, v, cache_seqlens=cs, causal=True), bshd=ident, uses_seqlens=True)
+                call = Call(key, lambda: f(q, k, v, cache_seqlens=cs, causal=causal), bshd=ident, uses_seqlens=True)
                 return call, self._first(call)
             sizes = [args.page_size] + ([256] if args.page_size != 256 and s["cache"] % 256 == 0 else [])
 
@@ -645,7 +660,7 @@ class Runner:
                 for ps in sizes:
                     P = T.paged(ps)
                     yield f"page_size {ps}", Call(
-                        key, lambda P=P: f(q, P.k, P.v, cache_seqlens=cs, block_table=P.table, causal=True),
+                        key, lambda P=P: f(q, P.k, P.v, cache_seqlens=cs, block_table=P.table, causal=causal),
                         bshd=ident, uses_seqlens=True, paged=P, note=f"page_size {ps}")
 
             _, call, ms = self._first_working(attempts(), [], f"page_size {args.page_size}")
@@ -896,8 +911,8 @@ class Runner:
     def host_section(self, keys):
         args, clock = self.args, self.clock
         g = args.gqa[0]
-        s = {"batch": args.host_batch, "cache": args.host_cache, "gqa": g, "nheads": args.heads,
-             "nheads_kv": args.heads // g, "head_dim": args.head_dim, "dtype": args.dtype}
+        s = {"batch": args.host_batch, "cache": args.host_cache, "gqa": g, "seqlen_q": args.seqlen_q,
+             "nheads": args.heads, "nheads_kv": args.heads // g, "head_dim": args.head_dim, "dtype": args.dtype}
         s["kv_bytes"] = kv_bytes(s["batch"], s["cache"], s["nheads_kv"], s["head_dim"])
         res = {"shape": s, "rows": [],
                "method": "after --host-warmup calls, rounds of N back-to-back calls and one synchronize, timed "
@@ -1533,7 +1548,8 @@ def collect_meta(torch, args, mods):
                              else None),
             "cuflash_import_error": mods["cuflash_error"], "flash_attn": mods["flash_attn_version"],
             "flash_attn_import_error": mods["flash_attn_error"],
-            "dtype": args.dtype, "nheads": args.heads, "head_dim": args.head_dim, "page_size": args.page_size,
+            "dtype": args.dtype, "nheads": args.heads, "seqlen_q": args.seqlen_q, "head_dim": args.head_dim,
+            "page_size": args.page_size,
             "grid": {"batches": args.batches, "caches": args.caches, "gqa": args.gqa, "layouts": args.layouts,
                      "impls": args.impls},
             "sdpa": {"layout": args.sdpa_layout, "gqa": args.sdpa_gqa, "is_causal": False},
