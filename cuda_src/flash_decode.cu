@@ -21,9 +21,11 @@
 //
 // GQA packing. A thread block serves one kv head of one entry: its rows are the head_group query
 // heads of that kv head times the seqlen_q positions, packed as row r = i * head_group + g (query
-// position i, head h_kv * head_group + g), 16 rows per block (the mma's m). So each K/V tile is
-// loaded once for all the query heads that read it, and one decode step reads the cache once per
-// kv head, not once per query head.
+// position i, head h_kv * head_group + g), 16 rows per block (the mma's m), or 32 with two m16 tiles
+// a warp (MT = 2: the TMA kernels on 4 warps, where a kv head has more than 16 rows, speculative
+// decoding at GQA 4-8; Q stays in shared memory there, and the warps' merge runs once per m-tile).
+// So each K/V tile is loaded once for all the query heads (and positions) that read it, and one
+// decode step reads the cache once per kv head, not once per query head.
 //
 // Split-KV. The keys a block's rows may see (sink tokens, then the window's span; mask.cuh) are
 // numbered 0..n-1 ("virtual" keys) and cut into num_splits contiguous chunks of whole BN-key
@@ -46,7 +48,7 @@
 // Inside a block. WARPS warps (4, or 8 where the grid leaves SMs with a single block: twice the
 // warps to hide latencies and twice the bytes in flight) split each BN = 16 * WARPS-key tile
 // (64 or 128 keys): warp w takes keys [16w, 16w + 16), keeps its own online softmax (m, l) and O
-// accumulator for all 16 rows, and never waits for the others inside the loop. K/V tiles come
+// accumulator for all 16 (32) rows, and never waits for the others inside the loop. K/V tiles come
 // through a STAGES-deep cp.async pipeline (tile it + STAGES - 1 is issued while tile it computes).
 // At the end the warps' (m, l, O) are merged through shared memory in a fixed order
 // (deterministic): each warp stores its O rescaled to the rows' common maximum in rows 8 banks
@@ -77,7 +79,8 @@
 // copied by the threads instead, cp.async into the boxes' layout with arrivals on the stage's
 // barriers, took 1.03-1.17x the boxes' time there.)
 //
-// Grid. 1-D: block = ((b * nheads_kv + h_kv) * num_row_tiles + row_tile) * num_splits + split.
+// Grid. 1-D: block = ((b * nheads_kv + h_kv) * num_row_tiles + row_tile) * num_splits + split, a row
+// tile being 16 MT rows.
 //
 // Launch order. A call runs append -> decode -> combine (each where it applies). Each kernel waits
 // for the grid before it (pdl_wait, common.cuh) ahead of its first global read and write, so that
@@ -209,13 +212,13 @@ __device__ __forceinline__ u32 decode_sw128(int r, int c) {
 // the rows g = 0..7 of an mma fragment's store start 8 banks apart (four rows fill the 32 banks).
 __host__ __device__ constexpr int decode_o_pitch(int head_dim) { return head_dim + ((8 - head_dim % 32) + 32) % 32; }
 
-template <int HEAD_DIM, int STAGES, int WARPS_ = 4, bool TMA = false>
+template <int HEAD_DIM, int STAGES, int WARPS_ = 4, bool TMA = false, int MT = 1>
 struct DecodeTraits {
     static constexpr int WARPS = WARPS_;
     static constexpr int THREADS = WARPS * 32;
     static constexpr int WN = 16;               // keys per warp per tile
     static constexpr int BN = WARPS * WN;       // keys per tile
-    static constexpr int ROWS = 16;             // packed query rows per block
+    static constexpr int ROWS = 16 * MT;        // packed query rows per block (MT m16 tiles a warp)
     static constexpr int PITCH = padded_pitch(HEAD_DIM);
     static constexpr int CHUNKS = HEAD_DIM / 8;
     static constexpr int D_TILES = HEAD_DIM / 8;
@@ -225,7 +228,7 @@ struct DecodeTraits {
     static constexpr int SKV_ELEMS = TMA ? BN * HEAD_DIM : BN * PITCH;
     static constexpr int KV_BYTES = 2 * STAGES * SKV_ELEMS * 2;
     static constexpr int O_PITCH = decode_o_pitch(HEAD_DIM);
-    static constexpr int MERGE_BYTES = WARPS * ROWS * O_PITCH * 4;  // the warps' O, reusing the K/V stages
+    static constexpr int MERGE_BYTES = WARPS * 16 * O_PITCH * 4;  // the warps' O of one m-tile, in the K/V stages
     // cp.async: sQ, then sK[STAGES], sV[STAGES]. TMA: up to 1023 bytes of alignment, sK[STAGES],
     // sV[STAGES] (each 1024-byte aligned), then sQ. Must equal cuflash/_config.py:decode_smem_bytes.
     static constexpr int SMEM_BYTES = SQ_ELEMS * 2 + KV_BYTES + (TMA ? 1024 : 0);
@@ -234,6 +237,7 @@ struct DecodeTraits {
     static_assert(HEAD_DIM % 8 == 0 && HEAD_DIM >= 8 && HEAD_DIM <= 256, "head_dim: multiple of 8 in [8, 256]");
     static_assert(STAGES >= 2, "a pipeline needs two stages");
     static_assert(WARPS == 4 || WARPS == 8, "4 warps (64-key tiles) or 8 (128-key tiles)");
+    static_assert(MT == 1 || (MT == 2 && TMA), "two m-tiles a warp: the TMA kernels");
     static_assert(MERGE_BYTES <= KV_BYTES, "the merge buffer lives in the K/V stages");
     static_assert(O_PITCH >= HEAD_DIM && O_PITCH % 32 == 8, "the merge buffer's rows: 8 banks apart");
 };
@@ -497,16 +501,16 @@ __device__ __noinline__ void cluster_merge_tile(const DecodeParams& p, int b, in
 }
 #endif
 
-template <typename T, int HEAD_DIM, int STAGES, int WARPS, bool TMA, bool GRP = false>
+template <typename T, int HEAD_DIM, int STAGES, int WARPS, bool TMA, bool GRP = false, int MT = 1>
 __global__ void __launch_bounds__(WARPS * 32)
 flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p) {
-    using Tr = DecodeTraits<HEAD_DIM, STAGES, WARPS, TMA>;
+    using Tr = DecodeTraits<HEAD_DIM, STAGES, WARPS, TMA, MT>;
     using Ops = ElemOps<T>;
     constexpr int THREADS = Tr::THREADS, WN = Tr::WN, BN = Tr::BN, PITCH = Tr::PITCH, CHUNKS = Tr::CHUNKS;
     constexpr int D_TILES = Tr::D_TILES, N_TILES = WN / 8;
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    T* sQ;  // (16, PITCH)
+    T* sQ;  // (16 MT, PITCH)
     T* sK;  // STAGES x a tile
     T* sV;  // STAGES x a tile
     if constexpr (TMA) {
@@ -523,7 +527,7 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
 #if __CUDA_ARCH__ >= 900
     // The cluster merge is built (it runs where p.cluster_merge); not at head_dim 8, where its call
     // took a stack frame and spilled (sm_90a), and the host never asks (as for the fused combine).
-    constexpr bool CLUSTER = HEAD_DIM >= 16;
+    constexpr bool CLUSTER = HEAD_DIM >= 16 && MT == 1;  // (MT = 2: the host never asks)
     __shared__ float s_clse[16];    // the cluster merge: this split's log2-sum-exp of each row
 #else
     constexpr bool CLUSTER = false;
@@ -553,8 +557,8 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
     const int split = split_rest.y, row_tile = tile_bh.y, h_kv = b_h.y, b = b_h.x;
     const int rest = split_rest.x;  // the row tile's index: its counter in the fused combine
     const int G = p.head_group;
-    const int r0 = row_tile * 16;
-    const int r_end = min(r0 + 16, p.rows);
+    const int r0 = row_tile * Tr::ROWS;
+    const int r_end = min(r0 + Tr::ROWS, p.rows);
     // Programmatic dependent launch (common.cuh). This kernel reads nothing an earlier kernel wrote
     // (the length first) before the previous grid is done. Where the combine kernel follows, it may
     // be scheduled as soon as every block of this one runs. Nowhere else: the kernel after a call's
@@ -636,14 +640,14 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
     };
     if (ENTRIES_FIRST && early && paged) load_entries();
 
-    // ---- Q: the 16 packed rows (zeros past the last), in the first cp.async group ----
+    // ---- Q: the 16 MT packed rows (zeros past the last), in the first cp.async group ----
     {
         const T* gQ = static_cast<const T*>(p.q) + b * p.q_batch_stride;
-        constexpr int Q_STEPS = (16 * CHUNKS + THREADS - 1) / THREADS;
+        constexpr int Q_STEPS = (Tr::ROWS * CHUNKS + THREADS - 1) / THREADS;
 #pragma unroll
         for (int i = 0; i < Q_STEPS; ++i) {
             const int c = tid + i * THREADS;
-            if ((16 * CHUNKS) % THREADS == 0 || c < 16 * CHUNKS) {
+            if ((Tr::ROWS * CHUNKS) % THREADS == 0 || c < Tr::ROWS * CHUNKS) {
                 const int rr = c / CHUNKS, col = (c % CHUNKS) * 8, r = r0 + rr;
                 const bool ok = r < r_end;
                 const int2 qh = divmod_rt(ok ? r : 0, G);
@@ -981,22 +985,24 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
         }
     }
 
-    // ---- per-row facts of this thread's two rows (g, g + 8): key span, ALiBi slope ----
-    KeySpan span[2];
-    float alibi[2];
+    // ---- per-row facts of this thread's rows (g, g + 8 of each m-tile): key span, ALiBi slope ----
+    KeySpan span[MT][2];
+    float alibi[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        const int row = r0 + g + 8 * r;
+        const int row = r0 + 16 * mt + g + 8 * r;
         if (row < r_end) {
             const int2 qh = divmod_rt(row, G);
-            span[r] = mi.key_span(p.mask, qh.x);
+            span[mt][r] = mi.key_span(p.mask, qh.x);
             const int head = h_kv * G + qh.y;
-            alibi[r] = p.mask.alibi_slopes != nullptr
-                           ? p.mask.alibi_slopes[(i64)b * p.mask.alibi_batch_stride + head] * CUFLASH_LOG2E : 0.f;
+            alibi[mt][r] = p.mask.alibi_slopes != nullptr
+                               ? p.mask.alibi_slopes[(i64)b * p.mask.alibi_batch_stride + head] * CUFLASH_LOG2E : 0.f;
         } else {
-            span[r].lo = INT_HIGHEST;
-            span[r].hi = INT_LOWEST;  // a padding row sees nothing
-            alibi[r] = 0.f;
+            span[mt][r].lo = INT_HIGHEST;
+            span[mt][r].hi = INT_LOWEST;  // a padding row sees nothing
+            alibi[mt][r] = 0.f;
         }
     }
     const bool score_mod = p.mask.softcap > 0.f || p.mask.alibi_slopes != nullptr;
@@ -1004,11 +1010,16 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
     // A warp's scores need the element-wise mask and score modification only where some valid row
     // may not see a key of its 16, or softcap / ALiBi apply; elsewhere (most tiles of a plain
     // decode) they are only scaled. Padding rows (zero Q, never written) do not count.
-    const bool pad_lo = r0 + g >= r_end, pad_hi = r0 + g + 8 >= r_end;
+    bool pad[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) pad[mt][r] = r0 + 16 * mt + g + 8 * r >= r_end;
 
     // Q as mma A fragments, loaded from shared memory once (at the first tile) where head_dim is a
-    // multiple of 16 from 64 (at 32, ptxas spilled); otherwise warp_mma reads sQ at every tile.
-    constexpr bool Q_REGS = HEAD_DIM % 16 == 0 && HEAD_DIM >= 64;
+    // multiple of 16 from 64 (at 32, ptxas spilled); otherwise warp_mma reads sQ at every tile. Two
+    // m-tiles (MT = 2) load each k-step's fragments at every tile: kept, they would take 64 registers.
+    constexpr bool Q_REGS = HEAD_DIM % 16 == 0 && HEAD_DIM >= 64 && MT == 1;
     u32 qa[Q_REGS ? HEAD_DIM / 16 : 1][4];
 
     // The tile step, in two forms. The TMA kernels (session 54; with the ldmatrix addresses below, this
@@ -1025,27 +1036,32 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
     // range, acc_lp, the scale), ptxas held the head_dim 16 and the 8-warp head_dim 80 kernels at 80
     // and 128 registers and spilled (sm_90a).
     constexpr int LP = TMA ? LP_TENSOR : LP_QUAD;
-    OnlineSoftmax<Ops, 1, N_TILES, LP> softmax;
+    OnlineSoftmax<Ops, MT, N_TILES, LP> softmax;
     softmax.init();
-    float acc_o[D_TILES][4], acc_lp[4] = {0.f, 0.f, 0.f, 0.f};
+    float acc_o[MT][D_TILES][4], acc_lp[MT][4];
 #pragma unroll
-    for (int dt = 0; dt < D_TILES; ++dt)
+    for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc_o[dt][e] = 0.f;
+        for (int dt = 0; dt < D_TILES; ++dt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_o[mt][dt][e] = 0.f;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_lp[mt][e] = 0.f;
+    }
     // The TMA kernels' plain range: virtual keys [vw0, vw0 + 16) need no mask where they lie past the
     // sink tokens, inside the chunk and inside the key span of every valid row of the warp (padding
     // rows do not count), and no tile does with a score modification.
     int plain_lo = 0, plain_hi = -1;
     if constexpr (TMA) {
         int lo_w = INT_LOWEST, hi_w = INT_HIGHEST;
-        if (!pad_lo) {
-            lo_w = span[0].lo;
-            hi_w = span[0].hi;
-        }
-        if (!pad_hi) {
-            lo_w = max(lo_w, span[1].lo);
-            hi_w = min(hi_w, span[1].hi);
-        }
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+                if (!pad[mt][r]) {
+                    lo_w = max(lo_w, span[mt][r].lo);
+                    hi_w = min(hi_w, span[mt][r].hi);
+                }
 #pragma unroll
         for (int o = 1; o < 32; o *= 2) {
             lo_w = max(lo_w, __shfl_xor_sync(0xffffffffu, lo_w, o));
@@ -1135,12 +1151,29 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
         const u32 sKt1 = sKt + kv_pstride, sVt1 = sVt + kv_pstride;
 
         // ---- S = Q K^T for this warp's 16 keys ----
-        float s[1][N_TILES][4];
+        float s[MT][N_TILES][4];
 #pragma unroll
-        for (int nt = 0; nt < N_TILES; ++nt)
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) s[0][nt][e] = 0.f;
-        if constexpr (Q_REGS) {
+            for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
+        if constexpr (MT > 1) {
+            // Each k-step's K fragments once, for every m-tile; Q's from shared memory (TMA kernels only).
+            static_assert(TMA && N_TILES == 2, "the TMA tile step");
+#pragma unroll
+            for (int kc = 0; kc < HEAD_DIM / 16; ++kc) {
+                u32 bk[4];
+                ldmatrix_x4(bk, (kc < 4 ? sKt : sKt1) + k_lane[kc % 4]);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    u32 a[4];
+                    load_a_k16<false>(a, sQ + mt * 16 * PITCH, PITCH, kc * 16, lane);
+                    Ops::mma16816(s[mt][0], a, bk[0], bk[1]);
+                    Ops::mma16816(s[mt][1], a, bk[2], bk[3]);
+                }
+            }
+        } else if constexpr (Q_REGS) {
             static_assert(N_TILES == 2, "one k16 B pair per step");
             if (it == 0) {
 #pragma unroll
@@ -1171,12 +1204,14 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
             plain = !score_mod && vw0 >= n_sink && vw0 + WN <= v_end;
             if (plain) {
                 const int k0 = vw0 + key_off;
-                plain = (pad_lo || (k0 >= span[0].lo && k0 + WN <= span[0].hi))
-                        && (pad_hi || (k0 >= span[1].lo && k0 + WN <= span[1].hi));
+                plain = (pad[0][0] || (k0 >= span[0][0].lo && k0 + WN <= span[0][0].hi))
+                        && (pad[0][1] || (k0 >= span[0][1].lo && k0 + WN <= span[0][1].hi));
             }
             plain = __all_sync(0xffffffffu, plain);
         }
         if (!plain) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int nt = 0; nt < N_TILES; ++nt)
 #pragma unroll
@@ -1187,27 +1222,29 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
                 float x;
                 if (score_mod) {
                     if (p.mask.softcap > 0.f) {
-                        const float ex = fast_exp2(s[0][nt][e] * p.mask.softcap_pre * (2.f * CUFLASH_LOG2E));
+                        const float ex = fast_exp2(s[mt][nt][e] * p.mask.softcap_pre * (2.f * CUFLASH_LOG2E));
                         x = (1.f - __fdividef(2.f, ex + 1.f)) * p.mask.softcap_log2;
                     } else {
-                        x = s[0][nt][e] * p.scale_log2;
+                        x = s[mt][nt][e] * p.scale_log2;
                     }
-                    const int qi = (r0 + g + 8 * r) / G;
-                    x -= alibi[r] * fabsf((float)(qi + mi.shift - key));
+                    const int qi = (r0 + 16 * mt + g + 8 * r) / G;
+                    x -= alibi[mt][r] * fabsf((float)(qi + mi.shift - key));
                 } else {
-                    x = s[0][nt][e] * p.scale_log2;
+                    x = s[mt][nt][e] * p.scale_log2;
                 }
-                s[0][nt][e] = (vv < v_end && span[r].has(p.mask, key)) ? x : -CUFLASH_INF;
+                s[mt][nt][e] = (vv < v_end && span[mt][r].has(p.mask, key)) ? x : -CUFLASH_INF;
             }
         }
-        float alpha[1][2];
-        u32 pp[1][N_TILES][2];  // P, rounded and packed
+        float alpha[MT][2];
+        u32 pp[MT][N_TILES][2];  // P, rounded and packed
         if constexpr (TMA) {
             softmax.prepare_in_place(s, plain ? p.scale_log2 : 1.f, alpha);
 #pragma unroll
-            for (int nt = 0; nt < N_TILES; ++nt)
+            for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-                for (int r = 0; r < 2; ++r) pp[0][nt][r] = Ops::pack(s[0][nt][2 * r], s[0][nt][2 * r + 1]);
+                for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+                    for (int r = 0; r < 2; ++r) pp[mt][nt][r] = Ops::pack(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]);
         } else {
             if (plain) {
 #pragma unroll
@@ -1220,19 +1257,19 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
         if (tid == 0 && (it == 0 || it == n_tiles - 1))
             DECODE_TL_CLK_AFTER(it == 0 ? 25 : 28, alpha[0][1] + __uint_as_float(pp[0][N_TILES - 1][1]));
         // Once the rows' maxima settle, alpha is exactly 1 (exp2(0)) and the rescale can go.
-        if (__any_sync(0xffffffffu, alpha[0][0] != 1.f || alpha[0][1] != 1.f)) {
+        bool moved = false;
 #pragma unroll
-            for (int dt = 0; dt < D_TILES; ++dt) {
-                acc_o[dt][0] *= alpha[0][0];
-                acc_o[dt][1] *= alpha[0][0];
-                acc_o[dt][2] *= alpha[0][1];
-                acc_o[dt][3] *= alpha[0][1];
-            }
+        for (int mt = 0; mt < MT; ++mt) moved = moved || alpha[mt][0] != 1.f || alpha[mt][1] != 1.f;
+        if (__any_sync(0xffffffffu, moved)) {
+            scale_rows(acc_o, alpha);
             if constexpr (LP == LP_TENSOR) {
-                acc_lp[0] *= alpha[0][0];
-                acc_lp[1] *= alpha[0][0];
-                acc_lp[2] *= alpha[0][1];
-                acc_lp[3] *= alpha[0][1];
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    acc_lp[mt][0] *= alpha[mt][0];
+                    acc_lp[mt][1] *= alpha[mt][0];
+                    acc_lp[mt][2] *= alpha[mt][1];
+                    acc_lp[mt][3] *= alpha[mt][1];
+                }
             }
         }
 
@@ -1241,12 +1278,15 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
             if (tid == 0 && (it == 0 || it == n_tiles - 1)) DECODE_TL_CLK(it == 0 ? 34 : 35);
             zero_v_tail(stage, it);
         }
-        // ---- O += P V: P (16 rows, 16 keys) from registers, V (16 keys, HEAD_DIM) ----
-        u32 pa[4];
-        pa[0] = pp[0][0][0];
-        pa[1] = pp[0][0][1];
-        pa[2] = pp[0][1][0];
-        pa[3] = pp[0][1][1];
+        // ---- O += P V: P (16 rows of each m-tile, 16 keys) from registers, V (16 keys, HEAD_DIM) ----
+        u32 pa[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            pa[mt][0] = pp[mt][0][0];
+            pa[mt][1] = pp[mt][0][1];
+            pa[mt][2] = pp[mt][1][0];
+            pa[mt][3] = pp[mt][1][1];
+        }
 #pragma unroll
         for (int dp = 0; dp < D_TILES / 2; ++dp) {
             u32 bv[4];
@@ -1254,19 +1294,25 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
                 ldmatrix_x4_trans(bv, (dp < 4 ? sVt : sVt1) + v_lane[dp % 4]);
             else
                 load_b_pair_k16<true>(bv, sVw, PITCH, 0, dp * 16, lane);
-            Ops::mma16816(acc_o[2 * dp], pa, bv[0], bv[1]);
-            Ops::mma16816(acc_o[2 * dp + 1], pa, bv[2], bv[3]);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                Ops::mma16816(acc_o[mt][2 * dp], pa[mt], bv[0], bv[1]);
+                Ops::mma16816(acc_o[mt][2 * dp + 1], pa[mt], bv[2], bv[3]);
+            }
         }
         if (!TMA && D_TILES % 2) {
             u32 b0, b1;
             load_b_one_k16<true>(b0, b1, sVw, PITCH, 0, (D_TILES - 1) * 8, lane);
-            Ops::mma16816(acc_o[D_TILES - 1], pa, b0, b1);
+            Ops::mma16816(acc_o[0][D_TILES - 1], pa[0], b0, b1);
         }
-        if constexpr (LP == LP_TENSOR)
-            Ops::mma16816(acc_lp, pa, Ops::ONES2, Ops::ONES2);  // lp: P times ones
-        else
+        if constexpr (LP == LP_TENSOR) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+                Ops::mma16816(acc_lp[mt], pa[mt], Ops::ONES2, Ops::ONES2);  // lp: P times ones
+        } else {
             softmax.commit(alpha, pp);  // with P V issued
-        if (tid == 0 && (it == 0 || it == n_tiles - 1)) DECODE_TL_CLK_AFTER(it == 0 ? 26 : 29, acc_o[D_TILES - 1][3]);
+        }
+        if (tid == 0 && (it == 0 || it == n_tiles - 1)) DECODE_TL_CLK_AFTER(it == 0 ? 26 : 29, acc_o[0][D_TILES - 1][3]);
     }
 
     // ---- merge the warps: (m, l) per row, then O in a fixed order through shared memory ----
@@ -1281,97 +1327,105 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
     __syncthreads();  // every warp is done with the K/V stages, which now hold the merge buffer
     if (tid == 0) DECODE_TL_CLK(15);
     // Each warp's (m, l, lp) of its rows; O below. Rows past r_end (padding: a decode's rows are
-    // head_group query heads, often fewer than 16) are neither written nor read.
+    // head_group query heads, often fewer than 16) are neither written nor read. With two m-tiles a
+    // warp (MT = 2), the merge below runs once per m-tile (rows m0 .. m0 + 15), through the same
+    // buffers, a block barrier between the passes.
     if constexpr (LP == LP_TENSOR) softmax.take_lp(acc_lp);
-    float l_w[2], lp_w[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        l_w[r] = softmax.l_of(0, r);
-        lp_w[r] = softmax.lp_of(0, r);
-        if (t4 == 0) s_m[warp][g + 8 * r] = softmax.row_m[0][r];
-    }
-    __syncthreads();
-    // Each warp's O, l and lp rescaled to the rows' common maximum (f = 2^(m_w - m)): O into sO
-    // (WARPS, 16, O_PITCH) floats, l and lp in place; the maximum in s_mx. O_PITCH = 8 (mod 32) words:
-    // a store's 8 rows x 4 lanes x 8 bytes fall on distinct banks, two wavefronts (a pitch of
-    // HEAD_DIM words put the 8 rows on the same 8 banks: 8 wavefronts a store, and the phase took 1.35
-    // us of an 8.4 us block at 64 blocks of 512 keys, H200, bench/dev/decode_timeline.py).
-    float* sO = reinterpret_cast<float*>(sK);
+    float* sO = reinterpret_cast<float*>(sK);  // the merge buffer (below)
     constexpr int OP = Tr::O_PITCH;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int rr = g + 8 * r;
-        if (r0 + rr >= r_end) continue;
-        float mx = -CUFLASH_INF;
+    for (int mt = 0; mt < MT; ++mt) {
+        if (mt > 0) __syncthreads();  // the pass before has read sO, s_l, s_lp and s_mx
+        const int m0 = r0 + 16 * mt;  // this pass's first row
+        float l_w[2], lp_w[2];
 #pragma unroll
-        for (int w = 0; w < Tr::WARPS; ++w) mx = fmaxf(mx, s_m[w][rr]);
-        const float f = fast_exp2(softmax.row_m[0][r] - exp_base(mx));
-        float* dst = sO + (warp * 16 + rr) * OP + 2 * t4;
-#pragma unroll
-        for (int dt = 0; dt < D_TILES; ++dt)
-            *reinterpret_cast<float2*>(dst + dt * 8) = make_float2(acc_o[dt][2 * r] * f, acc_o[dt][2 * r + 1] * f);
-        if (t4 == 0) {
-            s_l[warp][rr] = l_w[r] * f;
-            s_lp[warp][rr] = lp_w[r] * f;
-            if (warp == 0) s_mx[rr] = mx;
+        for (int r = 0; r < 2; ++r) {
+            l_w[r] = softmax.l_of(mt, r);
+            lp_w[r] = softmax.lp_of(mt, r);
+            if (t4 == 0) s_m[warp][g + 8 * r] = softmax.row_m[mt][r];
         }
-    }
-    __syncthreads();
-    if (tid == 0) DECODE_TL_CLK(16);
+        __syncthreads();
+        // Each warp's O, l and lp rescaled to the rows' common maximum (f = 2^(m_w - m)): O into sO
+        // (WARPS, 16, O_PITCH) floats, l and lp in place; the maximum in s_mx. O_PITCH = 8 (mod 32) words:
+        // a store's 8 rows x 4 lanes x 8 bytes fall on distinct banks, two wavefronts (a pitch of
+        // HEAD_DIM words put the 8 rows on the same 8 banks: 8 wavefronts a store, and the phase took 1.35
+        // us of an 8.4 us block at 64 blocks of 512 keys, H200, bench/dev/decode_timeline.py).
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int rr = g + 8 * r;
+            if (m0 + rr >= r_end) continue;
+            float mx = -CUFLASH_INF;
+#pragma unroll
+            for (int w = 0; w < Tr::WARPS; ++w) mx = fmaxf(mx, s_m[w][rr]);
+            const float f = fast_exp2(softmax.row_m[mt][r] - exp_base(mx));
+            float* dst = sO + (warp * 16 + rr) * OP + 2 * t4;
+#pragma unroll
+            for (int dt = 0; dt < D_TILES; ++dt)
+                *reinterpret_cast<float2*>(dst + dt * 8) = make_float2(acc_o[mt][dt][2 * r] * f, acc_o[mt][dt][2 * r + 1] * f);
+            if (t4 == 0) {
+                s_l[warp][rr] = l_w[r] * f;
+                s_lp[warp][rr] = lp_w[r] * f;
+                if (warp == 0) s_mx[rr] = mx;
+            }
+        }
+        __syncthreads();
+        if (tid == 0) DECODE_TL_CLK(16);
 
-    // ---- out: 4 columns per item, a warp's 32 items consecutive (one 512-byte row of sO at head_dim
-    // 128: each of its 8 loads is four wavefronts, the fewest) ----
-    constexpr int QUADS = HEAD_DIM / 4;
-    for (int c = tid; c < (r_end - r0) * QUADS; c += THREADS) {
-        const int rr = c / QUADS, col = (c % QUADS) * 4, r = r0 + rr;
-        const int2 qh = divmod_rt(r, G);
-        const int qi = qh.x, head = h_kv * G + qh.y;
-        const float mx = s_mx[rr];
-        float l = 0.f, lp = 0.f;  // the sums of p and of p rounded (softmax.cuh: O is divided by lp)
-        float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+        // ---- out: 4 columns per item, a warp's 32 items consecutive (one 512-byte row of sO at head_dim
+        // 128: each of its 8 loads is four wavefronts, the fewest) ----
+        constexpr int QUADS = HEAD_DIM / 4;
+        const int pass_rows = MT == 1 ? r_end - m0 : min(16, r_end - m0);  // (MT = 1: r_end - r0 <= 16)
+        for (int c = tid; c < pass_rows * QUADS; c += THREADS) {
+            const int rr = c / QUADS, col = (c % QUADS) * 4, r = m0 + rr;
+            const int2 qh = divmod_rt(r, G);
+            const int qi = qh.x, head = h_kv * G + qh.y;
+            const float mx = s_mx[rr];
+            float l = 0.f, lp = 0.f;  // the sums of p and of p rounded (softmax.cuh: O is divided by lp)
+            float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-        for (int w = 0; w < Tr::WARPS; ++w) {
-            l += s_l[w][rr];
-            lp += s_lp[w][rr];
-            const float4 a = *reinterpret_cast<const float4*>(sO + (w * 16 + rr) * OP + col);
-            o.x += a.x; o.y += a.y; o.z += a.z; o.w += a.w;
+            for (int w = 0; w < Tr::WARPS; ++w) {
+                l += s_l[w][rr];
+                lp += s_lp[w][rr];
+                const float4 a = *reinterpret_cast<const float4*>(sO + (w * 16 + rr) * OP + col);
+                o.x += a.x; o.y += a.y; o.z += a.z; o.w += a.w;
+            }
+            if (c == 0) DECODE_TL_CLK_AFTER(32, o.w + lp);
+            const i64 row_index = ((i64)b * p.nheads + head) * p.seqlen_q + qi;  // (batch, nheads, seqlen_q)
+            if (p.num_splits == 1) {
+                // A sink logit joins after every key (softmax.cuh: finalize with a sink).
+                const float sk2 = p.mask.sink_logits != nullptr ? p.mask.sink_logits[head] * CUFLASH_LOG2E : -CUFLASH_INF;
+                const float m_new = fmaxf(mx, sk2);
+                const float nb = exp_base(m_new);
+                const float a = fast_exp2(mx - nb);
+                const float ps = fast_exp2(sk2 - nb);
+                const float lt = l * a + ps;
+                const bool empty = lt == 0.f;
+                const float sc = empty ? 0.f : a / (lp * a + ps);
+                uint2 pk;
+                pk.x = Ops::pack(o.x * sc, o.y * sc);
+                pk.y = Ops::pack(o.z * sc, o.w * sc);
+                T* gO = static_cast<T*>(p.o) + b * p.o_batch_stride + qi * p.o_row_stride + head * p.o_head_stride + col;
+                *reinterpret_cast<uint2*>(gO) = pk;
+                if (col == 0 && p.lse != nullptr)
+                    p.lse[row_index] = empty ? -CUFLASH_INF : (m_new + fast_log2(lt)) * 0.6931471805599453f;
+            } else if (CLUSTER && p.cluster_merge) {
+                // The partial stays in this block's shared memory for the cluster merge: its 4 columns of
+                // the row in warp 0's slice of sO, which only this thread has read; the row's lse in s_clse.
+                const bool empty = l == 0.f;
+                const float sc = empty ? 0.f : 1.f / lp;
+                *reinterpret_cast<float4*>(sO + rr * OP + col) = make_float4(o.x * sc, o.y * sc, o.z * sc, o.w * sc);
+                if (col == 0) s_clse[rr] = empty ? -CUFLASH_INF : mx + fast_log2(l);
+            } else {
+                const bool empty = l == 0.f;
+                const float sc = empty ? 0.f : 1.f / lp;
+                const i64 part = (i64)split * p.batch * p.nheads * p.seqlen_q + row_index;
+                *reinterpret_cast<float4*>(p.o_part + part * HEAD_DIM + col) =
+                    make_float4(o.x * sc, o.y * sc, o.z * sc, o.w * sc);
+                if (col == 0) p.lse_part[part] = empty ? -CUFLASH_INF : mx + fast_log2(l);
+            }
+            if (c == 0) DECODE_TL_CLK(33);
         }
-        if (c == 0) DECODE_TL_CLK_AFTER(32, o.w + lp);
-        const i64 row_index = ((i64)b * p.nheads + head) * p.seqlen_q + qi;  // (batch, nheads, seqlen_q)
-        if (p.num_splits == 1) {
-            // A sink logit joins after every key (softmax.cuh: finalize with a sink).
-            const float sk2 = p.mask.sink_logits != nullptr ? p.mask.sink_logits[head] * CUFLASH_LOG2E : -CUFLASH_INF;
-            const float m_new = fmaxf(mx, sk2);
-            const float nb = exp_base(m_new);
-            const float a = fast_exp2(mx - nb);
-            const float ps = fast_exp2(sk2 - nb);
-            const float lt = l * a + ps;
-            const bool empty = lt == 0.f;
-            const float sc = empty ? 0.f : a / (lp * a + ps);
-            uint2 pk;
-            pk.x = Ops::pack(o.x * sc, o.y * sc);
-            pk.y = Ops::pack(o.z * sc, o.w * sc);
-            T* gO = static_cast<T*>(p.o) + b * p.o_batch_stride + qi * p.o_row_stride + head * p.o_head_stride + col;
-            *reinterpret_cast<uint2*>(gO) = pk;
-            if (col == 0 && p.lse != nullptr)
-                p.lse[row_index] = empty ? -CUFLASH_INF : (m_new + fast_log2(lt)) * 0.6931471805599453f;
-        } else if (CLUSTER && p.cluster_merge) {
-            // The partial stays in this block's shared memory for the cluster merge: its 4 columns of
-            // the row in warp 0's slice of sO, which only this thread has read; the row's lse in s_clse.
-            const bool empty = l == 0.f;
-            const float sc = empty ? 0.f : 1.f / lp;
-            *reinterpret_cast<float4*>(sO + rr * OP + col) = make_float4(o.x * sc, o.y * sc, o.z * sc, o.w * sc);
-            if (col == 0) s_clse[rr] = empty ? -CUFLASH_INF : mx + fast_log2(l);
-        } else {
-            const bool empty = l == 0.f;
-            const float sc = empty ? 0.f : 1.f / lp;
-            const i64 part = (i64)split * p.batch * p.nheads * p.seqlen_q + row_index;
-            *reinterpret_cast<float4*>(p.o_part + part * HEAD_DIM + col) =
-                make_float4(o.x * sc, o.y * sc, o.z * sc, o.w * sc);
-            if (col == 0) p.lse_part[part] = empty ? -CUFLASH_INF : mx + fast_log2(l);
-        }
-        if (c == 0) DECODE_TL_CLK(33);
-    }
+    }  // the m-tiles' passes
 
     if (tid == 0) {
         DECODE_TL_CLK(17);

@@ -262,15 +262,7 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {
             }
             softmax.prepare(s, p.scale_log2, alpha, pp);
         }
-#pragma unroll
-        for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-            for (int dt = 0; dt < D_TILES; ++dt) {
-                acc_o[mt][dt][0] *= alpha[mt][0];
-                acc_o[mt][dt][1] *= alpha[mt][0];
-                acc_o[mt][dt][2] *= alpha[mt][1];
-                acc_o[mt][dt][3] *= alpha[mt][1];
-            }
+        scale_rows(acc_o, alpha);
 
         // ---- O += P V: P (ROWS_PER_WARP, BLOCK_N) from registers, V (BLOCK_N, HEAD_DIM) ----
         const u32 sV_lane = smem_addr(sVj + v_lane_off);

@@ -264,6 +264,15 @@ struct OnlineSoftmax {
         row_lp[0][0] = acc[0];
         row_lp[0][1] = acc[2];
     }
+    // ... of each m-tile's accumulator.
+    __device__ __forceinline__ void take_lp(const float (&acc)[M_TILES][4]) {
+        static_assert(LP == LP_TENSOR, "take_lp: LP_TENSOR");
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt) {
+            row_lp[mt][0] = acc[mt][0];
+            row_lp[mt][1] = acc[mt][2];
+        }
+    }
 
     // l and lp of row g + 8r of m-tile mt (every lane of the warp must call).
     __device__ __forceinline__ float l_of(int mt, int r) const {
@@ -322,5 +331,21 @@ struct OnlineSoftmax {
             }
     }
 };
+
+// An O accumulator of M_TILES x D_TILES mma fragments rescaled row by row, as the online softmax's
+// maximum moved: rows g (elements 0, 1) and g + 8 (elements 2, 3) of m-tile mt by alpha[mt][0] and
+// alpha[mt][1].
+template <int M_TILES, int D_TILES>
+__device__ __forceinline__ void scale_rows(float (&acc)[M_TILES][D_TILES][4], const float (&alpha)[M_TILES][2]) {
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+        for (int dt = 0; dt < D_TILES; ++dt) {
+            acc[mt][dt][0] *= alpha[mt][0];
+            acc[mt][dt][1] *= alpha[mt][0];
+            acc[mt][dt][2] *= alpha[mt][1];
+            acc[mt][dt][3] *= alpha[mt][1];
+        }
+}
 
 }  // namespace cuflash

@@ -956,12 +956,13 @@ DECODE_BLOCK_N = 64   # keys per tile of the 4-warp kernel: 4 warps x 16 (16 * w
 DECODE_ROWS = 16      # packed query rows (query heads of a kv head x positions) per thread block
 
 
-def decode_smem_bytes(head_dim: int, stages: int, warps: int = 4, tma: bool = False) -> int:
-    """Dynamic shared memory of the decode kernel: sQ (16 rows) and `stages` stages of sK and sV,
-    16 * warps keys each: rows padded to padded_pitch (cp.async), or dense SW128 panels after up to
-    1 KB of alignment (TMA) (cuda_src/flash_decode.cu: DecodeTraits::SMEM_BYTES)."""
+def decode_smem_bytes(head_dim: int, stages: int, warps: int = 4, tma: bool = False, mt: int = 1) -> int:
+    """Dynamic shared memory of the decode kernel: sQ (16 rows per m-tile of a warp, mt) and `stages`
+    stages of sK and sV, 16 * warps keys each: rows padded to padded_pitch (cp.async), or dense SW128
+    panels after up to 1 KB of alignment (TMA) (cuda_src/flash_decode.cu: DecodeTraits::SMEM_BYTES)."""
     pitch = padded_pitch(head_dim)
-    return DECODE_ROWS * pitch * 2 + 2 * stages * 16 * warps * (head_dim if tma else pitch) * 2 + (1024 if tma else 0)
+    return (DECODE_ROWS * mt * pitch * 2 + 2 * stages * 16 * warps * (head_dim if tma else pitch) * 2
+            + (1024 if tma else 0))
 
 
 def decode_static_smem_bytes(stages: int, warps: int, tma: bool = False) -> int:
@@ -973,6 +974,35 @@ def decode_static_smem_bytes(stages: int, warps: int, tma: bool = False) -> int:
 
 # Head dims of the TMA decode kernel (sm_90a): whole 64-column panels, Q in registers.
 DECODE_TMA_HEAD_DIMS = (64, 128)
+
+
+def decode_two_tiles(target: str, head_dim: int, rows: int, keys: int, kv_bytes: int) -> bool:
+    """Whether a decode packs 32 query rows a thread block, two m16 tiles a warp (the kernel's MT = 2),
+    where a kv head has more than 16 rows (seqlen_q x head_group: speculative decoding at GQA 8 from
+    3 query positions, at GQA 4 from 5): a K/V tile is then read once per 32 rows instead of once per
+    16. The TMA kernels on 4 warps (sm_90a, DECODE_TMA_HEAD_DIMS), which keep Q in shared memory there
+    (in registers it would take 64), where the call reads enough of the cache for the reads to decide:
+    at least DECODE_TWO_TILES_MIN_KEYS keys a kv head (keys: the most one block may see), or at least
+    DECODE_TWO_TILES_MIN_BYTES of K and V (kv_bytes). H200, session 65 (bench_decode.py --seqlen-q 4 /
+    8, 32 query heads, head_dim 128, bf16, GPU us per step, this rule against CUFLASH_DECODE_TWO_TILES=0,
+    each its own process): GQA 8 x 4 positions, 1 x 32k 27 / 31, 16 x 8k 73 / 91, 16 x 32k 244 / 355,
+    64 x 32k 936 / 1291; GQA 8 x 8 positions, 1 x 32k 33 / 52, 64 x 32k 1315 / 1728; GQA 4 x 8 positions,
+    16 x 2k 37 / 37, 64 x 32k 1889 / 2477. The calls it leaves read slower with two tiles (forced):
+    1 x 2k 11-12 against 9-11, 1 x 8k x GQA 8 x 4 positions 14-16 against 12, 16 x 2k x GQA 8 29-34
+    against 27-31. CUFLASH_DECODE_TWO_TILES=0: never, 1: wherever built (A/B). Read when a decode plan
+    is made."""
+    import os
+
+    force = os.environ.get("CUFLASH_DECODE_TWO_TILES")
+    if force == "0":
+        return False
+    if not (target == "sm_90a" and head_dim in DECODE_TMA_HEAD_DIMS and rows > DECODE_ROWS):
+        return False
+    return force == "1" or keys >= DECODE_TWO_TILES_MIN_KEYS or kv_bytes >= DECODE_TWO_TILES_MIN_BYTES
+
+
+DECODE_TWO_TILES_MIN_KEYS = 16384
+DECODE_TWO_TILES_MIN_BYTES = 128 << 20
 
 
 def decode_tma_enabled() -> bool:

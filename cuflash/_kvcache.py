@@ -571,12 +571,28 @@ class DecodePlan:
         target = _config.compile_arch(*cc)
         self.tma = _launch.use_decode_tma(tensor("k_cache", _D_KC), tensor("v_cache", _D_VC), c.dtype, target, c.paged,
                                           f.num_sink_tokens, f.window_left)
+        # Two m16 row tiles a warp (_config.decode_two_tiles): a block packs 32 rows, so that 17-32 rows
+        # of a kv head (speculative decoding at GQA 4-8) read each K/V tile once, 33-64 twice (not 3-4
+        # times). Its blocks merge their splits by the fused combine or the combine kernel (the
+        # kernel's cluster merge holds 16 rows). With two row tiles a kv head (33-64 rows) they split
+        # as the cp.async kernel's do (two blocks per SM: one_per_sm below), with one as the 16-row TMA
+        # kernel's. H200, session 65 (bench_decode.py --seqlen-q 4 / 8, GPU us per step): two row
+        # tiles, 16 x 8k x GQA 8 x 8 positions 114 one per SM against 90 two, 16 x 32k 433 against 322;
+        # one row tile, 16 x 8k x GQA 4 x 8 positions 125 against 136, 1 x 32k x GQA 8 x 4 positions 27
+        # against 30.
+        kv_bytes = b * c.nheads_kv * keys * d * 4  # K and V, 2-byte elements
+        self.mt = 2 if self.tma and _config.decode_two_tiles(target, d, rows, keys, kv_bytes) else 1
+        if self.mt > 1:
+            blocks = b * c.nheads_kv * -(-rows // (_config.DECODE_ROWS * self.mt))
+            self.tile_rows = min(rows, _config.DECODE_ROWS * self.mt)
+            self.counter_count = blocks
+            self.cluster = False
         # A paged cache read through TMA splits as a contiguous one does (_config.decode_num_splits);
         # the cp.async kernel's per-tile offset tables give paged calls their own rule.
         paged_copies = c.paged and not self.tma
         # The TMA kernel at the head dims where it was measured: at most one block per SM
         # (_config.decode_num_splits, decode_warps_and_splits: one_per_sm).
-        one = self.tma and d in _config.DECODE_ONE_PER_SM_HEAD_DIMS
+        one = self.tma and d in _config.DECODE_ONE_PER_SM_HEAD_DIMS and (self.mt == 1 or rows <= self.tile_rows)
         if not forced:
             # Two blocks per SM for the cp.async kernel: one alone keeps too few bytes in flight to
             # draw the SM's share of the memory bandwidth (measured: 48 % of the copy bandwidth at 1
@@ -690,7 +706,7 @@ class DecodePlan:
             where that kernel is built and the grid leaves each SM one block
             (_config.decode_warps_and_splits; with `wide`, wherever blocks x splits fit the SMs), or as
             CUFLASH_DECODE_WARPS forces."""
-            if not wide_ok or splits == fill:  # (the paged fill's count: the 4-warp kernel)
+            if not wide_ok or splits == fill or self.mt > 1:  # (the paged fill's count, two m-tiles: 4 warps)
                 return 4, splits
             if forced_warps:
                 return forced_warps, splits
@@ -726,7 +742,7 @@ class DecodePlan:
                 return _launch.decode_launches(tensor("q", _D_Q), tensor("k_cache", _D_KC), tensor("v_cache", _D_VC),
                                                out_t, dataclasses.replace(args0, num_splits=splits,
                                                                           split_counters=counters, cluster=cluster),
-                                               c.dtype, c.scale, mask, dev, cc, warps, self.tma, stages)
+                                               c.dtype, c.scale, mask, dev, cc, warps, self.tma, stages, self.mt)
             main = launches(0, True) if clustered else None
             if clustered and not _launch.cluster_fits(main[-1]):  # (the decode launch: no combine follows)
                 clustered, main = False, None

@@ -1595,20 +1595,23 @@ def default_scale(head_dim: int) -> float:
 # ---- decoding against a KV cache (cuda_src/flash_decode.cu) ----
 
 def decode_specialization(dtype: str, head_dim: int, stages: int, warps: int = 4, tma: bool = False,
-                          grp: bool = False):
+                          grp: bool = False, mt: int = 1):
     """The decode kernel's specialization and dynamic shared memory; grp (TMA kernels only): the twin
-    built for a paged cache's 16-key groups (_config.decode_group_kernel)."""
+    built for a paged cache's 16-key groups (_config.decode_group_kernel); mt: the m16 row tiles of a
+    warp (2: 32 packed rows a block, TMA kernels only: _config.decode_two_tiles)."""
     assert tma or not grp
+    assert mt == 1 or (mt == 2 and tma)
     short, ctype = _DTYPE_TAG[dtype]
-    smem = _config.decode_smem_bytes(head_dim, stages, warps, tma)
+    smem = _config.decode_smem_bytes(head_dim, stages, warps, tma, mt)
     flag = "true" if tma else "false"
     checks = "\n".join([
         _DECODE_TMA_CHECKS_PARAMS if tma else _DECODE_CHECKS_PARAMS,
-        f"static_assert(cuflash::DecodeTraits<{head_dim}, {stages}, {warps}, {flag}>::SMEM_BYTES == {smem},"
+        f"static_assert(cuflash::DecodeTraits<{head_dim}, {stages}, {warps}, {flag}, {mt}>::SMEM_BYTES == {smem},"
         f' "shared memory size differs from cuflash/_config.py:decode_smem_bytes");',
     ])
-    tag = ("" if warps == 4 else f"_w{warps}") + ("_tma" if tma else "") + ("_grp" if grp else "")
-    extra = ", true" if grp else ""
+    tag = ("" if warps == 4 else f"_w{warps}") + ("_tma" if tma else "") + ("_grp" if grp else "") + (
+        f"_m{mt}" if mt > 1 else "")
+    extra = (", true" if grp else (", false" if mt > 1 else "")) + (f", {mt}" if mt > 1 else "")
     return _compile.Specialization("flash_decode.cu",
                                    f"cuflash::flash_decode_kernel<{ctype}, {head_dim}, {stages}, {warps}, {flag}{extra}>",
                                    f"decode_{short}_d{head_dim}_s{stages}{tag}", checks), smem
@@ -1644,6 +1647,10 @@ def all_decode_specializations(target: str, head_dims=None, dtypes=None):
                         out.append(decode_specialization(dtype, d, 4, 4, True, grp))
                     if _config.decode_shallow_supported(target, d):
                         out.append(decode_specialization(dtype, d, 2, 4, True, grp))
+                    # two m16 tiles a warp (_config.decode_two_tiles), at each depth of the 4-warp TMA kernel
+                    for st in sorted({stages} | ({4} if _config.decode_deep_supported(target, d) else set())
+                                     | ({2} if _config.decode_shallow_supported(target, d) else set())):
+                        out.append(decode_specialization(dtype, d, st, 4, True, grp, 2))
                 out.append((decode_combine_specialization(dtype, d), 0))
                 wide = _config.decode_wide_stages(target, d)
                 if wide is not None:
@@ -1691,11 +1698,12 @@ def decode_scratch_floats(batch: int, nheads: int, seqlen_q: int, head_dim: int,
 
 def decode_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTensor, a: DecodeArgs, dtype: str,
                     softmax_scale: float, mask: MaskArgs, device_id: int, cc: tuple[int, int],
-                    warps: int = 4, tma: bool = False, stages: int | None = None) -> list[Launch]:
+                    warps: int = 4, tma: bool = False, stages: int | None = None, mt: int = 1) -> list[Launch]:
     """The launches of one attention_with_kvcache call on the GPU: the append (when k_new is given),
     the decode kernel (with `warps` warps: 4, or 8 where _config.decode_wide_stages builds it;
     tma: reading the caches through tensor maps, use_decode_tma; stages: the 4-warp kernel's
-    pipeline depth, None: _config.decode_stages), and the combine of the
+    pipeline depth, None: _config.decode_stages; mt: its m16 row tiles a warp, 2 for 32 packed rows
+    a block, _config.decode_two_tiles), and the combine of the
     splits (num_splits > 1). k / v: the caches, with the strides of a cache row (contiguous) or a
     block (paged) first."""
     batch, seqlen_q, nheads, head_dim = q.shape
@@ -1709,11 +1717,12 @@ def decode_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: Device
     assert stages is not None, (target, head_dim, warps)
     group = nheads // nheads_kv
     rows = seqlen_q * group
-    row_tiles = _cdiv(rows, _config.DECODE_ROWS)
+    assert mt == 1 or (mt == 2 and tma and warps == 4 and not a.cluster), (mt, tma, warps, a.cluster)
+    row_tiles = _cdiv(rows, _config.DECODE_ROWS * mt)
     grid = batch * nheads_kv * row_tiles * a.num_splits
     if grid > MAX_GRID_X:
-        raise ValueError(f"batch * nheads_kv * ceil(seqlen_q * nheads / nheads_kv / 16) * num_splits = {grid} thread "
-                         f"blocks exceeds the grid limit {MAX_GRID_X}; split the batch")
+        raise ValueError(f"batch * nheads_kv * ceil(seqlen_q * nheads / nheads_kv / {16 * mt}) * num_splits = {grid} "
+                         f"thread blocks exceeds the grid limit {MAX_GRID_X}; split the batch")
     p = np.zeros((), dtype=DECODE_TMA_PARAMS if tma else DECODE_PARAMS)
     named = [("q", q), ("k", k), ("v", v), ("o", o)]
     ptrs = _tensor_ptrs(named)
@@ -1753,7 +1762,7 @@ def decode_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: Device
         launches.append(Launch(spec.name, fn.ptr, max(1, min(_cdiv(count, 256), 1024)), 256, 0, p, ptrs, device_id))
     rows = decode_tma_rows(a.page_size != 0, warps, a.page_size) if tma else 0
     grp = tma and rows < 16 * warps and _config.decode_group_kernel()  # (rows < the tile: 16-key groups)
-    spec, smem = decode_specialization(dtype, head_dim, stages, warps, tma, grp)
+    spec, smem = decode_specialization(dtype, head_dim, stages, warps, tma, grp, mt)
     fn = _compile.get_function(spec, target, device_id, smem)
     if tma:
         from . import _tma

@@ -52,15 +52,19 @@ def _all_specs(kind, target):
         # On sm_90a, both decode kernels of head_dim 64 and 128 also in their TMA variant, and the
         # 4-warp TMA kernel of head_dim 128 also with 4 stages (_config.decode_deep_tma) and with 2
         # (_config.decode_shallow_tma); each TMA kernel also as its twin for a paged cache's 16-key
-        # groups ("_tma_grp": _config.decode_group_kernel).
+        # groups ("_tma_grp": _config.decode_group_kernel). Each 4-warp TMA kernel (every depth, both
+        # twins) also with two m16 tiles a warp ("_m2": _config.decode_two_tiles).
         specs = _launch.all_decode_specializations(target)
         wide = [d for d in _config.HEAD_DIMS if _config.decode_wide_supported(d)]
         assert len(wide) == 5
         n_tma = (2 * len(_config.DECODE_TMA_HEAD_DIMS) + 2) if target == "sm_90a" else 0
-        assert len(specs) == len(_config.DTYPES) * (len(_config.HEAD_DIMS) * 2 + len(wide) + 2 * n_tma) + 2
+        n_m2 = (len(_config.DECODE_TMA_HEAD_DIMS) + 2) if target == "sm_90a" else 0  # (head_dim 128: 3 depths)
+        assert len(specs) == len(_config.DTYPES) * (len(_config.HEAD_DIMS) * 2 + len(wide) + 2 * n_tma + 2 * n_m2) + 2
         assert sum(spec.name.endswith("_w8") for spec, _ in specs) == len(_config.DTYPES) * len(wide)
         assert sum(spec.name.endswith("_tma") for spec, _ in specs) == len(_config.DTYPES) * n_tma
         assert sum(spec.name.endswith("_tma_grp") for spec, _ in specs) == len(_config.DTYPES) * n_tma
+        assert sum(spec.name.endswith("_tma_m2") for spec, _ in specs) == len(_config.DTYPES) * n_m2
+        assert sum(spec.name.endswith("_tma_grp_m2") for spec, _ in specs) == len(_config.DTYPES) * n_m2
         return specs
     if kind == "tma":
         # The TMA probe (cuda_src/tma_probe.cu, docs/hopper_plan.md step 1): sm_90a only.

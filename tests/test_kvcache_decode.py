@@ -902,10 +902,19 @@ def test_fused_combine(monkeypatch, layout, splits, sq, gqa, opts):
         assert splits == 1 or any(pl.counters for pl in plans), "the fused path made its counters"
 
 
+def _skip_unless_sm90a():
+    """Skips a test of the TMA decode kernels (sm_90a) elsewhere."""
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the TMA decode kernels need sm_90a")
+
+
 def _is_tma(name):
     """A decode kernel that reads the caches through TMA: the shared one ("_tma") or its twin for a
-    paged cache's 16-key groups ("_tma_grp", _config.decode_group_kernel)."""
-    return name.endswith("_tma") or name.endswith("_tma_grp")
+    paged cache's 16-key groups ("_tma_grp", _config.decode_group_kernel), each also with two m16 tiles
+    a warp ("_m2", _config.decode_two_tiles)."""
+    return name.removesuffix("_m2").endswith(("_tma", "_tma_grp"))
 
 
 def _three_decode_calls(layout, splits, sq, gqa, d, option, capacity, **ctx):
@@ -982,10 +991,7 @@ def test_decode_group_kernel(monkeypatch, grp, warps, layout, splits, sq, gqa, d
     garbage in the table's unused entries (make_case). sm_90a."""
     from cuflash import _kvcache
 
-    if not torch.cuda.is_available():
-        pytest.skip("torch has no CUDA device")
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the TMA decode kernels need sm_90a")
+    _skip_unless_sm90a()
     monkeypatch.setenv("CUFLASH_DECODE_GRP", grp)
     monkeypatch.setenv("CUFLASH_DECODE_WARPS", warps)
     monkeypatch.delenv("CUFLASH_DECODE_TMA", raising=False)
@@ -1048,6 +1054,46 @@ def test_cluster_merge(monkeypatch, tma, warps, layout, splits, sq, gqa, d, opti
             # 12 blocks x 8 at most: every such grid fits at once on an H100 / H200 (15 clusters of 8
             # one-per-SM blocks do)
             assert splits > 8 or dec.cluster == n
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("two", ["1", "0"])
+@pytest.mark.parametrize("fused", ["1", "0"])
+@pytest.mark.parametrize("layout,splits,sq,gqa,d,option", [
+    ("contig", 1, 3, 8, 128, None), ("contig", 0, 4, 8, 128, None), ("paged16", 3, 4, 8, 128, "win20_0"),
+    ("paged64", 2, 5, 8, 64, "softcap"), ("contig_idx", 7, 8, 8, 128, "alibi_bh"), ("paged256", 0, 6, 4, 128, "sinklogit"),
+    ("contig", 40, 4, 8, 64, None), ("paged48", 1, 3, 8, 128, "win3_0"), ("contig", 5, 7, 4, 128, "scale")])
+def test_two_tiles(monkeypatch, two, fused, layout, splits, sq, gqa, d, option):
+    """The TMA decode kernels with two m16 tiles a warp (cuda_src/flash_decode.cu MT = 2; sm_90a, where
+    a kv head has more than 16 packed rows and the call reads enough of the cache:
+    _config.decode_two_tiles; forced here, CUFLASH_DECODE_TWO_TILES=1): 24 to 64 rows (a
+    block of 32 rows whose second m-tile is part padding, and 40 rows, whose second block's second
+    m-tile is all padding), head_dim 64 and 128, every layout (16-row pages: the group twin), split or
+    not (the fused combine or the combine kernel: CUFLASH_DECODE_FUSED_COMBINE; more splits than key
+    tiles), causal (bottom-right: the rows of a block see different keys), windows, softcap, ALiBi, sink
+    logits, a softmax scale;
+    NaN past each length and garbage in a paged table's unused entries (make_case); three calls a plan
+    against the float64 reference. With CUFLASH_DECODE_TWO_TILES=0 the 16-row kernel on the same cases.
+    torch CUDA."""
+    from cuflash import _kvcache
+
+    _skip_unless_sm90a()
+    monkeypatch.setenv("CUFLASH_DECODE_TWO_TILES", two)
+    monkeypatch.setenv("CUFLASH_DECODE_FUSED_COMBINE", fused)
+    for name in ("CUFLASH_DECODE_TMA", "CUFLASH_DECODE_CLUSTER", "CUFLASH_DECODE_WARPS"):
+        monkeypatch.delenv(name, raising=False)
+    _fresh_decode_plans(monkeypatch)
+    _three_decode_calls(layout, splits, sq, gqa, d, option, 700, two=two, fused=fused)
+    plans = list(_kvcache._DECODE_PLANS.values())
+    assert plans
+    for pl in plans:
+        for variant in {id(v): v for v in (pl.eager, pl.graph, pl.idle)}.values():
+            (dec,) = [L for L in variant[2] if L.name.startswith("decode_") and "combine" not in L.name
+                      and "append" not in L.name]
+            assert _is_tma(dec.name) and dec.name.endswith("_m2") == (two == "1"), dec.name
+            if two == "1":
+                assert dec.cluster == 1 and "_w8" not in dec.name, (dec.name, dec.cluster)
+                assert dec.grid == 3 * 4 * -(-sq * gqa // 32) * variant[0], (dec.grid, variant[0])
 
 
 def test_decode_params_read_first_lead():

@@ -126,7 +126,7 @@ def dev(monkeypatch):
 
     def launch_kernel(fn, gx, gy, gz, bx, by, bz, smem, stream, argv_ptr, extra):
         name = names[fn]
-        if name.endswith("_tma") or name.endswith("_tma_grp"):  # (the decode kernel's twin for 16-key groups)
+        if name.removesuffix("_m2").endswith(("_tma", "_tma_grp")):  # (the decode kernel's twin for 16-key groups)
             dtype = (_launch.FWD_TMA_PARAMS if name.startswith("fwd") else
                      _launch.DECODE_TMA_PARAMS if name.startswith("decode") else _launch.BWD_TMA_PARAMS)
         elif name.startswith("fwd90ws_"):
@@ -2202,6 +2202,18 @@ def test_kvcache_cluster_instead_of_many_fused_splits(dev, monkeypatch):
         assert pl.graph[0] == 16 and pl.graph[2][-1].name.startswith("decode_combine"), (gqa, cluster, forced)
 
 
+def _decode_tma_setup(monkeypatch, capturing):
+    """The decode plans' TMA maps on the fake device (encodable, with the one-word address patch),
+    the stream's capture state from capturing[0], the fused combine and the cluster merge on."""
+    from cuflash import _kvcache
+
+    fake_tma_driver(monkeypatch, lambda ptr, i, dims, box, strides: (
+        ptr if i == 0 else 31 * i + dims[1] + box[1] + strides[0]), lambda ptr, *rest: ptr)
+    monkeypatch.setattr(_kvcache, "stream_capturing", lambda stream: capturing[0])
+    monkeypatch.delenv("CUFLASH_DECODE_FUSED_COMBINE", raising=False)
+    monkeypatch.setenv("CUFLASH_DECODE_CLUSTER", "1")
+
+
 @pytest.mark.parametrize("case", ["cluster", "fused", "long", "paged", "off"])
 def test_decode_idle_variant(dev, monkeypatch, case):
     """On sm_90a at head_dim 128, a plan whose eager call merges its splits in a combine kernel (batch 1,
@@ -2214,12 +2226,8 @@ def test_decode_idle_variant(dev, monkeypatch, case):
     CUFLASH_DECODE_IDLE=0: every eager call runs the combine kernel there."""
     from cuflash import _kvcache
 
-    fake_tma_driver(monkeypatch, lambda ptr, i, dims, box, strides: (
-        ptr if i == 0 else 31 * i + dims[1] + box[1] + strides[0]), lambda ptr, *rest: ptr)
     capturing = [False]
-    monkeypatch.setattr(_kvcache, "stream_capturing", lambda stream: capturing[0])
-    monkeypatch.delenv("CUFLASH_DECODE_FUSED_COMBINE", raising=False)
-    monkeypatch.setenv("CUFLASH_DECODE_CLUSTER", "1")
+    _decode_tma_setup(monkeypatch, capturing)
     if case == "off":
         monkeypatch.setenv("CUFLASH_DECODE_IDLE", "0")
     _fresh_decode_plans(monkeypatch)
@@ -2271,6 +2279,59 @@ def test_decode_idle_variant(dev, monkeypatch, case):
     cap, dec = call()
     assert not is_idle(cap, dec) and int(dec["p"]["seq"]) == 0
     capturing[0] = False
+
+
+@pytest.mark.parametrize("case", ["24rows", "40rows", "paged", "warps8", "16rows", "off", "rule_short", "rule_long"])
+def test_decode_two_tiles_plan(dev, monkeypatch, case):
+    """On sm_90a (TMA, head_dim 128), a kv head with more than 16 packed rows (seqlen_q x GQA group)
+    runs the decode kernel with two m16 tiles a warp ("_m2", _config.decode_two_tiles) where it is
+    forced (CUFLASH_DECODE_TWO_TILES=1) or the rule takes it (rule_long: 16384 keys; not rule_short:
+    1024 keys of 2 x 4 kv heads): 32 rows a block, so the grid has ceil(rows / 32) row tiles per kv
+    head where the 16-row kernel had ceil(rows / 16); 4 warps even where CUFLASH_DECODE_WARPS=8 asks
+    for 8 (the kernel is built on 4); no cluster merge (its buffer holds 16 rows): a split merges by
+    the fused combine or the combine kernel. A paged cache of 16-row pages takes the 16-key-group
+    twin. 16 rows or fewer, or CUFLASH_DECODE_TWO_TILES=0: the 16-row kernel."""
+    _decode_tma_setup(monkeypatch, [False])
+    if case == "off":
+        monkeypatch.setenv("CUFLASH_DECODE_TWO_TILES", "0")
+    elif case.startswith("rule"):
+        monkeypatch.delenv("CUFLASH_DECODE_TWO_TILES", raising=False)
+    else:
+        monkeypatch.setenv("CUFLASH_DECODE_TWO_TILES", "1")
+    if case == "warps8":
+        monkeypatch.setenv("CUFLASH_DECODE_WARPS", "8")
+    _fresh_decode_plans(monkeypatch)
+    ad, launched = dev
+    rng = np.random.default_rng()
+    sq = {"40rows": 5, "16rows": 2}.get(case, 3)
+    rows = 8 * sq
+    batch, hk, keys = 2, 4, 16384 if case == "rule_long" else 1024
+    kc, vc = arr(rng, (batch, keys, hk, 128)), arr(rng, (batch, keys, hk, 128))
+    kw = {}
+    if case == "paged":
+        kc, vc = kc.reshape(batch * keys // 16, 16, hk, 128), vc.reshape(batch * keys // 16, 16, hk, 128)
+        kw["block_table"] = np.arange(batch * keys // 16, dtype=np.int32).reshape(batch, -1).view(Dev)
+    seqlens = np.array([keys - 37, 500], np.int32).view(Dev)
+    q = arr(rng, (batch, sq, 8 * hk, 128))
+    for splits in (0, 1, 4, 6):
+        n0 = len(launched)
+        cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens, causal=True, num_splits=splits, **kw)
+        got = launched[n0:]
+        (dec,) = [L for L in got if L["name"].startswith("decode_") and "combine" not in L["name"]]
+        two = case not in ("16rows", "off", "rule_short")
+        assert dec["name"].endswith("_m2") == two, dec["name"]
+        assert ("_tma_grp" in dec["name"]) == (case == "paged") and "_tma" in dec["name"], dec["name"]
+        tile = 32 if two else 16
+        n = int(dec["p"]["num_splits"])
+        assert splits == 0 or n == splits
+        assert int(dec["p"]["num_row_tiles"]) == -(-rows // tile) and int(dec["p"]["rows"]) == rows
+        assert dec["grid"] == batch * hk * -(-rows // tile) * n
+        if two:
+            assert dec["threads"] == 128 and dec["cluster"] == 1 and int(dec["p"]["cluster_merge"]) == 0
+            merged = int(dec["p"]["split_counters"]) != 0 or any(L["name"].startswith("decode_combine") for L in got)
+            assert n == 1 or merged
+        elif 1 < n <= 8 and keys == 1024:  # the 16-row kernel: splits of at most DECODE_CLUSTER_KEYS keys merge in clusters
+            assert dec["cluster"] == n
 
 
 def test_paged_prefill_gpu_wiring(dev):
