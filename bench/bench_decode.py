@@ -307,6 +307,12 @@ def build_shapes(args):
     return out
 
 
+def row_base(s) -> dict:
+    """The shape's fields every row of it carries."""
+    return {k: s[k] for k in ("batch", "cache", "gqa", "seqlen_q", "nheads", "nheads_kv", "head_dim", "dtype",
+                              "kv_bytes")}
+
+
 def selected_keys(args, fa_ok=True):
     return [k for k in KEYS if k[0] in args.impls and k[1] in args.layouts and (k[0] != "flash_attn" or fa_ok)]
 
@@ -761,7 +767,7 @@ class Runner:
     def measure_shape(self, s, keys):
         """Every row of one shape."""
         args, clock, torch = self.args, self.clock, self.torch
-        base = {k: s[k] for k in ("batch", "cache", "gqa", "nheads", "nheads_kv", "head_dim", "dtype", "kv_bytes")}
+        base = row_base(s)
         T = None
         rows, live = [dict(base, impl=k[0], layout=k[1], label=LABEL[k]) for k in keys], []
         try:
@@ -1686,8 +1692,7 @@ def run(args):
             elapsed = time.perf_counter() - T_START
             est = estimate_shape_s(s, len(keys), args, (data["copy"] or {}).get("gbps"))
             scale = max(0.5, act_done / est_done) if est_done > 2 else 1.0
-            base = {k: s[k] for k in ("batch", "cache", "gqa", "nheads", "nheads_kv", "head_dim", "dtype",
-                                      "kv_bytes")}
+            base = row_base(s)
             why = None
             if args.budget_s and elapsed + est * scale > args.budget_s:
                 why = (f"time budget: {elapsed:.0f} s elapsed, ~{est * scale:.1f} s predicted, budget "

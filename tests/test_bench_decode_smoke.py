@@ -94,3 +94,37 @@ def test_gauges_recorded_per_round(tmp_path, monkeypatch, capsys):
     text = capsys.readouterr().out
     assert "=== SM clock as the GPU-time rounds ended (NVML)" in text
     assert "power up to 650 W" in text
+
+
+@pytest.mark.parametrize("sq", [1, 3])
+def test_seqlen_q(tmp_path, monkeypatch, sq):
+    """--seqlen-q N gives q N rows (speculative decoding): cuflash's calls get q of N rows and, with more
+    than one, causal=False (as the peers, whose causal mask is top-left aligned: the same keys for all);
+    one row keeps causal=True. The meta and every row record N; every output is checked against SDPA
+    on the logical keys."""
+    import cuflash
+
+    spec = importlib.util.spec_from_file_location("bench_decode_sq", SCRIPT)
+    bd = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bd)   # (its dataclasses look their module up)
+    spec.loader.exec_module(bd)
+    calls = []
+    real = cuflash.attention_with_kvcache
+
+    def spy(q, *args, **kw):
+        calls.append((q.shape[1], kw.get("causal")))
+        return real(q, *args, **kw)
+
+    monkeypatch.setattr(cuflash, "attention_with_kvcache", spy)
+    out = tmp_path / "bd.json"
+    argv = ["--cpu-smoke", "--no-host", "--no-graph", "--eager-reps", "0", "--json", str(out)]
+    assert bd.main(argv + (["--seqlen-q", str(sq)] if sq != 1 else [])) == 0
+    assert calls and set(calls) == {(sq, sq == 1)}, set(calls)
+    data = json.loads(out.read_text())
+    assert data["meta"]["seqlen_q"] == sq
+    measured = [r for r in data["points"] if r.get("ms")]
+    assert measured and all(r["seqlen_q"] == sq for r in data["points"])
+    for r in measured:
+        assert r["max_abs_diff"] < 0.05, r
+    with pytest.raises(SystemExit):
+        bd.parse_args(["--seqlen-q", "0"])
