@@ -652,7 +652,6 @@ class DecodePlan:
                                                     _gpu.peak_memory_bandwidth(dev))
             if fill is not None:
                 graph_splits = fill
-                kv_bytes = 2 * b * c.nheads_kv * keys * d * 2  # K and V, 2-byte elements
                 if self._merged(fill) or kv_bytes >= _config.DECODE_PAGED_FILL_EAGER_BYTES:
                     num_splits = fill
         table = infos.get("block_table")
