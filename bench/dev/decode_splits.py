@@ -37,15 +37,23 @@ def gpu_ms_per_call(torch, fn, calls: int, rounds: int, warmup: int = 3) -> floa
     return statistics.median(times)
 
 
-def decode_inputs(torch, dev, b: int, L: int, g: int):
+def decode_inputs(torch, dev, b: int, L: int, g: int, sq: int = 1):
     """(h, d, hk, q, k_cache, v_cache, cache_seqlens) of a batch x cache x GQA-group decode shape: 32
-    query heads, head_dim 128, bf16, random values, every entry's cache full."""
+    query heads, head_dim 128, bf16, random values, every entry's cache full; sq query positions."""
     h, d = 32, 128
     hk = h // g
-    q = torch.randn(b, 1, h, d, device=dev, dtype=torch.bfloat16)
+    q = torch.randn(b, sq, h, d, device=dev, dtype=torch.bfloat16)
     kc = torch.randn(b, L, hk, d, device=dev, dtype=torch.bfloat16)
     vc = torch.randn(b, L, hk, d, device=dev, dtype=torch.bfloat16)
     return h, d, hk, q, kc, vc, torch.full((b,), L, device=dev, dtype=torch.int32)
+
+
+def parse_shape(shape: str):
+    """(batch, cache, group, seqlen_q) of "BxLxG" (seqlen_q 1) or "BxLxGxSQ"."""
+    f = [int(x) for x in shape.split("x")]
+    if len(f) not in (3, 4):
+        raise ValueError(f"shape: expected BxLxG or BxLxGxSQ; got {shape!r}")
+    return f[0], f[1], f[2], f[3] if len(f) == 4 else 1
 
 
 def shape_inputs(torch, dev, shape: str):
@@ -97,7 +105,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", nargs="+", default=["1x512x8", "1x8192x8", "1x8192x1", "16x512x8", "16x8192x8",
                                                     "64x512x8", "64x8192x8", "4x32768x8", "1x131072x8"],
-                    help="batch x cache x group")
+                    help="batch x cache x group, or batch x cache x group x seqlen_q (speculative decoding)")
     ap.add_argument("--splits", type=int, nargs="+", default=[0, 1, 2, 4, 8, 16, 32, 64])
     ap.add_argument("--paged", action="store_true", help="also time a paged layout of the same cache")
     ap.add_argument("--page-sizes", type=int, nargs="+", default=[16],
@@ -111,6 +119,8 @@ def main():
                     help="the decode kernel's warps (0: the library's choice; CUFLASH_DECODE_WARPS)")
     ap.add_argument("--cluster", nargs="+", default=["lib"], choices=["lib", "0", "1"],
                     help="the cluster merge (CUFLASH_DECODE_CLUSTER; lib: the library's default)")
+    ap.add_argument("--two-tiles", nargs="+", default=["lib"], choices=["lib", "0", "1"],
+                    help="two m16 tiles a warp (CUFLASH_DECODE_TWO_TILES; lib: the library's rule)")
     ap.add_argument("--calls", type=int, default=50)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json")
@@ -128,8 +138,8 @@ def main():
     dev = torch.device("cuda")
     rows = []
     for shape in args.shapes:
-        b, L, g = (int(x) for x in shape.split("x"))
-        h, d, hk, q, kc, vc, seqlens = decode_inputs(torch, dev, b, L, g)
+        b, L, g, sq = parse_shape(shape)
+        h, d, hk, q, kc, vc, seqlens = decode_inputs(torch, dev, b, L, g, sq)
         layouts = [("contig", dict(k_cache=kc, v_cache=vc))]
         for page in args.page_sizes if args.paged else []:
             nblk = b * L // page
@@ -141,8 +151,8 @@ def main():
                                                           v_cache=vc.view(nblk, page, hk, d),
                                                           block_table=table.view(b, L // page))))
         kv_bytes = 2 * b * L * hk * d * 2
-        for lname, kw, st, w, cl in [(lname, kw, st, w, cl) for lname, kw in layouts for st in args.stages
-                                     for w in args.warps for cl in args.cluster]:
+        for lname, kw, st, w, cl, tt in [(lname, kw, st, w, cl, tt) for lname, kw in layouts for st in args.stages
+                                         for w in args.warps for cl in args.cluster for tt in args.two_tiles]:
             # A forced depth or warp count: every plan is made anew with it (both are in the kernel's name).
             _config.decode_stages = library_stages if st == 0 else (lambda target, head_dim, st=st: st)
             for rule in ("CUFLASH_DECODE_DEEP", "CUFLASH_DECODE_SHALLOW"):  # a forced depth: no per-call rule
@@ -155,13 +165,17 @@ def main():
                 os.environ.pop("CUFLASH_DECODE_CLUSTER", None)
             else:
                 os.environ["CUFLASH_DECODE_CLUSTER"] = cl
+            if tt == "lib":
+                os.environ.pop("CUFLASH_DECODE_TWO_TILES", None)
+            else:
+                os.environ["CUFLASH_DECODE_TWO_TILES"] = tt
             _kvcache._FAST_PLANS.clear()
             _kvcache._DECODE_PLANS.clear()
             for s in args.splits:
                 fn = lambda: cuflash.attention_with_kvcache(q, cache_seqlens=seqlens, num_splits=s, **kw)  # noqa: E731
                 ms = gpu_ms_per_call(torch, fn, args.calls, args.rounds)
                 plan = next(p for p in _kvcache._FAST_PLANS.values()
-                            if p.out_shape == (b, 1, h, d) and p.call.capacity == L and p.call.nheads_kv == hk
+                            if p.out_shape == (b, sq, h, d) and p.call.capacity == L and p.call.nheads_kv == hk
                             and p.call.paged == (lname != "contig") and p.num_splits == (s or p.num_splits))
                 chosen = plan.num_splits
                 dec = next(L_ for L_ in plan.launches if L_.name.startswith("decode_") and "combine" not in
@@ -170,8 +184,8 @@ def main():
                 merge = ("-" if chosen == 1 else "cluster" if dec.cluster > 1 else
                          "fused" if plan.eager[3] is not None else "kernel")
                 rows.append(dict(shape=shape, layout=lname, kernel=kernel, splits=s, chosen=chosen, merge=merge,
-                                 cluster=cl, ms=ms, gbps=kv_bytes / ms / 1e6))
-                print(f"{shape:>12} {lname:8} {kernel:22} splits {s:3d} ({chosen:3d}) {merge:7} {ms * 1e3:9.1f} us  "
+                                 cluster=cl, two_tiles=tt, ms=ms, gbps=kv_bytes / ms / 1e6))
+                print(f"{shape:>14} {lname:8} {kernel:26} splits {s:3d} ({chosen:3d}) {merge:7} {ms * 1e3:9.1f} us  "
                       f"{kv_bytes / ms / 1e6:7.0f} GB/s", flush=True)
     if args.json:
         with open(args.json, "w") as f:

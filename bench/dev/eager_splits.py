@@ -32,7 +32,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from decode_splits import decode_inputs, gpu_ms_per_call, paged16  # noqa: E402
+from decode_splits import decode_inputs, gpu_ms_per_call, paged16, parse_shape  # noqa: E402
 from eager_parts import _null, single_call_us  # noqa: E402
 
 
@@ -70,8 +70,8 @@ def main():
     print(name, flush=True)
     rows = []
     for shape in args.shapes:
-        b, L, g = (int(x) for x in shape.split("x"))
-        h, d, hk, q, kc, vc, seqlens = decode_inputs(torch, dev, b, L, g)
+        b, L, g, sq = parse_shape(shape)
+        h, d, hk, q, kc, vc, seqlens = decode_inputs(torch, dev, b, L, g, sq)
         qt, kt, vt = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
         layouts = [("contig", dict(k_cache=kc, v_cache=vc))]
         if args.paged:
