@@ -1133,6 +1133,28 @@ def decode_paged_fill_splits(target: str, head_dim: int, blocks: int, keys: int,
     return splits
 
 
+def decode_paged_two_tile_splits(blocks: int, splits: int, keys: int, sm_count: int) -> int:
+    """The split count of a paged decode with two m16 tiles a warp (decode_two_tiles) read in 16-key
+    groups by the 4-warp TMA kernel, where decode_paged_fill_splits leaves it (more than half the SMs'
+    worth of blocks) and the plan gives each SM at most one block: 2 where it would run unsplit on
+    blocks of at least DECODE_PAGED_TWO_TILE_MIN_KEYS keys, `splits` otherwise, or with
+    CUFLASH_DECODE_PAGED_TWO_TILE_SPLITS=0 (A/B). Each warp issues its own group's copies, and with two
+    m-tiles its loop between issues is twice as long: one block per SM kept the contiguous cache's
+    pace at one m-tile (1.04x) but not at two. H200, session 66 (bench/dev/decode_splits.py, 16-row
+    pages in a random order, 32 query heads, head_dim 128, bf16, 8 query positions, GQA 4: 32 rows a
+    kv head, 128 blocks; GPU us per step): 16 x 8k 141.0 unsplit, 137.2 in 2 splits (contiguous 125.3
+    unsplit), 16 x 32k 535.5 / 500.1 (contiguous 475.2)."""
+    import os
+
+    if (os.environ.get("CUFLASH_DECODE_PAGED_TWO_TILE_SPLITS") == "0" or splits != 1 or blocks < 1
+            or blocks > sm_count or keys < DECODE_PAGED_TWO_TILE_MIN_KEYS):
+        return splits
+    return 2
+
+
+DECODE_PAGED_TWO_TILE_MIN_KEYS = 8192  # (measured at 8k and 32k keys)
+
+
 # decode_paged_fill_splits: the most splits it takes (33 measured faster at 8 blocks, 66 slower at 4),
 # the fewest keys a split may see (512 faster, 256 slower), and the K+V bytes from which an eager call
 # takes its count with a combine kernel (a second launch, hidden behind steps this long: at least
@@ -1523,6 +1545,22 @@ def decode_eager_pdl() -> bool:
     import os
 
     return os.environ.get("CUFLASH_DECODE_EAGER_PDL") != "0"
+
+
+def decode_narrow_clusters() -> bool:
+    """Whether a split decode planned on the 8-warp kernel whose clusters do not all fit the GPU at once
+    (one 8-warp block per SM: 15 clusters of 8 on an H200) and whose splits the fused combine cannot
+    merge (row tile rows x splits over DECODE_FUSED_MAX_PARTS: speculative decoding, 16 rows a tile)
+    runs the 4-warp kernel in clusters instead (two blocks per SM), one launch, where those fit: yes
+    unless CUFLASH_DECODE_NARROW_CLUSTERS=0 (A/B). Without it the plan keeps 8 warps and merges its
+    splits in a combine kernel (a second launch). H200, session 66 (bench/dev/eager_splits.py, 300
+    single calls a variant, interleaved; 1 x 2048 keys x 8 query positions, GQA 8 / 4 (64 / 32 rows a
+    kv head: 128 blocks of 16 rows in 8 splits of 256 keys)): the 4-warp clusters, forced, 10.2 us of
+    GPU time back to back against the library's 10.8 / 10.8 (8 warps and the combine kernel), single
+    calls 32.7 / 31.9 against 36.6 / 35.6 (SDPA flash 39.3 / 38.4). Read when a decode plan is made."""
+    import os
+
+    return os.environ.get("CUFLASH_DECODE_NARROW_CLUSTERS") != "0"
 
 
 def decode_cluster() -> bool:

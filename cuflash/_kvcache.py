@@ -644,7 +644,8 @@ class DecodePlan:
             graph_splits = num_splits
         # Paged 16-key groups through TMA on few blocks: two blocks per SM on 2 stages
         # (_config.decode_paged_fill_splits) for graphs, and for eager calls where the split merges
-        # without a second kernel or the step is long enough to hide its launch.
+        # without a second kernel or the step is long enough to hide its launch. With two m16 tiles a
+        # warp, on up to one block per SM: two splits (decode_paged_two_tile_splits).
         fill = None
         if (not forced and one and c.paged and not _config.decode_warps_forced()
                 and not _config.decode_page_tiles(c.page_size, _config.DECODE_BLOCK_N)):
@@ -654,6 +655,11 @@ class DecodePlan:
                 graph_splits = fill
                 if self._merged(fill) or kv_bytes >= _config.DECODE_PAGED_FILL_EAGER_BYTES:
                     num_splits = fill
+            elif self.mt > 1 and num_splits == graph_splits:
+                # Two m16 tiles a warp in 16-key groups, one block per SM: two splits
+                # (_config.decode_paged_two_tile_splits).
+                num_splits = graph_splits = _config.decode_paged_two_tile_splits(blocks, num_splits, keys,
+                                                                                 _sm_count(dev))
         table = infos.get("block_table")
         table_stride = 0
         if table is not None:
@@ -728,23 +734,39 @@ class DecodePlan:
             out_t = DeviceTensor(Slot(_D_OUT), self.out_shape, contiguous_strides(self.out_shape))
             warps, splits = warps_and_splits(splits, wide)
             clustered = self._clustered(splits)
-            stages = None  # the 4-warp TMA kernel's depth where a rule picks one (decode_stages' otherwise)
-            if self.tma and warps == 4 and not forced_warps:
-                bw = _gpu.peak_memory_bandwidth(dev)
-                if _config.decode_deep_tma(target, d, blocks * splits, -(-keys // splits), _sm_count(dev), c.paged, bw):
-                    stages = 4
-                elif _config.decode_shallow_tma(target, d, blocks * splits, _sm_count(dev), bw,
-                                                 -(-keys // splits)):
-                    stages = 2
+
+            def depth(warps):
+                """The 4-warp TMA kernel's depth where a rule picks one (None: decode_stages')."""
+                if self.tma and warps == 4 and not forced_warps:
+                    bw = _gpu.peak_memory_bandwidth(dev)
+                    if _config.decode_deep_tma(target, d, blocks * splits, -(-keys // splits), _sm_count(dev),
+                                               c.paged, bw):
+                        return 4
+                    if _config.decode_shallow_tma(target, d, blocks * splits, _sm_count(dev), bw, -(-keys // splits)):
+                        return 2
+                return None
 
             def launches(counters, cluster=False):
                 return _launch.decode_launches(tensor("q", _D_Q), tensor("k_cache", _D_KC), tensor("v_cache", _D_VC),
                                                out_t, dataclasses.replace(args0, num_splits=splits,
                                                                           split_counters=counters, cluster=cluster),
                                                c.dtype, c.scale, mask, dev, cc, warps, self.tma, stages, self.mt)
+            stages = depth(warps)
             main = launches(0, True) if clustered else None
             if clustered and not _launch.cluster_fits(main[-1]):  # (the decode launch: no combine follows)
                 clustered, main = False, None
+                if (warps == 8 and not forced_warps and not self._fusable(splits, fused_max_parts)
+                        and _config.decode_narrow_clusters()):
+                    # The 8-warp blocks' clusters do not all fit (one block per SM: 15 clusters of 8 on
+                    # an H200), and the splits would merge in a combine kernel: the 4-warp kernel's
+                    # clusters instead (two blocks per SM), one launch (_config.decode_narrow_clusters).
+                    warps = 4
+                    stages = depth(warps)
+                    main = launches(0, True)
+                    clustered = _launch.cluster_fits(main[-1])
+                    if not clustered:
+                        warps, main = 8, None
+                        stages = depth(warps)
             if main is None:
                 main = launches(0)
             fusable = not clustered and self._fusable(splits, fused_max_parts)

@@ -8,9 +8,11 @@ from __future__ import annotations
 import numpy as np
 
 
-def install_stand_in(setattr_, sm_count: int = 132, bw: float = 4.8e12) -> None:
+def install_stand_in(setattr_, sm_count: int = 132, bw: float = 4.8e12, clusters: tuple | None = None) -> None:
     """Patch the planner's questions to the device through setattr_(obj, name, value) (pytest's
-    monkeypatch.setattr, or setattr)."""
+    monkeypatch.setattr, or setattr). clusters: (4-warp, 8-warp) the most clusters of 8 blocks resident
+    at once (an H200's driver: (30, 15)), for a stand-in with cluster launches (the cluster merge);
+    None: no cluster launches."""
     from cuflash import _compile, _gpu, _kvcache, _launch, _tma
 
     class Loaded:
@@ -22,6 +24,10 @@ def install_stand_in(setattr_, sm_count: int = 132, bw: float = 4.8e12) -> None:
     setattr_(_compile, "get_function", lambda spec, target, device_id, smem: Loaded())
     setattr_(_launch, "pdl_available", lambda cc: False)
     setattr_(_tma, "available", lambda: True)
+    setattr_(_launch, "launch_ex_available", lambda: clusters is not None)
+    if clusters is not None:
+        setattr_(_launch, "cluster_fits", lambda launch: launch.grid // launch.cluster
+                 <= clusters[launch.threads > 128] * 8 // launch.cluster)
     # The planner asks layout_patch whether a map's pointer word is known; a plan's maps are encoded
     # at its calls, which are never made here.
     patch = _tma.MapPatch(bytes(128), 1, 0, 4)  # a map's 16 words, its address word stood in
@@ -35,13 +41,14 @@ def _info(shape, dtype="bfloat16"):
     return ArrayInfo("torch", tuple(shape), strides, dtype, ("cuda", 0), True, "torch.Tensor")
 
 
-def stand_in_plan(batch: int, cache: int, gqa: int, paged: bool, nheads: int = 32, d: int = 128, page: int = 16):
-    """The DecodePlan of bench_decode's layout: bf16, q (batch, 1, nheads, d), caches (batch, cache,
-    nheads // gqa, d) contiguous or in page-row pages with a block table, lengths on the device."""
+def stand_in_plan(batch: int, cache: int, gqa: int, paged: bool, nheads: int = 32, d: int = 128, page: int = 16,
+                  seqlen_q: int = 1):
+    """The DecodePlan of bench_decode's layout: bf16, q (batch, seqlen_q, nheads, d), caches (batch,
+    cache, nheads // gqa, d) contiguous or in page-row pages with a block table, lengths on the device."""
     from cuflash import _kvcache
 
     hk = nheads // gqa
-    q = _info((batch, 1, nheads, d))
+    q = _info((batch, seqlen_q, nheads, d))
     if paged:
         pages = -(-cache // page)
         kc, table = _info((batch * pages, page, hk, d)), _info((batch, pages), "int32")

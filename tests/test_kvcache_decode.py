@@ -1463,6 +1463,134 @@ def test_decode_plans_on_a_stand_in_hopper(monkeypatch, layout):
                                                          else "decode_bf16_d128_s4_tma")
 
 
+_PLAN_SWITCHES = ("CUFLASH_DECODE_LONG_SPLIT", "CUFLASH_DECODE_SHALLOW", "CUFLASH_DECODE_DEEP",
+                  "CUFLASH_DECODE_PAGED_FILL", "CUFLASH_DECODE_WARPS", "CUFLASH_DECODE_FUSED_COMBINE",
+                  "CUFLASH_DECODE_CLUSTER", "CUFLASH_DECODE_PAGE_TILES", "CUFLASH_DECODE_GRP",
+                  "CUFLASH_DECODE_TWO_TILES", "CUFLASH_DECODE_NARROW_CLUSTERS",
+                  "CUFLASH_DECODE_PAGED_TWO_TILE_SPLITS", "CUFLASH_DECODE_IDLE")
+
+
+def _variant_kernels(variant):
+    """(the decode launch, the names of all the variant's launches) of a plan variant."""
+    dec, _fused = decode_launch(variant)
+    _splits, _scratch, main, fused = variant
+    return dec, [L.name for L in (fused if fused is not None else main)]
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged16"])
+def test_narrow_clusters_plan(monkeypatch, layout):
+    """_config.decode_narrow_clusters on a stand-in H200 (132 SMs; the driver's answer for clusters of 8:
+    30 of 4-warp blocks, 15 of 8-warp ones): 1 x 2048 keys x 8 query positions x GQA 8 / 4 (64 / 32
+    rows a kv head: 128 blocks of 16 rows in 8 splits of 256 keys) is planned on the 8-warp kernel,
+    whose 16 clusters do not all fit, and its splits are past the fused combine's (16 rows x 8): the
+    4-warp kernel in clusters of 8, one launch, no scratch; with CUFLASH_DECODE_NARROW_CLUSTERS=0 the
+    8-warp kernel and the combine kernel; where the 4-warp clusters do not fit either, the same. A
+    split the fused combine merges (1 query position, 4 x 2048 x GQA 8: 8 rows x 8 splits) keeps its
+    8-warp plan, and so does the graph variant of the same shape at 2 query positions (two blocks)."""
+    for name in _PLAN_SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+    install_stand_in(monkeypatch.setattr, clusters=(30, 15))
+    paged = layout == "paged16"
+    grp = "_grp" if paged else ""
+    for gqa in (8, 4):
+        plan = stand_in_plan(1, 2048, gqa, paged, seqlen_q=8)
+        for variant in (plan.eager, plan.graph):
+            dec, names = _variant_kernels(variant)
+            assert variant[0] == 8 and dec.cluster == 8 and dec.threads == 128 and variant[1] == 0, (gqa, names)
+            assert names == ["decode_bf16_d128_s2_tma" + grp] and dec.grid == 128, names
+    monkeypatch.setenv("CUFLASH_DECODE_NARROW_CLUSTERS", "0")
+    plan = stand_in_plan(1, 2048, 8, paged, seqlen_q=8)
+    dec, names = _variant_kernels(plan.eager)
+    assert plan.eager[0] == 8 and dec.cluster == 1 and dec.threads == 256, names
+    assert names == ["decode_bf16_d128_s3_w8_tma" + grp, "decode_combine_bf16_d128"], names
+    monkeypatch.delenv("CUFLASH_DECODE_NARROW_CLUSTERS")
+    install_stand_in(monkeypatch.setattr, clusters=(15, 15))  # the 4-warp clusters do not all fit either
+    plan = stand_in_plan(1, 2048, 8, paged, seqlen_q=8)
+    dec, names = _variant_kernels(plan.eager)
+    assert dec.cluster == 1 and names == ["decode_bf16_d128_s3_w8_tma" + grp, "decode_combine_bf16_d128"], names
+    install_stand_in(monkeypatch.setattr, clusters=(30, 15))
+    plan = stand_in_plan(4, 2048, 8, paged)  # 32 blocks x 8 splits, 8 rows: fused in eager calls
+    dec, names = _variant_kernels(plan.eager)
+    assert plan.eager[0] == 8 and dec.cluster == 1 and names == ["decode_bf16_d128_s3_w8_tma" + grp], names
+    plan = stand_in_plan(4, 2048, 8, paged, seqlen_q=2)  # 16 rows x 8 splits: the 4-warp clusters
+    dec, names = _variant_kernels(plan.eager)
+    assert dec.cluster == 8 and names == ["decode_bf16_d128_s2_tma" + grp], names
+
+
+def test_paged_two_tile_splits_rule(monkeypatch):
+    """cuflash/_config.py decode_paged_two_tile_splits on the CPU: 2 splits where a plan would run unsplit
+    on more than half and at most all of the SMs' blocks (the paged fill takes fewer) of at least
+    DECODE_PAGED_TWO_TILE_MIN_KEYS keys; the count as it was otherwise, and with
+    CUFLASH_DECODE_PAGED_TWO_TILE_SPLITS=0."""
+    from cuflash import _config
+
+    monkeypatch.delenv("CUFLASH_DECODE_PAGED_TWO_TILE_SPLITS", raising=False)
+    f = _config.decode_paged_two_tile_splits
+    assert _config.DECODE_PAGED_TWO_TILE_MIN_KEYS == 8192
+    for blocks, keys in ((128, 8192), (128, 32768), (132, 131072), (67, 8192)):
+        assert f(blocks, 1, keys, 132) == 2, (blocks, keys)
+    for blocks, splits, keys in ((133, 1, 8192), (128, 1, 8191), (256, 1, 32768), (128, 2, 32768), (128, 3, 8192)):
+        assert f(blocks, splits, keys, 132) == splits, (blocks, splits, keys)
+    monkeypatch.setenv("CUFLASH_DECODE_PAGED_TWO_TILE_SPLITS", "0")
+    assert f(128, 1, 8192, 132) == 1
+
+
+@pytest.mark.parametrize("switch", ["", "0"])
+def test_paged_two_tile_splits_plan(monkeypatch, switch):
+    """The rule above in the planner, on a stand-in H200: 16 x 8192 / 32768 keys x 8 query positions x
+    GQA 4 (32 rows a kv head: 128 blocks of two m16 tiles) in 16-row pages takes 2 splits on the
+    2-stage group twin, merged fused in eager calls (the combine kernel in a graph); the contiguous
+    cache stays unsplit, and so does the paged one at 4096 keys (rule: 128 MiB of K and V take two
+    tiles there) and with CUFLASH_DECODE_PAGED_TWO_TILE_SPLITS=0."""
+    for name in _PLAN_SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+    if switch:
+        monkeypatch.setenv("CUFLASH_DECODE_PAGED_TWO_TILE_SPLITS", switch)
+    install_stand_in(monkeypatch.setattr, clusters=(30, 15))
+    for keys in (8192, 32768):
+        plan = stand_in_plan(16, keys, 4, True, seqlen_q=8)
+        dec, names = _variant_kernels(plan.eager)
+        if switch:
+            assert plan.eager[0] == plan.graph[0] == 1 and names == ["decode_bf16_d128_s3_tma_grp_m2"], names
+            continue
+        assert plan.eager[0] == plan.graph[0] == 2 and dec.grid == 256 and plan.eager[3] is not None, names
+        assert names == ["decode_bf16_d128_s2_tma_grp_m2"], names
+        g_dec, g_names = _variant_kernels(plan.graph)
+        assert g_names == ["decode_bf16_d128_s2_tma_grp_m2", "decode_combine_bf16_d128"], g_names
+        plan = stand_in_plan(16, keys, 4, False, seqlen_q=8)
+        assert plan.eager[0] == 1 and _variant_kernels(plan.eager)[1] == ["decode_bf16_d128_s3_tma_m2"]
+    plan = stand_in_plan(16, 4096, 4, True, seqlen_q=8)
+    assert plan.mt == 2 and plan.eager[0] == 1, _variant_kernels(plan.eager)[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["contig", "paged16"])
+def test_narrow_clusters_gpu(monkeypatch, layout):
+    """The library's own plan at 1 x 2048 keys x 8 query positions x GQA 8 (64 rows a kv head, 8 splits
+    of 256 keys; _config.decode_narrow_clusters), three calls against the float64 reference (NaN past
+    each length, an appended token, garbage in a paged table's unused entries): wherever the splits
+    are few and short enough for the cluster merge and clusters of either kernel fit, the eager call
+    merges them in clusters, with no combine kernel. torch CUDA, sm_90a."""
+    from cuflash import _config, _kvcache
+
+    _skip_unless_sm90a()
+    for name in _PLAN_SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+    _fresh_decode_plans(monkeypatch)
+    seed = _new_seed()
+    for call in range(3):
+        rng = np.random.default_rng([seed, call])
+        dtype = BF16 if call % 2 else FP16
+        _check(lambda: make_case(rng, dtype=dtype, batch=1, seqlen_q=8, nheads=32, nheads_kv=4, head_dim=128,
+                                 layout=layout, capacity=2048, seqlen_new=1, table_garbage=layout != "contig"),
+               "cuda", True, {}, _ctx(seed, call=call, layout=layout))
+    (plan,) = _kvcache._DECODE_PLANS.values()
+    n = plan.eager[0]
+    dec, names = _variant_kernels(plan.eager)
+    if 1 < n <= _config.DECODE_CLUSTER_MAX and -(-plan.keys // n) <= _config.DECODE_CLUSTER_KEYS:
+        assert dec.cluster == n and not any("combine" in x for x in names), (n, names)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["eager", "graph"])
 def test_decode_paged_fill_plan(monkeypatch, case):
