@@ -1584,11 +1584,13 @@ def test_narrow_clusters_gpu(monkeypatch, layout):
         _check(lambda: make_case(rng, dtype=dtype, batch=1, seqlen_q=8, nheads=32, nheads_kv=4, head_dim=128,
                                  layout=layout, capacity=2048, seqlen_new=1, table_garbage=layout != "contig"),
                "cuda", True, {}, _ctx(seed, call=call, layout=layout))
-    (plan,) = _kvcache._DECODE_PLANS.values()
-    n = plan.eager[0]
-    dec, names = _variant_kernels(plan.eager)
-    if 1 < n <= _config.DECODE_CLUSTER_MAX and -(-plan.keys // n) <= _config.DECODE_CLUSTER_KEYS:
-        assert dec.cluster == n and not any("combine" in x for x in names), (n, names)
+    plans = list(_kvcache._DECODE_PLANS.values())
+    assert len(plans) == 2  # (fp16, bf16)
+    for plan in plans:
+        n = plan.eager[0]
+        dec, names = _variant_kernels(plan.eager)
+        if 1 < n <= _config.DECODE_CLUSTER_MAX and -(-plan.keys // n) <= _config.DECODE_CLUSTER_KEYS:
+            assert dec.cluster == n and not any("combine" in x for x in names), (n, names)
 
 
 @pytest.mark.gpu
