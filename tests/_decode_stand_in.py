@@ -65,4 +65,5 @@ def decode_launch(variant):
     """(the decode kernel's launch, fused) of a plan variant (plan.eager or plan.graph)."""
     _splits, _scratch, main, fused = variant
     launches = fused if fused is not None else main
-    return next(L for L in launches if L.name.startswith("decode_") and "combine" not in L.name), fused is not None
+    return next(L for L in launches if L.name.startswith("decode_") and "combine" not in L.name
+                and "append" not in L.name), fused is not None

@@ -17,6 +17,8 @@
 #          on and off (AB_MODES, default "new old new old"), each its own process: bench_decode.py at 8 query
 #          positions (batch 1 / 16 x 2k-32k x GQA 4 / 8, contiguous and 16-row pages, 200 single calls), and
 #          at 2 and 1 positions at 4 x 2k x GQA 8 (300 single calls, 9 graph rounds)
+#   seed   replays call 4's slow-grid failure, test_backward_grid[bf16-d8-full-q1k300-h4kv2-bhsd-det], three times
+#          with its seed (CUFLASH_TEST_SEED=14363466586248944331)
 #   STEPS="specE specF" CALL=c1 bash bench/dev/s66_call.sh
 set -u
 source "$(dirname "${BASH_SOURCE[0]}")/call_env.sh"
@@ -65,6 +67,13 @@ session_step() {
             --json "$OUT/${N}_abx${sq}_${k}_$m.json" > "$OUT/${N}_abx${sq}_${k}_$m.log" 2>&1
         done
         echo "== $k $m"; grep -E "MISSED|MET " "$OUT/${N}_abx8_${k}_$m.log" | head -n 3
+      done ;;
+    seed)
+      local i
+      for i in 1 2 3; do
+        CUFLASH_TEST_SEED=14363466586248944331 python3 -m pytest -q -rf -p no:cacheprovider \
+          "tests/test_gpu_backward.py::test_backward_grid[bf16-d8-full-q1k300-h4kv2-bhsd-det]" > "$OUT/${N}_seed$i.log" 2>&1
+        grep -E "max\|" "$OUT/${N}_seed$i.log" | head -n 1 | cut -c1-300; echo "seed replay $i: $(tail -n 1 "$OUT/${N}_seed$i.log")"
       done ;;
     dyn|spec|specab|dgrid2) s65_step "$1" ;;
     *) return 1 ;;
