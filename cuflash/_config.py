@@ -1135,9 +1135,9 @@ def decode_paged_fill_splits(target: str, head_dim: int, blocks: int, keys: int,
 
 def decode_paged_two_tile_splits(blocks: int, splits: int, keys: int, sm_count: int) -> int:
     """The split count of a paged decode with two m16 tiles a warp (decode_two_tiles) read in 16-key
-    groups by the 4-warp TMA kernel, where decode_paged_fill_splits leaves it (more than half the SMs'
-    worth of blocks) and the plan gives each SM at most one block: 2 where it would run unsplit on
-    blocks of at least DECODE_PAGED_TWO_TILE_MIN_KEYS keys, `splits` otherwise, or with
+    groups by the 4-warp TMA kernel on more than half and at most all of the SMs' worth of blocks (at
+    most half, decode_paged_fill_splits' region): 2 where the plan would run it unsplit on blocks of at
+    least DECODE_PAGED_TWO_TILE_MIN_KEYS keys, `splits` otherwise, or with
     CUFLASH_DECODE_PAGED_TWO_TILE_SPLITS=0 (A/B). Each warp issues its own group's copies, and with two
     m-tiles its loop between issues is twice as long: one block per SM kept the contiguous cache's
     pace at one m-tile (1.04x) but not at two. H200, session 66 (bench/dev/decode_splits.py, 16-row
@@ -1147,7 +1147,7 @@ def decode_paged_two_tile_splits(blocks: int, splits: int, keys: int, sm_count: 
     import os
 
     if (os.environ.get("CUFLASH_DECODE_PAGED_TWO_TILE_SPLITS") == "0" or splits != 1 or blocks < 1
-            or blocks > sm_count or keys < DECODE_PAGED_TWO_TILE_MIN_KEYS):
+            or 2 * blocks <= sm_count or blocks > sm_count or keys < DECODE_PAGED_TWO_TILE_MIN_KEYS):
         return splits
     return 2
 

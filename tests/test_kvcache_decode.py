@@ -1519,7 +1519,7 @@ def test_narrow_clusters_plan(monkeypatch, layout):
 
 def test_paged_two_tile_splits_rule(monkeypatch):
     """cuflash/_config.py decode_paged_two_tile_splits on the CPU: 2 splits where a plan would run unsplit
-    on more than half and at most all of the SMs' blocks (the paged fill takes fewer) of at least
+    on more than half and at most all of the SMs' blocks (the paged fill's region is at most half) of at least
     DECODE_PAGED_TWO_TILE_MIN_KEYS keys; the count as it was otherwise, and with
     CUFLASH_DECODE_PAGED_TWO_TILE_SPLITS=0."""
     from cuflash import _config
@@ -1529,7 +1529,8 @@ def test_paged_two_tile_splits_rule(monkeypatch):
     assert _config.DECODE_PAGED_TWO_TILE_MIN_KEYS == 8192
     for blocks, keys in ((128, 8192), (128, 32768), (132, 131072), (67, 8192)):
         assert f(blocks, 1, keys, 132) == 2, (blocks, keys)
-    for blocks, splits, keys in ((133, 1, 8192), (128, 1, 8191), (256, 1, 32768), (128, 2, 32768), (128, 3, 8192)):
+    for blocks, splits, keys in ((133, 1, 8192), (128, 1, 8191), (256, 1, 32768), (128, 2, 32768), (128, 3, 8192),
+                                 (66, 1, 32768), (32, 1, 131072)):
         assert f(blocks, splits, keys, 132) == splits, (blocks, splits, keys)
     monkeypatch.setenv("CUFLASH_DECODE_PAGED_TWO_TILE_SPLITS", "0")
     assert f(128, 1, 8192, 132) == 1
