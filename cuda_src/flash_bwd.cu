@@ -35,7 +35,8 @@
 //   3b. (deterministic) flash_bwd_dq_kernel: one block per (query block, head, batch), the forward's
 //      partition: recomputes S and dP for its rows over the visible key tiles and accumulates
 //      dQ = dS K in registers; no atomics, so dq is bitwise reproducible. It redoes Q K^T and dO V^T
-//      (two of the five products) on top of the dK/dV kernel.
+//      (two of the five products) on top of the dK/dV kernel. Below DS_SPLIT_BELOW it runs before
+//      the dK/dV kernel (2 and 3b swap) and writes each row's corrected D back into delta (below).
 //
 // Below head_dim 32 (DS_SPLIT_BELOW) the dQ kernel computes dQ to about the input dtype's rounding:
 //   - it feeds dS to its MMAs as two 16-bit operands, its rounding (hi) and the rounding of the
@@ -52,9 +53,12 @@
 // terms dominate it. Their rounding, then D from the rounded O, made dq 4.3x the naive bf16
 // computation's error (head_dim 8, one query, 300 keys, seed 10361418856339468297; the naive
 // computation rounds dS too, but forms D from its own P and dP). Below head_dim 32 the extra MMAs are
-// cheap (bench/NOTES.md, session 17). dK keeps the rounded dS and D (as the naive computation does):
-// the split in the dK/dV kernel, through a second dS^T tile, cost 24-55 %. The dK/dV kernel's atomic
-// dQ (a tuning switch, _config.BWD_ATOMIC_DQ) uses the rounded dS and D too.
+// cheap (bench/NOTES.md, session 17). dK keeps the rounded dS (as the naive computation does): the
+// split in the dK/dV kernel, through a second dS^T tile, cost 24-55 %. But not the rounded O's D:
+// below head_dim 32 the host launches the dQ kernel before the dK/dV kernel, and the dQ kernel leaves
+// D* = D + E in delta for it (dK 1.06x its test bound from D's rounding alone: head_dim 8, one query
+// row, 300 keys, GQA 2, seed 14363466586248944331; bench/NOTES.md, session 66). The dK/dV kernel's
+// atomic dQ (a tuning switch, _config.BWD_ATOMIC_DQ) uses the rounded dS and D.
 //
 // Features (FEAT = true; mask.cuh). Each kernel finds its sequence (seq_info) and walks only the
 // tiles the mask leaves visible: the dK/dV kernel the query blocks of query_range, the dQ kernel the
@@ -850,6 +854,9 @@ flash_bwd_dq_kernel(const __grid_constant__ BwdParams p) {
             if constexpr (FEAT) {  // the sink's -P_sink D, the per-row term the preprocess wrote
                 if (p.mask.dsink_rows != nullptr) dd += p.mask.dsink_rows[row_base + g + 8 * r];
             }
+            // D* = D + E for the dK/dV kernel, which runs after this one below DS_SPLIT_BELOW (file
+            // comment): its dS = P (dP - D*) then carries no error of the rounded O. One lane a row.
+            if (t == 0) p.delta[row_base + g + 8 * r] = dlt[r] + dd;
 #pragma unroll
             for (int i = 0; i < D_TILES; ++i) {
                 acc_dq[i][2 * r] = fmaf(-dd, acc_b[i][2 * r], acc_dq[i][2 * r]);

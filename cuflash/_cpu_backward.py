@@ -65,6 +65,10 @@ B = sum_j round(W_j) K_j (W = P, times 1 - t^2 with a softcap)::
 
        dQ_i -= E_i * B_i
 
+and the dK/dV step (which the GPU then runs after the dQ kernel, and this mirror after its own dQ pass)
+forms its dS with D* = D + E in place of D: dK keeps round(dS), but no longer the rounded O's error in
+D (session 66: dK 1.06x its test bound at head_dim 8, one query row, 300 keys, from D's rounding).
+
 (dS with the exact D* = sum_j P*_j dP_j is dS - W (D* - D), and E = (D* - D) (1 + delta) where the
 recomputed P = P* (1 + delta) sums to 1 + delta over the keys and the sink. The form sum_j P_j dP_j - D
 would carry delta D* instead: with one visible key and large scores, the lse's float32 rounding
@@ -216,13 +220,61 @@ def _dkdv_tiles(qf, dof, kf, vf, delta, lse_log2, sink_rows, dq_accum, dk, dv, s
     # Bottom-right alignment (causal, window, ALiBi): query i is aligned with key i + diag_offset.
     diag_offset = sk - sq
 
-    # Below DS_SPLIT_BELOW, per query row: E = sum_j P_j (dP_j - D) (float32, starting from the sink's term) and
-    # B = sum_j W_j K_j (W = P, times 1 - t^2 with a softcap; rounded to the dtype), for dQ's correction of D at
-    # the end (see the module docstring).
+    def tile(k_blk, v_blk, g, m_start, m_end, n_start, n_end):
+        """(q_blk, do_blk, P, dP, t (softcap's tanh or None)) of group head g's rows [m_start, m_end) and
+        keys [n_start, n_end), float32."""
+        q_blk = qf[:, :, g, m_start:m_end]  # (b, hkv, rows, d)
+        do_blk = dof[:, :, g, m_start:m_end]
+        # Recompute S = Q K^T (float32) and P from the forward's lse; rows that see no key have lse_log2 =
+        # +inf, so P = exp2(-inf) = 0 on them. (Every tile of such a row also crosses the causal diagonal,
+        # so the mask below zeroes it as well; the kernel needs the +inf for its padding rows past
+        # seqlen_q too.)
+        s = np.matmul(q_blk, k_blk.swapaxes(-1, -2))  # (b, hkv, rows, cols)
+        # (The kernel forms the exponent with one fused multiply-add; here it is rounded twice.)
+        t = None
+        if softcap > 0:
+            t = np.tanh(s * scale_over_cap)
+            x = t * cap_log2
+        else:
+            x = s * scale_log2
+        if slope_log2 is not None:  # ALiBi: - slope * log2(e) * |i' - j|
+            x -= slope_log2[:, :, g, None, None] * _alibi_distance(m_start, m_end, n_start, n_end, diag_offset)
+        x = x - lse_log2[:, :, g, m_start:m_end, None]
+        # Mask, only on tiles where some key is hidden from some row: P = 0 where the key is hidden. The
+        # kernel zeroes P after the exp2; here the exponent is set to -inf before it, which gives the same
+        # P without the overflow warning a hidden key with a huge score would raise.
+        if _tile_needs_mask(m_start, m_end, n_start, n_end, diag_offset, left, right, nsink):
+            x[..., ~_tile_visible(m_start, m_end, n_start, n_end, diag_offset, left, right, nsink)] = -np.inf
+        p = np.exp2(x)
+        dp = np.matmul(do_blk, v_blk.swapaxes(-1, -2))  # dP = dO V^T
+        return q_blk, do_blk, p, dp, t
+
+    # Below DS_SPLIT_BELOW the dQ "kernel" runs first, in the forward's partition's sums: dQ from dS = P (dP - D)
+    # as hi + lo, and per query row E = sum_j P_j (dP_j - D) (float32, starting from the sink's term) and
+    # B = sum_j W_j K_j (W = P, times 1 - t^2 with a softcap; rounded to the dtype), for its correction of D at
+    # the end (see the module docstring); it leaves D* = D + E for the dK/dV pass's dS.
     split = kf.shape[-1] < DS_SPLIT_BELOW
+    delta_k = delta  # the D of the dK/dV pass's dS
     if split:
         pdp_sum = sink_rows.astype(np.float32, copy=True)
         b_acc = np.zeros(dq_accum.shape, dtype=np.float32)
+        for n_start in range(0, sk, block_n):
+            n_end = min(n_start + block_n, sk)
+            k_blk, v_blk = kf[:, :, n_start:n_end], vf[:, :, n_start:n_end]
+            for g in range(group):
+                for m_start, m_end in _query_tiles(n_start, n_end, diag_offset, sq, left, right, nsink, block_m):
+                    _q, _do, p, dp, t = tile(k_blk, v_blk, g, m_start, m_end, n_start, n_end)
+                    ds = p * (dp - delta[:, :, g, m_start:m_end, None])
+                    pdp_sum[:, :, g, m_start:m_end] += ds.sum(axis=-1, dtype=np.float32)
+                    w = p
+                    if t is not None:
+                        ds *= 1 - t * t
+                        w = p * (1 - t * t)
+                    b_acc[:, :, g, m_start:m_end] += np.matmul(w.astype(dtype).astype(np.float32), k_blk)
+                    ds_r = ds.astype(dtype).astype(np.float32)
+                    ds_q = ds_r + (ds - ds_r).astype(dtype).astype(np.float32)  # hi + lo
+                    dq_accum[:, :, g, m_start:m_end] += np.matmul(ds_q, k_blk)
+        delta_k = (delta + pdp_sum).astype(np.float32)
 
     # One "thread block" per key block of [0, sk): dK, dV accumulate over the group heads and query blocks.
     for n_start in range(0, sk, block_n):
@@ -240,55 +292,21 @@ def _dkdv_tiles(qf, dof, kf, vf, delta, lse_log2, sink_rows, dq_accum, dk, dv, s
 
         for g in range(group):
             for m_start, m_end in m_tiles:
-                q_blk = qf[:, :, g, m_start:m_end]  # (b, hkv, rows, d)
-                do_blk = dof[:, :, g, m_start:m_end]
-
-                # Recompute S = Q K^T (float32) and P from the forward's lse; rows that see no key have
-                # lse_log2 = +inf, so P = exp2(-inf) = 0 on them. (Every tile of such a row also crosses the
-                # causal diagonal, so the mask below zeroes it as well; the kernel needs the +inf for its
-                # padding rows past seqlen_q too.)
-                s = np.matmul(q_blk, k_blk.swapaxes(-1, -2))  # (b, hkv, rows, cols)
-                # (The kernel forms the exponent with one fused multiply-add; here it is rounded twice.)
-                if softcap > 0:
-                    t = np.tanh(s * scale_over_cap)
-                    x = t * cap_log2
-                else:
-                    x = s * scale_log2
-                if slope_log2 is not None:  # ALiBi: - slope * log2(e) * |i' - j|
-                    x -= slope_log2[:, :, g, None, None] * _alibi_distance(m_start, m_end, n_start, n_end,
-                                                                           diag_offset)
-                x = x - lse_log2[:, :, g, m_start:m_end, None]
-
-                # Mask, only on tiles where some key is hidden from some row: P = 0 where the key is hidden. The
-                # kernel zeroes P after the exp2; here the exponent is set to -inf before it, which gives the same
-                # P without the overflow warning a hidden key with a huge score would raise.
-                if _tile_needs_mask(m_start, m_end, n_start, n_end, diag_offset, left, right, nsink):
-                    x[..., ~_tile_visible(m_start, m_end, n_start, n_end, diag_offset, left, right, nsink)] = -np.inf
-                p = np.exp2(x)
-
-                # dP = dO V^T, dS = P * (dP - D) with the float32 P; through the softcap, dS *= 1 - t^2.
-                dp = np.matmul(do_blk, v_blk.swapaxes(-1, -2))
-                ds = p * (dp - delta[:, :, g, m_start:m_end, None])
-                if split:
-                    pdp_sum[:, :, g, m_start:m_end] += ds.sum(axis=-1, dtype=np.float32)
-                if softcap > 0:
+                q_blk, do_blk, p, dp, t = tile(k_blk, v_blk, g, m_start, m_end, n_start, n_end)
+                # dS = P * (dP - D) with the float32 P; through the softcap, dS *= 1 - t^2.
+                ds = p * (dp - delta_k[:, :, g, m_start:m_end, None])
+                if t is not None:
                     ds *= 1 - t * t
-                if split:
-                    w = p * (1 - t * t) if softcap > 0 else p
-                    b_acc[:, :, g, m_start:m_end] += np.matmul(w.astype(dtype).astype(np.float32), k_blk)
 
                 # P^T and dS^T go through 16-bit shared memory into the MMAs: round them to the input dtype.
-                # Below head_dim DS_SPLIT_BELOW the dQ kernel takes dS as hi + lo, two 16-bit operands (see
-                # the module docstring).
                 p_r = p.astype(dtype).astype(np.float32)
                 ds_r = ds.astype(dtype).astype(np.float32)
-                ds_q = ds_r + (ds - ds_r).astype(dtype).astype(np.float32) if kf.shape[-1] < DS_SPLIT_BELOW else ds_r
 
                 # dV += P^T dO, dK += dS^T Q (float32 accumulators of this key block).
                 acc_dv += np.matmul(p_r.swapaxes(-1, -2), do_blk)
                 acc_dk += np.matmul(ds_r.swapaxes(-1, -2), q_blk)
-                # dQ += dS K, into the float32 scratch (the kernel's atomics into dq_accum).
-                dq_accum[:, :, g, m_start:m_end] += np.matmul(ds_q, k_blk)
+                if not split:  # dQ += dS K, into the float32 scratch (the kernel's atomics into dq_accum)
+                    dq_accum[:, :, g, m_start:m_end] += np.matmul(ds_r, k_blk)
 
         # dK, dV of this key block are written once, complete: the group sum happened in the accumulators.
         dk[:, :, n_start:n_end] = acc_dk * scale

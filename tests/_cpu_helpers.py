@@ -55,6 +55,22 @@ def _fresh_decode_plans(monkeypatch):
 DQ_SPLIT_RMS_LIMIT = 1.3
 
 
+# dK below head_dim 32: its dS takes D* = D + E from the dQ kernel, which runs first (cuda_src/flash_bwd.cu,
+# DS_SPLIT_BELOW), not D from the stored (rounded) O. With values that share a component (v = c + 0.05 noise: dP_j
+# close to D, so dS small and D's error large beside it), the NumPy mirror's RMS error of dk against float64, over
+# that of rounding the exact dk, was 38-64 with D from the rounded O (the naive computation in the dtype 40-49) and
+# 1.40-1.52 with D* (bf16 and fp16, head_dim 8 / 16 / 24, (1, 300) and (64, 1024), 4 query heads on 1 kv head;
+# session 66). dK keeps dS rounded once (about 1.5x the output's rounding).
+DK_D_STAR_RMS_LIMIT = 2.0
+
+
+def shared_component_values(rng, batch: int, seqlen_k: int, nheads_kv: int, head_dim: int) -> np.ndarray:
+    """float64 values c + 0.05 noise, c (batch, 1, nheads_kv, head_dim) ~ 2 N(0, 1): every key's value close to
+    one vector, so that dP_j = dO v_j is close to D = dO O for every key."""
+    c = 2.0 * rng.standard_normal((batch, 1, nheads_kv, head_dim))
+    return c + 0.05 * rng.standard_normal((batch, seqlen_k, nheads_kv, head_dim))
+
+
 def dq_split_rms_ratio(dq, ref64, dtype) -> float:
     """RMS(dq - ref64) / RMS(round_dtype(ref64) - ref64): 1 is the rounding of the output alone."""
     dq, ref64 = np.asarray(dq, np.float64), np.asarray(ref64, np.float64)

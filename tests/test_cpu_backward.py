@@ -19,7 +19,8 @@ from _grad_reference import attention_grad_reference
 from cuflash._cpu import attention_forward_numpy
 from cuflash._cpu_backward import attention_backward_numpy
 from cuflash._reference import attention_reference, check_close, max_abs_err
-from _cpu_helpers import DQ_SPLIT_RMS_LIMIT, _batch_for, _ctx, _new_seed, _no_key_rows, _randn, dq_split_rms_ratio
+from _cpu_helpers import (DK_D_STAR_RMS_LIMIT, DQ_SPLIT_RMS_LIMIT, _batch_for, _ctx, _new_seed, _no_key_rows, _randn,
+                          dq_split_rms_ratio, shared_component_values)
 
 # Any numpy floating-point warning (divide by zero, invalid value, overflow) is a test failure.
 pytestmark = pytest.mark.filterwarnings("error")
@@ -266,6 +267,30 @@ def test_dq_small_head_dim_exact(dtype, head_dim, seqlens, key_offset):
     ratio = dq_split_rms_ratio(np.concatenate(dqs), np.concatenate(refs), dtype)
     assert ratio <= DQ_SPLIT_RMS_LIMIT, _ctx(seed, dtype=dtype.name, head_dim=head_dim, seqlens=seqlens,
                                              key_offset=key_offset, ratio=ratio)
+
+
+@pytest.mark.parametrize("seqlens", [(1, 300), (64, 1024)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("head_dim", [8, 16, 24])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dk_small_head_dim_d_star(dtype, head_dim, seqlens):
+    """Below head_dim 32 dK's dS takes D* = D + E from the dQ pass (DS_SPLIT_BELOW), not D from the stored (rounded)
+    O: with values that share a component (dP_j close to D for every key, so D's error is large beside dS), dk's RMS
+    error is at most DK_D_STAR_RMS_LIMIT times the rounding of the exact dk (with D from the rounded O 38-64x).
+    GQA 4:1, full attention; the usual gradient check too."""
+    seed = _new_seed()
+    rng = np.random.default_rng(seed)
+    sq, sk = seqlens
+    batch = _batch_for(sq)
+    dks, refs = [], []
+    for _ in range(2 if sq == 1 else 3):
+        q, k, _v, dout = _make_inputs(rng, dtype, batch, sq, sk, 4, 1, head_dim)
+        v = shared_component_values(rng, batch, sk, 1, head_dim).astype(dtype)
+        scale = 1.0 / math.sqrt(head_dim)
+        dk = _check_backward(q, k, v, dout, False, scale, 64, 128, _ctx(seed, dtype=dtype.name, head_dim=head_dim))[1]
+        dks.append(dk)
+        refs.append(attention_grad_reference(dout, q, k, v, False, scale)[1])
+    ratio = dq_split_rms_ratio(np.concatenate(dks), np.concatenate(refs), dtype)
+    assert ratio <= DK_D_STAR_RMS_LIMIT, _ctx(seed, dtype=dtype.name, head_dim=head_dim, seqlens=seqlens, ratio=ratio)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -330,6 +330,34 @@ def test_backward_scratch_and_grads(dev, monkeypatch):
         assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
 
 
+@pytest.mark.parametrize("head_dim", [8, 24, 40])
+def test_backward_small_head_dim_dq_first(dev, head_dim):
+    """Below head_dim 32 (cuda_src/flash_bwd.cu DS_SPLIT_BELOW) the dQ kernel runs before the dK/dV kernel,
+    both reading the one delta of the scratch (the dQ kernel leaves each row's corrected D there for dK's
+    dS): preprocess, dQ, dK/dV, in that order. From 32 the dQ kernel comes last. Plain and feature
+    (window) calls, both gradient paths of the mma.sync kernels (which take no atomics below 64)."""
+    from cuflash import _launch
+
+    ad, launched = dev
+    rng = np.random.default_rng()
+    assert _launch.BWD_DS_SPLIT_BELOW == 32
+    for det, window in ((False, None), (True, None), (True, (20, 0))):
+        q, k, v = arr(rng, (2, 70, 4, head_dim)), arr(rng, (2, 90, 2, head_dim)), arr(rng, (2, 90, 2, head_dim))
+        kw = {} if window is None else {"window": window}
+        out, lse = cuflash.attention(q, k, v, return_lse=True, deterministic=det, **kw)
+        dout = arr(rng, q.shape)
+        n0 = len(launched)
+        cuflash.attention_backward(dout, q, k, v, out, lse, deterministic=det, **kw)
+        names = [L["name"] for L in launched[n0:]]
+        if head_dim == 40 and not det:  # (pad-up: the warp-specialized kernel of 64, its atomic dQ)
+            continue
+        assert len(names) == 3 and names[0].startswith("bwd_pre"), names
+        order = [n.split("_")[1] for n in names[1:]]
+        assert order == (["dq", "dkdv"] if head_dim < 32 else ["dkdv", "dq"]), names
+        deltas = {int(L["p"]["delta"]) for L in launched[n0:]}
+        assert len(deltas) == 1 and 0 not in deltas, names
+
+
 def test_empty_packed_batch_sink_gradient(dev):
     """A packed batch of empty sequences with sink logits: attention_varlen_backward's d sink_logits is
     zeros of (nheads,), float32, as on the CPU, not None (the GPU fuzzer's case: its sink rows were
