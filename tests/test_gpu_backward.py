@@ -17,7 +17,8 @@ write (or to zero, for the atomic dq accumulator) shows up as NaN.
 Seeds: as in the forward tests, every check draws fresh inputs from a non-deterministic seed shown
 in the assertion message; CUFLASH_TEST_SEED=<seed> replays it.
 
-The backward grid is the forward's grid times deterministic in {False, True}
+The backward grid is the forward's grid times deterministic in {False, True}, its batch 16 below 64
+query rows (grid_batch)
 (2 dtypes x 9 head_dims x 2 causal x 6 seqlen pairs x 3 head configs x 2 layouts x 2 = 2592
 cases). 216 cases run by default, the other 2376 are marked ``slow`` (see _grid_params).
 
@@ -34,7 +35,7 @@ import math
 import ml_dtypes
 import numpy as np
 import pytest
-from _cpu_helpers import DK_D_STAR_RMS_LIMIT, DQ_SPLIT_RMS_LIMIT, dq_split_rms_ratio, record_fired
+from _cpu_helpers import DK_D_STAR_RMS_LIMIT, DQ_SPLIT_RMS_LIMIT, _batch_for, dq_split_rms_ratio, record_fired
 
 torch = pytest.importorskip("torch")
 
@@ -254,13 +255,26 @@ def _grid_params():
 GRID = _grid_params()
 
 
+def grid_batch(seqlen_q: int) -> int:
+    """The grid's batch: GRID_BATCH (the forward grid's), but below 64 query rows the CPU tests' batch
+    (tests/_cpu_helpers.py _batch_for, 16): the check compares the max error over the gradient with 3x
+    the naive computation's max, and over a handful of rows that max is a noisy statistic. At batch 2 x
+    1 query row x 300 keys, bf16 head_dim 8, GQA 2, the NumPy mirror of the kernels exceeds the bound in
+    4 (dk) and 2 (dv) of 100000 draws (worst 1.26x and 1.39x), though its dV = round(P)^T dO rounds P once
+    as the naive computation does; at batch 16 in none of 20000 (worst 0.69x, 0.78x; bench/NOTES.md,
+    session 67). Found by bf16-d8-full-q1k300-h4kv2-bhsd-det (seed 14363466586248944331, batch 2: dk
+    1.06x its bound)."""
+    return GRID_BATCH if seqlen_q >= 64 else max(GRID_BATCH, _batch_for(seqlen_q))
+
+
 @pytest.mark.parametrize("dtype,head_dim,causal,seqlen_q,seqlen_k,nheads,nheads_kv,layout,deterministic", GRID)
 def test_backward_grid(cf, dtype, head_dim, causal, seqlen_q, seqlen_k, nheads, nheads_kv, layout, deterministic):
     seed = fresh_seed()
     tdt = TORCH_DTYPES[dtype]
-    q, k, v = make_qkv(GRID_BATCH, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, tdt, layout)
-    dout = make_dout(GRID_BATCH, seqlen_q, nheads, head_dim, tdt, layout)
-    label = (f"bwd {dtype} d={head_dim} causal={causal} sq={seqlen_q} sk={seqlen_k} h={nheads} "
+    batch = grid_batch(seqlen_q)
+    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, tdt, layout)
+    dout = make_dout(batch, seqlen_q, nheads, head_dim, tdt, layout)
+    label = (f"bwd {dtype} d={head_dim} causal={causal} b={batch} sq={seqlen_q} sk={seqlen_k} h={nheads} "
              f"hkv={nheads_kv} {layout} deterministic={deterministic}")
     run_backward_and_check(cf, q, k, v, dout, causal=causal, deterministic=deterministic, seed=seed, label=label)
 
@@ -337,7 +351,7 @@ def test_backward_dk_small_head_dim_d_star(cf, dtype, head_dim, seqlens, determi
         grads = cf.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic)
         assert_grads_close(grads, q, k, v, dout, False, scale, seed_msg(seed, f"draw {i}"), refs=refs_i)
         dks.append(grads[1].double().cpu().numpy())
-        refs.append(refs_i[1][0].cpu().numpy())
+        refs.append(refs_i[0][1].cpu().numpy())
     ratio = dq_split_rms_ratio(np.concatenate(dks), np.concatenate(refs), _NP_DTYPES[dtype])
     assert ratio <= DK_D_STAR_RMS_LIMIT, seed_msg(seed, f"dk rms error {ratio:.3f} x the output rounding > "
                                                         f"{DK_D_STAR_RMS_LIMIT} ({dtype} d{head_dim} {seqlens})")
