@@ -1392,6 +1392,31 @@ def decode_shallow_tma(target: str, head_dim: int, grid: int, sm_count: int, pea
                  or (grid <= sm_count and keys is not None and keys <= DECODE_SHALLOW_MAX_KEYS)))
 
 
+def decode_mid_wide(target: str, head_dim: int, blocks: int, keys: int, sm_count: int, paged: bool,
+                    peak_bw: float = 0.0) -> bool:
+    """Whether an unsplit decode of a contiguous cache whose grid decode_shallow_tma's mid-waves clause
+    would run on 2 stages (DECODE_SHALLOW_MID_WAVES to DECODE_SHALLOW_MIN_WAVES blocks per SM, three
+    2-stage blocks resident per SM) runs the 8-warp kernel instead (3 stages of 128-key tiles, one
+    block per SM), where each block sees more than DECODE_MID_WIDE_MIN_KEYS and at most
+    DECODE_SHALLOW_MID_KEYS keys: sm_90a, head_dim 128, peak bandwidth (peak_bw, bytes/s) at least
+    DECODE_DEEP_MAX_BW, as that clause. On some H200s the 2-stage plan reads 9-14 % slower than on
+    others, where the 8-warp kernel and cuDNN do not (bench/NOTES.md, sessions 64, 66, 67). H200,
+    session 67 (bench/dev/decode_splits.py, unsplit, 1024 blocks: 256 x 2k / 8k keys x GQA 8, GPU us
+    per step, 2 stages / 3 stages 4 warps / 8 warps; cuDNN from bench_decode.py in the same call):
+    one card 266.0 / 243.6 / 241.0 (cuDNN 245) and 1036.8 / 940.0 / 940.5 (cuDNN 943); another 243.0 /
+    246.5 / 244.7 (cuDNN 248) and 955 / 961 / 956.5 (cuDNN 964). At 512 keys the 8-warp kernel read
+    69.0 against 67.0 on 2 stages (cuDNN 70; the second card), so those keep 2 stages. 16-row pages
+    (the group kernels) read 1.02-1.03x on the slow card of session 66 against the fast one at 2k and
+    8k, as cuDNN's: not changed. CUFLASH_DECODE_MID_WIDE=0: never (A/B). Read when a plan is made."""
+    import os
+
+    if os.environ.get("CUFLASH_DECODE_MID_WIDE") == "0":
+        return False
+    return (decode_shallow_supported(target, head_dim) and not paged and peak_bw >= DECODE_DEEP_MAX_BW
+            and DECODE_SHALLOW_MID_WAVES * sm_count <= blocks < DECODE_SHALLOW_MIN_WAVES * sm_count
+            and DECODE_MID_WIDE_MIN_KEYS < keys <= DECODE_SHALLOW_MID_KEYS)
+
+
 def decode_long_splits(target: str, head_dim: int, blocks: int, keys: int, sm_count: int,
                        peak_bw: float = 0.0) -> int:
     """The split count of a TMA decode of long caches on a grid of more than two and at most
@@ -1448,6 +1473,8 @@ DECODE_SHALLOW_MAX_KEYS = 256
 # DECODE_SHALLOW_MID_KEYS keys (1024 blocks on 132 SMs: 512-8k keys faster on 2 stages, 32k slower).
 DECODE_SHALLOW_MID_WAVES = 6
 DECODE_SHALLOW_MID_KEYS = 8192
+# decode_mid_wide: above this many keys a block, those grids run the 8-warp kernel unsplit on contiguous caches.
+DECODE_MID_WIDE_MIN_KEYS = 512
 
 
 def decode_shallow_supported(target: str, head_dim: int) -> bool:

@@ -725,6 +725,10 @@ class DecodePlan:
                     and not _config.decode_page_tiles(c.page_size, _config.DECODE_BLOCK_N)
                     and _config.decode_paged_groups_wide(blocks, splits, keys, _sm_count(dev))):
                 warps = 8  # 16-key groups of a paged cache (TMA): the 8-warp kernel at the same count
+            if (warps == 4 and splits == 1 and one and not forced
+                    and _config.decode_mid_wide(target, d, blocks, keys, _sm_count(dev), c.paged,
+                                                _gpu.peak_memory_bandwidth(dev))):
+                warps = 8  # 6-12 blocks per SM unsplit, contiguous (_config.decode_mid_wide)
             return warps, splits
 
         def variant(splits, fused_max_parts, wide=False):

@@ -1467,7 +1467,7 @@ _PLAN_SWITCHES = ("CUFLASH_DECODE_LONG_SPLIT", "CUFLASH_DECODE_SHALLOW", "CUFLAS
                   "CUFLASH_DECODE_PAGED_FILL", "CUFLASH_DECODE_WARPS", "CUFLASH_DECODE_FUSED_COMBINE",
                   "CUFLASH_DECODE_CLUSTER", "CUFLASH_DECODE_PAGE_TILES", "CUFLASH_DECODE_GRP",
                   "CUFLASH_DECODE_TWO_TILES", "CUFLASH_DECODE_NARROW_CLUSTERS",
-                  "CUFLASH_DECODE_PAGED_TWO_TILE_SPLITS", "CUFLASH_DECODE_IDLE")
+                  "CUFLASH_DECODE_PAGED_TWO_TILE_SPLITS", "CUFLASH_DECODE_IDLE", "CUFLASH_DECODE_MID_WIDE")
 
 
 def _variant_kernels(variant):
@@ -1562,6 +1562,82 @@ def test_paged_two_tile_splits_plan(monkeypatch, switch):
         assert plan.eager[0] == 1 and _variant_kernels(plan.eager)[1] == ["decode_bf16_d128_s3_tma_m2"]
     plan = stand_in_plan(16, 4096, 4, True, seqlen_q=8)
     assert plan.mt == 2 and plan.eager[0] == 1, _variant_kernels(plan.eager)[1]
+
+
+def test_mid_wide_rule(monkeypatch):
+    """cuflash/_config.py decode_mid_wide on the CPU: the 8-warp kernel for unsplit contiguous decodes of
+    DECODE_SHALLOW_MID_WAVES to DECODE_SHALLOW_MIN_WAVES blocks per SM whose blocks see more than
+    DECODE_MID_WIDE_MIN_KEYS and at most DECODE_SHALLOW_MID_KEYS keys, on sm_90a at head_dim 128 with an
+    H200's bandwidth; nowhere else, and nowhere with CUFLASH_DECODE_MID_WIDE=0."""
+    from cuflash import _config
+
+    monkeypatch.delenv("CUFLASH_DECODE_MID_WIDE", raising=False)
+    f = _config.decode_mid_wide
+    h200, h100 = 4.8e12, 3.35e12
+    assert (_config.DECODE_MID_WIDE_MIN_KEYS, _config.DECODE_SHALLOW_MID_KEYS) == (512, 8192)
+    for blocks, keys in ((1024, 2048), (1024, 8192), (1024, 513), (792, 4096), (1583, 1024)):
+        assert f("sm_90a", 128, blocks, keys, 132, False, h200), (blocks, keys)
+    for blocks, keys in ((1024, 512), (1024, 8193), (1024, 32768), (791, 2048), (1584, 2048), (256, 8192),
+                         (2048, 2048)):
+        assert not f("sm_90a", 128, blocks, keys, 132, False, h200), (blocks, keys)
+    assert not f("sm_90a", 128, 1024, 2048, 132, True, h200)  # 16-row pages: the group kernels keep 2 stages
+    assert not f("sm_90a", 128, 1024, 2048, 132, False, h100)
+    assert not f("sm_90a", 64, 1024, 2048, 132, False, h200)
+    assert not f("sm_80", 128, 1024, 2048, 108, False, h200)
+    monkeypatch.setenv("CUFLASH_DECODE_MID_WIDE", "0")
+    assert not f("sm_90a", 128, 1024, 2048, 132, False, h200)
+
+
+@pytest.mark.parametrize("switch", ["", "0"])
+def test_mid_wide_plan(monkeypatch, switch):
+    """The rule above in the planner, on a stand-in H200 (132 SMs): 256 x 2048 / 8192 keys x GQA 8 (1024
+    blocks) contiguous runs the 8-warp kernel unsplit (3 stages of 128-key tiles, one launch) in eager
+    calls, graphs and the idle variant; with CUFLASH_DECODE_MID_WIDE=0 the 4-warp 2-stage kernel, as
+    at 512 keys and in 16-row pages (the group kernel) either way."""
+    for name in _PLAN_SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+    if switch:
+        monkeypatch.setenv("CUFLASH_DECODE_MID_WIDE", switch)
+    install_stand_in(monkeypatch.setattr, clusters=(30, 15))
+    for keys in (2048, 8192):
+        plan = stand_in_plan(256, keys, 8, False)
+        for variant in (plan.eager, plan.graph, plan.idle):
+            dec, names = _variant_kernels(variant)
+            want = "decode_bf16_d128_s2_tma" if switch else "decode_bf16_d128_s3_w8_tma"
+            assert variant[0] == 1 and names == [want] and dec.grid == 1024, (keys, names)
+            assert dec.threads == (128 if switch else 256), (keys, dec.threads)
+        plan = stand_in_plan(256, keys, 8, True)
+        assert plan.eager[0] == 1 and _variant_kernels(plan.eager)[1] == ["decode_bf16_d128_s2_tma_grp"], keys
+    plan = stand_in_plan(256, 512, 8, False)
+    assert _variant_kernels(plan.eager)[1] == ["decode_bf16_d128_s2_tma"]
+
+
+@pytest.mark.gpu
+def test_mid_wide_gpu(monkeypatch):
+    """The library's own plan at 6 blocks per SM (8 kv heads x GQA 4, 1024-key caches, one appended
+    token; _config.decode_mid_wide), fp16 and bf16, contiguous, against the float64 reference: on an
+    H200 (the rule's bandwidth) the 8-warp kernel runs, unsplit; elsewhere whatever the plan picks.
+    torch CUDA, sm_90a."""
+    from cuflash import _config, _gpu, _kvcache
+
+    _skip_unless_sm90a()
+    for name in _PLAN_SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+    _fresh_decode_plans(monkeypatch)
+    sm = torch.cuda.get_device_properties(0).multi_processor_count
+    batch = -(-_config.DECODE_SHALLOW_MID_WAVES * sm // 8)
+    seed = _new_seed()
+    for call, dtype in enumerate((FP16, BF16)):
+        rng = np.random.default_rng([seed, call])
+        _check(lambda: make_case(rng, dtype=dtype, batch=batch, seqlen_q=1, nheads=32, nheads_kv=8, head_dim=128,
+                                 layout="contig", capacity=1024, seqlen_new=1),
+               "cuda", True, {}, _ctx(seed, call=call, batch=batch, sm=sm))
+    plans = list(_kvcache._DECODE_PLANS.values())
+    assert len(plans) == 2, len(plans)
+    wide = _gpu.peak_memory_bandwidth(torch.cuda.current_device()) >= _config.DECODE_DEEP_MAX_BW
+    for plan in plans:
+        dec, names = _variant_kernels(plan.eager)
+        assert plan.eager[0] == 1 and ("_w8_" in dec.name) == wide, (names, sm)
 
 
 @pytest.mark.gpu
