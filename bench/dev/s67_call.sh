@@ -15,6 +15,8 @@
 #   midab  decode_splits.py at the library's plans with CUFLASH_DECODE_MID_WIDE on / off (new old new old, each its own
 #          process) at MIDAB_SHAPES: the shapes _config.decode_mid_wide moves (1024-1536 blocks of 1k-8k keys,
 #          speculative ones too) and a 512-key one it leaves
+#   wide2k decode_splits.py at the library's split count on its own warps / forced 8 warps, at 2048-block grids that
+#          run 2 stages (decode_shallow_tma's many-waves clause; WIDE2K_SHAPES), twice
 #   bwdt   the backward GPU test files (tests/test_gpu_backward.py and the feature backward's)
 #   STEPS="seed dstar suite slow" CALL=c1 bash bench/dev/s67_call.sh
 set -u
@@ -65,6 +67,14 @@ session_step() {
           --rounds 5 --shapes ${MIDAB_SHAPES:-256x2048x8 256x8192x8 256x4096x8 128x2048x4 64x8192x2 256x2048x8x2 256x8192x8x4 256x512x8} \
           --json "$OUT/${N}_midab_${k}_$m.json" > "$OUT/${N}_midab_${k}_$m.log" 2>&1
         echo "== $k $m"; grep -E " us " "$OUT/${N}_midab_${k}_$m.log"
+      done ;;
+    wide2k)
+      local k
+      for k in 1 2; do
+        python3 bench/dev/decode_splits.py --splits 0 --warps 0 8 --calls 20 --rounds 5 \
+          --shapes ${WIDE2K_SHAPES:-64x2048x1 64x8192x1 64x32768x1 256x2048x4 256x8192x4 256x32768x8 256x8192x8} \
+          --json "$OUT/${N}_wide2k_$k.json" > "$OUT/${N}_wide2k_$k.log" 2>&1
+        grep -E " us " "$OUT/${N}_wide2k_$k.log"
       done ;;
     bwdt)
       python3 -m pytest -m gpu -q -rf -n 8 -p no:cacheprovider tests/test_gpu_backward.py \
