@@ -675,6 +675,11 @@ BWD_ROW_PAD = 128
 # 148 / 157 (131 / 138). The separate pass wins everywhere measured, so it is the default.
 BWD_ATOMIC_DQ = False
 
+# cuda_src/flash_bwd.cu DS_SPLIT_BELOW (the kernel's own constant; tests/test_plan_wiring.py checks they agree):
+# below this head_dim the dQ kernel feeds dS as hi + lo and corrects D, and runs before the dK/dV kernel, leaving
+# each row's corrected D* in the scratch for dK's dS (_launch.bwd_launches; the NumPy mirror, _cpu_backward).
+BWD_DS_SPLIT_BELOW = 32
+
 # The one-launch backward (flash_bwd.cu's dK/dV kernel with SINGLE): plain calls whose keys fit one
 # key block of the mma.sync kernel (1 <= seqlen_k <= its BLOCK_N) and whose query rows (batch *
 # nheads * seqlen_q) number at most this. It forms D and lse * log2(e) itself and writes dQ, so the

@@ -103,15 +103,12 @@ import math
 
 import numpy as np
 
+from . import _config
 from ._cpu import _alibi_distance, _Feat, _query_tiles, _tile_needs_mask, _tile_visible
 
 __all__ = ["attention_backward_numpy"]
 
 _LOG2E = math.log2(math.e)
-
-# dS as hi + lo in dQ below this head_dim (cuda_src/flash_bwd.cu: DS_SPLIT_BELOW).
-DS_SPLIT_BELOW = 32
-
 
 def _heads_first_f32(x, nheads_kv):
     """(batch, seqlen, nheads, d) in any strides -> float32 (batch, nheads_kv, nheads // nheads_kv, seqlen, d).
@@ -253,7 +250,7 @@ def _dkdv_tiles(qf, dof, kf, vf, delta, lse_log2, sink_rows, dq_accum, dk, dv, s
     # as hi + lo, and per query row E = sum_j P_j (dP_j - D) (float32, starting from the sink's term) and
     # B = sum_j W_j K_j (W = P, times 1 - t^2 with a softcap; rounded to the dtype), for its correction of D at
     # the end (see the module docstring); it leaves D* = D + E for the dK/dV pass's dS.
-    split = kf.shape[-1] < DS_SPLIT_BELOW
+    split = kf.shape[-1] < _config.BWD_DS_SPLIT_BELOW
     delta_k = delta  # the D of the dK/dV pass's dS
     if split:
         pdp_sum = sink_rows.astype(np.float32, copy=True)

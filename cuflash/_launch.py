@@ -1438,17 +1438,12 @@ def _bwd_params(dout, q, k, v, o, dq, dk, dv, lse_ptr, delta_ptr, dq_accum_ptr, 
     return p, ptrs
 
 
-# cuda_src/flash_bwd.cu DS_SPLIT_BELOW: below this head_dim the dQ kernel corrects D (and writes D back for
-# the dK/dV kernel, which then runs after it).
-BWD_DS_SPLIT_BELOW = 32
-
-
 def bwd_launches(dout: DeviceTensor, q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTensor,
                  lse_ptr, dq: DeviceTensor, dk: DeviceTensor, dv: DeviceTensor, rows_scratch_ptr, dq_accum_ptr,
                  dtype: str, causal: bool, softmax_scale: float, atomic: bool, device_id: int, cc: tuple[int, int],
                  cfg: _config.TileConfig | None = None, mask: MaskArgs | None = None) -> list[Launch]:
     """The backward's launches: preprocess, dK/dV, then dQ (or the atomic path's conversion); below
-    BWD_DS_SPLIT_BELOW the deterministic path's dQ kernel before dK/dV.
+    _config.BWD_DS_SPLIT_BELOW the deterministic path's dQ kernel before dK/dV.
     rows_scratch holds delta, then (where bwd_needs_lse_log2) lse_log2: batch * nheads *
     seqlen_q_pad floats each (bwd_scratch_sizes); dq_accum (atomic path only) batch * nheads *
     seqlen_q_pad * head_dim floats. With `mask`, the feature kernels run (causal folded into
@@ -1558,7 +1553,7 @@ def bwd_launches(dout: DeviceTensor, q: DeviceTensor, k: DeviceTensor, v: Device
     if not atomic:
         m_blocks = _cdiv(seqlen_q, qcfg.block_m)
         dq_grid = (last, last_smem, batch * nheads * m_blocks, qcfg.warps * 32, m_blocks)
-        if head_dim < BWD_DS_SPLIT_BELOW:
+        if head_dim < _config.BWD_DS_SPLIT_BELOW:
             # The dQ kernel first: it leaves each row's D corrected from the exact sum of P dP in the
             # scratch, which the dK/dV kernel's dS then reads (cuda_src/flash_bwd.cu, DS_SPLIT_BELOW).
             grids.insert(1, dq_grid)

@@ -264,7 +264,7 @@ def grid_batch(seqlen_q: int) -> int:
     as the naive computation does; at batch 16 in none of 20000 (worst 0.69x, 0.78x; bench/NOTES.md,
     session 67). Found by bf16-d8-full-q1k300-h4kv2-bhsd-det (seed 14363466586248944331, batch 2: dk
     1.06x its bound)."""
-    return GRID_BATCH if seqlen_q >= 64 else max(GRID_BATCH, _batch_for(seqlen_q))
+    return max(GRID_BATCH, _batch_for(seqlen_q))
 
 
 @pytest.mark.parametrize("dtype,head_dim,causal,seqlen_q,seqlen_k,nheads,nheads_kv,layout,deterministic", GRID)
@@ -283,6 +283,29 @@ def test_backward_grid(cf, dtype, head_dim, causal, seqlen_q, seqlen_k, nheads, 
 # API details: softmax_scale, strides, rows without keys, determinism, huge batch * heads
 # ---------------------------------------------------------------------------------------------
 
+def _small_head_dim_rms_ratio(cf, dtype, head_dim, seqlens, deterministic, seed, qkv, grad: int, draws: int):
+    """The small-head_dim accuracy tests' draws: `draws` fresh (q, k, v) = qkv(batch, sq, sk, torch dtype) of 4
+    query heads on 1 kv head (batch _batch_for(sq): 16 one-row entries, or 2 of 64 rows), each backward
+    passing the usual gradient check (NaN-poisoned allocators); returns the RMS error of gradient `grad`
+    (0 dq, 1 dk) against float64 over all draws, as a ratio to rounding the exact gradient to the dtype."""
+    tdt = TORCH_DTYPES[dtype]
+    sq, sk = seqlens
+    batch = _batch_for(sq)
+    scale = 1.0 / math.sqrt(head_dim)
+    got, refs = [], []
+    for i in range(draws):
+        q, k, v = qkv(batch, sq, sk, tdt)
+        dout = make_dout(batch, sq, 4, head_dim, tdt)
+        refs_i = grad_bounds(q, k, v, dout, False, scale)
+        out, lse = cf.attention(q, k, v, return_lse=True)
+        poison_allocators(_bwd_poison_hint(q, k))
+        grads = cf.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic)
+        assert_grads_close(grads, q, k, v, dout, False, scale, seed_msg(seed, f"draw {i}"), refs=refs_i)
+        got.append(grads[grad].double().cpu().numpy())
+        refs.append(refs_i[0][grad].cpu().numpy())
+    return dq_split_rms_ratio(np.concatenate(got), np.concatenate(refs), _NP_DTYPES[dtype])
+
+
 @pytest.mark.parametrize("deterministic", DETERMINISTIC)
 @pytest.mark.parametrize("key_offset", [0.0, 2.0], ids=["k", "k+2"])
 @pytest.mark.parametrize("seqlens", [(1, 300), (64, 1024)], ids=lambda s: f"q{s[0]}k{s[1]}")
@@ -300,23 +323,13 @@ def test_backward_dq_small_head_dim_exact(cf, dtype, head_dim, seqlens, key_offs
     statistic). Found by the grid case bf16-d8-full-q1k300-h4kv1 (seed 10361418856339468297: dq 4.3x the
     naive error before the change)."""
     seed = fresh_seed()
-    tdt = TORCH_DTYPES[dtype]
-    sq, sk = seqlens
-    batch = 16 if sq == 1 else 2
-    scale = 1.0 / math.sqrt(head_dim)
-    dqs, refs = [], []
-    for i in range(2 if sq == 1 else 4):
+
+    def qkv(batch, sq, sk, tdt):
         q, k, v = make_qkv(batch, sq, sk, 4, 1, head_dim, tdt)
-        k = (k.float() + key_offset).to(tdt)
-        dout = make_dout(batch, sq, 4, head_dim, tdt)
-        refs_i = grad_bounds(q, k, v, dout, False, scale)
-        out, lse = cf.attention(q, k, v, return_lse=True)
-        poison_allocators(_bwd_poison_hint(q, k))
-        grads = cf.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic)
-        assert_grads_close(grads, q, k, v, dout, False, scale, seed_msg(seed, f"draw {i}"), refs=refs_i)
-        dqs.append(grads[0].double().cpu().numpy())
-        refs.append(refs_i[0][0].cpu().numpy())
-    ratio = dq_split_rms_ratio(np.concatenate(dqs), np.concatenate(refs), _NP_DTYPES[dtype])
+        return q, (k.float() + key_offset).to(tdt), v
+
+    ratio = _small_head_dim_rms_ratio(cf, dtype, head_dim, seqlens, deterministic, seed, qkv, 0,
+                                      2 if seqlens[0] == 1 else 4)
     assert ratio <= DQ_SPLIT_RMS_LIMIT, seed_msg(seed, f"dq rms error {ratio:.3f} x the output rounding > "
                                                        f"{DQ_SPLIT_RMS_LIMIT} ({dtype} d{head_dim} {seqlens} k+{key_offset})")
 
@@ -335,24 +348,14 @@ def test_backward_dk_small_head_dim_d_star(cf, dtype, head_dim, seqlens, determi
     with D*). The draws also pass the usual gradient check. Found by the grid case
     bf16-d8-full-q1k300-h4kv2-bhsd-det (seed 14363466586248944331: dk 1.06x its bound)."""
     seed = fresh_seed()
-    tdt = TORCH_DTYPES[dtype]
-    sq, sk = seqlens
-    batch = 16 if sq == 1 else 2
-    scale = 1.0 / math.sqrt(head_dim)
-    dks, refs = [], []
-    for i in range(2 if sq == 1 else 3):
+
+    def qkv(batch, sq, sk, tdt):
         q, k, _ = make_qkv(batch, sq, sk, 4, 1, head_dim, tdt)
         c = 2.0 * torch.randn(batch, 1, 1, head_dim, device="cuda", dtype=torch.float64)
-        v = (c + 0.05 * torch.randn(batch, sk, 1, head_dim, device="cuda", dtype=torch.float64)).to(tdt)
-        dout = make_dout(batch, sq, 4, head_dim, tdt)
-        refs_i = grad_bounds(q, k, v, dout, False, scale)
-        out, lse = cf.attention(q, k, v, return_lse=True)
-        poison_allocators(_bwd_poison_hint(q, k))
-        grads = cf.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic)
-        assert_grads_close(grads, q, k, v, dout, False, scale, seed_msg(seed, f"draw {i}"), refs=refs_i)
-        dks.append(grads[1].double().cpu().numpy())
-        refs.append(refs_i[0][1].cpu().numpy())
-    ratio = dq_split_rms_ratio(np.concatenate(dks), np.concatenate(refs), _NP_DTYPES[dtype])
+        return q, k, (c + 0.05 * torch.randn(batch, sk, 1, head_dim, device="cuda", dtype=torch.float64)).to(tdt)
+
+    ratio = _small_head_dim_rms_ratio(cf, dtype, head_dim, seqlens, deterministic, seed, qkv, 1,
+                                      2 if seqlens[0] == 1 else 3)
     assert ratio <= DK_D_STAR_RMS_LIMIT, seed_msg(seed, f"dk rms error {ratio:.3f} x the output rounding > "
                                                         f"{DK_D_STAR_RMS_LIMIT} ({dtype} d{head_dim} {seqlens})")
 

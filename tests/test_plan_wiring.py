@@ -336,11 +336,15 @@ def test_backward_small_head_dim_dq_first(dev, head_dim):
     both reading the one delta of the scratch (the dQ kernel leaves each row's corrected D there for dK's
     dS): preprocess, dQ, dK/dV, in that order. From 32 the dQ kernel comes last. Plain and feature
     (window) calls, both gradient paths of the mma.sync kernels (which take no atomics below 64)."""
-    from cuflash import _launch
+    import pathlib
+    import re
+
+    from cuflash import _config
 
     ad, launched = dev
     rng = np.random.default_rng()
-    assert _launch.BWD_DS_SPLIT_BELOW == 32
+    src = (pathlib.Path(__file__).resolve().parents[1] / "cuda_src" / "flash_bwd.cu").read_text()
+    assert re.findall(r"constexpr int DS_SPLIT_BELOW = (\d+);", src) == [str(_config.BWD_DS_SPLIT_BELOW)] == ["32"]
     for det, window in ((False, None), (True, None), (True, (20, 0))):
         q, k, v = arr(rng, (2, 70, 4, head_dim)), arr(rng, (2, 90, 2, head_dim)), arr(rng, (2, 90, 2, head_dim))
         kw = {} if window is None else {"window": window}

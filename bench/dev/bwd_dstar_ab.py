@@ -1,5 +1,5 @@
-"""The backward below head_dim 32 with the dQ kernel first (D* = D + E for the dK/dV kernel; cuflash/_launch.py
-BWD_DS_SPLIT_BELOW) against the former order (dK/dV first, D from the rounded O; BWD_DS_SPLIT_BELOW = 0 here,
+"""The backward below head_dim 32 with the dQ kernel first (D* = D + E for the dK/dV kernel; cuflash/_config.py
+_config.BWD_DS_SPLIT_BELOW) against the former order (dK/dV first, D from the rounded O; the constant 0 here,
 plans rebuilt), in one process on one card.
 
 1. Accuracy (ACC=1): dk's RMS error against float64 as a ratio to rounding the exact dk, over DRAWS fresh draws
@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 import cuflash as cf
-from cuflash import _launch, _plan
+from cuflash import _config, _plan
 import test_gpu_backward as T
 from _cpu_helpers import dq_split_rms_ratio
 
@@ -25,7 +25,7 @@ ORDERS = {"new": 32, "old": 0}
 
 
 def set_order(name):
-    _launch.BWD_DS_SPLIT_BELOW = ORDERS[name]
+    _config.BWD_DS_SPLIT_BELOW = ORDERS[name]
     _plan.CACHE.clear()
 
 
