@@ -9,6 +9,10 @@
 // numbers stay on the device and are clamped: rows land only in [0, total_rows), blocks are read only
 // in [0, num_blocks), so bad values cannot fault.
 //
+// attention_with_kvcache's paged chunks (lengths given): entry b's keys t < lengths[b] (clamped to
+// [0, max_seqlen_k]) to rows b * max_seqlen_k + t of a padded array (batch * max_seqlen_k rows), which
+// the feature forward reads with kv_lengths = lengths; cu_seqlens_k and cu_out are not used.
+//
 // Grid: (batch, ceil(max_seqlen_k / ROWS)) flattened into x; 128 threads copy ROWS = 16 key rows of
 // nheads_kv * head_dim 16-bit elements, 16 bytes at a time (each row's source is worked out once).
 #include "common.cuh"
@@ -21,6 +25,7 @@ struct GatherParams {
     const int* block_table;   // (batch, table_stride)
     const int* cu_seqlens_k;  // (batch + 1,)
     int* cu_out;              // (batch + 1,): cu_seqlens_k - cu_seqlens_k[0], clamped to [0, total_rows]
+    const int* lengths;       // (batch,) or null: the padded layout (above)
     i64 src_block_stride, src_row_stride, src_head_stride;  // elements
     i64 dst_row_stride, dst_head_stride;
     i64 table_stride;
@@ -41,14 +46,21 @@ paged_gather_kernel(const __grid_constant__ GatherParams p) {
     const int b = (int)(blockIdx.x / (unsigned)p.tiles);
     const int t0 = (int)(blockIdx.x % (unsigned)p.tiles) * ROWS;
     const int tid = threadIdx.x;
-    const int base = max(p.cu_seqlens_k[0], 0);
-    if (blockIdx.x == 0)
+    const bool padded = p.lengths != nullptr;
+    const int base = padded ? 0 : max(p.cu_seqlens_k[0], 0);
+    if (!padded && blockIdx.x == 0)
         for (int i = tid; i <= p.batch; i += blockDim.x)
             p.cu_out[i] = min(max(p.cu_seqlens_k[i] - base, 0), p.total_rows);
     if (tid < ROWS) {
-        const int k0 = min(max(p.cu_seqlens_k[b] - base, 0), p.total_rows);
-        const int k1 = min(max(p.cu_seqlens_k[b + 1] - base, k0), p.total_rows);
-        const int len = min(k1 - k0, p.max_seqlen_k);
+        int k0, len;
+        if (padded) {
+            k0 = b * p.max_seqlen_k;
+            len = min(max(p.lengths[b], 0), min(p.max_seqlen_k, p.total_rows - k0));
+        } else {
+            k0 = min(max(p.cu_seqlens_k[b] - base, 0), p.total_rows);
+            const int k1 = min(max(p.cu_seqlens_k[b + 1] - base, k0), p.total_rows);
+            len = min(k1 - k0, p.max_seqlen_k);
+        }
         const int t = t0 + tid;
         i64 src = -1, dst = -1;
         if (t < len) {

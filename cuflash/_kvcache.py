@@ -29,9 +29,11 @@ only for now.
 
 On the GPU (`_gpu_kvcache`) the call runs the decode kernels of cuda_src/flash_decode.cu through a
 `DecodePlan` (append, split-KV decode with GQA packing, combine), cached by the call's signature so
-that a repeated decode step skips the checks; the lengths and indices stay on the device. A contiguous
-cache whose row b is entry b with more than 64 packed query rows per kv head (a prefill chunk) takes the
-training forward with kv_lengths instead (`_gpu_contiguous`). The paged prefill on the GPU
+that a repeated decode step skips the checks; the lengths and indices stay on the device. A chunk of
+more than 64 packed query rows per kv head (chunked prefill, a long speculative step) takes the training
+forward with kv_lengths instead where that is the faster (_config.kvcache_feature_forward): a contiguous
+cache whose row b is entry b in place (`_gpu_contiguous`), a paged one after its pages are gathered into
+a padded contiguous copy (`_gpu_paged_forward`, `PagedGather`). The paged prefill on the GPU
 (`GatherPlan`, cuda_src/paged_gather.cu) gathers each sequence's keys from the pages into packed
 arrays on the device and runs attention_varlen on them.
 """
@@ -460,8 +462,8 @@ def _gpu_contiguous(c: KVCacheCall, ad, q, k_cache, v_cache, k, v, cache_seqlens
     """The GPU path for a contiguous cache whose row b is entry b with many packed query rows (a prefill
     chunk): the new tokens are written with the library's own indexing on the device (positions clamped to the cache: lengths on the GPU are not read
     back), then the feature forward runs on rows [0, batch) of the caches with kv_lengths =
-    min(cache_seqlens + seqlen_new, seqlen_cache). Correct, and as fast as cuflash.attention with
-    kv_lengths; the decode kernels (split-KV, GQA packing, paged loads) will replace it."""
+    min(cache_seqlens + seqlen_new, seqlen_cache). Taken where _config.kvcache_feature_forward finds the
+    forward faster than the decode kernels (long chunks whose query tiles fill the GPU)."""
     from ._api import attention
 
     if c.lib == "torch":
@@ -846,6 +848,20 @@ class DecodePlan:
                 torch.autograd.graph.increment_version(names[name])
         return (out, lse) if c.return_lse else out
 
+    def run_append(self, names: dict) -> None:
+        """The call's append kernel alone, on the caller's stream (the paged forward route,
+        _gpu_paged_forward: the new tokens into the pages before they are gathered)."""
+        ad, dev, keep = self.ad, self.device_id, []
+        arrays = [names.get(n) for n in _RUN_ARRAYS]
+        for i in self.copy_positions:
+            arrays[i] = ad.contiguous(arrays[i], dev, keep)
+        ptrs = self.zero_ptrs.copy()
+        for slot, i in self.input_positions:
+            ptrs[slot] = ad.ptr(arrays[i], keep)
+        launches = [L for L in self.graph[2] if L.name == "decode_append"]
+        assert len(launches) == 1, [L.name for L in self.graph[2]]
+        run_launches(self, ad.stream(dev), ptrs, launches, functools.partial(self._what, 1), False)
+
     def run_fast(self, arrays: tuple):
         """run_call for a call whose signature was seen (attention_with_kvcache's fast path): the
         arrays in _RUN_ARRAYS order. A call that appends takes run_call, for its checks."""
@@ -1019,16 +1035,24 @@ def _gpu_decode_available(c: KVCacheCall) -> bool:
 
 
 def _gpu_kvcache(c: KVCacheCall, ad, infos: dict, names: dict, num_splits: int, fast_key=None):
-    """The GPU path: the decode kernels for every layout; a contiguous cache whose row b is entry b
-    with many query rows per kv head (a prefill chunk: seqlen_q * nheads / nheads_kv > 64) takes the
-    feature forward (_gpu_contiguous), whose tiles suit it."""
+    """The GPU path: the decode kernels for every layout; a chunk of more than 64 packed rows a kv head
+    that _config.kvcache_feature_forward gives the feature forward returns None for a contiguous cache
+    whose row b is entry b (the caller runs _gpu_contiguous) and _PagedForward for a paged one (the
+    caller runs _gpu_paged_forward, with the plan made here for its append kernel); the copy of the
+    pages must fit _config.KVCACHE_GATHER_MAX_BYTES."""
     from . import _config
 
     rows = c.seqlen_q * (c.nheads // c.nheads_kv)
     plain_rows = not c.paged and not c.has_batch_idx
     available = _gpu_decode_available(c)
-    if plain_rows and (rows > 4 * _config.DECODE_ROWS or not available):
+    if plain_rows and (not available or _config.kvcache_feature_forward(c.seqlen_q, rows, c.batch, c.nheads,
+                                                                         _sm_count(c.device[1]))):
         return None
+    # A paged chunk the forward serves better: the pages gathered, then the feature forward
+    # (_gpu_paged_forward); its plan (below) supplies the append. Never a fast-path plan.
+    paged_forward = (c.paged and available and _config.kvcache_feature_forward(
+        c.seqlen_q, rows, c.batch, c.nheads, _sm_count(c.device[1]), paged=True)
+        and 4 * c.batch * c.capacity * c.nheads_kv * c.head_dim <= _config.KVCACHE_GATHER_MAX_BYTES)
     if not available:
         _refuse_gpu(infos["q"], f"attention_with_kvcache at head_dim {c.head_dim} on this GPU (too little shared "
                                 "memory for the decode kernel) with " + ("block_table" if c.paged else
@@ -1042,6 +1066,8 @@ def _gpu_kvcache(c: KVCacheCall, ad, infos: dict, names: dict, num_splits: int, 
         if len(_DECODE_PLANS) > 1024:
             _DECODE_PLANS.clear()
         _DECODE_PLANS[plan_key] = plan
+    if paged_forward:
+        return _PagedForward(plan)
     out = plan.run_call(names)
     if fast_key is not None:  # the call went through: its signature may skip the checks from now on
         if len(_FAST_PLANS) > 1024:
@@ -1226,6 +1252,9 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
         if not seqlens_is_int:
             names["cache_seqlens"] = cache_seqlens
         res = _gpu_kvcache(call, ad, infos, names, num_splits, key)
+        if isinstance(res, _PagedForward):
+            return _gpu_paged_forward(call, ad, infos, names, res.plan, causal, softmax_scale, window,
+                                      num_sink_tokens, sink_logits, alibi_slopes, softcap)
         if res is not None:
             return res
         return _gpu_contiguous(call, ad, q, k_cache, v_cache, k, v, cache_seqlens, causal, softmax_scale, window,
@@ -1546,23 +1575,125 @@ class GatherPlan:
         return kg, vg, cu
 
 
+def _gather_plan(cache: dict, make, c, infos: dict, arrays: tuple):
+    """The gather plan of a call (GatherPlan, PagedGather) from `cache`, keyed by the call and its arrays'
+    layouts, made on a miss (at most 256 kept)."""
+    key = (c, tuple(infos.get(n) for n in arrays))
+    plan = cache.get(key)
+    if plan is None:
+        plan = make(c, infos)
+        if len(cache) > 256:
+            cache.clear()
+        cache[key] = plan
+    return plan
+
+
 def _gpu_paged_varlen(c: PagedVarlenCall, ad, infos, names, causal, softmax_scale, return_lse, deterministic,
                       window, num_sink_tokens, softcap):
     """The paged prefill on the GPU: gather, then attention_varlen on the packed keys."""
     from ._api import attention_varlen
 
-    key = (c, tuple(infos.get(n) for n in ("k", "v", "block_table", "cu_seqlens_k")))
-    plan = _GATHER_PLANS.get(key)
-    if plan is None:
-        plan = GatherPlan(c, infos)
-        if len(_GATHER_PLANS) > 256:
-            _GATHER_PLANS.clear()
-        _GATHER_PLANS[key] = plan
+    plan = _gather_plan(_GATHER_PLANS, GatherPlan, c, infos, ("k", "v", "block_table", "cu_seqlens_k"))
     kg, vg, cu_k = plan.run(ad, names)
     return attention_varlen(names["q"], ad.export(kg), ad.export(vg), names["cu_seqlens_q"], ad.export(cu_k),
                             c.max_seqlen_q, c.max_seqlen_k, causal, softmax_scale, return_lse, deterministic,
                             window=window, num_sink_tokens=num_sink_tokens, sink_logits=names["sink_logits"],
                             alibi_slopes=names["alibi_slopes"], softcap=softcap)
+
+
+class _PagedForward:
+    """_gpu_kvcache's answer where a paged call takes the gather and the feature forward
+    (_gpu_paged_forward): the call's decode plan, whose append kernel writes the new tokens first."""
+
+    __slots__ = ("plan",)
+
+    def __init__(self, plan):
+        self.plan = plan
+
+
+# Pointer slots of a paged forward's gather.
+_PF_K, _PF_V, _PF_TABLE, _PF_LEN, _PF_KG, _PF_VG = range(6)
+_PAGED_GATHERS: dict = {}
+
+
+class PagedGather:
+    """attention_with_kvcache's paged chunks on the feature forward (_gpu_paged_forward): the keys and values
+    of entry b, t < lengths[b] (on the device), copied from the pages to rows b * capacity + t of padded
+    (batch * capacity, nheads_kv, head_dim) arrays (cuda_src/paged_gather.cu, its lengths mode): the
+    contiguous cache that the forward then reads with kv_lengths = lengths. Rows past a length are
+    left as they are; the forward reads none of them. Block numbers are clamped on the device."""
+
+    def __init__(self, c: KVCacheCall, infos: dict):
+        import threading
+
+        from . import _launch
+        from ._gpu import compute_capability
+        from ._launch import DeviceTensor, Slot
+        from ._plan import _small_needs_copy, contiguous_strides
+
+        self.call = c
+        self.device_id = dev = c.device[1]
+        self._lock = threading.Lock()
+        self.copy = ("block_table",) if _small_needs_copy(infos["block_table"]) else ()
+        self.padded_shape = (c.batch * c.capacity, c.nheads_kv, c.head_dim)
+        dst = contiguous_strides(self.padded_shape)
+        table = infos["block_table"]
+        table_t = DeviceTensor(Slot(_PF_TABLE), table.shape,
+                               contiguous_strides(table.shape) if self.copy else table.strides)
+        cc = compute_capability(dev)
+        self.launches = []
+        for src, dst_slot, name in ((_PF_K, _PF_KG, "k_cache"), (_PF_V, _PF_VG, "v_cache")):
+            self.launches += _launch.gather_launches(
+                DeviceTensor(Slot(src), infos[name].shape, infos[name].strides),
+                DeviceTensor(Slot(dst_slot), self.padded_shape, dst), table_t, 0, 0, c.batch, c.capacity, dev, cc,
+                lengths=Slot(_PF_LEN))
+
+    def run(self, ad, names: dict, lengths):
+        """(keys, values) as (batch, capacity, nheads_kv, head_dim) arrays of the caller's library."""
+        dev, c = self.device_id, self.call
+        keep = []
+        table = names["block_table"]
+        if self.copy:
+            table = ad.contiguous(table, dev, keep)
+        kg = ad.empty(self.padded_shape, c.dtype, dev)
+        vg = ad.empty(self.padded_shape, c.dtype, dev)
+        ptrs = [ad.ptr(names["k_cache"], keep), ad.ptr(names["v_cache"], keep), ad.ptr(table, keep),
+                ad.ptr(lengths, keep), ad.ptr(kg, keep), ad.ptr(vg, keep)]
+        run_launches(self, ad.stream(dev), ptrs, self.launches,
+                     lambda: f"attention_with_kvcache's gather, {c.dtype} k {self.padded_shape} from pages")
+        shape = (c.batch, c.capacity, c.nheads_kv, c.head_dim)
+        return ad.export(kg).reshape(shape), ad.export(vg).reshape(shape)
+
+
+def _gpu_paged_forward(c: KVCacheCall, ad, infos: dict, names: dict, plan, causal, softmax_scale, window,
+                       num_sink_tokens, sink_logits, alibi_slopes, softcap):
+    """A paged chunk on the GPU where the feature forward serves it better than the decode kernels
+    (_config.kvcache_feature_forward with paged): the new tokens appended into the pages (the decode
+    plan's append kernel), each entry's keys t < min(cache_seqlens + seqlen_new, capacity) gathered into a
+    padded contiguous copy (PagedGather), then the feature forward with those kv_lengths, as
+    _gpu_contiguous runs a contiguous cache. Lengths stay on the device."""
+    from ._api import attention
+
+    if c.appends:
+        if c.lib == "torch":
+            for name in ("k_cache", "v_cache"):
+                if names[name].requires_grad:
+                    raise ValueError(f"{name}: expected a tensor that does not require grad, to write in place; got "
+                                     f"one that requires grad (pass {name}.detach(), which shares the storage)")
+        _check_caches_apart(plan.cache_layouts, names, ad)
+        plan.run_append(names)
+        if c.lib == "torch":
+            import torch
+
+            for name in ("k_cache", "v_cache"):  # written by a kernel, behind autograd's back
+                torch.autograd.graph.increment_version(names[name])
+    gather = _gather_plan(_PAGED_GATHERS, PagedGather, c, infos, ("k_cache", "v_cache", "block_table"))
+    seqlens = c.fixed_seqlen if c.fixed_seqlen is not None else names["cache_seqlens"]
+    lengths = ad.kvcache_lengths(seqlens, c.seqlen_new, c.capacity, c.batch, names["q"])
+    kg, vg = gather.run(ad, names, lengths)
+    return attention(names["q"], kg, vg, causal, softmax_scale, c.return_lse, kv_lengths=lengths, window=window,
+                     num_sink_tokens=num_sink_tokens, sink_logits=sink_logits, alibi_slopes=alibi_slopes,
+                     softcap=softcap)
 
 
 def refuse_paged_backward(what: str = "attention_varlen_backward"):

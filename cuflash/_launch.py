@@ -138,7 +138,7 @@ _DECODE_TMA_CHECKS_PARAMS = (_compile.params_layout_checks("cuflash", "DecodeTma
 
 # Mirror of cuflash::GatherParams (cuda_src/paged_gather.cu).
 GATHER_PARAMS = np.dtype(
-    [(n, np.uint64) for n in ("src", "dst", "block_table", "cu_seqlens_k", "cu_out")]
+    [(n, np.uint64) for n in ("src", "dst", "block_table", "cu_seqlens_k", "cu_out", "lengths")]
     + [(n, np.int64) for n in ("src_block_stride", "src_row_stride", "src_head_stride", "dst_row_stride",
                                "dst_head_stride", "table_stride")]
     + [(n, np.int32) for n in ("batch", "max_seqlen_k", "num_blocks", "page_size", "nheads_kv", "head_dim",
@@ -1830,11 +1830,12 @@ GATHER_ROWS = 16  # key rows per thread block of paged_gather_kernel
 
 
 def gather_launches(src: DeviceTensor, dst: DeviceTensor, table: DeviceTensor, cu_seqlens_k, cu_out, batch: int,
-                    max_seqlen_k: int, device_id: int, cc: tuple[int, int]) -> list[Launch]:
+                    max_seqlen_k: int, device_id: int, cc: tuple[int, int], lengths=0) -> list[Launch]:
     """Copies each sequence's keys from a paged cache src (num_blocks, page_size, nheads_kv, head_dim)
     to rows cu_seqlens_k[b] - cu_seqlens_k[0] + t of dst (rows, nheads_kv, head_dim), and those offsets
-    to cu_out (cuda_src/paged_gather.cu). table: the int32 block table (batch, max_blocks) with a unit
-    last stride."""
+    to cu_out (cuda_src/paged_gather.cu); with `lengths` (an int32 (batch,) array's pointer or Slot),
+    keys t < lengths[b] to rows b * max_seqlen_k + t instead (cu_seqlens_k, cu_out: 0). table: the
+    int32 block table (batch, max_blocks) with a unit last stride."""
     num_blocks, page, hk, d = src.shape
     tiles = _cdiv(max_seqlen_k, GATHER_ROWS)
     if batch * tiles == 0:
@@ -1854,5 +1855,6 @@ def gather_launches(src: DeviceTensor, dst: DeviceTensor, table: DeviceTensor, c
                         ("page_size", page), ("nheads_kv", hk), ("head_dim", d), ("total_rows", dst.shape[0]),
                         ("tiles", tiles)):
         p[name] = value
-    ptrs = {"src": src.ptr, "dst": dst.ptr, "block_table": table.ptr, "cu_seqlens_k": cu_seqlens_k, "cu_out": cu_out}
+    ptrs = {"src": src.ptr, "dst": dst.ptr, "block_table": table.ptr, "cu_seqlens_k": cu_seqlens_k, "cu_out": cu_out,
+            "lengths": lengths}
     return [Launch(spec.name, fn.ptr, grid, 128, 0, p, ptrs, device_id)]

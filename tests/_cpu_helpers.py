@@ -37,6 +37,17 @@ def _ctx(seed, **kw):
     return f"seed={seed} ({parts})"
 
 
+def _kvcache_route(monkeypatch, route):
+    """CUFLASH_KVCACHE_FORWARD for one test: "rule" (unset: _config.kvcache_feature_forward decides), "0"
+    (the decode kernels) or "1" (the feature forward above 64 rows); the decode plan caches emptied
+    (_fresh_decode_plans), so that the test's calls are planned under it."""
+    if route == "rule":
+        monkeypatch.delenv("CUFLASH_KVCACHE_FORWARD", raising=False)
+    else:
+        monkeypatch.setenv("CUFLASH_KVCACHE_FORWARD", route)
+    _fresh_decode_plans(monkeypatch)
+
+
 def _fresh_decode_plans(monkeypatch):
     """Empties cuflash's decode plan caches for one test (restored after it), so that the plans made
     in it read the test's settings (environment switches, patched limits)."""

@@ -15,7 +15,7 @@ import itertools
 import numpy as np
 import pytest
 
-from _cpu_helpers import _ctx, _fresh_decode_plans, _new_seed
+from _cpu_helpers import _ctx, _fresh_decode_plans, _kvcache_route, _new_seed
 from _decode_stand_in import decode_launch, install_stand_in, stand_in_plan
 from _kvcache_reference import kvcache_reference
 from cuflash._kvcache import attention_with_kvcache
@@ -91,8 +91,9 @@ def test_head_dims(device, head_dim):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout", ["contig", "paged64"])
 def test_many_row_tiles(device, layout):
-    """seqlen_q * nheads / nheads_kv = 9 * 8 = 72 packed rows: 5 row tiles of the decode kernel when
-    paged; a contiguous cache takes the feature forward."""
+    """seqlen_q * nheads / nheads_kv = 9 * 8 = 72 packed rows: 5 row tiles of the decode kernel, paged
+    or contiguous (9 positions: short of the feature forward's rule, _config.kvcache_feature_forward;
+    test_prefill_routes takes both paths)."""
     _skip_unusable(device, FP16)
     seed = _new_seed()
     rng = np.random.default_rng(seed)
@@ -1094,6 +1095,41 @@ def test_two_tiles(monkeypatch, two, fused, layout, splits, sq, gqa, d, option):
             if two == "1":
                 assert dec.cluster == 1 and "_w8" not in dec.name, (dec.name, dec.cluster)
                 assert dec.grid == 3 * 4 * -(-sq * gqa // 32) * variant[0], (dec.grid, variant[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("route", ["rule", "0", "1"])
+@pytest.mark.parametrize("layout", ["contig", "paged16", "paged256"])
+@pytest.mark.parametrize("sq,gqa,d,option", [(9, 8, 128, None), (70, 8, 64, "win20_0"), (70, 1, 128, "softcap"),
+                                             (33, 4, 128, "alibi_bh"), (66, 4, 64, "sinklogit"), (130, 2, 128, "scale"),
+                                             (140, 4, 64, "alibi_bh")])
+def test_prefill_routes(monkeypatch, route, layout, sq, gqa, d, option):
+    """A cache with more than 64 packed rows a kv head (chunked prefill, long speculative steps) on both GPU
+    paths: the decode kernels (GQA packing, 16-32 rows a tile, split-KV) and the feature forward with
+    kv_lengths after the on-device append (_gpu_contiguous; a paged cache's pages first appended to by
+    the decode plan's append kernel and gathered into a padded copy: _gpu_paged_forward), as the rule
+    picks (_config.kvcache_feature_forward: seqlen_q >= 64, the forward's query tiles fill a third of
+    the SMs, and paged at least 512 rows) and each forced (CUFLASH_KVCACHE_FORWARD=0 / 1): 66-560 rows, head_dim 64
+    and 128, 16- and 256-row pages, windows, softcap, ALiBi, sink logits, a softmax scale; an appended
+    token, NaN past each length, garbage in a paged table's unused entries; three calls against the
+    float64 reference. The path taken is checked against the rule."""
+    from cuflash import _config, _kvcache
+
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device")
+    _kvcache_route(monkeypatch, route)
+    monkeypatch.setattr(_kvcache, "_PAGED_GATHERS", {})
+    _three_decode_calls(layout, 0, sq, gqa, d, option, 700, route=route)
+    sms = _kvcache._sm_count(torch.cuda.current_device())
+    paged = layout != "contig"
+    forward = route == "1" or (route == "rule" and sq >= 64 and 3 * 3 * 4 * gqa * -(-sq // 128) >= sms
+                               and (not paged or sq * gqa >= 512))
+    assert forward == (route != "0" and _config.kvcache_feature_forward(sq, sq * gqa, 3, 4 * gqa, sms, paged))
+    rows = {pl.call.seqlen_q * (pl.call.nheads // pl.call.nheads_kv) for pl in _kvcache._DECODE_PLANS.values()}
+    if paged:  # (the route's decode plan supplies the append kernel)
+        assert rows == {sq * gqa} and bool(_kvcache._PAGED_GATHERS) == forward, (rows, forward)
+    else:
+        assert rows == (set() if forward else {sq * gqa}), (rows, forward)
 
 
 def test_decode_params_read_first_lead():

@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from _cpu_helpers import _fresh_decode_plans
+from _cpu_helpers import _fresh_decode_plans, _kvcache_route
 
 import cuflash
 from cuflash import _adapters, _compile, _config, _gpu, _kvcache, _launch, _plan
@@ -1759,11 +1759,13 @@ def test_jax_jit_gpu_lowering(monkeypatch):
 
 
 @pytest.mark.parametrize("seqlens_kind", ["array", "int"])
-def test_kvcache_prefill_path_wiring(dev, seqlens_kind):
-    """attention_with_kvcache on a GPU, contiguous cache, more than 64 packed query rows per kv head (a
-    prefill chunk: cuflash/_kvcache.py _gpu_contiguous): the new tokens are appended at cache_seqlens
-    (clamped to the cache), and the feature forward reads rows [0, batch) of the caches in place with
-    kv_lengths = min(cache_seqlens + seqlen_new, seqlen_cache)."""
+def test_kvcache_prefill_path_wiring(dev, monkeypatch, seqlens_kind):
+    """attention_with_kvcache on a GPU, contiguous cache, more than 64 packed query rows per kv head on
+    the feature forward (a prefill chunk: cuflash/_kvcache.py _gpu_contiguous; forced here by
+    CUFLASH_KVCACHE_FORWARD=1, the rule's own choice in test_kvcache_forward_route): the new tokens are
+    appended at cache_seqlens (clamped to the cache), and the feature forward reads rows [0, batch) of
+    the caches in place with kv_lengths = min(cache_seqlens + seqlen_new, seqlen_cache)."""
+    monkeypatch.setenv("CUFLASH_KVCACHE_FORWARD", "1")
     ad, launched = dev
     rng = np.random.default_rng()
     b, cap, h, hkv, d, n = 2, 96, 8, 2, 64, 17  # 17 * 4 = 68 rows per kv head
@@ -1795,6 +1797,59 @@ def test_kvcache_prefill_path_wiring(dev, seqlens_kind):
     want = [min(s0 + n, cap) for s0 in starts]
     assert np.asarray(lengths).tolist() == want
     assert int(p["mask"]["window_right"]) == 0, "causal"
+
+
+def test_kvcache_forward_rule(monkeypatch):
+    """_config.kvcache_feature_forward (session 68's measurements on an H200, 132 SMs): never at 64 packed
+    rows a kv head or fewer; from 65, the forward where seqlen_q >= 64 and its batch x nheads x
+    ceil(seqlen_q / 128) query tiles fill a third of the SMs (a paged cache: and at least 512 rows), else
+    the decode kernels; CUFLASH_KVCACHE_FORWARD=0 / 1 force either above 64 rows."""
+    from cuflash import _config
+
+    monkeypatch.delenv("CUFLASH_KVCACHE_FORWARD", raising=False)
+    rule = _config.kvcache_feature_forward
+    assert not rule(8, 64, 64, 32, 132)  # 64 rows: the decode kernels, whatever the batch
+    assert not rule(16, 128, 256, 32, 132) and not rule(32, 256, 16, 32, 132)  # short chunks
+    assert not rule(64, 512, 1, 32, 132) and not rule(128, 1024, 1, 32, 132)  # 32 query tiles of 132 SMs
+    assert rule(64, 512, 4, 32, 132) and rule(128, 1024, 4, 32, 132) and rule(256, 2048, 1, 32, 132)
+    assert rule(128, 128, 16, 32, 132) and not rule(128, 128, 1, 32, 132)  # GQA 1: 128 rows
+    assert rule(64, 512, 2, 32, 192) and not rule(64, 512, 2, 32, 193)  # the third of the SMs, exactly
+    assert rule(64, 512, 4, 32, 132, paged=True) and not rule(64, 256, 4, 32, 132, paged=True)
+    assert rule(128, 128, 16, 32, 132) and not rule(128, 128, 16, 32, 132, paged=True)
+    monkeypatch.setenv("CUFLASH_KVCACHE_FORWARD", "1")
+    assert rule(9, 72, 1, 16, 132) and not rule(8, 64, 1, 16, 132)
+    monkeypatch.setenv("CUFLASH_KVCACHE_FORWARD", "0")
+    assert not rule(512, 4096, 64, 32, 132)
+
+
+@pytest.mark.parametrize("sq,route", [(17, "rule"), (17, "1"), (80, "rule"), (130, "rule"), (130, "0")])
+def test_kvcache_forward_route(dev, monkeypatch, sq, route):
+    """Which GPU path a contiguous call of more than 64 packed rows a kv head takes
+    (_config.kvcache_feature_forward; 132 SMs; batch 2, 16 query heads on 4 kv heads, GQA 4): 17
+    positions (68 rows): the decode kernels; 80 positions: still the decode kernels (2 x 16 query tiles,
+    fewer than a third of the SMs); 130 positions (64 query tiles): the feature forward, and no decode
+    plan. CUFLASH_KVCACHE_FORWARD forces either."""
+    from cuflash import _config, _kvcache
+
+    _kvcache_route(monkeypatch, route)
+    ad, launched = dev
+    rng = np.random.default_rng()
+    b, cap, h, hkv, d = 2, 256, 16, 4, 64
+    q = arr(rng, (b, sq, h, d))
+    k_cache, v_cache = arr(rng, (b, cap, hkv, d)), arr(rng, (b, cap, hkv, d))
+    seqlens = np.array([100, 150], np.int32).view(Dev)
+    n0 = len(launched)
+    cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=True)
+    names = [L["name"] for L in launched[n0:]]
+    forward = route == "1" or (route == "rule" and _config.kvcache_feature_forward(sq, sq * 4, b, h, 132))
+    assert forward == (route == "1" or (route == "rule" and sq >= 64 and 3 * b * h * -(-sq // 128) >= 132))
+    if forward:
+        assert any("feat" in n for n in names) and not any(n.startswith("decode_") for n in names), names
+        assert not _kvcache._DECODE_PLANS
+    else:
+        (dec,) = [L for L in launched[n0:] if L["name"].startswith("decode_") and "combine" not in L["name"]]
+        assert int(dec["p"]["rows"]) == sq * 4 and int(dec["p"]["seqlen_q"]) == sq
+        assert not any("feat" in n for n in names), names
 
 
 @pytest.mark.parametrize("layout", ["contig", "contig_idx", "paged"])
@@ -2397,6 +2452,55 @@ def test_paged_prefill_gpu_wiring(dev):
     assert int(p["q"]) == addr(q) and int(p["k"]) == addr(kg) and int(p["v"]) == addr(vg)
     assert int(p["mask"]["cu_seqlens_k"]) == addr(cu_out) and int(p["mask"]["cu_seqlens_q"]) == addr(cu_q)
     assert int(p["mask"]["total_k"]) == 96
+
+
+@pytest.mark.parametrize("appends,route", [(True, "rule"), (False, "rule"), (True, "0")])
+def test_kvcache_paged_forward_wiring(dev, monkeypatch, appends, route):
+    """attention_with_kvcache on a GPU, paged cache, a long chunk (130 positions x GQA 8, batch 2, 16 query
+    heads: 64 query tiles; _config.kvcache_feature_forward with paged): the new tokens go into the pages
+    by the decode plan's append kernel, two gathers (cuda_src/paged_gather.cu, lengths mode) copy each
+    entry's keys t < lengths[b] to rows b * capacity + t of padded arrays, and the feature forward reads
+    those with kv_lengths = lengths, the same device array; no decode kernel. CUFLASH_KVCACHE_FORWARD=0:
+    the decode kernels, no gather."""
+    _kvcache_route(monkeypatch, route)
+    ad, launched = dev
+    rng = np.random.default_rng()
+    b, sq, h, hk, d, page, width = 2, 130, 16, 2, 64, 16, 12
+    cap = page * width
+    q = arr(rng, (b, sq, h, d))
+    kc, vc = arr(rng, (b * width, page, hk, d)), arr(rng, (b * width, page, hk, d))
+    table = rng.permutation(b * width).astype(np.int32).reshape(b, width).copy().view(Dev)
+    seqlens = np.array([20, 50], np.int32).view(Dev)
+    kw = dict(k=arr(rng, (b, sq, hk, d)), v=arr(rng, (b, sq, hk, d))) if appends else {}
+    n0 = len(launched)
+    cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=table, causal=True, **kw)
+    got = launched[n0:]
+    names = [L["name"] for L in got]
+    if route == "0":
+        assert not any(n == "paged_gather" or "feat" in n for n in names), names
+        assert any(n.startswith("decode_") and n != "decode_append" for n in names), names
+        return
+    assert (names[0] == "decode_append") == appends and names.count("decode_append") == int(appends), names
+    assert not any(n.startswith("decode_") and n != "decode_append" for n in names), names
+    if appends:
+        p = got[0]["p"]
+        assert int(p["k"]) == addr(kc) and int(p["k_new"]) == addr(kw["k"]) and int(p["block_table"]) == addr(table)
+    gathers = [L for L in got if L["name"] == "paged_gather"]
+    assert len(gathers) == 2, names
+    kg, vg = (next(a for a in ad.allocs if addr(a) == int(L["p"]["dst"])) for L in gathers)
+    assert kg.shape == vg.shape == (b * cap, hk, d)
+    lengths = next(a for a in ad.allocs if addr(a) == int(gathers[0]["p"]["lengths"]))
+    assert lengths.dtype == np.int32 and np.asarray(lengths).tolist() == ([20 + sq, 50 + sq] if appends else [20, 50])
+    for L, src in zip(gathers, (kc, vc)):
+        p = L["p"]
+        assert int(p["src"]) == addr(src) and int(p["block_table"]) == addr(table) and int(p["lengths"]) == addr(lengths)
+        assert int(p["cu_seqlens_k"]) == 0 and int(p["cu_out"]) == 0
+        assert (int(p["batch"]), int(p["max_seqlen_k"]), int(p["num_blocks"]), int(p["page_size"]),
+                int(p["total_rows"]), int(p["tiles"])) == (b, cap, b * width, page, b * cap, cap // 16)
+    (fwd,) = [L for L in got if "feat" in L["name"]]
+    p = fwd["p"]
+    assert int(p["q"]) == addr(q) and int(p["k"]) == addr(kg) and int(p["v"]) == addr(vg)
+    assert int(p["mask"]["kv_lengths"]) == addr(lengths) and int(p["seqlen_k"]) == cap and int(p["batch"]) == b
 
 
 def test_kvcache_decode_layout_checks(dev, monkeypatch):
