@@ -1,0 +1,89 @@
+#!/usr/bin/env python3
+"""attention_with_kvcache on a cache with many packed rows a kv head (chunked prefill, long speculative
+steps): the decode kernels (CUFLASH_KVCACHE_FORWARD=0) against the feature forward with kv_lengths (=1;
+a paged cache's pages gathered into a padded copy first), alternated in one process, and the library's
+own choice (lib), at "BxLxGxSQ" shapes (batch x cache x GQA group x
+seqlen_q; 32 query heads, head_dim 128, bf16, causal, cache_seqlens = cache - SQ and the chunk's k, v
+appended), contiguous and --layouts' paged views (pages of N rows in a random order). GPU time as
+decode_splits.py measures it; the ratio forward / decode per shape."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from decode_splits import gpu_ms_per_call, parse_shape  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--caches", type=int, nargs="+", default=[8192, 32768])
+    ap.add_argument("--gqa", type=int, nargs="+", default=[8, 4])
+    ap.add_argument("--sq", type=int, nargs="+", default=[16, 32, 64, 128])
+    ap.add_argument("--shapes", nargs="*", default=[], help="more BxLxGxSQ shapes")
+    ap.add_argument("--layouts", nargs="+", default=["contig"], help="contig, pagedN (pages of N rows)")
+    ap.add_argument("--calls", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+
+    import torch
+
+    import cuflash
+    from cuflash import _kvcache
+
+    dev = torch.device("cuda")
+    shapes = [f"{b}x{L}x{g}x{sq}" for b in args.batches for L in args.caches for g in args.gqa for sq in args.sq
+              if sq * g > 64] + args.shapes
+    out = []
+    for shape in shapes:
+        b, L, g, sq = parse_shape(shape)
+        h, d = 32, 128
+        hk = h // g
+        q = torch.randn(b, sq, h, d, device=dev, dtype=torch.bfloat16)
+        kc = torch.randn(b, L, hk, d, device=dev, dtype=torch.bfloat16)
+        vc = torch.randn(b, L, hk, d, device=dev, dtype=torch.bfloat16)
+        kn = torch.randn(b, sq, hk, d, device=dev, dtype=torch.bfloat16)
+        vn = torch.randn(b, sq, hk, d, device=dev, dtype=torch.bfloat16)
+        seqlens = torch.full((b,), L - sq, device=dev, dtype=torch.int32)
+        flops = 4 * b * h * d * sum(L - sq + i + 1 for i in range(sq))
+        for layout in args.layouts:
+            kw = dict(k_cache=kc, v_cache=vc)
+            if layout != "contig":
+                page = int(layout.removeprefix("paged"))
+                nblk = b * L // page
+                kw = dict(k_cache=kc.view(nblk, page, hk, d), v_cache=vc.view(nblk, page, hk, d),
+                          block_table=torch.randperm(nblk, device=dev, dtype=torch.int32).view(b, L // page))
+            res = {}
+            outs = {}
+            for route in ("0", "1", "lib", "0", "1", "lib"):
+                if route == "lib":
+                    os.environ.pop("CUFLASH_KVCACHE_FORWARD", None)
+                else:
+                    os.environ["CUFLASH_KVCACHE_FORWARD"] = route
+                _kvcache._FAST_PLANS.clear()
+                _kvcache._DECODE_PLANS.clear()
+                fn = lambda: cuflash.attention_with_kvcache(q, k=kn, v=vn, cache_seqlens=seqlens, causal=True, **kw)  # noqa: E731
+                outs[route] = fn().float()
+                res.setdefault(route, []).append(gpu_ms_per_call(torch, fn, args.calls, args.rounds))
+            os.environ.pop("CUFLASH_KVCACHE_FORWARD", None)
+            dec, fwd, lib = min(res["0"]), min(res["1"]), min(res["lib"])
+            diff = float((outs["0"] - outs["1"]).abs().max())
+            row = dict(shape=shape, layout=layout, decode_ms=dec, forward_ms=fwd, lib_ms=lib, decode_runs=res["0"],
+                       forward_runs=res["1"], lib_runs=res["lib"], fwd_over_dec=fwd / dec,
+                       tflops_decode=flops / dec / 1e9, tflops_forward=flops / fwd / 1e9, max_diff=diff)
+            out.append(row)
+            print(f"{shape:>16} {layout:8} rows {sq * g:5d}  decode {dec * 1e3:9.1f} us  forward {fwd * 1e3:9.1f} us  "
+                  f"fwd/dec {fwd / dec:5.2f}  lib {lib * 1e3:9.1f} us ({lib / min(dec, fwd):5.2f} of the faster)  "
+                  f"({flops / dec / 1e9:4.0f} / {flops / fwd / 1e9:4.0f} TFLOP/s)  max|diff| {diff:.1e}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), rows=out), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
