@@ -1012,8 +1012,9 @@ DECODE_TWO_TILES_MIN_BYTES = 128 << 20
 
 def kvcache_feature_forward(seqlen_q: int, rows: int, batch: int, nheads: int, sm_count: int,
                             paged: bool = False) -> bool:
-    """Whether attention_with_kvcache on a contiguous cache whose row b is entry b runs the feature forward
-    with kv_lengths (cuflash/_kvcache.py _gpu_contiguous) instead of the decode kernels. The forward has
+    """Whether attention_with_kvcache on a contiguous cache whose row b is entry b (paged: on a paged cache)
+    runs the feature forward with kv_lengths (cuflash/_kvcache.py _gpu_contiguous, _gpu_paged_forward)
+    instead of the decode kernels. The forward has
     no split-KV: its grid is batch x nheads x ceil(seqlen_q / 128) query tiles, each walking every key,
     so a short chunk leaves SMs idle and its tiles part empty, and every query head reads its kv head's
     cache; the decode kernels pack a kv head's seqlen_q x head_group rows (one K/V read per 16-32 rows)

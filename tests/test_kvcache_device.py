@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from _cpu_helpers import _ctx, _new_seed
+from _cpu_helpers import _ctx, _kvcache_route, _new_seed
 from _kvcache_reference import kvcache_reference
 from cuflash._kvcache import attention_with_kvcache
 from cuflash._reference import check_close
@@ -169,6 +169,34 @@ def test_options(device, name):
     _check(lambda: make_case(rng, dtype=FP16, batch=4, seqlen_q=3, nheads=8, nheads_kv=2, head_dim=64,
                              layout="contig", capacity=200, seqlen_new=3, qk_scale=qk_scale),
            device, True, opts, _ctx(seed, device=device, option=name))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["contig", "paged16"])
+@pytest.mark.parametrize("route", ["rule", "0"])
+def test_chunk_routes(monkeypatch, device, layout, route):
+    """A long chunk (70 positions x GQA 8 = 560 packed rows a kv head, batch 4, 32 query heads, 70 new
+    tokens) in every array library: on the GPU the rule (_config.kvcache_feature_forward) gives it the
+    feature forward, a paged cache after its pages are gathered (cuflash/_kvcache.py _gpu_paged_forward);
+    CUFLASH_KVCACHE_FORWARD=0 the decode kernels. The caches after the append and out against the
+    float64 reference; on the GPU the path taken (a paged gather plan, or a decode plan for a contiguous
+    cache, or none)."""
+    from cuflash import _kvcache
+
+    _skip_unusable(device, FP16)
+    _kvcache_route(monkeypatch, route)
+    monkeypatch.setattr(_kvcache, "_PAGED_GATHERS", {})
+    seed = _new_seed()
+    rng = np.random.default_rng(seed)
+    _check(lambda: make_case(rng, dtype=FP16, batch=4, seqlen_q=70, nheads=32, nheads_kv=4, head_dim=64,
+                             layout=layout, capacity=300, seqlen_new=70),
+           device, True, {}, _ctx(seed, device=device, layout=layout, route=route))
+    if device != "cpu":
+        forward = route == "rule"
+        if layout == "contig":
+            assert bool(_kvcache._DECODE_PLANS) != forward, list(_kvcache._DECODE_PLANS)
+        else:
+            assert bool(_kvcache._PAGED_GATHERS) == forward and _kvcache._DECODE_PLANS
 
 
 @pytest.mark.parametrize("device", DEVICES)
