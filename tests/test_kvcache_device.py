@@ -2,9 +2,10 @@
 path, so that this file's checks run everywhere).
 
 JAX arrays on the GPU ("jax") take the same cases with the new tokens written by the caller. On the GPU every layout runs the decode kernels of
-cuda_src/flash_decode.cu (append, split-KV decode with GQA packing, combine); a contiguous cache whose row b is entry b with more than 64 packed
-query rows per kv head takes the feature forward with kv_lengths after the library appends the new
-tokens on the device (cuflash/_kvcache.py _gpu_contiguous). Checked against the float64 reference of
+cuda_src/flash_decode.cu (append, split-KV decode with GQA packing, combine); a chunk of more than 64
+packed query rows per kv head may take the feature forward with kv_lengths instead
+(_config.kvcache_feature_forward: test_chunk_routes), after the library appends the new tokens on the
+device (cuflash/_kvcache.py _gpu_contiguous; a paged cache's pages gathered first, _gpu_paged_forward). Checked against the float64 reference of
 tests/_kvcache_reference.py with the accuracy rule of the CPU tests (out within 2x the naive
 input-dtype error + 1e-5; lse as there), the caches after the call bit for bit, and cache slots that
 hold no key NaN-poisoned (a read past an entry's length would show). tests/test_kvcache_decode.py
