@@ -186,6 +186,9 @@ struct DecodeParams {
     i64 o_batch_stride, o_row_stride, o_head_stride;
     i64 kn_batch_stride, kn_row_stride, kn_head_stride;
     i64 vn_batch_stride, vn_row_stride, vn_head_stride;
+    int* kv_lengths;            // append kernel only: null, or (batch,) where it writes each entry's L_b
+                                // (the chunk route's kv_lengths for the feature forward; last in the
+                                // struct, so the other fields keep their offsets)
 };
 
 // The TMA kernel's Params (sm_90a): DecodeParams, then the tensor maps of the K and V caches,
@@ -1487,7 +1490,9 @@ decode_combine_kernel(const __grid_constant__ DecodeParams p) {
 // The new tokens written into the caches: k_new[b, i] at entry b's position cache_seqlens[b] + i
 // (cache_seqlens clamped to [0, capacity]; positions past the cache are dropped), 16-bit elements
 // one by one (the append is tiny next to the read).
-// A grid-stride loop over (b, i, h_kv, e).
+// A grid-stride loop over (b, i, h_kv, e). With kv_lengths (attention_with_kvcache's chunks on the
+// feature forward, cuflash/_kvcache.py ChunkPlan; seqlen_new may be 0 there) also each entry's L_b,
+// the keys the decode kernels would let it see, into kv_lengths[b].
 __global__ void __launch_bounds__(256)
 decode_append_kernel(const __grid_constant__ DecodeParams p) {
     const int head_dim = p.head_dim;
@@ -1495,6 +1500,11 @@ decode_append_kernel(const __grid_constant__ DecodeParams p) {
     const i64 count = (i64)p.batch * p.seqlen_new * per_token;
     pdl_launch_dependents();  // the call's decode kernel, which waits for this grid before it reads the caches
     pdl_wait();
+    if (p.kv_lengths != nullptr) {
+        for (int b = blockIdx.x * blockDim.x + threadIdx.x; b < p.batch; b += gridDim.x * blockDim.x) {
+            p.kv_lengths[b] = decode_length_clamp(p, decode_length_raw(p, b));
+        }
+    }
     for (i64 x = (i64)blockIdx.x * blockDim.x + threadIdx.x; x < count; x += (i64)gridDim.x * blockDim.x) {
         const int e = (int)(x % head_dim);
         const int hk = (int)((x / head_dim) % p.nheads_kv);

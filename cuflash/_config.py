@@ -1013,28 +1013,31 @@ DECODE_TWO_TILES_MIN_BYTES = 128 << 20
 def kvcache_feature_forward(seqlen_q: int, rows: int, batch: int, nheads: int, sm_count: int,
                             paged: bool = False) -> bool:
     """Whether attention_with_kvcache on a contiguous cache whose row b is entry b (paged: on a paged cache)
-    runs the feature forward with kv_lengths (cuflash/_kvcache.py _gpu_contiguous, _gpu_paged_forward)
-    instead of the decode kernels. The forward has
-    no split-KV: its grid is batch x nheads x ceil(seqlen_q / 128) query tiles, each walking every key,
-    so a short chunk leaves SMs idle and its tiles part empty, and every query head reads its kv head's
-    cache; the decode kernels pack a kv head's seqlen_q x head_group rows (one K/V read per 16-32 rows)
-    and split the keys to fill the GPU, but their mma.sync tiles run at about 150-245 TFLOP/s where the
-    forward's wgmma tiles reach 600. So the forward takes a call of more than 64 packed rows a kv head
-    with at least KVCACHE_FORWARD_MIN_SEQLEN_Q query positions whose query tiles fill at least a third
-    of the SMs. H200, session 68 (bench/dev/prefill_route.py, 32 query heads, head_dim 128, bf16,
-    causal; forward / decode GPU time): seqlen_q 16-32 at batch 1-256, 2k-128k keys, GQA 4-8: 1.25-8.3
-    (the decode kernels); seqlen_q 64-128 at batch 1 (32 query tiles): 1.18-2.9, e.g. 1 x 32k x GQA 8 x
-    64 positions 446 against 161 us; seqlen_q 64 from batch 4 (128 tiles): 0.75-0.97; seqlen_q 128 from
-    batch 4, and 256-512 at batch 1 (64-128 tiles): 0.40-0.68. A paged cache (paged): the forward after
-    the pages are gathered into a padded contiguous copy (cuflash/_kvcache.py _gpu_paged_forward), which
-    reads and writes the keys once more, a cost against the attention's work that falls with the rows a
-    kv head: so also at least KVCACHE_PAGED_FORWARD_MIN_ROWS rows, and only where the copy fits
-    KVCACHE_GATHER_MAX_BYTES (the caller checks). H200, session 68, paged (16- and 256-row pages; forward
-    with the gather / decode): 512 rows (GQA 8 x 64 positions, batch 4-16, 8k-32k keys) 0.71-0.97, 1024-4096
-    rows 0.31-0.51; 256 rows (GQA 4 x 64, batch 4) 1.11-1.23 and 128 (GQA 1 x 128, batch 16, where the copy
-    is twice the forward's time) 1.16-1.29: the decode kernels there. CUFLASH_KVCACHE_FORWARD=0: never
-    (the decode kernels at any row count), 1: wherever rows > 64 (for contiguous caches the rule before
-    session 68; A/B). Read at each call that could take it."""
+    runs the feature forward with kv_lengths (cuflash/_kvcache.py ChunkPlan) instead of the decode
+    kernels. The forward has no split-KV: its grid is batch x nheads x ceil(seqlen_q / 128) query tiles
+    of 128 rows, each walking every key, so a short chunk leaves SMs idle and its tiles part empty, and
+    every query head reads its kv head's cache; the decode kernels pack a kv head's seqlen_q x
+    head_group rows (one K/V read per 16-32 rows) and split the keys to fill the GPU, but their
+    mma.sync tiles run at about 150-245 TFLOP/s where the forward's wgmma tiles reach 600. So the
+    forward takes a call of more than 64 packed rows a kv head with at least
+    KVCACHE_FORWARD_MIN_SEQLEN_Q query positions where the share of the GPU its tiles keep busy,
+    min(tiles, SMs) / SMs x seqlen_q / (128 x ceil(seqlen_q / 128)) (the SMs with a tile, times the
+    rows of its tiles that hold queries), is at least KVCACHE_FORWARD_MIN_FILL. H200, session 69
+    (bench/dev/prefill_route.py, 32 query heads, head_dim 128, bf16, causal, the chunk appended;
+    forward / decode GPU time, both routes with their session-69 host paths): share 0.24 (batch 2 x
+    64 positions, 64 tiles of 132 SMs half full; batch 1 x 128 positions) 0.95-1.42, e.g. 2 x 32k x
+    GQA 8 x 64 positions 1.38; share 0.36 (batch 3 x 64 positions) 0.58-0.78; 0.48 and more (batch 4
+    x 64, batch 2 x 128, batch 1 x 256) 0.38-0.86, e.g. 2 x 8k x GQA 4 x 128 positions 0.59; single
+    eager calls (host included) 1.11-1.52 at share 0.24, 0.71-0.82 at 0.36. (Session
+    68's rule, a third of the SMs with a tile, came from GPU times that the forward route's host part,
+    then 200-600 us a call, had stretched.) A paged cache (paged): the forward after the pages are
+    gathered into a padded contiguous copy (cuflash/_kvcache.py ChunkPlan, PagedGather), which reads
+    and writes the keys once more, a cost against the attention's work that falls with the rows a kv
+    head: so also at least KVCACHE_PAGED_FORWARD_MIN_ROWS rows, and only where the copy fits
+    KVCACHE_GATHER_MAX_BYTES (the caller checks). H200, session 69, 16-row pages: 256 rows (GQA 4 x
+    64 positions) 1.05-1.34, the decode kernels there; 512-2048 rows at share 0.36 and more
+    0.43-0.86. CUFLASH_KVCACHE_FORWARD=0: never (the decode kernels at any row count), 1: wherever
+    rows > 64 (A/B). Read at each call that could take it."""
     import os
 
     if rows <= 4 * DECODE_ROWS:
@@ -1042,12 +1045,14 @@ def kvcache_feature_forward(seqlen_q: int, rows: int, batch: int, nheads: int, s
     force = os.environ.get("CUFLASH_KVCACHE_FORWARD")
     if force in ("0", "1"):
         return force == "1"
-    tiles = batch * nheads * -(-seqlen_q // 128)
-    return (seqlen_q >= KVCACHE_FORWARD_MIN_SEQLEN_Q and 3 * tiles >= sm_count
+    per_head = -(-seqlen_q // 128)
+    share = min(batch * nheads * per_head, sm_count) / sm_count * seqlen_q / (128 * per_head)
+    return (seqlen_q >= KVCACHE_FORWARD_MIN_SEQLEN_Q and share >= KVCACHE_FORWARD_MIN_FILL
             and (not paged or rows >= KVCACHE_PAGED_FORWARD_MIN_ROWS))
 
 
 KVCACHE_FORWARD_MIN_SEQLEN_Q = 64
+KVCACHE_FORWARD_MIN_FILL = 0.3
 KVCACHE_PAGED_FORWARD_MIN_ROWS = 512
 KVCACHE_GATHER_MAX_BYTES = 2 << 30  # the paged forward route's padded copy of K and V
 

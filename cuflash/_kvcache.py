@@ -31,9 +31,10 @@ On the GPU (`_gpu_kvcache`) the call runs the decode kernels of cuda_src/flash_d
 `DecodePlan` (append, split-KV decode with GQA packing, combine), cached by the call's signature so
 that a repeated decode step skips the checks; the lengths and indices stay on the device. A chunk of
 more than 64 packed query rows per kv head (chunked prefill, a long speculative step) takes the training
-forward with kv_lengths instead where that is the faster (_config.kvcache_feature_forward): a contiguous
-cache whose row b is entry b in place (`_gpu_contiguous`), a paged one after its pages are gathered into
-a padded contiguous copy (`_gpu_paged_forward`, `PagedGather`). The paged prefill on the GPU
+forward with kv_lengths instead where that is the faster (_config.kvcache_feature_forward), through a
+`ChunkPlan`: the append kernel writes the new tokens and each entry's length, then the forward reads a
+contiguous cache whose row b is entry b in place, or a paged one's keys gathered into a padded
+contiguous copy (`PagedGather`); cached by signature as the decode plans are. The paged prefill on the GPU
 (`GatherPlan`, cuda_src/paged_gather.cu) gathers each sequence's keys from the pages into packed
 arrays on the device and runs attention_varlen on them.
 """
@@ -457,31 +458,6 @@ def forward_numpy(c: KVCacheCall, where: _Where, q, k_cache, v_cache, options: d
 # The entry point.
 
 
-def _gpu_contiguous(c: KVCacheCall, ad, q, k_cache, v_cache, k, v, cache_seqlens, causal, softmax_scale, window,
-                    num_sink_tokens, sink_logits, alibi_slopes, softcap):
-    """The GPU path for a contiguous cache whose row b is entry b with many packed query rows (a prefill
-    chunk): the new tokens are written with the library's own indexing on the device (positions clamped to the cache: lengths on the GPU are not read
-    back), then the feature forward runs on rows [0, batch) of the caches with kv_lengths =
-    min(cache_seqlens + seqlen_new, seqlen_cache). Taken where _config.kvcache_feature_forward finds the
-    forward faster than the decode kernels (long chunks whose query tiles fill the GPU)."""
-    from ._api import attention
-
-    if c.lib == "torch":
-        for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
-            if c.appends and x.requires_grad:
-                raise ValueError(f"{name}: expected a tensor that does not require grad, to write in place; got one "
-                                 f"that requires grad (pass {name}.detach(), which shares the storage)")
-    seqlens = c.fixed_seqlen if c.fixed_seqlen is not None else cache_seqlens  # an int, or the device array
-    if c.appends:
-        ad.kvcache_append(k_cache, v_cache, k, v, seqlens, c.capacity)
-    lengths = ad.kvcache_lengths(seqlens, c.seqlen_new, c.capacity, c.batch, q)
-    if k_cache.shape[0] != c.batch:
-        k_cache, v_cache = k_cache[:c.batch], v_cache[:c.batch]
-    return attention(q, k_cache, v_cache, causal, softmax_scale, c.return_lse, kv_lengths=lengths, window=window,
-                     num_sink_tokens=num_sink_tokens, sink_logits=sink_logits, alibi_slopes=alibi_slopes,
-                     softcap=softcap)
-
-
 @functools.lru_cache(maxsize=None)
 def _sm_count(device_id: int) -> int:
     import cupy
@@ -493,6 +469,7 @@ def _sm_count(device_id: int) -> int:
 _D_Q, _D_KC, _D_VC, _D_OUT, _D_LSE, _D_SCRATCH, _D_SEQLENS, _D_BIDX, _D_TABLE, _D_K, _D_V, _D_ALIBI, _D_SINK = range(13)
 _D_COUNTERS = 13  # the fused combine's counters: the plan's own buffer, not an array of the call
 _D_SEQ = 14       # the call's number (DecodePlan.run; DecodeParams::seq), not a pointer
+_D_KVLEN = 15     # ChunkPlan's lengths (DecodeParams::kv_lengths, the append kernel's)
 _D_ARRAYS = ("q", "k_cache", "v_cache", "out", "lse", "scratch", "cache_seqlens", "cache_batch_idx", "block_table",
              "k", "v", "alibi_slopes", "sink_logits")
 # DecodePlan's spare outputs (_make_spare): the largest (out + lse bytes) kept between calls, and the most
@@ -522,15 +499,10 @@ class DecodePlan:
         self.device_id = dev = c.device[1]
         self.ad = None  # the adapter that runs the plan (set by its maker)
         self.cache_layouts = {n: infos[n] for n in ("k_cache", "v_cache")}
+        self.apart = None  # the cache pointers _check_caches_apart last passed
         self._lock = threading.Lock()
         cc = _gpu.compute_capability(dev)
-        for name in ("k_cache", "v_cache"):
-            if needs_copy(infos[name]):
-                x = infos[name]
-                raise ValueError(f"{name}: expected a cache the GPU kernels can read in place: a unit-stride last "
-                                 f"dimension and a 16-byte aligned base pointer and strides (multiples of 8 "
-                                 f"elements); got strides {x.strides}{'' if x.aligned else ' at an unaligned pointer'}"
-                                 " (a cache is read and written in place, never copied)")
+        _check_caches_in_place(infos)
         copy = []
         if needs_copy(infos["q"]):
             copy.append("q")
@@ -833,34 +805,11 @@ class DecodePlan:
         requires grad, caches that share memory), the run, and the return value of the call."""
         c, ad = self.call, self.ad
         if c.appends:
-            if c.lib == "torch":
-                for name in ("k_cache", "v_cache"):
-                    if names[name].requires_grad:
-                        raise ValueError(f"{name}: expected a tensor that does not require grad, to write in place; "
-                                         f"got one that requires grad (pass {name}.detach(), which shares the "
-                                         "storage)")
-            _check_caches_apart(self.cache_layouts, names, ad)
+            _check_append(self, names, ad)
         out, lse = self.run(ad, tuple(names.get(n) for n in _RUN_ARRAYS))
         if c.appends and c.lib == "torch":
-            import torch
-
-            for name in ("k_cache", "v_cache"):  # written by a kernel, behind autograd's back
-                torch.autograd.graph.increment_version(names[name])
+            _mark_written(names)
         return (out, lse) if c.return_lse else out
-
-    def run_append(self, names: dict) -> None:
-        """The call's append kernel alone, on the caller's stream (the paged forward route,
-        _gpu_paged_forward: the new tokens into the pages before they are gathered)."""
-        ad, dev, keep = self.ad, self.device_id, []
-        arrays = [names.get(n) for n in _RUN_ARRAYS]
-        for i in self.copy_positions:
-            arrays[i] = ad.contiguous(arrays[i], dev, keep)
-        ptrs = self.zero_ptrs.copy()
-        for slot, i in self.input_positions:
-            ptrs[slot] = ad.ptr(arrays[i], keep)
-        launches = [L for L in self.graph[2] if L.name == "decode_append"]
-        assert len(launches) == 1, [L.name for L in self.graph[2]]
-        run_launches(self, ad.stream(dev), ptrs, launches, functools.partial(self._what, 1), False)
 
     def run_fast(self, arrays: tuple):
         """run_call for a call whose signature was seen (attention_with_kvcache's fast path): the
@@ -1025,6 +974,7 @@ class DecodePlan:
 
 
 _DECODE_PLANS: dict = {}
+_CHUNK_PLANS: dict = {}  # ChunkPlan by the same key
 
 
 def _gpu_decode_available(c: KVCacheCall) -> bool:
@@ -1034,40 +984,35 @@ def _gpu_decode_available(c: KVCacheCall) -> bool:
     return _config.decode_stages(_config.compile_arch(*compute_capability(c.device[1])), c.head_dim) is not None
 
 
-def _gpu_kvcache(c: KVCacheCall, ad, infos: dict, names: dict, num_splits: int, fast_key=None):
-    """The GPU path: the decode kernels for every layout; a chunk of more than 64 packed rows a kv head
-    that _config.kvcache_feature_forward gives the feature forward returns None for a contiguous cache
-    whose row b is entry b (the caller runs _gpu_contiguous) and _PagedForward for a paged one (the
-    caller runs _gpu_paged_forward, with the plan made here for its append kernel); the copy of the
-    pages must fit _config.KVCACHE_GATHER_MAX_BYTES."""
+def _gpu_kvcache(c: KVCacheCall, ad, infos: dict, names: dict, num_splits: int, fast_key=None, options=None):
+    """The GPU path: the decode kernels for every layout (a DecodePlan); a chunk of more than 64 packed
+    rows a kv head that _config.kvcache_feature_forward gives the feature forward takes a ChunkPlan
+    instead, a contiguous cache whose row b is entry b, or a paged one whose padded copy fits
+    _config.KVCACHE_GATHER_MAX_BYTES. options: the call's scalar options for the forward (ChunkPlan)."""
     from . import _config
 
     rows = c.seqlen_q * (c.nheads // c.nheads_kv)
     plain_rows = not c.paged and not c.has_batch_idx
     available = _gpu_decode_available(c)
-    if plain_rows and (not available or _config.kvcache_feature_forward(c.seqlen_q, rows, c.batch, c.nheads,
-                                                                         _sm_count(c.device[1]))):
-        return None
-    # A paged chunk the forward serves better: the pages gathered, then the feature forward
-    # (_gpu_paged_forward); its plan (below) supplies the append. Never a fast-path plan.
-    paged_forward = (c.paged and available and _config.kvcache_feature_forward(
+    chunk = plain_rows and (not available or _config.kvcache_feature_forward(c.seqlen_q, rows, c.batch, c.nheads,
+                                                                              _sm_count(c.device[1])))
+    chunk = chunk or (c.paged and available and _config.kvcache_feature_forward(
         c.seqlen_q, rows, c.batch, c.nheads, _sm_count(c.device[1]), paged=True)
         and 4 * c.batch * c.capacity * c.nheads_kv * c.head_dim <= _config.KVCACHE_GATHER_MAX_BYTES)
-    if not available:
+    if not available and not chunk:
         _refuse_gpu(infos["q"], f"attention_with_kvcache at head_dim {c.head_dim} on this GPU (too little shared "
                                 "memory for the decode kernel) with " + ("block_table" if c.paged else
                                                                          "cache_batch_idx"),
                     "or a contiguous cache whose row b is entry b (cache_batch_idx=None, block_table=None)")
+    plans = _CHUNK_PLANS if chunk else _DECODE_PLANS
     plan_key = (c, tuple(infos.get(n) for n in _D_ARRAYS), num_splits)
-    plan = _DECODE_PLANS.get(plan_key)
+    plan = plans.get(plan_key)
     if plan is None:
-        plan = DecodePlan(c, infos, num_splits)
+        plan = ChunkPlan(c, infos, options) if chunk else DecodePlan(c, infos, num_splits)
         plan.ad = ad
-        if len(_DECODE_PLANS) > 1024:
-            _DECODE_PLANS.clear()
-        _DECODE_PLANS[plan_key] = plan
-    if paged_forward:
-        return _PagedForward(plan)
+        if len(plans) > 1024:
+            plans.clear()
+        plans[plan_key] = plan
     out = plan.run_call(names)
     if fast_key is not None:  # the call went through: its signature may skip the checks from now on
         if len(_FAST_PLANS) > 1024:
@@ -1126,13 +1071,51 @@ def _keyer(q):
     return fn
 
 
-def _check_caches_apart(infos: dict, names: dict, ad) -> None:
-    """Appending needs k_cache and v_cache in separate memory (else writing v overwrites k): their
-    byte extents must not overlap."""
-    spans = []
+def _check_caches_in_place(infos: dict) -> None:
+    """A cache is read and written in place, never copied: the kernels must be able to read it (a
+    ValueError naming it otherwise, before anything runs)."""
+    from ._plan import needs_copy
+
     for name in ("k_cache", "v_cache"):
         x = infos[name]
-        base = ad.ptr(names[name], [])
+        if needs_copy(x):
+            raise ValueError(f"{name}: expected a cache the GPU kernels can read in place: a unit-stride last "
+                             f"dimension and a 16-byte aligned base pointer and strides (multiples of 8 elements); "
+                             f"got strides {x.strides}{'' if x.aligned else ' at an unaligned pointer'} (a cache is "
+                             "read and written in place, never copied)")
+
+
+def _check_append(plan, names: dict, ad) -> None:
+    """The checks of a call that appends (DecodePlan, ChunkPlan) that depend on its arrays' values or
+    identity: a torch cache that requires grad cannot be written in place; the caches must not share
+    memory (_check_caches_apart)."""
+    if plan.call.lib == "torch":
+        for name in ("k_cache", "v_cache"):
+            if names[name].requires_grad:
+                raise ValueError(f"{name}: expected a tensor that does not require grad, to write in place; got one "
+                                 f"that requires grad (pass {name}.detach(), which shares the storage)")
+    _check_caches_apart(plan, names, ad)
+
+
+def _mark_written(names: dict) -> None:
+    """torch caches written by a kernel, behind autograd's back: their version counters bumped."""
+    import torch
+
+    for name in ("k_cache", "v_cache"):
+        torch.autograd.graph.increment_version(names[name])
+
+
+def _check_caches_apart(plan, names: dict, ad) -> None:
+    """Appending needs k_cache and v_cache in separate memory (else writing v overwrites k): their
+    byte extents (plan.cache_layouts at the caches' pointers) must not overlap. The pointers a check
+    passed are kept on the plan (plan.apart): a call with the same ones (a serving loop's caches)
+    skips the sums."""
+    ptrs = (ad.ptr(names["k_cache"], []), ad.ptr(names["v_cache"], []))
+    if ptrs == plan.apart:
+        return
+    spans = []
+    for name, base in zip(("k_cache", "v_cache"), ptrs):
+        x = plan.cache_layouts[name]
         lo = base + 2 * sum(min(0, (n - 1) * st) for n, st in zip(x.shape, x.strides))
         hi = base + 2 * sum(max(0, (n - 1) * st) for n, st in zip(x.shape, x.strides)) + 2
         spans.append((lo, hi))
@@ -1140,6 +1123,7 @@ def _check_caches_apart(infos: dict, names: dict, ad) -> None:
     if a0 < b1 and b0 < a1:
         raise ValueError("k_cache: expected k_cache and v_cache in separate memory to append into; got caches that "
                          "share memory (appending v would overwrite k)")
+    plan.apart = ptrs
 
 
 def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, *, cache_batch_idx=None,
@@ -1251,14 +1235,9 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
     if call.device[0] == "cuda":
         if not seqlens_is_int:
             names["cache_seqlens"] = cache_seqlens
-        res = _gpu_kvcache(call, ad, infos, names, num_splits, key)
-        if isinstance(res, _PagedForward):
-            return _gpu_paged_forward(call, ad, infos, names, res.plan, causal, softmax_scale, window,
-                                      num_sink_tokens, sink_logits, alibi_slopes, softcap)
-        if res is not None:
-            return res
-        return _gpu_contiguous(call, ad, q, k_cache, v_cache, k, v, cache_seqlens, causal, softmax_scale, window,
-                               num_sink_tokens, sink_logits, alibi_slopes, softcap)
+        return _gpu_kvcache(call, ad, infos, names, num_splits, key,
+                            dict(causal=causal, softmax_scale=softmax_scale, window=window,
+                                 num_sink_tokens=num_sink_tokens, softcap=softcap))
     host = {n: (None if x is None else ad.to_numpy(x)) for n, x in names.items()}
     if call.appends:
         for name, other in (("k_cache", "v_cache"), ("v_cache", "k_cache")):
@@ -1601,23 +1580,12 @@ def _gpu_paged_varlen(c: PagedVarlenCall, ad, infos, names, causal, softmax_scal
                             alibi_slopes=names["alibi_slopes"], softcap=softcap)
 
 
-class _PagedForward:
-    """_gpu_kvcache's answer where a paged call takes the gather and the feature forward
-    (_gpu_paged_forward): the call's decode plan, whose append kernel writes the new tokens first."""
-
-    __slots__ = ("plan",)
-
-    def __init__(self, plan):
-        self.plan = plan
-
-
 # Pointer slots of a paged forward's gather.
 _PF_K, _PF_V, _PF_TABLE, _PF_LEN, _PF_KG, _PF_VG = range(6)
-_PAGED_GATHERS: dict = {}
 
 
 class PagedGather:
-    """attention_with_kvcache's paged chunks on the feature forward (_gpu_paged_forward): the keys and values
+    """attention_with_kvcache's paged chunks on the feature forward (ChunkPlan): the keys and values
     of entry b, t < lengths[b] (on the device), copied from the pages to rows b * capacity + t of padded
     (batch * capacity, nheads_kv, head_dim) arrays (cuda_src/paged_gather.cu, its lengths mode): the
     contiguous cache that the forward then reads with kv_lengths = lengths. Rows past a length are
@@ -1649,51 +1617,125 @@ class PagedGather:
                 lengths=Slot(_PF_LEN))
 
     def run(self, ad, names: dict, lengths):
-        """(keys, values) as (batch, capacity, nheads_kv, head_dim) arrays of the caller's library."""
+        """(keys, values) as (batch, capacity, nheads_kv, head_dim) arrays of the caller's library: the
+        two halves of one allocation."""
         dev, c = self.device_id, self.call
         keep = []
         table = names["block_table"]
         if self.copy:
             table = ad.contiguous(table, dev, keep)
-        kg = ad.empty(self.padded_shape, c.dtype, dev)
-        vg = ad.empty(self.padded_shape, c.dtype, dev)
+        both = ad.empty((2, c.batch, c.capacity, c.nheads_kv, c.head_dim), c.dtype, dev)
+        kg, vg = both[0], both[1]
         ptrs = [ad.ptr(names["k_cache"], keep), ad.ptr(names["v_cache"], keep), ad.ptr(table, keep),
                 ad.ptr(lengths, keep), ad.ptr(kg, keep), ad.ptr(vg, keep)]
         run_launches(self, ad.stream(dev), ptrs, self.launches,
                      lambda: f"attention_with_kvcache's gather, {c.dtype} k {self.padded_shape} from pages")
-        shape = (c.batch, c.capacity, c.nheads_kv, c.head_dim)
-        return ad.export(kg).reshape(shape), ad.export(vg).reshape(shape)
+        return ad.export(kg), ad.export(vg)
 
 
-def _gpu_paged_forward(c: KVCacheCall, ad, infos: dict, names: dict, plan, causal, softmax_scale, window,
-                       num_sink_tokens, sink_logits, alibi_slopes, softcap):
-    """A paged chunk on the GPU where the feature forward serves it better than the decode kernels
-    (_config.kvcache_feature_forward with paged): the new tokens appended into the pages (the decode
-    plan's append kernel), each entry's keys t < min(cache_seqlens + seqlen_new, capacity) gathered into a
-    padded contiguous copy (PagedGather), then the feature forward with those kv_lengths, as
-    _gpu_contiguous runs a contiguous cache. Lengths stay on the device."""
-    from ._api import attention
+class ChunkPlan:
+    """attention_with_kvcache's chunks on the feature forward (_gpu_kvcache, where
+    _config.kvcache_feature_forward takes the forward over the decode kernels), prepared once per
+    signature and kept on its fast path as a DecodePlan is. A call launches the append kernel of
+    cuda_src/flash_decode.cu (the new tokens into the cache, any layout; and each entry's length
+    L_b = min(cache_seqlens + seqlen_new, capacity), every value clamped as the decode kernels clamp
+    it, into a fresh int32 array: nothing read back), for a paged cache the gather of its keys t < L_b
+    into a padded contiguous copy (PagedGather), then the feature forward of cuflash/_plan.py with
+    kv_lengths = L_b on rows [0, batch) of the contiguous cache or on the copy: its Plan made at the
+    first call, then run directly (no autograd history: attention_with_kvcache is inference only)."""
 
-    if c.appends:
-        if c.lib == "torch":
-            for name in ("k_cache", "v_cache"):
-                if names[name].requires_grad:
-                    raise ValueError(f"{name}: expected a tensor that does not require grad, to write in place; got "
-                                     f"one that requires grad (pass {name}.detach(), which shares the storage)")
-        _check_caches_apart(plan.cache_layouts, names, ad)
-        plan.run_append(names)
-        if c.lib == "torch":
-            import torch
+    def __init__(self, c: KVCacheCall, infos: dict, options: dict):
+        import threading
 
-            for name in ("k_cache", "v_cache"):  # written by a kernel, behind autograd's back
-                torch.autograd.graph.increment_version(names[name])
-    gather = _gather_plan(_PAGED_GATHERS, PagedGather, c, infos, ("k_cache", "v_cache", "block_table"))
-    seqlens = c.fixed_seqlen if c.fixed_seqlen is not None else names["cache_seqlens"]
-    lengths = ad.kvcache_lengths(seqlens, c.seqlen_new, c.capacity, c.batch, names["q"])
-    kg, vg = gather.run(ad, names, lengths)
-    return attention(names["q"], kg, vg, causal, softmax_scale, c.return_lse, kv_lengths=lengths, window=window,
-                     num_sink_tokens=num_sink_tokens, sink_logits=sink_logits, alibi_slopes=alibi_slopes,
-                     softcap=softcap)
+        from . import _gpu, _launch
+        from ._launch import DecodeArgs, DeviceTensor, MaskArgs, Slot
+        from ._plan import _small_needs_copy, contiguous_strides
+
+        self.call = c
+        self.device_id = dev = c.device[1]
+        self.ad = None  # the adapter that runs the plan (set by its maker)
+        self.options = options
+        self.cache_layouts = {n: infos[n] for n in ("k_cache", "v_cache")}
+        self.apart = None  # the cache pointers _check_caches_apart last passed
+        self._lock = threading.Lock()
+        _check_caches_in_place(infos)
+        copy = tuple(n for n in ("cache_seqlens", "block_table")
+                     if infos.get(n) is not None and _small_needs_copy(infos[n]))
+
+        def tensor(name, slot):
+            x = infos[name]
+            return DeviceTensor(Slot(slot), x.shape, contiguous_strides(x.shape) if name in copy else x.strides)
+
+        table = infos.get("block_table")
+        table_stride = 0
+        if table is not None:
+            table_stride = table.shape[1] if "block_table" in copy else table.strides[0]
+        args = DecodeArgs(lse=0, scratch=0, cache_seqlens=Slot(_D_SEQLENS) if c.fixed_seqlen is None else 0,
+                          cache_batch_idx=0, block_table=Slot(_D_TABLE) if c.paged else 0, table_stride=table_stride,
+                          k_new=tensor("k", _D_K) if c.appends else None,
+                          v_new=tensor("v", _D_V) if c.appends else None,
+                          cache_rows=c.cache_rows, capacity=c.capacity, page_size=c.page_size,
+                          fixed_seqlen=c.fixed_seqlen or 0, num_splits=1, kv_lengths=Slot(_D_KVLEN))
+        q = tensor("q", _D_Q)
+        self.launches = _launch.decode_launches(
+            q, tensor("k_cache", _D_KC), tensor("v_cache", _D_VC), q, args, c.dtype, 1.0, MaskArgs(), dev,
+            _gpu.compute_capability(dev), append_only=True)
+        used = {"k_cache", "v_cache"} | {n for n, on in (("cache_seqlens", c.fixed_seqlen is None),
+                                                          ("block_table", c.paged), ("k", c.appends),
+                                                          ("v", c.appends)) if on}
+        self.zero_ptrs = [0] * (_D_KVLEN + 1)
+        self.input_positions = tuple((i, _RUN_ARRAYS.index(n)) for i, n in enumerate(_D_ARRAYS) if n in used)
+        self.copy_positions = tuple(_RUN_ARRAYS.index(n) for n in copy)
+        self.gather = PagedGather(c, infos) if c.paged else None
+        self.forward = None  # the feature forward's Plan (its first call makes it)
+
+    def _what(self) -> str:
+        c = self.call
+        return (f"attention_with_kvcache's append, {c.dtype} k {(c.batch, c.seqlen_new, c.nheads_kv, c.head_dim)}, "
+                f"cache capacity {c.capacity}, paged={c.paged}")
+
+    def run_call(self, names: dict):
+        """One call (names: the call's arrays by name): the checks that depend on the arrays' values
+        or identity (as DecodePlan.run_call), the launches, and the return value of the call."""
+        c, ad, dev = self.call, self.ad, self.device_id
+        if c.appends:
+            _check_append(self, names, ad)
+        keep = []
+        arrays = [names.get(n) for n in _RUN_ARRAYS]
+        for i in self.copy_positions:
+            arrays[i] = ad.contiguous(arrays[i], dev, keep)
+        lengths = ad.empty((c.batch,), "int32", dev)
+        ptrs = self.zero_ptrs.copy()
+        for slot, i in self.input_positions:
+            ptrs[slot] = ad.ptr(arrays[i], keep)
+        ptrs[_D_KVLEN] = ad.ptr(lengths, keep)
+        run_launches(self, ad.stream(dev), ptrs, self.launches, self._what, False)
+        if c.appends and c.lib == "torch":
+            _mark_written(names)
+        if self.gather is not None:
+            k, v = self.gather.run(ad, names, lengths)
+        else:
+            k, v = names["k_cache"], names["v_cache"]
+            if c.cache_rows != c.batch:
+                k, v = k[:c.batch], v[:c.batch]
+        opts = {"kv_lengths": ad.export(lengths)}
+        for n in ("sink_logits", "alibi_slopes"):
+            if names.get(n) is not None:
+                opts[n] = names[n]
+        q, o = names["q"], self.options
+        if self.forward is None:
+            from ._api import _options
+
+            full = _options(None, opts["kv_lengths"], o["window"], o["num_sink_tokens"], opts.get("sink_logits"),
+                            opts.get("alibi_slopes"), o["softcap"])
+            self.forward = ad.forward_plan(q, k, v, o["causal"], o["softmax_scale"], False, c.return_lse, full)
+        out, lse = ad.run_forward(self.forward, q, k, v, opts, c.return_lse)
+        return (out, lse) if c.return_lse else out
+
+    def run_fast(self, arrays: tuple):
+        """run_call for a call whose signature was seen (attention_with_kvcache's fast path): the
+        arrays in _RUN_ARRAYS order."""
+        return self.run_call(dict(zip(_RUN_ARRAYS, arrays)))
 
 
 def refuse_paged_backward(what: str = "attention_varlen_backward"):

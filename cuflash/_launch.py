@@ -124,7 +124,8 @@ DECODE_PARAMS = np.dtype(
     + [("scale_log2", np.float32), ("mask", MASK_PARAMS)]
     + [(n, np.int32) for n in ("nheads", "head_dim")]
     + [(n, np.uint64) for n in ("k", "v", "o", "lse", "o_part", "lse_part", "k_new", "v_new", "started")]
-    + [(f"{t}_{s}_stride", np.int64) for t in ("k", "v", "o", "kn", "vn") for s in ("batch", "row", "head")],
+    + [(f"{t}_{s}_stride", np.int64) for t in ("k", "v", "o", "kn", "vn") for s in ("batch", "row", "head")]
+    + [("kv_lengths", np.uint64)],
     align=True,
 )
 
@@ -1692,6 +1693,8 @@ class DecodeArgs:
     started: int = 0               # a word of mapped host memory (started_word), or 0: then every launch but the
                                    # call's first gets a PdlConfig; else all of them (DecodePlan.run chooses)
     seq: "int | Slot" = 0          # the call's number, which the decode kernel writes to `started` (0: none)
+    kv_lengths: "int | Slot" = 0   # where the append kernel writes each entry's L_b (0: nowhere; decode_launches'
+                                   # append_only)
 
 
 def decode_scratch_floats(batch: int, nheads: int, seqlen_q: int, head_dim: int, num_splits: int,
@@ -1705,14 +1708,17 @@ def decode_scratch_floats(batch: int, nheads: int, seqlen_q: int, head_dim: int,
 
 def decode_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTensor, a: DecodeArgs, dtype: str,
                     softmax_scale: float, mask: MaskArgs, device_id: int, cc: tuple[int, int],
-                    warps: int = 4, tma: bool = False, stages: int | None = None, mt: int = 1) -> list[Launch]:
+                    warps: int = 4, tma: bool = False, stages: int | None = None, mt: int = 1,
+                    append_only: bool = False) -> list[Launch]:
     """The launches of one attention_with_kvcache call on the GPU: the append (when k_new is given),
     the decode kernel (with `warps` warps: 4, or 8 where _config.decode_wide_stages builds it;
     tma: reading the caches through tensor maps, use_decode_tma; stages: the 4-warp kernel's
     pipeline depth, None: _config.decode_stages; mt: its m16 row tiles a warp, 2 for 32 packed rows
     a block, _config.decode_two_tiles), and the combine of the
     splits (num_splits > 1). k / v: the caches, with the strides of a cache row (contiguous) or a
-    block (paged) first."""
+    block (paged) first. append_only: the append kernel's launch alone, which also writes each entry's
+    L_b to a.kv_lengths (cuflash/_kvcache.py ChunkPlan: launched even where nothing is appended, for
+    the lengths; no decode kernel is compiled)."""
     batch, seqlen_q, nheads, head_dim = q.shape
     nheads_kv = k.shape[2]
     target = _config.compile_arch(*cc)
@@ -1746,6 +1752,7 @@ def decode_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: Device
     assert not (cluster and a.split_counters) and (not cluster or a.num_splits <= _config.DECODE_CLUSTER_MAX)
     ptrs["split_counters"] = a.split_counters if a.num_splits > 1 else 0
     ptrs["started"], ptrs["seq"] = a.started, a.seq
+    ptrs["kv_lengths"] = a.kv_lengths
     if a.num_splits > 1 and not cluster:
         ptrs["o_part"] = a.scratch
         ptrs["lse_part"] = a.scratch + 4 * a.num_splits * batch * nheads * seqlen_q * head_dim
@@ -1762,11 +1769,13 @@ def decode_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: Device
     ptrs.update(_set_mask(p, mask, softmax_scale, nheads, seqlen_q))
 
     launches = []
-    if seqlen_new:
+    if seqlen_new or append_only:
         spec = decode_append_specialization()
         fn = _compile.get_function(spec, target, device_id, 0)
-        count = batch * seqlen_new * nheads_kv * head_dim
+        count = max(batch * seqlen_new * nheads_kv * head_dim, batch)  # (append_only: the lengths, at least)
         launches.append(Launch(spec.name, fn.ptr, max(1, min(_cdiv(count, 256), 1024)), 256, 0, p, ptrs, device_id))
+    if append_only:
+        return launches
     rows = decode_tma_rows(a.page_size != 0, warps, a.page_size) if tma else 0
     grp = tma and rows < 16 * warps and _config.decode_group_kernel()  # (rows < the tile: 16-key groups)
     spec, smem = decode_specialization(dtype, head_dim, stages, warps, tma, grp, mt)

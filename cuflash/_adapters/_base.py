@@ -154,17 +154,6 @@ class Adapter:
     def to_numpy(self, x):
         raise NotImplementedError
 
-    # ---- KV cache on the device (cuflash/_kvcache.py: the GPU path of attention_with_kvcache) ----
-    def kvcache_append(self, k_cache, v_cache, k, v, seqlens, capacity: int) -> None:
-        """Writes k, v (batch, n, hkv, d) into rows [0, batch) of the caches at positions
-        seqlens[b] + i, clamped to [0, capacity): device work only, nothing read back. seqlens: an int
-        or an int32 (batch,) array."""
-        raise NotImplementedError(f"{self.lib}: appending to a KV cache on the GPU")
-
-    def kvcache_lengths(self, seqlens, n: int, capacity: int, batch: int, like):
-        """int32 (batch,) min(seqlens + n, capacity) on like's device (seqlens: an int or an int32 array)."""
-        raise NotImplementedError(f"{self.lib}: KV cache lengths on the GPU")
-
     def from_numpy(self, a, like):
         raise NotImplementedError
 

@@ -61,22 +61,6 @@ class CupyAdapter(Adapter):
         with cupy.cuda.Device(device_id):
             return scratch[offset:offset + n].reshape(shape).sum(axis=(0, 2))
 
-    def kvcache_append(self, k_cache, v_cache, k, v, seqlens, capacity):
-        b, n = k.shape[0], k.shape[1]
-        with cupy.cuda.Device(k.device.id):
-            start = seqlens.astype(cupy.int64)[:, None] if isinstance(seqlens, cupy.ndarray) else int(seqlens)
-            pos = cupy.broadcast_to(cupy.clip(start + cupy.arange(n), 0, capacity - 1), (b, n))
-            rows = cupy.broadcast_to(cupy.arange(b)[:, None], (b, n))
-            # 16-bit copies: the same bits for float16 and bfloat16 (which CuPy's kernels may not know)
-            k_cache.view(cupy.uint16)[rows, pos] = k.view(cupy.uint16)
-            v_cache.view(cupy.uint16)[rows, pos] = v.view(cupy.uint16)
-
-    def kvcache_lengths(self, seqlens, n, capacity, batch, like):
-        with cupy.cuda.Device(like.device.id):
-            if isinstance(seqlens, cupy.ndarray):
-                return cupy.minimum(seqlens + n, capacity).astype(cupy.int32)
-            return cupy.full((batch,), min(int(seqlens) + n, capacity), dtype=cupy.int32)
-
     def lengths_from_padding_mask(self, mask):
         m = mask.astype(bool)
         lengths = m.sum(axis=1).astype(cupy.int32)

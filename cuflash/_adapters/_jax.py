@@ -539,14 +539,6 @@ class JaxAdapter(Adapter):
         bp = self.backward_plan(plan, dout, out, lse)
         return self.run_backward(plan, bp, dout, q, k, v, out, lse, opts)
 
-    def kvcache_lengths(self, seqlens, n, capacity, batch, like):
-        import jax.numpy as jnp
-
-        if hasattr(seqlens, "shape"):
-            return jnp.minimum(seqlens + n, capacity).astype(jnp.int32)
-        return jax.device_put(jnp.full((batch,), min(int(seqlens) + n, capacity), jnp.int32),
-                              next(iter(like.devices())))
-
     def lengths_from_padding_mask(self, mask):
         import jax.numpy as jnp
 

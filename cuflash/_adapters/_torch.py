@@ -512,22 +512,6 @@ class TorchAdapter(Adapter):
             return _gpu_backward(plan, dout, q, k, v, out, lse, _arrays(plan, opts), bp)
         return self.run_backward(plan, bp, dout, q, k, v, out, lse, opts)
 
-    def kvcache_append(self, k_cache, v_cache, k, v, seqlens, capacity):
-        b, n = k.shape[0], k.shape[1]
-        steps = torch.arange(n, device=k.device)
-        start = seqlens.to(torch.int64)[:, None] if isinstance(seqlens, torch.Tensor) else int(seqlens)
-        pos = (start + steps).clamp_(0, capacity - 1).expand(b, n)
-        rows = torch.arange(b, device=k.device)[:, None].expand(b, n)
-        # An inference tensor can be written only under inference_mode (a cache made under it often is one).
-        with torch.inference_mode() if k_cache.is_inference() else torch.no_grad():
-            k_cache[rows, pos] = k
-            v_cache[rows, pos] = v
-
-    def kvcache_lengths(self, seqlens, n, capacity, batch, like):
-        if isinstance(seqlens, torch.Tensor):
-            return (seqlens + n).clamp_(max=capacity).to(torch.int32)
-        return torch.full((batch,), min(int(seqlens) + n, capacity), dtype=torch.int32, device=like.device)
-
     def lengths_from_padding_mask(self, mask):
         m = mask.to(torch.bool)
         lengths = m.sum(dim=1, dtype=torch.int32)
