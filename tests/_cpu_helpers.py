@@ -54,6 +54,7 @@ def _fresh_decode_plans(monkeypatch):
     from cuflash import _kvcache
 
     monkeypatch.setattr(_kvcache, "_DECODE_PLANS", {})
+    monkeypatch.setattr(_kvcache, "_CHUNK_PLANS", {})
     monkeypatch.setattr(_kvcache, "_FAST_PLANS", {})
 
 

@@ -1106,10 +1106,10 @@ def test_two_tiles(monkeypatch, two, fused, layout, splits, sq, gqa, d, option):
 def test_prefill_routes(monkeypatch, route, layout, sq, gqa, d, option):
     """A cache with more than 64 packed rows a kv head (chunked prefill, long speculative steps) on both GPU
     paths: the decode kernels (GQA packing, 16-32 rows a tile, split-KV) and the feature forward with
-    kv_lengths after the on-device append (_gpu_contiguous; a paged cache's pages first appended to by
-    the decode plan's append kernel and gathered into a padded copy: _gpu_paged_forward), as the rule
-    picks (_config.kvcache_feature_forward: seqlen_q >= 64, the forward's query tiles fill a third of
-    the SMs, and paged at least 512 rows) and each forced (CUFLASH_KVCACHE_FORWARD=0 / 1): 66-560 rows, head_dim 64
+    kv_lengths after the on-device append (cuflash/_kvcache.py ChunkPlan: the append kernel writes the
+    new tokens and the lengths; a paged cache's keys are then gathered into a padded copy), as the rule
+    picks (_config.kvcache_feature_forward: seqlen_q >= 64, the forward's query tiles keep a share of
+    at least 0.3 of the GPU busy, and paged at least 512 rows) and each forced (CUFLASH_KVCACHE_FORWARD=0 / 1): 66-560 rows, head_dim 64
     and 128, 16- and 256-row pages, windows, softcap, ALiBi, sink logits, a softmax scale; an appended
     token, NaN past each length, garbage in a paged table's unused entries; three calls against the
     float64 reference. The path taken is checked against the rule."""
@@ -1118,18 +1118,15 @@ def test_prefill_routes(monkeypatch, route, layout, sq, gqa, d, option):
     if not torch.cuda.is_available():
         pytest.skip("torch has no CUDA device")
     _kvcache_route(monkeypatch, route)
-    monkeypatch.setattr(_kvcache, "_PAGED_GATHERS", {})
     _three_decode_calls(layout, 0, sq, gqa, d, option, 700, route=route)
     sms = _kvcache._sm_count(torch.cuda.current_device())
     paged = layout != "contig"
-    forward = route == "1" or (route == "rule" and sq >= 64 and 3 * 3 * 4 * gqa * -(-sq // 128) >= sms
-                               and (not paged or sq * gqa >= 512))
+    per_head = -(-sq // 128)  # query tiles a head (batch 3, 4 * gqa query heads)
+    share = min(3 * 4 * gqa * per_head, sms) / sms * sq / (128 * per_head)
+    forward = route == "1" or (route == "rule" and sq >= 64 and share >= 0.3 and (not paged or sq * gqa >= 512))
     assert forward == (route != "0" and _config.kvcache_feature_forward(sq, sq * gqa, 3, 4 * gqa, sms, paged))
     rows = {pl.call.seqlen_q * (pl.call.nheads // pl.call.nheads_kv) for pl in _kvcache._DECODE_PLANS.values()}
-    if paged:  # (the route's decode plan supplies the append kernel)
-        assert rows == {sq * gqa} and bool(_kvcache._PAGED_GATHERS) == forward, (rows, forward)
-    else:
-        assert rows == (set() if forward else {sq * gqa}), (rows, forward)
+    assert rows == (set() if forward else {sq * gqa}) and bool(_kvcache._CHUNK_PLANS) == forward, (rows, forward)
 
 
 def test_decode_params_read_first_lead():

@@ -5,7 +5,7 @@ JAX arrays on the GPU ("jax") take the same cases with the new tokens written by
 cuda_src/flash_decode.cu (append, split-KV decode with GQA packing, combine); a chunk of more than 64
 packed query rows per kv head may take the feature forward with kv_lengths instead
 (_config.kvcache_feature_forward: test_chunk_routes), after the library appends the new tokens on the
-device (cuflash/_kvcache.py _gpu_contiguous; a paged cache's pages gathered first, _gpu_paged_forward). Checked against the float64 reference of
+device (cuflash/_kvcache.py ChunkPlan; a paged cache's pages gathered first). Checked against the float64 reference of
 tests/_kvcache_reference.py with the accuracy rule of the CPU tests (out within 2x the naive
 input-dtype error + 1e-5; lse as there), the caches after the call bit for bit, and cache slots that
 hold no key NaN-poisoned (a read past an entry's length would show). tests/test_kvcache_decode.py
@@ -178,15 +178,13 @@ def test_options(device, name):
 def test_chunk_routes(monkeypatch, device, layout, route):
     """A long chunk (70 positions x GQA 8 = 560 packed rows a kv head, batch 4, 32 query heads, 70 new
     tokens) in every array library: on the GPU the rule (_config.kvcache_feature_forward) gives it the
-    feature forward, a paged cache after its pages are gathered (cuflash/_kvcache.py _gpu_paged_forward);
+    feature forward, a paged cache after its pages are gathered (cuflash/_kvcache.py ChunkPlan);
     CUFLASH_KVCACHE_FORWARD=0 the decode kernels. The caches after the append and out against the
-    float64 reference; on the GPU the path taken (a paged gather plan, or a decode plan for a contiguous
-    cache, or none)."""
+    float64 reference; on the GPU the path taken (a chunk plan and no decode plan, or the reverse)."""
     from cuflash import _kvcache
 
     _skip_unusable(device, FP16)
     _kvcache_route(monkeypatch, route)
-    monkeypatch.setattr(_kvcache, "_PAGED_GATHERS", {})
     seed = _new_seed()
     rng = np.random.default_rng(seed)
     _check(lambda: make_case(rng, dtype=FP16, batch=4, seqlen_q=70, nheads=32, nheads_kv=4, head_dim=64,
@@ -194,10 +192,8 @@ def test_chunk_routes(monkeypatch, device, layout, route):
            device, True, {}, _ctx(seed, device=device, layout=layout, route=route))
     if device != "cpu":
         forward = route == "rule"
-        if layout == "contig":
-            assert bool(_kvcache._DECODE_PLANS) != forward, list(_kvcache._DECODE_PLANS)
-        else:
-            assert bool(_kvcache._PAGED_GATHERS) == forward and _kvcache._DECODE_PLANS
+        assert bool(_kvcache._CHUNK_PLANS) == forward and bool(_kvcache._DECODE_PLANS) != forward, (
+            list(_kvcache._CHUNK_PLANS), list(_kvcache._DECODE_PLANS))
 
 
 @pytest.mark.parametrize("device", DEVICES)

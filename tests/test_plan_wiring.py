@@ -70,23 +70,41 @@ class FakeCuda(NumpyAdapter):
         n = shape[0] * shape[1] * shape[2]
         return np.asarray(scratch[offset:offset + n]).reshape(shape).sum(axis=(0, 2))
 
-    # the KV cache's device-side steps, as the torch / CuPy adapters do them with their own indexing
-    def kvcache_append(self, k_cache, v_cache, k, v, seqlens, capacity):
-        b, n = k.shape[:2]
-        start = np.asarray(seqlens).astype(np.int64)[:, None] if hasattr(seqlens, "shape") else int(seqlens)
-        pos = np.clip(start + np.arange(n), 0, capacity - 1)
-        rows = np.arange(b)[:, None]
-        k_cache[rows, pos] = k
-        v_cache[rows, pos] = v
 
-    def kvcache_lengths(self, seqlens, n, capacity, batch, like):
-        if hasattr(seqlens, "shape"):
-            a = np.minimum(np.asarray(seqlens) + n, capacity).astype(np.int32)
-        else:
-            a = np.full(batch, min(int(seqlens) + n, capacity), np.int32)
-        a = a.view(Dev)
-        self.allocs.append(a)
-        return a
+def _int32_at(addr: int) -> int:
+    return ctypes.c_int32.from_address(addr).value
+
+
+def run_append_kernel(p) -> None:
+    """cuda_src/flash_decode.cu's decode_append_kernel on the host, from its decoded DecodeParams (the
+    stand-in runs it where a GPU would, on the arrays' memory): entry b's new token i into its cache
+    position t = clamp(cache_seqlens[b], 0, capacity) + i where t < capacity (its row
+    clamp(cache_batch_idx[b]) of a contiguous cache, or its block clamp(block_table[b, t // page_size])
+    of a paged one), and with kv_lengths L_b = min(clamp(cache_seqlens[b], 0, capacity) + seqlen_new,
+    capacity) into kv_lengths[b]. Head rows are copied whole (unit-stride last dimension)."""
+    batch, n, cap, page, rows = (int(p[f]) for f in ("batch", "seqlen_new", "capacity", "page_size", "cache_rows"))
+    hk, d = int(p["nheads_kv"]), int(p["head_dim"])
+    for b in range(batch):
+        s = _int32_at(int(p["cache_seqlens"]) + 4 * b) if int(p["cache_seqlens"]) else int(p["fixed_seqlen"])
+        s = min(max(s, 0), cap)
+        if int(p["kv_lengths"]):
+            ctypes.c_int32.from_address(int(p["kv_lengths"]) + 4 * b).value = min(s + n, cap)
+        for i in range(n):
+            t = s + i
+            if t >= cap:
+                continue
+            for x, new in (("k", "kn"), ("v", "vn")):
+                if page:
+                    blk = _int32_at(int(p["block_table"]) + 4 * (b * int(p["table_stride"]) + t // page))
+                    off = min(max(blk, 0), rows - 1) * int(p[f"{x}_batch_stride"]) + (t % page) * int(p[f"{x}_row_stride"])
+                else:
+                    row = min(max(_int32_at(int(p["cache_batch_idx"]) + 4 * b), 0), rows - 1) if int(
+                        p["cache_batch_idx"]) else b
+                    off = row * int(p[f"{x}_batch_stride"]) + t * int(p[f"{x}_row_stride"])
+                for h in range(hk):
+                    src = int(p["k_new" if x == "k" else "v_new"]) + 2 * (
+                        b * int(p[f"{new}_batch_stride"]) + i * int(p[f"{new}_row_stride"]) + h * int(p[f"{new}_head_stride"]))
+                    ctypes.memmove(int(p[x]) + 2 * (off + h * int(p[f"{x}_head_stride"])), src, 2 * d)
 
 
 class LaunchConfig(ctypes.Structure):
@@ -137,6 +155,8 @@ def dev(monkeypatch):
         raw = ctypes.string_at(params_ptr, dtype.itemsize)
         p = np.frombuffer(raw, dtype=dtype)[0]
         launched.append(dict(name=name, grid=gx, threads=bx, smem=smem, stream=stream, p=p, pdl=False, cluster=1))
+        if name == "decode_append" and run_appends[0]:
+            run_append_kernel(p)
         if (name.startswith("decode_") and not name.startswith(("decode_append", "decode_combine"))
                 and int(p["seq"]) and not held[0]):
             # The decode kernel's last block, begun at once (an idle GPU): the call's number into `started`
@@ -163,6 +183,9 @@ def dev(monkeypatch):
         return 0
 
     held = [False]  # True: decode kernels "have not begun" (a busy stream): they leave `started` alone
+    # run_appends[0] True: the append kernel runs on the host as it is launched (run_append_kernel; the
+    # tests that read what it writes set it)
+    run_appends = [False]
     words = []
 
     def started_word(device_id):  # (mapped host memory on a GPU: a ctypes word here)
@@ -170,7 +193,7 @@ def dev(monkeypatch):
         return words[-1], ctypes.addressof(words[-1])
 
     monkeypatch.setattr(_launch, "started_word", started_word)
-    ad.held = held
+    ad.held, ad.run_appends = held, run_appends
     monkeypatch.setattr(_gpu, "compute_capability", lambda device_id: (9, 0))
     monkeypatch.setattr(_compile, "get_function", get_function)
     monkeypatch.setattr(_launch, "_launch_kernel", launch_kernel)
@@ -1761,59 +1784,85 @@ def test_jax_jit_gpu_lowering(monkeypatch):
 @pytest.mark.parametrize("seqlens_kind", ["array", "int"])
 def test_kvcache_prefill_path_wiring(dev, monkeypatch, seqlens_kind):
     """attention_with_kvcache on a GPU, contiguous cache, more than 64 packed query rows per kv head on
-    the feature forward (a prefill chunk: cuflash/_kvcache.py _gpu_contiguous; forced here by
-    CUFLASH_KVCACHE_FORWARD=1, the rule's own choice in test_kvcache_forward_route): the new tokens are
-    appended at cache_seqlens (clamped to the cache), and the feature forward reads rows [0, batch) of
-    the caches in place with kv_lengths = min(cache_seqlens + seqlen_new, seqlen_cache)."""
-    monkeypatch.setenv("CUFLASH_KVCACHE_FORWARD", "1")
+    the feature forward (a prefill chunk: cuflash/_kvcache.py ChunkPlan; forced here by
+    CUFLASH_KVCACHE_FORWARD=1, the rule's own choice in test_kvcache_forward_route): the append kernel
+    (run here by the stand-in, run_append_kernel) writes the new tokens at cache_seqlens (clamped to
+    the cache: positions past it dropped) and each entry's L_b = min(cache_seqlens + seqlen_new,
+    seqlen_cache) into a fresh int32 array, and the feature forward reads rows [0, batch) of the caches
+    in place with kv_lengths = that array; no decode kernel, no decode plan. The second call (new
+    tokens, other lengths) takes the fast path and the same launches."""
+    _kvcache_route(monkeypatch, "1")
     ad, launched = dev
+    ad.run_appends[0] = True
     rng = np.random.default_rng()
     b, cap, h, hkv, d, n = 2, 96, 8, 2, 64, 17  # 17 * 4 = 68 rows per kv head
     q = arr(rng, (b, n, h, d))
     k_cache, v_cache = arr(rng, (b + 1, cap, hkv, d)), arr(rng, (b + 1, cap, hkv, d))
-    k_new, v_new = arr(rng, (b, n, hkv, d)), arr(rng, (b, n, hkv, d))
-    before_k = k_cache.copy()
-    seqlens = np.array([5, 79], np.int32).view(Dev) if seqlens_kind == "array" else 40
-    cuflash.attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, seqlens, causal=True)
-    starts = [5, 79] if seqlens_kind == "array" else [40, 40]
-    for i, s0 in enumerate(starts):
-        for t in range(n):
-            if s0 + t < cap - 1:
-                assert np.array_equal(np.asarray(k_cache[i, s0 + t]), np.asarray(k_new[i, t])), (i, t)
-        if s0 + n > cap:  # 79 + 17 > 96: the writes past the cache are clamped onto its last row, never beyond
-            last = np.asarray(k_cache[i, cap - 1])
-            assert any(np.array_equal(last, np.asarray(k_new[i, t])) for t in range(cap - 1 - s0, n)), i
-    untouched = np.ones((b + 1, cap), bool)
-    for i, s0 in enumerate(starts):
-        untouched[i, s0:min(s0 + n, cap)] = False
-    assert np.array_equal(np.asarray(k_cache)[untouched], np.asarray(before_k)[untouched]), "writes outside the appends"
-    L = launched[-1]
-    assert "feat" in L["name"], L["name"]
-    p = L["p"]
-    assert int(p["k"]) == addr(k_cache) and int(p["v"]) == addr(v_cache), "the caches are read in place"
-    assert int(p["batch"]) == b and int(p["seqlen_k"]) == cap
-    lengths = next(a for a in reversed(ad.allocs) if a.dtype == np.int32)
-    assert int(p["mask"]["kv_lengths"]) == addr(lengths)
-    want = [min(s0 + n, cap) for s0 in starts]
-    assert np.asarray(lengths).tolist() == want
-    assert int(p["mask"]["window_right"]) == 0, "causal"
+    for starts in ([5, 85], [40, 0]) if seqlens_kind == "array" else ([40, 40],):
+        k_new, v_new = arr(rng, (b, n, hkv, d)), arr(rng, (b, n, hkv, d))
+        before_k, before_v = k_cache.copy(), v_cache.copy()
+        seqlens = np.array(starts, np.int32).view(Dev) if seqlens_kind == "array" else starts[0]
+        n0 = len(launched)
+        cuflash.attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, seqlens, causal=True)
+        untouched = np.ones((b + 1, cap), bool)
+        for i, s0 in enumerate(starts):
+            for t in range(n):
+                if s0 + t < cap:  # 85 + 17 > 96: the tokens past the cache are dropped
+                    assert np.array_equal(np.asarray(k_cache[i, s0 + t]), np.asarray(k_new[i, t])), (i, t)
+                    assert np.array_equal(np.asarray(v_cache[i, s0 + t]), np.asarray(v_new[i, t])), (i, t)
+            untouched[i, s0:min(s0 + n, cap)] = False
+        assert np.array_equal(np.asarray(k_cache)[untouched], np.asarray(before_k)[untouched]), "writes outside"
+        assert np.array_equal(np.asarray(v_cache)[untouched], np.asarray(before_v)[untouched]), "writes outside"
+        got = launched[n0:]
+        assert [L["name"] for L in got][0] == "decode_append" and len(got) == 2, [L["name"] for L in got]
+        a, L = got[0]["p"], got[1]
+        assert "feat" in L["name"], L["name"]
+        assert (int(a["k"]), int(a["v"]), int(a["k_new"]), int(a["v_new"])) == (
+            addr(k_cache), addr(v_cache), addr(k_new), addr(v_new))
+        if seqlens_kind == "array":
+            assert int(a["cache_seqlens"]) == addr(seqlens)
+        else:
+            assert int(a["cache_seqlens"]) == 0 and int(a["fixed_seqlen"]) == 40
+        p = L["p"]
+        assert int(p["k"]) == addr(k_cache) and int(p["v"]) == addr(v_cache), "the caches are read in place"
+        assert int(p["batch"]) == b and int(p["seqlen_k"]) == cap
+        lengths = next(x for x in reversed(ad.allocs) if addr(x) == int(a["kv_lengths"]))
+        assert lengths.dtype == np.int32 and lengths.shape == (b,)
+        assert int(p["mask"]["kv_lengths"]) == addr(lengths)
+        assert np.asarray(lengths).tolist() == [min(s0 + n, cap) for s0 in starts]
+        assert int(p["mask"]["window_right"]) == 0, "causal"
+    assert not _kvcache._DECODE_PLANS and len(_kvcache._CHUNK_PLANS) == 1 and len(_kvcache._FAST_PLANS) == 1
+    # Caches that share memory: refused before any launch, after calls whose caches passed the check
+    # (ChunkPlan keeps the pointers that passed: these are others), nothing written.
+    before, n0 = k_cache.copy(), len(launched)
+    with pytest.raises(ValueError, match="^k_cache: expected k_cache and v_cache in separate memory"):
+        cuflash.attention_with_kvcache(q, k_cache, k_cache, k_new, v_new, seqlens, causal=True)
+    assert len(launched) == n0 and np.array_equal(np.asarray(k_cache), np.asarray(before))
 
 
 def test_kvcache_forward_rule(monkeypatch):
-    """_config.kvcache_feature_forward (session 68's measurements on an H200, 132 SMs): never at 64 packed
-    rows a kv head or fewer; from 65, the forward where seqlen_q >= 64 and its batch x nheads x
-    ceil(seqlen_q / 128) query tiles fill a third of the SMs (a paged cache: and at least 512 rows), else
-    the decode kernels; CUFLASH_KVCACHE_FORWARD=0 / 1 force either above 64 rows."""
+    """_config.kvcache_feature_forward (session 69's measurements on an H200, 132 SMs): never at 64 packed
+    rows a kv head or fewer; from 65, the forward where seqlen_q >= 64 and the share of the GPU its tiles
+    keep busy, min(tiles, SMs) / SMs x seqlen_q / (128 x ceil(seqlen_q / 128)), is at least 0.3 (a paged
+    cache: and at least 512 rows), else the decode kernels; CUFLASH_KVCACHE_FORWARD=0 / 1 force either
+    above 64 rows."""
     from cuflash import _config
 
     monkeypatch.delenv("CUFLASH_KVCACHE_FORWARD", raising=False)
     rule = _config.kvcache_feature_forward
+    assert _config.KVCACHE_FORWARD_MIN_FILL == 0.3 and _config.KVCACHE_FORWARD_MIN_SEQLEN_Q == 64
     assert not rule(8, 64, 64, 32, 132)  # 64 rows: the decode kernels, whatever the batch
     assert not rule(16, 128, 256, 32, 132) and not rule(32, 256, 16, 32, 132)  # short chunks
-    assert not rule(64, 512, 1, 32, 132) and not rule(128, 1024, 1, 32, 132)  # 32 query tiles of 132 SMs
-    assert rule(64, 512, 4, 32, 132) and rule(128, 1024, 4, 32, 132) and rule(256, 2048, 1, 32, 132)
+    assert not rule(63, 504, 64, 32, 132)  # (a full GPU, but fewer than 64 positions)
+    # share 64 / 132 x 0.5 and 32 / 132 x 1: 0.24 (measured: the decode kernels, 0.95-1.42 faster)
+    assert not rule(64, 512, 2, 32, 132) and not rule(128, 1024, 1, 32, 132) and not rule(64, 256, 2, 32, 132)
+    # share 96 / 132 x 0.5 = 0.36, 64 / 132 x 1 = 0.48, 128 / 132 x 0.5 = 0.48
+    assert rule(64, 512, 3, 32, 132) and rule(128, 1024, 2, 32, 132) and rule(64, 512, 4, 32, 132)
+    assert rule(256, 2048, 1, 32, 132) and rule(128, 1024, 4, 32, 132)
+    assert rule(192, 1536, 1, 32, 132)  # 64 tiles of which each head's second is half full: 0.48 x 0.75
     assert rule(128, 128, 16, 32, 132) and not rule(128, 128, 1, 32, 132)  # GQA 1: 128 rows
-    assert rule(64, 512, 2, 32, 192) and not rule(64, 512, 2, 32, 193)  # the third of the SMs, exactly
+    assert rule(64, 512, 3, 32, 160) and not rule(64, 512, 3, 32, 161)  # share 0.3, exactly (96 / 160 x 0.5)
+    assert rule(80, 640, 2, 32, 132) == (64 / 132 * 80 / 128 >= 0.3)
     assert rule(64, 512, 4, 32, 132, paged=True) and not rule(64, 256, 4, 32, 132, paged=True)
     assert rule(128, 128, 16, 32, 132) and not rule(128, 128, 16, 32, 132, paged=True)
     monkeypatch.setenv("CUFLASH_KVCACHE_FORWARD", "1")
@@ -1822,13 +1871,16 @@ def test_kvcache_forward_rule(monkeypatch):
     assert not rule(512, 4096, 64, 32, 132)
 
 
-@pytest.mark.parametrize("sq,route", [(17, "rule"), (17, "1"), (80, "rule"), (130, "rule"), (130, "0")])
+@pytest.mark.parametrize("sq,route", [(17, "rule"), (17, "1"), (80, "rule"), (130, "rule"), (200, "rule"),
+                                      (200, "0")])
 def test_kvcache_forward_route(dev, monkeypatch, sq, route):
     """Which GPU path a contiguous call of more than 64 packed rows a kv head takes
     (_config.kvcache_feature_forward; 132 SMs; batch 2, 16 query heads on 4 kv heads, GQA 4): 17
-    positions (68 rows): the decode kernels; 80 positions: still the decode kernels (2 x 16 query tiles,
-    fewer than a third of the SMs); 130 positions (64 query tiles): the feature forward, and no decode
-    plan. CUFLASH_KVCACHE_FORWARD forces either."""
+    positions (68 rows): the decode kernels; 80 positions: still the decode kernels (32 query tiles:
+    a share of the GPU of 32 / 132 x 80 / 128 = 0.15); 130 positions: 64 tiles, each head's second
+    with 2 rows (share 64 / 132 x 130 / 256 = 0.25), the decode kernels; 200 positions (0.38): the
+    feature forward, with the append kernel for the lengths, and no decode plan.
+    CUFLASH_KVCACHE_FORWARD forces either."""
     from cuflash import _config, _kvcache
 
     _kvcache_route(monkeypatch, route)
@@ -1842,10 +1894,11 @@ def test_kvcache_forward_route(dev, monkeypatch, sq, route):
     cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=True)
     names = [L["name"] for L in launched[n0:]]
     forward = route == "1" or (route == "rule" and _config.kvcache_feature_forward(sq, sq * 4, b, h, 132))
-    assert forward == (route == "1" or (route == "rule" and sq >= 64 and 3 * b * h * -(-sq // 128) >= 132))
+    assert forward == (route == "1" or (route == "rule" and sq == 200))
     if forward:
-        assert any("feat" in n for n in names) and not any(n.startswith("decode_") for n in names), names
-        assert not _kvcache._DECODE_PLANS
+        assert any("feat" in n for n in names) and names[0] == "decode_append", names
+        assert not any(n.startswith("decode_") and n != "decode_append" for n in names), names
+        assert not _kvcache._DECODE_PLANS and _kvcache._CHUNK_PLANS
     else:
         (dec,) = [L for L in launched[n0:] if L["name"].startswith("decode_") and "combine" not in L["name"]]
         assert int(dec["p"]["rows"]) == sq * 4 and int(dec["p"]["seqlen_q"]) == sq
@@ -2191,6 +2244,11 @@ def test_kvcache_repeat_call_takes_the_fast_path(dev, monkeypatch):
         cuflash.attention_with_kvcache(q, kc, vc, kn, vn, seqlens, causal=True, num_splits=-2)
     with pytest.raises(ValueError, match="^k_cache: expected k_cache and v_cache in separate memory"):
         cuflash.attention_with_kvcache(q, kc, kc, kn, vn, seqlens, causal=True, num_splits=2)
+    # The plan keeps the pointers that last passed the check (DecodePlan.apart): those pass again, others
+    # are checked.
+    cuflash.attention_with_kvcache(q, kc, vc, kn, vn, seqlens, causal=True, num_splits=2)
+    with pytest.raises(ValueError, match="^k_cache: expected k_cache and v_cache in separate memory"):
+        cuflash.attention_with_kvcache(q, vc, vc, kn, vn, seqlens, causal=True, num_splits=2)
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -2456,16 +2514,20 @@ def test_paged_prefill_gpu_wiring(dev):
 
 @pytest.mark.parametrize("appends,route", [(True, "rule"), (False, "rule"), (True, "0")])
 def test_kvcache_paged_forward_wiring(dev, monkeypatch, appends, route):
-    """attention_with_kvcache on a GPU, paged cache, a long chunk (130 positions x GQA 8, batch 2, 16 query
-    heads: 64 query tiles; _config.kvcache_feature_forward with paged): the new tokens go into the pages
-    by the decode plan's append kernel, two gathers (cuda_src/paged_gather.cu, lengths mode) copy each
-    entry's keys t < lengths[b] to rows b * capacity + t of padded arrays, and the feature forward reads
-    those with kv_lengths = lengths, the same device array; no decode kernel. CUFLASH_KVCACHE_FORWARD=0:
-    the decode kernels, no gather."""
+    """attention_with_kvcache on a GPU, paged cache, a long chunk (200 positions x GQA 8, batch 2, 16 query
+    heads: 64 query tiles, a share of the GPU of 0.38; _config.kvcache_feature_forward with paged;
+    cuflash/_kvcache.py ChunkPlan): the
+    append kernel (run here by the stand-in, run_append_kernel) writes the new tokens into the pages and
+    each entry's length into a fresh int32 array (launched without new tokens too, for the lengths),
+    two gathers (cuda_src/paged_gather.cu, lengths mode) copy each entry's keys t < lengths[b] to rows
+    b * capacity + t of padded arrays, and the feature forward reads those with kv_lengths = lengths,
+    the same device array; no decode kernel, and no decode plan made. CUFLASH_KVCACHE_FORWARD=0: the
+    decode kernels, no gather."""
     _kvcache_route(monkeypatch, route)
     ad, launched = dev
+    ad.run_appends[0] = True
     rng = np.random.default_rng()
-    b, sq, h, hk, d, page, width = 2, 130, 16, 2, 64, 16, 12
+    b, sq, h, hk, d, page, width = 2, 200, 16, 2, 64, 16, 16
     cap = page * width
     q = arr(rng, (b, sq, h, d))
     kc, vc = arr(rng, (b * width, page, hk, d)), arr(rng, (b * width, page, hk, d))
@@ -2480,17 +2542,26 @@ def test_kvcache_paged_forward_wiring(dev, monkeypatch, appends, route):
         assert not any(n == "paged_gather" or "feat" in n for n in names), names
         assert any(n.startswith("decode_") and n != "decode_append" for n in names), names
         return
-    assert (names[0] == "decode_append") == appends and names.count("decode_append") == int(appends), names
+    assert names[0] == "decode_append" and names.count("decode_append") == 1, names
     assert not any(n.startswith("decode_") and n != "decode_append" for n in names), names
+    assert not _kvcache._DECODE_PLANS and _kvcache._CHUNK_PLANS
+    a = got[0]["p"]
+    assert int(a["k"]) == addr(kc) and int(a["v"]) == addr(vc) and int(a["block_table"]) == addr(table)
+    assert int(a["cache_seqlens"]) == addr(seqlens) and int(a["seqlen_new"]) == (sq if appends else 0)
     if appends:
-        p = got[0]["p"]
-        assert int(p["k"]) == addr(kc) and int(p["k_new"]) == addr(kw["k"]) and int(p["block_table"]) == addr(table)
+        assert int(a["k_new"]) == addr(kw["k"]) and int(a["v_new"]) == addr(kw["v"])
+        for i, s0 in enumerate((20, 50)):  # every new token in its page (the capacity holds them all)
+            for t in (0, 1, sq // 2, sq - 1):
+                blk, row = int(table[i, (s0 + t) // page]), (s0 + t) % page
+                assert np.array_equal(np.asarray(kc[blk, row]), np.asarray(kw["k"][i, t])), (i, t)
+                assert np.array_equal(np.asarray(vc[blk, row]), np.asarray(kw["v"][i, t])), (i, t)
     gathers = [L for L in got if L["name"] == "paged_gather"]
     assert len(gathers) == 2, names
-    kg, vg = (next(a for a in ad.allocs if addr(a) == int(L["p"]["dst"])) for L in gathers)
-    assert kg.shape == vg.shape == (b * cap, hk, d)
-    lengths = next(a for a in ad.allocs if addr(a) == int(gathers[0]["p"]["lengths"]))
-    assert lengths.dtype == np.int32 and np.asarray(lengths).tolist() == ([20 + sq, 50 + sq] if appends else [20, 50])
+    (both,) = [x for x in ad.allocs if addr(x) == int(gathers[0]["p"]["dst"])]  # one allocation, two halves
+    assert both.shape == (2, b, cap, hk, d) and int(gathers[1]["p"]["dst"]) == addr(both[1])
+    kg, vg = both[0], both[1]
+    lengths = next(x for x in ad.allocs if addr(x) == int(gathers[0]["p"]["lengths"]))
+    assert int(a["kv_lengths"]) == addr(lengths) and lengths.dtype == np.int32 and np.asarray(lengths).tolist() == ([20 + sq, 50 + sq] if appends else [20, 50])
     for L, src in zip(gathers, (kc, vc)):
         p = L["p"]
         assert int(p["src"]) == addr(src) and int(p["block_table"]) == addr(table) and int(p["lengths"]) == addr(lengths)
