@@ -18,16 +18,17 @@ import json
 import statistics
 
 
-def gpu_ms_per_call(torch, fn, calls: int, rounds: int, warmup: int = 3) -> float:
+def gpu_ms_per_call(torch, fn, calls: int, rounds: int, warmup: int = 3, lead_cycles: int = 200_000) -> float:
     """GPU time of one call of fn: median over `rounds` of CUDA-event time around `calls` back-to-back
-    calls / calls, with a sleep kernel queued first so that the host runs ahead."""
+    calls / calls, with a sleep kernel of lead_cycles a call queued first so that the host runs ahead
+    (200000: about 0.1 ms a call, enough for a call whose host part is shorter)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(rounds):
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(int(calls * 200_000))  # ~0.1 ms per call queued: the host runs ahead
+        torch.cuda._sleep(int(calls * lead_cycles))  # queued first: the host runs ahead
         e0.record()
         for _ in range(calls):
             fn()

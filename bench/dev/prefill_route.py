@@ -5,22 +5,59 @@ a paged cache's pages gathered into a padded copy first), alternated in one proc
 own choice (lib), at "BxLxGxSQ" shapes (batch x cache x GQA group x
 seqlen_q; 32 query heads, head_dim 128, bf16, causal, cache_seqlens = cache - SQ and the chunk's k, v
 appended), contiguous and --layouts' paged views (pages of N rows in a random order). GPU time as
-decode_splits.py measures it; the ratio forward / decode per shape."""
+decode_splits.py measures it, behind a longer sleep kernel (--lead-cycles); the ratio forward / decode per shape. With --eager N also single eager calls,
+host time included (N calls a route, each alone on an idle GPU: CUDA events around the call, the median),
+and the host's part alone (perf_counter around the call, the median of the same calls)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from decode_splits import gpu_ms_per_call, parse_shape  # noqa: E402
 
 
+def chunk_inputs(torch, dev, b: int, L: int, g: int, sq: int):
+    """(h, d, hk, q, k_cache, v_cache, k, v, cache_seqlens) of a chunk: 32 query heads, head_dim 128,
+    bf16, random values, caches of L keys holding L - sq, the sq new tokens to append."""
+    h, d = 32, 128
+    hk = h // g
+    q = torch.randn(b, sq, h, d, device=dev, dtype=torch.bfloat16)
+    kc = torch.randn(b, L, hk, d, device=dev, dtype=torch.bfloat16)
+    vc = torch.randn(b, L, hk, d, device=dev, dtype=torch.bfloat16)
+    kn = torch.randn(b, sq, hk, d, device=dev, dtype=torch.bfloat16)
+    vn = torch.randn(b, sq, hk, d, device=dev, dtype=torch.bfloat16)
+    seqlens = torch.full((b,), L - sq, device=dev, dtype=torch.int32)
+    return h, d, hk, q, kc, vc, kn, vn, seqlens
+
+
+def eager_ms(torch, fn, n: int) -> tuple[list, list]:
+    """(ms of each single call with the host's work included, host ms of each): n calls, each on an
+    idle GPU, CUDA events recorded before and after it, perf_counter around the call alone."""
+    import time
+
+    ev, host = [], []
+    for _ in range(n):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        s.record()
+        t0 = time.perf_counter()
+        fn()
+        t1 = time.perf_counter()
+        e.record()
+        torch.cuda.synchronize()
+        ev.append(s.elapsed_time(e))
+        host.append((t1 - t0) * 1e3)
+    return ev, host
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--batches", type=int, nargs="*", default=[1, 4, 16])
     ap.add_argument("--caches", type=int, nargs="+", default=[8192, 32768])
     ap.add_argument("--gqa", type=int, nargs="+", default=[8, 4])
     ap.add_argument("--sq", type=int, nargs="+", default=[16, 32, 64, 128])
@@ -28,6 +65,10 @@ def main():
     ap.add_argument("--layouts", nargs="+", default=["contig"], help="contig, pagedN (pages of N rows)")
     ap.add_argument("--calls", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--eager", type=int, default=0, help="single eager calls a route and round (0: none)")
+    ap.add_argument("--lead-cycles", type=int, default=2_000_000,
+                    help="the GPU time's sleep kernel, cycles a call (about 1 ms at 2 GHz: session 68's 0.1 ms "
+                         "let calls with a longer host part than that wait for the host)")
     ap.add_argument("--json")
     args = ap.parse_args()
 
@@ -42,14 +83,7 @@ def main():
     out = []
     for shape in shapes:
         b, L, g, sq = parse_shape(shape)
-        h, d = 32, 128
-        hk = h // g
-        q = torch.randn(b, sq, h, d, device=dev, dtype=torch.bfloat16)
-        kc = torch.randn(b, L, hk, d, device=dev, dtype=torch.bfloat16)
-        vc = torch.randn(b, L, hk, d, device=dev, dtype=torch.bfloat16)
-        kn = torch.randn(b, sq, hk, d, device=dev, dtype=torch.bfloat16)
-        vn = torch.randn(b, sq, hk, d, device=dev, dtype=torch.bfloat16)
-        seqlens = torch.full((b,), L - sq, device=dev, dtype=torch.int32)
+        h, d, hk, q, kc, vc, kn, vn, seqlens = chunk_inputs(torch, dev, b, L, g, sq)
         flops = 4 * b * h * d * sum(L - sq + i + 1 for i in range(sq))
         for layout in args.layouts:
             kw = dict(k_cache=kc, v_cache=vc)
@@ -58,7 +92,7 @@ def main():
                 nblk = b * L // page
                 kw = dict(k_cache=kc.view(nblk, page, hk, d), v_cache=vc.view(nblk, page, hk, d),
                           block_table=torch.randperm(nblk, device=dev, dtype=torch.int32).view(b, L // page))
-            res = {}
+            res, eager, hosts = {}, {}, {}
             outs = {}
             for route in ("0", "1", "lib", "0", "1", "lib"):
                 if route == "lib":
@@ -69,17 +103,32 @@ def main():
                 _kvcache._DECODE_PLANS.clear()
                 fn = lambda: cuflash.attention_with_kvcache(q, k=kn, v=vn, cache_seqlens=seqlens, causal=True, **kw)  # noqa: E731
                 outs[route] = fn().float()
-                res.setdefault(route, []).append(gpu_ms_per_call(torch, fn, args.calls, args.rounds))
+                res.setdefault(route, []).append(gpu_ms_per_call(torch, fn, args.calls, args.rounds,
+                                                                 lead_cycles=args.lead_cycles))
+                if args.eager:
+                    ev, host = eager_ms(torch, fn, args.eager)
+                    eager.setdefault(route, []).extend(ev)
+                    hosts.setdefault(route, []).extend(host)
             os.environ.pop("CUFLASH_KVCACHE_FORWARD", None)
             dec, fwd, lib = min(res["0"]), min(res["1"]), min(res["lib"])
             diff = float((outs["0"] - outs["1"]).abs().max())
             row = dict(shape=shape, layout=layout, decode_ms=dec, forward_ms=fwd, lib_ms=lib, decode_runs=res["0"],
                        forward_runs=res["1"], lib_runs=res["lib"], fwd_over_dec=fwd / dec,
                        tflops_decode=flops / dec / 1e9, tflops_forward=flops / fwd / 1e9, max_diff=diff)
+            line = ""
+            if args.eager:
+                med = {r: statistics.median(eager[r]) for r in eager}
+                hmed = {r: statistics.median(hosts[r]) for r in hosts}
+                row.update(eager_decode_ms=med["0"], eager_forward_ms=med["1"], eager_lib_ms=med["lib"],
+                           host_decode_ms=hmed["0"], host_forward_ms=hmed["1"], host_lib_ms=hmed["lib"])
+                line = (f"\n{'':>25} eager: decode {med['0'] * 1e3:9.1f} us  forward {med['1'] * 1e3:9.1f} us  "
+                        f"fwd/dec {med['1'] / med['0']:5.2f}  lib {med['lib'] * 1e3:9.1f} us "
+                        f"({med['lib'] / min(med['0'], med['1']):5.2f} of the faster)  host decode / forward / lib "
+                        f"{hmed['0'] * 1e3:6.1f} / {hmed['1'] * 1e3:6.1f} / {hmed['lib'] * 1e3:6.1f} us")
             out.append(row)
             print(f"{shape:>16} {layout:8} rows {sq * g:5d}  decode {dec * 1e3:9.1f} us  forward {fwd * 1e3:9.1f} us  "
                   f"fwd/dec {fwd / dec:5.2f}  lib {lib * 1e3:9.1f} us ({lib / min(dec, fwd):5.2f} of the faster)  "
-                  f"({flops / dec / 1e9:4.0f} / {flops / fwd / 1e9:4.0f} TFLOP/s)  max|diff| {diff:.1e}", flush=True)
+                  f"({flops / dec / 1e9:4.0f} / {flops / fwd / 1e9:4.0f} TFLOP/s)  max|diff| {diff:.1e}{line}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), rows=out), f, indent=1)
