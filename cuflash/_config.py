@@ -1031,7 +1031,7 @@ def kvcache_feature_forward(seqlen_q: int, rows: int, batch: int, nheads: int, s
     eager calls (host included) 1.11-1.52 at share 0.24, 0.71-0.82 at 0.36. (Session
     68's rule, a third of the SMs with a tile, came from GPU times that the forward route's host part,
     then 200-600 us a call, had stretched.) A paged cache (paged): the forward after the pages are
-    gathered into a padded contiguous copy (cuflash/_kvcache.py ChunkPlan, PagedGather), which reads
+    gathered into a padded contiguous copy (cuflash/_kvcache.py ChunkPlan, cuda_src/paged_gather.cu), which reads
     and writes the keys once more, a cost against the attention's work that falls with the rows a kv
     head: so also at least KVCACHE_PAGED_FORWARD_MIN_ROWS rows, and only where the copy fits
     KVCACHE_GATHER_MAX_BYTES (the caller checks). H200, session 69, 16-row pages: 256 rows (GQA 4 x

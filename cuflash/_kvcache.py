@@ -34,7 +34,7 @@ more than 64 packed query rows per kv head (chunked prefill, a long speculative 
 forward with kv_lengths instead where that is the faster (_config.kvcache_feature_forward), through a
 `ChunkPlan`: the append kernel writes the new tokens and each entry's length, then the forward reads a
 contiguous cache whose row b is entry b in place, or a paged one's keys gathered into a padded
-contiguous copy (`PagedGather`); cached by signature as the decode plans are. The paged prefill on the GPU
+contiguous copy (the append done on the way, one launch); cached by signature as the decode plans are. The paged prefill on the GPU
 (`GatherPlan`, cuda_src/paged_gather.cu) gathers each sequence's keys from the pages into packed
 arrays on the device and runs attention_varlen on them.
 """
@@ -1555,7 +1555,7 @@ class GatherPlan:
 
 
 def _gather_plan(cache: dict, make, c, infos: dict, arrays: tuple):
-    """The gather plan of a call (GatherPlan, PagedGather) from `cache`, keyed by the call and its arrays'
+    """The gather plan of a call (GatherPlan) from `cache`, keyed by the call and its arrays'
     layouts, made on a miss (at most 256 kept)."""
     key = (c, tuple(infos.get(n) for n in arrays))
     plan = cache.get(key)
@@ -1580,76 +1580,28 @@ def _gpu_paged_varlen(c: PagedVarlenCall, ad, infos, names, causal, softmax_scal
                             alibi_slopes=names["alibi_slopes"], softcap=softcap)
 
 
-# Pointer slots of a paged forward's gather.
-_PF_K, _PF_V, _PF_TABLE, _PF_LEN, _PF_KG, _PF_VG = range(6)
-
-
-class PagedGather:
-    """attention_with_kvcache's paged chunks on the feature forward (ChunkPlan): the keys and values
-    of entry b, t < lengths[b] (on the device), copied from the pages to rows b * capacity + t of padded
-    (batch * capacity, nheads_kv, head_dim) arrays (cuda_src/paged_gather.cu, its lengths mode): the
-    contiguous cache that the forward then reads with kv_lengths = lengths. Rows past a length are
-    left as they are; the forward reads none of them. Block numbers are clamped on the device."""
-
-    def __init__(self, c: KVCacheCall, infos: dict):
-        import threading
-
-        from . import _launch
-        from ._gpu import compute_capability
-        from ._launch import DeviceTensor, Slot
-        from ._plan import _small_needs_copy, contiguous_strides
-
-        self.call = c
-        self.device_id = dev = c.device[1]
-        self._lock = threading.Lock()
-        self.copy = ("block_table",) if _small_needs_copy(infos["block_table"]) else ()
-        self.padded_shape = (c.batch * c.capacity, c.nheads_kv, c.head_dim)
-        dst = contiguous_strides(self.padded_shape)
-        table = infos["block_table"]
-        table_t = DeviceTensor(Slot(_PF_TABLE), table.shape,
-                               contiguous_strides(table.shape) if self.copy else table.strides)
-        cc = compute_capability(dev)
-        self.launches = []
-        for src, dst_slot, name in ((_PF_K, _PF_KG, "k_cache"), (_PF_V, _PF_VG, "v_cache")):
-            self.launches += _launch.gather_launches(
-                DeviceTensor(Slot(src), infos[name].shape, infos[name].strides),
-                DeviceTensor(Slot(dst_slot), self.padded_shape, dst), table_t, 0, 0, c.batch, c.capacity, dev, cc,
-                lengths=Slot(_PF_LEN))
-
-    def run(self, ad, names: dict, lengths):
-        """(keys, values) as (batch, capacity, nheads_kv, head_dim) arrays of the caller's library: the
-        two halves of one allocation."""
-        dev, c = self.device_id, self.call
-        keep = []
-        table = names["block_table"]
-        if self.copy:
-            table = ad.contiguous(table, dev, keep)
-        both = ad.empty((2, c.batch, c.capacity, c.nheads_kv, c.head_dim), c.dtype, dev)
-        kg, vg = both[0], both[1]
-        ptrs = [ad.ptr(names["k_cache"], keep), ad.ptr(names["v_cache"], keep), ad.ptr(table, keep),
-                ad.ptr(lengths, keep), ad.ptr(kg, keep), ad.ptr(vg, keep)]
-        run_launches(self, ad.stream(dev), ptrs, self.launches,
-                     lambda: f"attention_with_kvcache's gather, {c.dtype} k {self.padded_shape} from pages")
-        return ad.export(kg), ad.export(vg)
+_D_KG, _D_VG = 16, 17  # ChunkPlan's padded copies of a paged cache's keys and values
 
 
 class ChunkPlan:
     """attention_with_kvcache's chunks on the feature forward (_gpu_kvcache, where
     _config.kvcache_feature_forward takes the forward over the decode kernels), prepared once per
-    signature and kept on its fast path as a DecodePlan is. A call launches the append kernel of
-    cuda_src/flash_decode.cu (the new tokens into the cache, any layout; and each entry's length
-    L_b = min(cache_seqlens + seqlen_new, capacity), every value clamped as the decode kernels clamp
-    it, into a fresh int32 array: nothing read back), for a paged cache the gather of its keys t < L_b
-    into a padded contiguous copy (PagedGather), then the feature forward of cuflash/_plan.py with
-    kv_lengths = L_b on rows [0, batch) of the contiguous cache or on the copy: its Plan made at the
-    first call, then run directly (no autograd history: attention_with_kvcache is inference only)."""
+    signature and kept on its fast path as a DecodePlan is. A call first launches, for a contiguous
+    cache, the append kernel of cuda_src/flash_decode.cu (the new tokens into the cache; and each
+    entry's length L_b = min(cache_seqlens + seqlen_new, capacity), every value clamped as the decode
+    kernels clamp it, into a fresh int32 array: nothing read back); for a paged one the gather of
+    cuda_src/paged_gather.cu in its chunk mode (one launch: the new tokens into the pages, each entry's
+    keys and values t < L_b into the two halves of one padded (2, batch, capacity, nheads_kv,
+    head_dim) allocation, and L_b). Then the feature forward of cuflash/_plan.py with kv_lengths = L_b
+    on rows [0, batch) of the contiguous cache or on the copy: its Plan made at the first call, then
+    run directly (no autograd history: attention_with_kvcache is inference only)."""
 
     def __init__(self, c: KVCacheCall, infos: dict, options: dict):
         import threading
 
         from . import _gpu, _launch
-        from ._launch import DecodeArgs, DeviceTensor, MaskArgs, Slot
-        from ._plan import _small_needs_copy, contiguous_strides
+        from ._launch import DecodeArgs, DeviceTensor, GatherChunk, MaskArgs, Slot
+        from ._plan import _small_needs_copy, contiguous_strides, needs_copy
 
         self.call = c
         self.device_id = dev = c.device[1]
@@ -1659,8 +1611,9 @@ class ChunkPlan:
         self.apart = None  # the cache pointers _check_caches_apart last passed
         self._lock = threading.Lock()
         _check_caches_in_place(infos)
-        copy = tuple(n for n in ("cache_seqlens", "block_table")
-                     if infos.get(n) is not None and _small_needs_copy(infos[n]))
+        copy = [n for n in ("cache_seqlens", "block_table") if infos.get(n) is not None and _small_needs_copy(infos[n])]
+        # The gather reads the new tokens 16 bytes at a time (the append kernel element by element).
+        copy += [n for n in ("k", "v") if c.paged and c.appends and needs_copy(infos[n])]
 
         def tensor(name, slot):
             x = infos[name]
@@ -1670,29 +1623,38 @@ class ChunkPlan:
         table_stride = 0
         if table is not None:
             table_stride = table.shape[1] if "block_table" in copy else table.strides[0]
-        args = DecodeArgs(lse=0, scratch=0, cache_seqlens=Slot(_D_SEQLENS) if c.fixed_seqlen is None else 0,
-                          cache_batch_idx=0, block_table=Slot(_D_TABLE) if c.paged else 0, table_stride=table_stride,
-                          k_new=tensor("k", _D_K) if c.appends else None,
-                          v_new=tensor("v", _D_V) if c.appends else None,
-                          cache_rows=c.cache_rows, capacity=c.capacity, page_size=c.page_size,
-                          fixed_seqlen=c.fixed_seqlen or 0, num_splits=1, kv_lengths=Slot(_D_KVLEN))
-        q = tensor("q", _D_Q)
-        self.launches = _launch.decode_launches(
-            q, tensor("k_cache", _D_KC), tensor("v_cache", _D_VC), q, args, c.dtype, 1.0, MaskArgs(), dev,
-            _gpu.compute_capability(dev), append_only=True)
+        cc = _gpu.compute_capability(dev)
+        seqlens = Slot(_D_SEQLENS) if c.fixed_seqlen is None else 0
+        self.padded_shape = (c.batch, c.capacity, c.nheads_kv, c.head_dim)
+        if c.paged:
+            flat = (c.batch * c.capacity, c.nheads_kv, c.head_dim)
+            self.launches = _launch.gather_launches(
+                tensor("k_cache", _D_KC), DeviceTensor(Slot(_D_KG), flat, contiguous_strides(flat)),
+                DeviceTensor(Slot(_D_TABLE), table.shape, (table_stride, 1)), 0, 0, c.batch, c.capacity, dev, cc,
+                GatherChunk(src_v=tensor("v_cache", _D_VC), dst_v=Slot(_D_VG), cache_seqlens=seqlens,
+                            fixed_seqlen=c.fixed_seqlen or 0, new_k=tensor("k", _D_K) if c.appends else None,
+                            new_v=tensor("v", _D_V) if c.appends else None, lengths_out=Slot(_D_KVLEN)))
+        else:
+            args = DecodeArgs(lse=0, scratch=0, cache_seqlens=seqlens, cache_batch_idx=0, block_table=0,
+                              table_stride=0, k_new=tensor("k", _D_K) if c.appends else None,
+                              v_new=tensor("v", _D_V) if c.appends else None, cache_rows=c.cache_rows,
+                              capacity=c.capacity, page_size=0, fixed_seqlen=c.fixed_seqlen or 0, num_splits=1,
+                              kv_lengths=Slot(_D_KVLEN))
+            q = tensor("q", _D_Q)
+            self.launches = _launch.decode_launches(q, tensor("k_cache", _D_KC), tensor("v_cache", _D_VC), q, args,
+                                                    c.dtype, 1.0, MaskArgs(), dev, cc, append_only=True)
         used = {"k_cache", "v_cache"} | {n for n, on in (("cache_seqlens", c.fixed_seqlen is None),
                                                           ("block_table", c.paged), ("k", c.appends),
                                                           ("v", c.appends)) if on}
-        self.zero_ptrs = [0] * (_D_KVLEN + 1)
+        self.zero_ptrs = [0] * (_D_VG + 1)
         self.input_positions = tuple((i, _RUN_ARRAYS.index(n)) for i, n in enumerate(_D_ARRAYS) if n in used)
         self.copy_positions = tuple(_RUN_ARRAYS.index(n) for n in copy)
-        self.gather = PagedGather(c, infos) if c.paged else None
         self.forward = None  # the feature forward's Plan (its first call makes it)
 
     def _what(self) -> str:
         c = self.call
-        return (f"attention_with_kvcache's append, {c.dtype} k {(c.batch, c.seqlen_new, c.nheads_kv, c.head_dim)}, "
-                f"cache capacity {c.capacity}, paged={c.paged}")
+        return (f"attention_with_kvcache's {'gather' if c.paged else 'append'}, {c.dtype} k "
+                f"{(c.batch, c.seqlen_new, c.nheads_kv, c.head_dim)}, cache capacity {c.capacity}, paged={c.paged}")
 
     def run_call(self, names: dict):
         """One call (names: the call's arrays by name): the checks that depend on the arrays' values
@@ -1709,15 +1671,18 @@ class ChunkPlan:
         for slot, i in self.input_positions:
             ptrs[slot] = ad.ptr(arrays[i], keep)
         ptrs[_D_KVLEN] = ad.ptr(lengths, keep)
-        run_launches(self, ad.stream(dev), ptrs, self.launches, self._what, False)
-        if c.appends and c.lib == "torch":
-            _mark_written(names)
-        if self.gather is not None:
-            k, v = self.gather.run(ad, names, lengths)
+        if c.paged:
+            both = ad.empty((2,) + self.padded_shape, c.dtype, dev)
+            k, v = both[0], both[1]
+            ptrs[_D_KG], ptrs[_D_VG] = ad.ptr(k, keep), ad.ptr(v, keep)
+            k, v = ad.export(k), ad.export(v)
         else:
             k, v = names["k_cache"], names["v_cache"]
             if c.cache_rows != c.batch:
                 k, v = k[:c.batch], v[:c.batch]
+        run_launches(self, ad.stream(dev), ptrs, self.launches, self._what, False)
+        if c.appends and c.lib == "torch":
+            _mark_written(names)
         opts = {"kv_lengths": ad.export(lengths)}
         for n in ("sink_logits", "alibi_slopes"):
             if names.get(n) is not None:

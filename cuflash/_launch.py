@@ -139,11 +139,14 @@ _DECODE_TMA_CHECKS_PARAMS = (_compile.params_layout_checks("cuflash", "DecodeTma
 
 # Mirror of cuflash::GatherParams (cuda_src/paged_gather.cu).
 GATHER_PARAMS = np.dtype(
-    [(n, np.uint64) for n in ("src", "dst", "block_table", "cu_seqlens_k", "cu_out", "lengths")]
-    + [(n, np.int64) for n in ("src_block_stride", "src_row_stride", "src_head_stride", "dst_row_stride",
-                               "dst_head_stride", "table_stride")]
+    [(n, np.uint64) for n in ("src", "dst", "src_v", "dst_v", "block_table", "cu_seqlens_k", "cu_out",
+                              "cache_seqlens", "lengths_out", "new_k", "new_v")]
+    + [(f"{t}_{s}_stride", np.int64) for t in ("src", "srcv") for s in ("block", "row", "head")]
+    + [("dst_row_stride", np.int64), ("dst_head_stride", np.int64)]
+    + [(f"{t}_{s}_stride", np.int64) for t in ("newk", "newv") for s in ("batch", "row", "head")]
+    + [("table_stride", np.int64)]
     + [(n, np.int32) for n in ("batch", "max_seqlen_k", "num_blocks", "page_size", "nheads_kv", "head_dim",
-                               "total_rows", "tiles")],
+                               "total_rows", "tiles", "fixed_seqlen", "seqlen_new")],
     align=True,
 )
 
@@ -1838,13 +1841,30 @@ def gather_specialization():
 GATHER_ROWS = 16  # key rows per thread block of paged_gather_kernel
 
 
+@dataclass(frozen=True)
+class GatherChunk:
+    """attention_with_kvcache's paged chunk in one gather launch (cuda_src/paged_gather.cu, chunk mode):
+    the V cache and its padded copy beside K's, the cache lengths (a pointer, or 0 for fixed_seqlen),
+    the new tokens (None: nothing appended) and where each entry's length L_b goes."""
+
+    src_v: DeviceTensor
+    dst_v: "int | Slot"
+    cache_seqlens: "int | Slot"
+    fixed_seqlen: int
+    new_k: "DeviceTensor | None"
+    new_v: "DeviceTensor | None"
+    lengths_out: "int | Slot"
+
+
 def gather_launches(src: DeviceTensor, dst: DeviceTensor, table: DeviceTensor, cu_seqlens_k, cu_out, batch: int,
-                    max_seqlen_k: int, device_id: int, cc: tuple[int, int], lengths=0) -> list[Launch]:
+                    max_seqlen_k: int, device_id: int, cc: tuple[int, int],
+                    chunk: GatherChunk | None = None) -> list[Launch]:
     """Copies each sequence's keys from a paged cache src (num_blocks, page_size, nheads_kv, head_dim)
     to rows cu_seqlens_k[b] - cu_seqlens_k[0] + t of dst (rows, nheads_kv, head_dim), and those offsets
-    to cu_out (cuda_src/paged_gather.cu); with `lengths` (an int32 (batch,) array's pointer or Slot),
-    keys t < lengths[b] to rows b * max_seqlen_k + t instead (cu_seqlens_k, cu_out: 0). table: the
-    int32 block table (batch, max_blocks) with a unit last stride."""
+    to cu_out (cuda_src/paged_gather.cu); with `chunk`, entry b's keys and values t < L_b to rows
+    b * max_seqlen_k + t of dst and chunk.dst_v instead, the new tokens appended into the caches on
+    the way and L_b written to chunk.lengths_out (cu_seqlens_k, cu_out: 0). table: the int32 block
+    table (batch, max_blocks) with a unit last stride."""
     num_blocks, page, hk, d = src.shape
     tiles = _cdiv(max_seqlen_k, GATHER_ROWS)
     if batch * tiles == 0:
@@ -1864,6 +1884,15 @@ def gather_launches(src: DeviceTensor, dst: DeviceTensor, table: DeviceTensor, c
                         ("page_size", page), ("nheads_kv", hk), ("head_dim", d), ("total_rows", dst.shape[0]),
                         ("tiles", tiles)):
         p[name] = value
-    ptrs = {"src": src.ptr, "dst": dst.ptr, "block_table": table.ptr, "cu_seqlens_k": cu_seqlens_k, "cu_out": cu_out,
-            "lengths": lengths}
+    ptrs = {"src": src.ptr, "dst": dst.ptr, "block_table": table.ptr, "cu_seqlens_k": cu_seqlens_k, "cu_out": cu_out}
+    if chunk is not None:
+        p["srcv_block_stride"], p["srcv_row_stride"], p["srcv_head_stride"] = chunk.src_v.strides[:3]
+        p["fixed_seqlen"] = chunk.fixed_seqlen
+        ptrs.update(src_v=chunk.src_v.ptr, dst_v=chunk.dst_v, cache_seqlens=chunk.cache_seqlens,
+                    lengths_out=chunk.lengths_out)
+        if chunk.new_k is not None:
+            p["seqlen_new"] = chunk.new_k.shape[1]
+            for name, t in (("newk", chunk.new_k), ("newv", chunk.new_v)):
+                p[f"{name}_batch_stride"], p[f"{name}_row_stride"], p[f"{name}_head_stride"] = t.strides[:3]
+            ptrs.update(new_k=chunk.new_k.ptr, new_v=chunk.new_v.ptr)
     return [Launch(spec.name, fn.ptr, grid, 128, 0, p, ptrs, device_id)]
