@@ -72,8 +72,10 @@ MIN_POOLED_ROWS = 16
 MAX_REPEATS = 16
 
 
-def _call_and_check(case, device, causal, opts, scale, ctx, num_splits):
-    """One call on `device`: checks the caches, out's finiteness and lse; returns (out, reference)."""
+def _call_and_check(case, device, causal, opts, scale, ctx, num_splits, adjust=None):
+    """One call on `device`: checks the caches, out's finiteness and lse; returns (out, reference).
+    adjust: a function of the call's device arrays (a dict) that changes them in place before the call
+    (another layout of the same values)."""
     ref = kvcache_reference(case.q, case.k_cache, case.v_cache, case.k, case.v, case.cache_seqlens,
                             case.cache_batch_idx, case.block_table,
                             causal, scale, **opts)
@@ -85,6 +87,8 @@ def _call_and_check(case, device, causal, opts, scale, ctx, num_splits):
         cs = case.cache_seqlens
         args.update(k_cache=_to(ref.k_cache, device), v_cache=_to(ref.v_cache, device), k=None, v=None,
                     cache_seqlens=cs + n if isinstance(cs, int) else _to((cs + n).astype(np.int32), device))
+    if adjust is not None:
+        adjust(args)
     dev_opts = {n: (_to(x, device) if isinstance(x, np.ndarray) else x) for n, x in opts.items()}
     out, lse = attention_with_kvcache(**args, causal=causal, softmax_scale=scale, return_lse=True,
                                       num_splits=num_splits, **dev_opts)
@@ -106,7 +110,7 @@ def _call_and_check(case, device, causal, opts, scale, ctx, num_splits):
     return out, ref
 
 
-def _check(make, device, causal, opts, ctx, num_splits=0):
+def _check(make, device, causal, opts, ctx, num_splits=0, adjust=None):
     """Calls attention_with_kvcache on make()'s case and checks it against the float64 reference.
 
     make: a function of no arguments that returns a fresh case (new values, the same shapes) each time
@@ -118,7 +122,7 @@ def _check(make, device, causal, opts, ctx, num_splits=0):
     rows = 0
     while not outs or (rows < MIN_POOLED_ROWS and len(outs) < MAX_REPEATS):
         rep = f" repeat={len(outs)}" if outs else ""
-        out, ref = _call_and_check(make(), device, causal, opts, scale, ctx + rep, num_splits)
+        out, ref = _call_and_check(make(), device, causal, opts, scale, ctx + rep, num_splits, adjust)
         if outs and out.shape != outs[0].shape:
             raise AssertionError(f"test: make() changed the shapes between repeats; {ctx}")
         outs.append(out)
@@ -194,6 +198,79 @@ def test_chunk_routes(monkeypatch, device, layout, route):
         forward = route == "rule"
         assert bool(_kvcache._CHUNK_PLANS) == forward and bool(_kvcache._DECODE_PLANS) != forward, (
             list(_kvcache._CHUNK_PLANS), list(_kvcache._DECODE_PLANS))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seqlens_kind,pad", [("int", 0), ("array", 8), ("array", 4)])
+def test_paged_chunk_inputs(monkeypatch, seqlens_kind, pad):
+    """The paged chunk route's one gather launch (cuda_src/paged_gather.cu, chunk mode; forced here by
+    CUFLASH_KVCACHE_FORWARD=1) with the inputs the other tests give contiguously: an int cache_seqlens
+    (fixed_seqlen), new tokens k, v whose heads are padded (pad 8: strides the gather reads in place;
+    pad 4: rows not 16-byte aligned, copied first). The caches bit for bit and out against the float64
+    reference (torch, 16-row pages, fp16)."""
+    _skip_unusable("cuda", FP16)
+    _kvcache_route(monkeypatch, "1")
+    seed = _new_seed()
+    rng = np.random.default_rng(seed)
+    seqlens = {"int": [100] * 3, "array": [5, 150, 230]}[seqlens_kind]
+
+    def make():
+        case = make_case(rng, dtype=FP16, batch=3, seqlen_q=70, nheads=16, nheads_kv=2, head_dim=64,
+                         layout="paged16", capacity=300, seqlen_new=70, seqlens=np.array(seqlens, np.int32))
+        if seqlens_kind == "int":
+            case.cache_seqlens = 100
+        return case
+
+    def padded(args):
+        for n in ("k", "v"):
+            x = args[n]
+            big = torch.zeros(*x.shape[:-1], x.shape[-1] + pad, dtype=x.dtype, device=x.device)
+            big[..., :x.shape[-1]] = x
+            args[n] = big[..., :x.shape[-1]]
+
+    _check(make, "cuda", True, {}, _ctx(seed, seqlens=seqlens_kind, pad=pad), adjust=padded if pad else None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("route", ["1", "0"])
+def test_paged_chunk_appends_past_the_capacity(monkeypatch, route):
+    """A paged chunk whose appends run past the capacity (entry 1: cache_seqlens 280 + 70 new tokens in
+    304 slots): on the GPU lengths are not read back, so tokens 0..23 go into slots 280..303, tokens
+    24..69 are dropped (never written out of bounds) and the entry sees min(280 + 70, 304) = 304 keys,
+    on the feature forward route (the gather's chunk mode, "1") as on the decode kernels ("0"). The
+    caches bit for bit against that append, out against the float64 reference over those keys (torch,
+    16-row pages, fp16, 16 query heads on 2 kv heads, 70 positions)."""
+    from _kvcache_reference import logical_kv, slot
+
+    from cuflash._reference import attention_reference
+
+    _skip_unusable("cuda", FP16)
+    _kvcache_route(monkeypatch, route)
+    seed = _new_seed()
+    rng = np.random.default_rng(seed)
+    case = make_case(rng, dtype=FP16, batch=3, seqlen_q=70, nheads=16, nheads_kv=2, head_dim=64, layout="paged16",
+                     capacity=300, seqlen_new=70, seqlens=np.array([5, 280, 230], np.int32))
+    cap, n = case.capacity, 70
+    kc, vc = np.array(case.k_cache, copy=True), np.array(case.v_cache, copy=True)
+    for b, s0 in enumerate(case.cache_seqlens.tolist()):
+        for i in range(n):
+            if s0 + i < cap:
+                blk, r = slot(b, s0 + i, None, case.block_table, case.page_size)
+                kc[blk, r], vc[blk, r] = case.k[b, i], case.v[b, i]
+    lengths = [min(s0 + n, cap) for s0 in case.cache_seqlens.tolist()]
+    assert lengths == [75, 304, 300] and cap == 304
+    keys, values = logical_kv(kc, vc, lengths, None, case.block_table)
+    kv_lengths = np.array(lengths, np.int64)
+    want, _ = attention_reference(case.q, keys, values, True, None, kv_lengths=kv_lengths)
+    naive, _ = attention_reference(case.q, keys, values, True, None, compute_dtype="input", kv_lengths=kv_lengths)
+    args = {name: _to(x, "cuda") for name, x in case.args().items()}
+    out = attention_with_kvcache(**args, causal=True)
+    torch.cuda.synchronize()
+    ctx = _ctx(seed, route=route)
+    for name, want_cache in (("k_cache", kc), ("v_cache", vc)):
+        assert _diff_count(_back(args[name]), want_cache) == 0, f"{name} after the append; {ctx}"
+    ok, msg = check_close(_back(out), want, naive, factor=FWD_FACTOR, floor=FWD_FLOOR)
+    assert ok, f"out: {msg}; {ctx}"
 
 
 @pytest.mark.parametrize("device", DEVICES)

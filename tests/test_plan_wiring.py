@@ -107,6 +107,38 @@ def run_append_kernel(p) -> None:
                     ctypes.memmove(int(p[x]) + 2 * (off + h * int(p[f"{x}_head_stride"])), src, 2 * d)
 
 
+def run_gather_kernel(p) -> None:
+    """cuda_src/paged_gather.cu's paged_gather_kernel in its chunk mode (lengths_out set) on the host, from
+    its decoded GatherParams, as run_append_kernel: entry b holds s = clamp(cache_seqlens[b], 0, capacity)
+    keys and sees L = min(s + seqlen_new, capacity); L goes to lengths_out[b]; its keys and values t < L
+    go to rows b * capacity + t of dst and dst_v, t < s from its pages (block clamp(block_table[b, t //
+    page_size]), row t % page_size), t >= s from new token t - s, which is first written into its page
+    slot. Other modes: nothing (the tests of attention_varlen's gather read only the parameters)."""
+    if not int(p["lengths_out"]):
+        return
+    batch, cap, page, nblk = (int(p[f]) for f in ("batch", "max_seqlen_k", "page_size", "num_blocks"))
+    hk, d, n = int(p["nheads_kv"]), int(p["head_dim"]), int(p["seqlen_new"])
+    for b in range(batch):
+        raw = _int32_at(int(p["cache_seqlens"]) + 4 * b) if int(p["cache_seqlens"]) else int(p["fixed_seqlen"])
+        s = min(max(raw, 0), cap)
+        length = min(s + n, cap)
+        ctypes.c_int32.from_address(int(p["lengths_out"]) + 4 * b).value = length
+        first_new = s if int(p["new_k"]) else cap
+        for t in range(length):
+            blk = min(max(_int32_at(int(p["block_table"]) + 4 * (b * int(p["table_stride"]) + t // page)), 0),
+                      nblk - 1)
+            for cache, pre, out, new, npre in ((p["src"], "src", p["dst"], p["new_k"], "newk"),
+                                               (p["src_v"], "srcv", p["dst_v"], p["new_v"], "newv")):
+                off = blk * int(p[f"{pre}_block_stride"]) + (t % page) * int(p[f"{pre}_row_stride"])
+                for h in range(hk):
+                    slot = int(cache) + 2 * (off + h * int(p[f"{pre}_head_stride"]))
+                    if t >= first_new:
+                        ctypes.memmove(slot, int(new) + 2 * (b * int(p[f"{npre}_batch_stride"]) + (t - s) * int(
+                            p[f"{npre}_row_stride"]) + h * int(p[f"{npre}_head_stride"])), 2 * d)
+                    ctypes.memmove(int(out) + 2 * ((b * cap + t) * int(p["dst_row_stride"])
+                                                   + h * int(p["dst_head_stride"])), slot, 2 * d)
+
+
 class LaunchConfig(ctypes.Structure):
     """cuda.h's CUlaunchConfig, written out here to check _launch.PdlConfig's offsets against."""
     _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
@@ -157,6 +189,8 @@ def dev(monkeypatch):
         launched.append(dict(name=name, grid=gx, threads=bx, smem=smem, stream=stream, p=p, pdl=False, cluster=1))
         if name == "decode_append" and run_appends[0]:
             run_append_kernel(p)
+        if name == "paged_gather" and run_appends[0]:
+            run_gather_kernel(p)
         if (name.startswith("decode_") and not name.startswith(("decode_append", "decode_combine"))
                 and int(p["seq"]) and not held[0]):
             # The decode kernel's last block, begun at once (an idle GPU): the call's number into `started`
@@ -183,8 +217,8 @@ def dev(monkeypatch):
         return 0
 
     held = [False]  # True: decode kernels "have not begun" (a busy stream): they leave `started` alone
-    # run_appends[0] True: the append kernel runs on the host as it is launched (run_append_kernel; the
-    # tests that read what it writes set it)
+    # run_appends[0] True: the kernels that append run on the host as they are launched (run_append_kernel,
+    # run_gather_kernel; the tests that read what they write set it)
     run_appends = [False]
     words = []
 
@@ -2516,13 +2550,12 @@ def test_paged_prefill_gpu_wiring(dev):
 def test_kvcache_paged_forward_wiring(dev, monkeypatch, appends, route):
     """attention_with_kvcache on a GPU, paged cache, a long chunk (200 positions x GQA 8, batch 2, 16 query
     heads: 64 query tiles, a share of the GPU of 0.38; _config.kvcache_feature_forward with paged;
-    cuflash/_kvcache.py ChunkPlan): the
-    append kernel (run here by the stand-in, run_append_kernel) writes the new tokens into the pages and
-    each entry's length into a fresh int32 array (launched without new tokens too, for the lengths),
-    two gathers (cuda_src/paged_gather.cu, lengths mode) copy each entry's keys t < lengths[b] to rows
-    b * capacity + t of padded arrays, and the feature forward reads those with kv_lengths = lengths,
-    the same device array; no decode kernel, and no decode plan made. CUFLASH_KVCACHE_FORWARD=0: the
-    decode kernels, no gather."""
+    cuflash/_kvcache.py ChunkPlan): one gather launch (cuda_src/paged_gather.cu, chunk mode; run here by
+    the stand-in, run_gather_kernel) writes the new tokens into the pages, each entry's length into a
+    fresh int32 array, and its keys and values t < length to rows b * capacity + t of the two halves of
+    one padded allocation; the feature forward reads those with kv_lengths = that array; no decode
+    kernel, no append kernel, and no decode plan made. CUFLASH_KVCACHE_FORWARD=0: the decode kernels, no
+    gather."""
     _kvcache_route(monkeypatch, route)
     ad, launched = dev
     ad.run_appends[0] = True
@@ -2531,6 +2564,7 @@ def test_kvcache_paged_forward_wiring(dev, monkeypatch, appends, route):
     cap = page * width
     q = arr(rng, (b, sq, h, d))
     kc, vc = arr(rng, (b * width, page, hk, d)), arr(rng, (b * width, page, hk, d))
+    before_k, before_v = kc.copy(), vc.copy()
     table = rng.permutation(b * width).astype(np.int32).reshape(b, width).copy().view(Dev)
     seqlens = np.array([20, 50], np.int32).view(Dev)
     kw = dict(k=arr(rng, (b, sq, hk, d)), v=arr(rng, (b, sq, hk, d))) if appends else {}
@@ -2542,32 +2576,36 @@ def test_kvcache_paged_forward_wiring(dev, monkeypatch, appends, route):
         assert not any(n == "paged_gather" or "feat" in n for n in names), names
         assert any(n.startswith("decode_") and n != "decode_append" for n in names), names
         return
-    assert names[0] == "decode_append" and names.count("decode_append") == 1, names
-    assert not any(n.startswith("decode_") and n != "decode_append" for n in names), names
+    assert names[0] == "paged_gather" and len(names) == 2 and "feat" in names[1], names
     assert not _kvcache._DECODE_PLANS and _kvcache._CHUNK_PLANS
-    a = got[0]["p"]
-    assert int(a["k"]) == addr(kc) and int(a["v"]) == addr(vc) and int(a["block_table"]) == addr(table)
-    assert int(a["cache_seqlens"]) == addr(seqlens) and int(a["seqlen_new"]) == (sq if appends else 0)
+    g = got[0]["p"]
+    assert (int(g["src"]), int(g["src_v"]), int(g["block_table"]), int(g["cache_seqlens"])) == (
+        addr(kc), addr(vc), addr(table), addr(seqlens))
+    assert int(g["cu_seqlens_k"]) == 0 and int(g["cu_out"]) == 0
+    assert (int(g["batch"]), int(g["max_seqlen_k"]), int(g["num_blocks"]), int(g["page_size"]),
+            int(g["total_rows"]), int(g["tiles"])) == (b, cap, b * width, page, b * cap, cap // 16)
+    assert int(g["seqlen_new"]) == (sq if appends else 0)
     if appends:
-        assert int(a["k_new"]) == addr(kw["k"]) and int(a["v_new"]) == addr(kw["v"])
-        for i, s0 in enumerate((20, 50)):  # every new token in its page (the capacity holds them all)
-            for t in (0, 1, sq // 2, sq - 1):
-                blk, row = int(table[i, (s0 + t) // page]), (s0 + t) % page
-                assert np.array_equal(np.asarray(kc[blk, row]), np.asarray(kw["k"][i, t])), (i, t)
-                assert np.array_equal(np.asarray(vc[blk, row]), np.asarray(kw["v"][i, t])), (i, t)
-    gathers = [L for L in got if L["name"] == "paged_gather"]
-    assert len(gathers) == 2, names
-    (both,) = [x for x in ad.allocs if addr(x) == int(gathers[0]["p"]["dst"])]  # one allocation, two halves
-    assert both.shape == (2, b, cap, hk, d) and int(gathers[1]["p"]["dst"]) == addr(both[1])
+        assert int(g["new_k"]) == addr(kw["k"]) and int(g["new_v"]) == addr(kw["v"])
+    else:
+        assert int(g["new_k"]) == 0 and int(g["new_v"]) == 0
+    (both,) = [x for x in ad.allocs if addr(x) == int(g["dst"])]  # one allocation, two halves
+    assert both.shape == (2, b, cap, hk, d) and int(g["dst_v"]) == addr(both[1])
     kg, vg = both[0], both[1]
-    lengths = next(x for x in ad.allocs if addr(x) == int(gathers[0]["p"]["lengths"]))
-    assert int(a["kv_lengths"]) == addr(lengths) and lengths.dtype == np.int32 and np.asarray(lengths).tolist() == ([20 + sq, 50 + sq] if appends else [20, 50])
-    for L, src in zip(gathers, (kc, vc)):
-        p = L["p"]
-        assert int(p["src"]) == addr(src) and int(p["block_table"]) == addr(table) and int(p["lengths"]) == addr(lengths)
-        assert int(p["cu_seqlens_k"]) == 0 and int(p["cu_out"]) == 0
-        assert (int(p["batch"]), int(p["max_seqlen_k"]), int(p["num_blocks"]), int(p["page_size"]),
-                int(p["total_rows"]), int(p["tiles"])) == (b, cap, b * width, page, b * cap, cap // 16)
+    (lengths,) = [x for x in ad.allocs if addr(x) == int(g["lengths_out"])]
+    assert lengths.dtype == np.int32 and np.asarray(lengths).tolist() == ([20 + sq, 50 + sq] if appends else [20, 50])
+    for i, s0 in enumerate((20, 50)):
+        for t in (0, 1, s0 - 1):  # cached keys: copied from their pages, the pages untouched
+            blk, row = int(table[i, t // page]), t % page
+            assert np.array_equal(np.asarray(kg[i, t]), np.asarray(before_k[blk, row])), (i, t)
+            assert np.array_equal(np.asarray(vg[i, t]), np.asarray(before_v[blk, row])), (i, t)
+        for t in (0, 1, sq // 2, sq - 1) if appends else ():  # new tokens: into their pages and the copy
+            blk, row = int(table[i, (s0 + t) // page]), (s0 + t) % page
+            for cache, copy_, new in ((kc, kg, kw["k"]), (vc, vg, kw["v"])):
+                assert np.array_equal(np.asarray(cache[blk, row]), np.asarray(new[i, t])), (i, t)
+                assert np.array_equal(np.asarray(copy_[i, s0 + t]), np.asarray(new[i, t])), (i, t)
+    if not appends:
+        assert np.array_equal(np.asarray(kc), np.asarray(before_k)) and np.array_equal(np.asarray(vc), np.asarray(before_v))
     (fwd,) = [L for L in got if "feat" in L["name"]]
     p = fwd["p"]
     assert int(p["q"]) == addr(q) and int(p["k"]) == addr(kg) and int(p["v"]) == addr(vg)
