@@ -1027,16 +1027,16 @@ def kvcache_feature_forward(seqlen_q: int, rows: int, batch: int, nheads: int, s
     forward / decode GPU time, both routes with their session-69 host paths): share 0.24 (batch 2 x
     64 positions, 64 tiles of 132 SMs half full; batch 1 x 128 positions) 0.95-1.42, e.g. 2 x 32k x
     GQA 8 x 64 positions 1.38; share 0.36 (batch 3 x 64 positions) 0.58-0.78; 0.48 and more (batch 4
-    x 64, batch 2 x 128, batch 1 x 256) 0.38-0.86, e.g. 2 x 8k x GQA 4 x 128 positions 0.59; single
-    eager calls (host included) 1.11-1.52 at share 0.24, 0.71-0.82 at 0.36. (Session
+    x 64, batch 2 x 128, batch 1 x 256) 0.38-0.87, e.g. 2 x 8k x GQA 4 x 128 positions 0.59; single
+    eager calls (host included) 1.14-1.52 at share 0.24, 0.66-0.78 at 0.36. (Session
     68's rule, a third of the SMs with a tile, came from GPU times that the forward route's host part,
     then 200-600 us a call, had stretched.) A paged cache (paged): the forward after the pages are
-    gathered into a padded contiguous copy (cuflash/_kvcache.py ChunkPlan, cuda_src/paged_gather.cu), which reads
-    and writes the keys once more, a cost against the attention's work that falls with the rows a kv
-    head: so also at least KVCACHE_PAGED_FORWARD_MIN_ROWS rows, and only where the copy fits
+    gathered into a padded contiguous copy (cuflash/_kvcache.py ChunkPlan, cuda_src/paged_gather.cu),
+    which reads and writes the keys once more, a cost against the attention's work that falls with the
+    rows a kv head: so also at least KVCACHE_PAGED_FORWARD_MIN_ROWS rows, and only where the copy fits
     KVCACHE_GATHER_MAX_BYTES (the caller checks). H200, session 69, 16-row pages: 256 rows (GQA 4 x
     64 positions) 1.05-1.34, the decode kernels there; 512-2048 rows at share 0.36 and more
-    0.43-0.86. CUFLASH_KVCACHE_FORWARD=0: never (the decode kernels at any row count), 1: wherever
+    0.42-0.83 (with the gather's one launch). CUFLASH_KVCACHE_FORWARD=0: never (the decode kernels at any row count), 1: wherever
     rows > 64 (A/B). Read at each call that could take it."""
     import os
 
