@@ -1554,25 +1554,18 @@ class GatherPlan:
         return kg, vg, cu
 
 
-def _gather_plan(cache: dict, make, c, infos: dict, arrays: tuple):
-    """The gather plan of a call (GatherPlan) from `cache`, keyed by the call and its arrays'
-    layouts, made on a miss (at most 256 kept)."""
-    key = (c, tuple(infos.get(n) for n in arrays))
-    plan = cache.get(key)
-    if plan is None:
-        plan = make(c, infos)
-        if len(cache) > 256:
-            cache.clear()
-        cache[key] = plan
-    return plan
-
-
 def _gpu_paged_varlen(c: PagedVarlenCall, ad, infos, names, causal, softmax_scale, return_lse, deterministic,
                       window, num_sink_tokens, softcap):
     """The paged prefill on the GPU: gather, then attention_varlen on the packed keys."""
     from ._api import attention_varlen
 
-    plan = _gather_plan(_GATHER_PLANS, GatherPlan, c, infos, ("k", "v", "block_table", "cu_seqlens_k"))
+    key = (c, tuple(infos.get(n) for n in ("k", "v", "block_table", "cu_seqlens_k")))
+    plan = _GATHER_PLANS.get(key)
+    if plan is None:
+        plan = GatherPlan(c, infos)
+        if len(_GATHER_PLANS) > 256:
+            _GATHER_PLANS.clear()
+        _GATHER_PLANS[key] = plan
     kg, vg, cu_k = plan.run(ad, names)
     return attention_varlen(names["q"], ad.export(kg), ad.export(vg), names["cu_seqlens_q"], ad.export(cu_k),
                             c.max_seqlen_q, c.max_seqlen_k, causal, softmax_scale, return_lse, deterministic,
