@@ -114,10 +114,20 @@ struct FwdWsParams : FwdParams {
     int split_first;
     int split_parts;
     int split_chunk;
+    // PAGED: K and V are paged caches (num_pages, page_size, nheads_kv, head_dim), and key t of batch entry
+    // (or packed sequence) b is row t % page_size of page block_table[b * table_stride + t / page_size]
+    // (the index clamped to [0, table_cols), the page to [0, num_pages)); the maps' boxes are page_box
+    // rows (a divisor of page_size and BLOCK_N: cuflash/_launch.py paged_box_rows).
+    int page_size;
+    int page_box;
+    int table_stride;
+    int table_cols;
+    int num_pages;
     // PERSISTENT: the blocks' work lists (cuflash/_schedule.py), row k holding each block's k-th work
     // tile (-1 past a block's last); nullptr: persistent_tile's order.
     const int* sched;
     float* split_ws;
+    const int* block_table;  // PAGED
     TmaDesc map_q;
     TmaDesc map_k;
     TmaDesc map_v;
@@ -158,7 +168,7 @@ struct FwdWsTraits {
 };
 
 template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES, bool IS_CAUSAL, bool IS_EVEN, bool PINGPONG = false,
-          int CONSUMERS = 2, bool FEAT = false, bool PERSISTENT = false, bool SPLIT = false>
+          int CONSUMERS = 2, bool FEAT = false, bool PERSISTENT = false, bool SPLIT = false, bool PAGED = false>
 __global__ void __launch_bounds__(128 * (1 + CONSUMERS), 1)
 flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
     using Tr = FwdWsTraits<HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, PERSISTENT>;
@@ -168,6 +178,7 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
     constexpr int BLOCK_M = Tr::BLOCK_M, N_TILES = Tr::N_TILES;
     constexpr int PV_STEPS = BLOCK_N / 16;
     static_assert(!SPLIT || (PERSISTENT && !IS_CAUSAL), "split tiles: the persistent non-causal grid's");
+    static_assert(!PAGED || FEAT, "paged caches: the feature kernels (their lengths bound each sequence's keys)");
     // Each consumer visits only its own rows' key tiles (below, at n_mine): the three-consumer kernels
     // (head_dim 64) of a block per query block, without FEAT (whose tiles and rows come from the options'
     // masks). (Pingpong pairs two consumers' products tile by tile. At head_dim 256, two consumers
@@ -253,7 +264,7 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
         w.split = split;
         w.q_valid = sq;
         w.k_valid = sk;
-        w.qf = query_setup<FEAT, BLOCK_M, BLOCK_N>(p.mask, w.blk.b, w.blk.h, w.blk.m0, sq, sk, w.n_blocks, w.q_valid,
+        w.qf = query_setup<FEAT, BLOCK_M, BLOCK_N, PAGED>(p.mask, w.blk.b, w.blk.h, w.blk.m0, sq, sk, w.n_blocks, w.q_valid,
                                                    w.k_valid);
         const bool packed = FEAT && p.mask.cu_seqlens_q != nullptr;
         w.tb = packed ? 0 : w.blk.b;
@@ -290,11 +301,15 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
     const int wg = warpgroup_index();
     if (wg == 0) {
         // ---------------- producer ----------------
-        setmaxnreg_dec<SPLIT ? Tr::SPLIT_PRODUCER_REGS : Tr::PRODUCER_REGS>();
-        if (tid == 0) {
-            tma_prefetch_desc(&p.map_q);
-            tma_prefetch_desc(&p.map_k);
-            tma_prefetch_desc(&p.map_v);
+        setmaxnreg_dec<(SPLIT || PAGED) ? Tr::SPLIT_PRODUCER_REGS : Tr::PRODUCER_REGS>();
+        // One thread issues every copy; PAGED: the whole first warp runs the loop, lane g looking up and
+        // copying the tile's g-th box of page_box rows (lane 0 alone the rest).
+        if (PAGED ? warp == 0 : tid == 0) {
+            if (!PAGED || lane == 0) {
+                tma_prefetch_desc(&p.map_q);
+                tma_prefetch_desc(&p.map_k);
+                tma_prefetch_desc(&p.map_v);
+            }
             int j0 = 0;  // key tiles of the block's earlier work tiles: the rings' position
             for (int u = 0;; ++u) {
                 const unsigned entry = tile_at(u);
@@ -302,11 +317,13 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
                 const Work w = work_of(entry);
                 const int qb = u % QB;
                 if (PERSISTENT && u >= 2) mbar_wait(q_empty(qb), (u / 2 - 1) & 1);  // tile u - 2's O is out of it
-                mbar_arrive_expect_tx(bar_q(qb), Tr::SQ_BYTES);
+                if (!PAGED || lane == 0) {
+                    mbar_arrive_expect_tx(bar_q(qb), Tr::SQ_BYTES);
 #pragma unroll
-                for (int c = 0; c < HEAD_DIM / 64; ++c)
-                    tma_load_4d(sQ + qb * Tr::SQ_BYTES + c * BLOCK_M * 128, &p.map_q, bar_q(qb), c * 64,
-                                w.q_row0 + w.blk.m0, w.blk.h, w.tb);
+                    for (int c = 0; c < HEAD_DIM / 64; ++c)
+                        tma_load_4d(sQ + qb * Tr::SQ_BYTES + c * BLOCK_M * 128, &p.map_q, bar_q(qb), c * 64,
+                                    w.q_row0 + w.blk.m0, w.blk.h, w.tb);
+                }
                 // One K or V tile of key row n into its stage: after the stage's previous use (phase
                 // use - 1 of its empty barrier), armed with the tile's bytes.
                 auto load_kv = [&](u32 dst, const TmaDesc* map, u32 full, u32 empty, int use, int n) {
@@ -317,11 +334,36 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
                         tma_load_4d(dst + c * BLOCK_N * 128, map, full, c * 64, w.k_row0 + w.n_lo * BLOCK_N + n,
                                     w.blk.h_kv, w.tb);
                 };
+                // PAGED: the tile's rows in BLOCK_N / page_box boxes of page_box rows, box g (lane g) from
+                // the page of key n + g page_box, looked up before the stage is free (the table read's
+                // latency under the wait) and serving the K and the V copy; lane 0 arms the barrier, then
+                // the lanes issue their boxes, which land at their rows of the stage's panels (the SW128
+                // pattern, 1024-byte atoms of 8 rows, lays them out as one tile-sized box would).
+                const int* table_row = PAGED ? p.block_table + (i64)w.blk.b * p.table_stride : nullptr;
+                auto load_paged = [&](u32 dst, const TmaDesc* map, u32 full, u32 empty, int use, int page, int row) {
+                    if (use > 0) mbar_wait(empty, (use - 1) & 1);
+                    if (lane == 0) mbar_arrive_expect_tx(full, Tr::SKV_BYTES);
+                    __syncwarp();
+                    if (lane * p.page_box < BLOCK_N) {
+#pragma unroll
+                        for (int c = 0; c < HEAD_DIM / 64; ++c)
+                            tma_load_4d(dst + c * BLOCK_N * 128 + lane * p.page_box * 128, map, full, c * 64, row,
+                                        w.blk.h_kv, page);
+                    }
+                };
                 for (int j = 0; j < w.n_blocks; ++j) {
                     const int jj = j0 + j, s = jj % STAGES, uk = jj / STAGES;
                     const int n = (FEAT ? w.qf.kt.tile(j) : j) * BLOCK_N;
-                    load_kv(sK + s * Tr::SKV_BYTES, &p.map_k, k_full(s), k_empty(s), uk, n);
-                    load_kv(sV + s * Tr::SV_BYTES, &p.map_v, v_full(s), v_empty(s), uk, n);
+                    if constexpr (PAGED) {
+                        const int t = n + min(lane * p.page_box, BLOCK_N - 1), pg = t / p.page_size;
+                        const int page = min(max(__ldg(table_row + min(pg, p.table_cols - 1)), 0), p.num_pages - 1);
+                        const int row = t - pg * p.page_size;
+                        load_paged(sK + s * Tr::SKV_BYTES, &p.map_k, k_full(s), k_empty(s), uk, page, row);
+                        load_paged(sV + s * Tr::SV_BYTES, &p.map_v, v_full(s), v_empty(s), uk, page, row);
+                    } else {
+                        load_kv(sK + s * Tr::SKV_BYTES, &p.map_k, k_full(s), k_empty(s), uk, n);
+                        load_kv(sV + s * Tr::SV_BYTES, &p.map_v, v_full(s), v_empty(s), uk, n);
+                    }
                 }
                 j0 += w.n_blocks;
                 if constexpr (!PERSISTENT) break;  // one work tile: let the compiler see it
@@ -331,7 +373,7 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
     }
 
     // ---------------- consumers ----------------
-    setmaxnreg_inc<SPLIT ? Tr::SPLIT_CONSUMER_REGS : Tr::CONSUMER_REGS>();
+    setmaxnreg_inc<(SPLIT || PAGED) ? Tr::SPLIT_CONSUMER_REGS : Tr::CONSUMER_REGS>();
     if constexpr (FEAT) {
         // A packed batch's rows that belong to no sequence: out 0, lse -inf (mask.cuh; what
         // varlen.cu's kernel does after the other forward kernels, here without its launch).

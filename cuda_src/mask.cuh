@@ -49,18 +49,30 @@ struct SeqInfo {
     int q_rows, k_rows;  // rows of the output arrays that belong to the sequence: written by it
 };
 
+// PAGED_KEYS (a packed batch whose keys come from paged caches: flash_fwd_sm90_ws.cu PAGED): cu_seqlens_k
+// gives only the key lengths, cu_seqlens_k[b + 1] - cu_seqlens_k[b] (clamped to [0, seqlen_k]), and each
+// sequence's keys start at its own key 0 (k_row0 0), as the gather into packed arrays would have them.
+template <bool PAGED_KEYS = false>
 __device__ __forceinline__ SeqInfo seq_info(const MaskParams& m, int b, int seqlen_q, int seqlen_k) {
     SeqInfo s;
     if (m.cu_seqlens_q != nullptr) {
         // Packed: seqlen_q / seqlen_k hold max_seqlen_q / max_seqlen_k, which bound the grid.
         const int q0 = min(max(m.cu_seqlens_q[b], 0), m.total_q);
         const int q1 = min(max(m.cu_seqlens_q[b + 1], q0), m.total_q);
-        const int k0 = min(max(m.cu_seqlens_k[b], 0), m.total_k);
-        const int k1 = min(max(m.cu_seqlens_k[b + 1], k0), m.total_k);
-        s.q_row0 = q0;
-        s.k_row0 = k0;
-        s.sq = s.q_rows = min(q1 - q0, seqlen_q);
-        s.sk = s.k_rows = min(k1 - k0, seqlen_k);
+        if constexpr (PAGED_KEYS) {
+            const i64 len = (i64)m.cu_seqlens_k[b + 1] - m.cu_seqlens_k[b];
+            s.q_row0 = q0;
+            s.k_row0 = 0;
+            s.sq = s.q_rows = min(q1 - q0, seqlen_q);
+            s.sk = s.k_rows = (int)min(max(len, (i64)0), (i64)seqlen_k);
+        } else {
+            const int k0 = min(max(m.cu_seqlens_k[b], 0), m.total_k);
+            const int k1 = min(max(m.cu_seqlens_k[b + 1], k0), m.total_k);
+            s.q_row0 = q0;
+            s.k_row0 = k0;
+            s.sq = s.q_rows = min(q1 - q0, seqlen_q);
+            s.sk = s.k_rows = min(k1 - k0, seqlen_k);
+        }
     } else {
         s.q_row0 = s.k_row0 = 0;
         s.q_rows = seqlen_q;
@@ -206,10 +218,10 @@ struct QueryFeat {
     bool score_mod;  // softcap or ALiBi: every tile's scores are modified
 };
 
-template <int BLOCK_M, int BLOCK_N>
+template <int BLOCK_M, int BLOCK_N, bool PAGED_KEYS = false>
 __device__ __forceinline__ QueryFeat query_feat(const MaskParams& m, int b, int h, int m0, int seqlen_q, int seqlen_k) {
     QueryFeat f;
-    f.si = seq_info(m, b, seqlen_q, seqlen_k);
+    f.si = seq_info<PAGED_KEYS>(m, b, seqlen_q, seqlen_k);
     f.past_end = m0 >= f.si.q_rows;
     f.mi.init(m, f.si, b, h);
     f.kt = key_tiles<BLOCK_M, BLOCK_N>(m, f.mi, m0);
@@ -222,12 +234,12 @@ __device__ __forceinline__ QueryFeat query_feat(const MaskParams& m, int b, int 
 // visit and the rows / keys that hold data (past q_valid / k_valid shared memory is zero-filled)
 // come from the sequence; without, the plain kernel's values stay and qf only carries the zero row
 // offsets (and no score modification).
-template <bool FEAT, int BLOCK_M, int BLOCK_N>
+template <bool FEAT, int BLOCK_M, int BLOCK_N, bool PAGED_KEYS = false>
 __device__ __forceinline__ QueryFeat query_setup(const MaskParams& m, int b, int h, int m0, int seqlen_q, int seqlen_k,
                                                  int& n_blocks, int& q_valid, int& k_valid) {
     QueryFeat qf;
     if constexpr (FEAT) {
-        qf = query_feat<BLOCK_M, BLOCK_N>(m, b, h, m0, seqlen_q, seqlen_k);
+        qf = query_feat<BLOCK_M, BLOCK_N, PAGED_KEYS>(m, b, h, m0, seqlen_q, seqlen_k);
         n_blocks = qf.kt.count;
         q_valid = qf.si.sq;
         k_valid = qf.si.sk;

@@ -1010,6 +1010,29 @@ DECODE_TWO_TILES_MIN_KEYS = 16384
 DECODE_TWO_TILES_MIN_BYTES = 128 << 20
 
 
+# A paged cache read in place by the warp-specialized feature forward (cuflash/_launch.py PagedKV) takes
+# each key tile's rows in TMA boxes of gcd(page_size, BLOCK_N) rows; where those are fewer than this, the
+# pages are gathered into a padded copy first instead. H200, session 70 (bench/dev/prefill_route.py, bf16,
+# 32 query heads, head_dim 128, causal chunks of 64-128 positions appended, GQA 4-8; GPU time of the forward
+# reading the pages in place over gather + forward): 16-row boxes (16-row pages) 1.01-1.08 at 512-1024
+# rows a kv head (0.90 at 256), 32-row 0.80-0.91, 64-row 0.75-0.83, 128-row (256-row pages) 0.74-0.84;
+# e.g. 16 x 8k x GQA 8 x 128 positions: 16-row pages 609.5 against 585.2 us, 32-row 521.7 against 587.0,
+# 64-row 480.2 against 586.3, 256-row 472.0 against 582.5.
+PAGED_DIRECT_MIN_BOX = 32
+
+
+def paged_direct(box_rows: int) -> bool:
+    """Whether a paged cache is read in place (cuflash/_launch.py fwd_launches with PagedKV; ChunkPlan and
+    the paged prefill) with TMA boxes of box_rows rows: from PAGED_DIRECT_MIN_BOX rows. CUFLASH_PAGED_DIRECT
+    =0: never (the gather), =1: at any box (A/B). Read when a plan is made."""
+    import os
+
+    mode = os.environ.get("CUFLASH_PAGED_DIRECT", "")
+    if mode in ("0", "1"):
+        return mode == "1"
+    return box_rows >= PAGED_DIRECT_MIN_BOX
+
+
 def kvcache_feature_forward(seqlen_q: int, rows: int, batch: int, nheads: int, sm_count: int,
                             paged: bool = False) -> bool:
     """Whether attention_with_kvcache on a contiguous cache whose row b is entry b (paged: on a paged cache)
@@ -1036,8 +1059,10 @@ def kvcache_feature_forward(seqlen_q: int, rows: int, batch: int, nheads: int, s
     rows a kv head: so also at least KVCACHE_PAGED_FORWARD_MIN_ROWS rows, and only where the copy fits
     KVCACHE_GATHER_MAX_BYTES (the caller checks). H200, session 69, 16-row pages: 256 rows (GQA 4 x
     64 positions) 1.05-1.34, the decode kernels there; 512-2048 rows at share 0.36 and more
-    0.42-0.83 (with the gather's one launch). CUFLASH_KVCACHE_FORWARD=0: never (the decode kernels at any row count), 1: wherever
-    rows > 64 (A/B). Read at each call that could take it."""
+    0.42-0.83 (with the gather's one launch). A paged cache that the forward reads in place
+    (paged_direct) has no copy to pay for: the caller applies the rule without paged there.
+    CUFLASH_KVCACHE_FORWARD=0: never (the decode kernels at any row count), 1: wherever rows > 64 (A/B).
+    Read at each call that could take it."""
     import os
 
     if rows <= 4 * DECODE_ROWS:

@@ -48,9 +48,12 @@ from dataclasses import dataclass
 
 from ._call import MAX_SOFTMAX_SCALE, SUPPORTED_DTYPES, ArrayInfo, _check_bool
 from ._config import HEAD_DIMS
-from ._features import Features, _is_int, check_features
+from ._features import ARRAY_OPTIONS, Features, _is_int, check_features
 from ._launch import stream_capturing
-from ._plan import run_launches
+from ._plan import FWD_OPT, Plan, run_launches
+
+# A paged prefill plan's block table (_PagedVarlenPlan): the slot after the forward's option slots.
+_PAGED_TABLE = FWD_OPT + len(ARRAY_OPTIONS)
 
 __all__ = ["attention_with_kvcache", "describe_kvcache", "KVCacheCall"]
 
@@ -987,25 +990,36 @@ def _gpu_decode_available(c: KVCacheCall) -> bool:
 def _gpu_kvcache(c: KVCacheCall, ad, infos: dict, names: dict, num_splits: int, fast_key=None, options=None):
     """The GPU path: the decode kernels for every layout (a DecodePlan); a chunk of more than 64 packed
     rows a kv head that _config.kvcache_feature_forward gives the feature forward takes a ChunkPlan
-    instead, a contiguous cache whose row b is entry b, or a paged one whose padded copy fits
-    _config.KVCACHE_GATHER_MAX_BYTES. options: the call's scalar options for the forward (ChunkPlan)."""
+    instead: a contiguous cache whose row b is entry b; a paged one that the forward reads in place
+    (ChunkPlan.direct) by the same rule, or, gathered, by the rule's paged clause where the padded copy
+    fits _config.KVCACHE_GATHER_MAX_BYTES. options: the call's scalar options for the forward (ChunkPlan)."""
     from . import _config
 
     rows = c.seqlen_q * (c.nheads // c.nheads_kv)
     plain_rows = not c.paged and not c.has_batch_idx
     available = _gpu_decode_available(c)
-    chunk = plain_rows and (not available or _config.kvcache_feature_forward(c.seqlen_q, rows, c.batch, c.nheads,
-                                                                              _sm_count(c.device[1])))
-    chunk = chunk or (c.paged and available and _config.kvcache_feature_forward(
-        c.seqlen_q, rows, c.batch, c.nheads, _sm_count(c.device[1]), paged=True)
-        and 4 * c.batch * c.capacity * c.nheads_kv * c.head_dim <= _config.KVCACHE_GATHER_MAX_BYTES)
+    sm = _sm_count(c.device[1])
+    chunk = plain_rows and (not available or _config.kvcache_feature_forward(c.seqlen_q, rows, c.batch, c.nheads, sm))
+    plan_key = (c, tuple(infos.get(n) for n in _D_ARRAYS), num_splits)
+    if c.paged and available and _config.kvcache_feature_forward(c.seqlen_q, rows, c.batch, c.nheads, sm):
+        # A paged chunk: the contiguous cache's rule where the forward reads the pages in place (a
+        # ChunkPlan with `direct`); after the gather only with paged=True's rows and where the copy fits.
+        plan = _CHUNK_PLANS.get(plan_key)
+        if plan is None:
+            plan = ChunkPlan(c, infos, options)
+            plan.ad = ad
+            if len(_CHUNK_PLANS) > 1024:
+                _CHUNK_PLANS.clear()
+            _CHUNK_PLANS[plan_key] = plan
+        chunk = plan.direct or (_config.kvcache_feature_forward(c.seqlen_q, rows, c.batch, c.nheads, sm, paged=True)
+                                and 4 * c.batch * c.capacity * c.nheads_kv * c.head_dim
+                                <= _config.KVCACHE_GATHER_MAX_BYTES)
     if not available and not chunk:
         _refuse_gpu(infos["q"], f"attention_with_kvcache at head_dim {c.head_dim} on this GPU (too little shared "
                                 "memory for the decode kernel) with " + ("block_table" if c.paged else
                                                                          "cache_batch_idx"),
                     "or a contiguous cache whose row b is entry b (cache_batch_idx=None, block_table=None)")
     plans = _CHUNK_PLANS if chunk else _DECODE_PLANS
-    plan_key = (c, tuple(infos.get(n) for n in _D_ARRAYS), num_splits)
     plan = plans.get(plan_key)
     if plan is None:
         plan = ChunkPlan(c, infos, options) if chunk else DecodePlan(c, infos, num_splits)
@@ -1554,11 +1568,115 @@ class GatherPlan:
         return kg, vg, cu
 
 
+_DIRECT_VARLEN_PLANS: dict = {}
+
+
+class _NotServed(Exception):
+    """_PagedVarlenPlan: the warp-specialized feature kernel does not serve the call."""
+
+
+class _PagedVarlenPlan(Plan):
+    """The paged prefill read in place: the Plan of attention_varlen's Call on the packed keys the gather
+    would make (_paged_varlen_plan), whose forward launches the warp-specialized feature kernel with
+    PagedKV: its K and V slots take the paged caches, one more slot (_PAGED_TABLE) the block table."""
+
+    def __init__(self, call, plan_infos: dict, pages: dict, table_stride: int, table_copy: bool):
+        self.pages, self.table_stride, self.table_copy = pages, table_stride, table_copy
+        super().__init__(call, plan_infos)
+
+    def _gpu_forward(self, infos):
+        from . import _launch
+        from ._launch import DeviceTensor, PagedKV, Slot
+        from ._plan import LSE, OUT, Q, K, V, _cc, _mask_args, _packed4, contiguous_strides
+
+        c = self.call
+        qt, kt, vt = (self._layout(infos, n, s) for n, s in (("q", Q), ("k", K), ("v", V)))
+        o = DeviceTensor(Slot(OUT), self.out_shape, contiguous_strides(self.out_shape))
+        table = self.pages["block_table"]
+        pages = PagedKV(*(DeviceTensor(Slot(slot), self.pages[n].shape, self.pages[n].strides) for n, slot in
+                          (("k", K), ("v", V))), Slot(_PAGED_TABLE), self.table_stride, table.shape[1])
+        b, (mq, mk) = c.batch, c.packed
+        launches = _launch.fwd_launches(_packed4(qt, b, mq), _packed4(kt, b, mk), _packed4(vt, b, mk),
+                                        _packed4(o, b, mq), Slot(LSE), c.dtype, False, c.scale, self.device_id,
+                                        _cc(self.device_id), mask=_mask_args(c, self.copy, infos, FWD_OPT),
+                                        paged=pages)
+        if launches is None:
+            raise _NotServed
+        return launches
+
+
+def _paged_varlen_plan(c: PagedVarlenCall, infos: dict, causal, softmax_scale, window, num_sink_tokens, softcap):
+    """The paged prefill's plan that reads the pages in place (_PagedVarlenPlan, sm_90a), or None where the
+    warp-specialized feature kernel does not serve the call or its boxes would be too small
+    (_config.paged_direct): the gather route then. Its Call is attention_varlen's on the packed
+    (batch * max_seqlen_k, nheads_kv, head_dim) keys the gather would make, so that the kernel, its
+    tiles and options are that route's."""
+    from . import _call
+    from ._plan import _small_needs_copy, needs_copy
+
+    for name in ("k", "v"):
+        if needs_copy(infos[name]):
+            return None  # (the gather route names the layout in its error)
+    q = infos["q"]
+    packed = ArrayInfo(q.lib, (max(1, c.batch * c.max_seqlen_k), c.nheads_kv, c.head_dim),
+                       (c.nheads_kv * c.head_dim, c.head_dim, 1), q.dtype, q.device, True, q.type_name)
+    opts = {n: infos[n] for n in ("sink_logits", "alibi_slopes") if infos.get(n) is not None}
+    call = _call.describe_varlen([q, packed, packed], infos["cu_seqlens_q"], infos["cu_seqlens_k"], c.max_seqlen_q,
+                                 c.max_seqlen_k, causal, softmax_scale, False, c.return_lse, window=window,
+                                 num_sink_tokens=num_sink_tokens, softcap=softcap, **opts)
+    table = infos["block_table"]
+    copy = _small_needs_copy(table)
+    plan_infos = dict(q=q, k=packed, v=packed, cu_seqlens_q=infos["cu_seqlens_q"], cu_seqlens_k=infos["cu_seqlens_k"],
+                      **opts)
+    try:
+        return _PagedVarlenPlan(call, plan_infos, {n: infos[n] for n in ("k", "v", "block_table")},
+                                table.shape[1] if copy else table.strides[0], copy)
+    except _NotServed:
+        return None
+
+
+def _run_paged_varlen(plan, ad, names: dict, return_lse: bool):
+    """A direct paged prefill plan's call: its option arrays and the block table (copied where the kernels
+    cannot read them in place), the outputs allocated, the launch on the caller's stream."""
+    dev, keep = plan.device_id, []
+    arrays = {n: names[n] for n in ("q", "k", "v", "block_table") + plan.options}
+    for n in plan.copy:
+        arrays[n] = ad.contiguous(arrays[n], dev, keep)
+    if plan.table_copy:
+        arrays["block_table"] = ad.contiguous(arrays["block_table"], dev, keep)
+    out = ad.empty(plan.out_shape, plan.call.dtype, dev)
+    lse = ad.empty(plan.lse_shape, "float32", dev) if return_lse else None
+    ptrs = [ad.ptr(arrays["q"], keep), ad.ptr(arrays["k"], keep), ad.ptr(arrays["v"], keep), ad.ptr(out, keep),
+            0 if lse is None else ad.ptr(lse, keep)]
+    ptrs += [ad.ptr(arrays[n], keep) if n in arrays else 0 for n in ARRAY_OPTIONS]
+    ptrs.append(ad.ptr(arrays["block_table"], keep))
+    plan.launch(ad.stream(dev), ptrs)
+    out = ad.export(out)
+    return (out, ad.export(lse)) if return_lse else out
+
+
 def _gpu_paged_varlen(c: PagedVarlenCall, ad, infos, names, causal, softmax_scale, return_lse, deterministic,
                       window, num_sink_tokens, softcap):
-    """The paged prefill on the GPU: gather, then attention_varlen on the packed keys."""
+    """The paged prefill on the GPU: on sm_90a where the warp-specialized feature kernel serves the call,
+    that kernel reading the pages in place (_paged_varlen_plan); otherwise gather, then attention_varlen on
+    the packed keys."""
     from ._api import attention_varlen
 
+    key = (c, tuple(infos.get(n) for n in ("q", "k", "v", "block_table", "cu_seqlens_q", "cu_seqlens_k",
+                                           "sink_logits", "alibi_slopes")), causal, softmax_scale,
+           window if window is None else tuple(window), num_sink_tokens, softcap)
+    try:
+        direct = _DIRECT_VARLEN_PLANS.get(key)
+    except TypeError:  # an unhashable option value: the slow path
+        key = direct = None
+    if direct is None:
+        direct = _paged_varlen_plan(c, infos, causal, softmax_scale, window, num_sink_tokens, softcap) or False
+        if key is not None:
+            if len(_DIRECT_VARLEN_PLANS) > 256:
+                _DIRECT_VARLEN_PLANS.clear()
+            _DIRECT_VARLEN_PLANS[key] = direct
+    if direct:
+        return _run_paged_varlen(direct, ad, names, return_lse)
     key = (c, tuple(infos.get(n) for n in ("k", "v", "block_table", "cu_seqlens_k")))
     plan = _GATHER_PLANS.get(key)
     if plan is None:
@@ -1619,7 +1737,31 @@ class ChunkPlan:
         cc = _gpu.compute_capability(dev)
         seqlens = Slot(_D_SEQLENS) if c.fixed_seqlen is None else 0
         self.padded_shape = (c.batch, c.capacity, c.nheads_kv, c.head_dim)
+        self.out_shape = (c.batch, c.seqlen_q, c.nheads, c.head_dim)
+        self.lse_shape = (c.batch, c.nheads, c.seqlen_q)
+        # A paged cache read in place by the warp-specialized feature forward (sm_90a; PagedKV), where
+        # that kernel serves the call: the append kernel (new tokens into the pages, and L_b), then the
+        # forward; otherwise the gather below.
+        direct = None
         if c.paged:
+            extra = ["q"] if needs_copy(infos["q"]) else []
+            extra += [n for n in ("alibi_slopes", "sink_logits") if infos.get(n) is not None
+                      and _small_needs_copy(infos[n])]
+            copy += extra
+            direct = self._paged_forward(infos, tensor, table, table_stride, dev, cc)
+            if direct is None:
+                del copy[len(copy) - len(extra):]
+        self.direct = direct is not None
+        if self.direct:
+            args = DecodeArgs(lse=0, scratch=0, cache_seqlens=seqlens, cache_batch_idx=0, block_table=Slot(_D_TABLE),
+                              table_stride=table_stride, k_new=tensor("k", _D_K) if c.appends else None,
+                              v_new=tensor("v", _D_V) if c.appends else None, cache_rows=c.cache_rows,
+                              capacity=c.capacity, page_size=c.page_size, fixed_seqlen=c.fixed_seqlen or 0,
+                              num_splits=1, kv_lengths=Slot(_D_KVLEN))
+            q = tensor("q", _D_Q)
+            self.launches = _launch.decode_launches(q, tensor("k_cache", _D_KC), tensor("v_cache", _D_VC), q, args,
+                                                    c.dtype, 1.0, MaskArgs(), dev, cc, append_only=True) + direct
+        elif c.paged:
             flat = (c.batch * c.capacity, c.nheads_kv, c.head_dim)
             self.launches = _launch.gather_launches(
                 tensor("k_cache", _D_KC), DeviceTensor(Slot(_D_KG), flat, contiguous_strides(flat)),
@@ -1639,10 +1781,40 @@ class ChunkPlan:
         used = {"k_cache", "v_cache"} | {n for n, on in (("cache_seqlens", c.fixed_seqlen is None),
                                                           ("block_table", c.paged), ("k", c.appends),
                                                           ("v", c.appends)) if on}
+        if self.direct:  # (the forward's own inputs: otherwise the forward Plan takes them)
+            used |= {"q"} | {n for n in ("alibi_slopes", "sink_logits") if infos.get(n) is not None}
         self.zero_ptrs = [0] * (_D_VG + 1)
         self.input_positions = tuple((i, _RUN_ARRAYS.index(n)) for i, n in enumerate(_D_ARRAYS) if n in used)
         self.copy_positions = tuple(_RUN_ARRAYS.index(n) for n in copy)
         self.forward = None  # the feature forward's Plan (its first call makes it)
+
+    def _paged_forward(self, infos, tensor, table, table_stride, dev, cc):
+        """The feature forward's launches on the paged caches in place (cuflash/_launch.py PagedKV), or
+        None where the warp-specialized feature kernel does not serve the call: its query, key and
+        output layouts those of the padded copy the gather would make (batch, capacity, nheads_kv,
+        head_dim), kv_lengths the append kernel's L_b."""
+        from . import _config, _launch
+        from ._launch import DeviceTensor, MaskArgs, PagedKV, Slot
+        from ._plan import _small_needs_copy, contiguous_strides
+
+        c, f = self.call, self.call.feats
+        if _config.compile_arch(*cc) != "sm_90a":
+            return None
+        alibi = infos.get("alibi_slopes")
+        alibi_bs = 0
+        if alibi is not None and len(alibi.shape) == 2:
+            alibi_bs = contiguous_strides(alibi.shape)[0] if _small_needs_copy(alibi) else alibi.strides[0]
+        mask = MaskArgs(kv_lengths=Slot(_D_KVLEN), alibi_slopes=Slot(_D_ALIBI) if alibi is not None else 0,
+                        alibi_batch_stride=alibi_bs,
+                        sink_logits=Slot(_D_SINK) if infos.get("sink_logits") is not None else 0,
+                        window_left=f.window_left, window_right=f.window_right, num_sink_tokens=f.num_sink_tokens,
+                        softcap=f.softcap, total_q=c.seqlen_q, total_k=c.capacity)
+        logical = DeviceTensor(Slot(_D_KC), self.padded_shape, contiguous_strides(self.padded_shape))
+        paged = PagedKV(tensor("k_cache", _D_KC), tensor("v_cache", _D_VC), Slot(_D_TABLE), table_stride,
+                        table.shape[1])
+        o = DeviceTensor(Slot(_D_OUT), self.out_shape, contiguous_strides(self.out_shape))
+        return _launch.fwd_launches(tensor("q", _D_Q), logical, logical, o, Slot(_D_LSE), c.dtype, False, c.scale,
+                                    dev, cc, mask=mask, paged=paged)
 
     def _what(self) -> str:
         c = self.call
@@ -1664,6 +1836,17 @@ class ChunkPlan:
         for slot, i in self.input_positions:
             ptrs[slot] = ad.ptr(arrays[i], keep)
         ptrs[_D_KVLEN] = ad.ptr(lengths, keep)
+        if self.direct:
+            out = ad.empty(self.out_shape, c.dtype, dev)
+            lse = ad.empty(self.lse_shape, "float32", dev) if c.return_lse else None
+            ptrs[_D_OUT] = ad.ptr(out, keep)
+            if lse is not None:
+                ptrs[_D_LSE] = ad.ptr(lse, keep)
+            run_launches(self, ad.stream(dev), ptrs, self.launches, self._what, False)
+            if c.appends and c.lib == "torch":
+                _mark_written(names)
+            out = ad.export(out)
+            return (out, ad.export(lse)) if c.return_lse else out
         if c.paged:
             both = ad.empty((2,) + self.padded_shape, c.dtype, dev)
             k, v = both[0], both[1]

@@ -76,10 +76,13 @@ _FWD_TMA_CHECKS_PARAMS = (_compile.params_layout_checks("cuflash", "FwdTmaParams
                           + _FWD_CHECKS_PARAMS)
 
 # Mirror of cuflash::FwdWsParams (cuda_src/flash_fwd_sm90_ws.cu): FwdParams, d_cols, the split tail's
-# first tile, parts and chunk, the persistent grid's work lists (sched) and the split workspace, then
-# the maps of Q, K, V.
+# first tile, parts and chunk, a paged cache's page size, box rows, table stride and columns and page
+# count, the persistent grid's work lists (sched), the split workspace and the block table, then the
+# maps of Q, K, V.
 FWD_WS_PARAMS = _with_maps(FWD_PARAMS, ("map_q", "map_k", "map_v"),
-                           ints=("d_cols", "split_first", "split_parts", "split_chunk"), ptrs=("sched", "split_ws"))
+                           ints=("d_cols", "split_first", "split_parts", "split_chunk", "page_size", "page_box",
+                                 "table_stride", "table_cols", "num_pages"),
+                           ptrs=("sched", "split_ws", "block_table"))
 _FWD_WS_CHECKS_PARAMS = (_compile.params_layout_checks("cuflash", "FwdWsParams", FWD_WS_PARAMS) + "\n"
                          + _FWD_CHECKS_PARAMS)
 
@@ -257,23 +260,25 @@ def fwd_specialization(dtype: str, head_dim: int, cfg: _config.TileConfig, causa
 
 def fwd_ws_specialization(dtype: str, head_dim: int, causal: bool, even: bool, block_n: int, stages: int,
                           pingpong: bool = False, consumers: int = 2, feat: bool = False, persistent: bool = False,
-                          split: bool = False):
+                          split: bool = False, paged: bool = False):
     """(spec, smem) of the warp-specialized sm_90a forward (cuda_src/flash_fwd_sm90_ws.cu); pingpong:
     its schedule that alternates the two consumers at the tensor cores; consumers: 2 or 3 warpgroups
     of 64 query rows; feat: the optional features (causal and even must then be False); persistent:
     one block per SM walking the query blocks (plain calls); split (persistent, non-causal): on a work
-    list whose last tiles may come cut along their key tiles (cuflash/_schedule.py split_schedule)."""
+    list whose last tiles may come cut along their key tiles (cuflash/_schedule.py split_schedule);
+    paged (feat): K and V read from paged caches through a block table (FwdWsParams, PAGED)."""
     short, ctype = _DTYPE_TAG[dtype]
     bn = block_n
-    assert not (feat and persistent) and not (split and (causal or not persistent))
+    assert not (feat and persistent) and not (split and (causal or not persistent)) and not (paged and not feat)
     smem = _config.fwd_ws_smem_bytes(head_dim, bn, stages, consumers, persistent)
     flags = f"{'true' if causal else 'false'}, {'true' if even else 'false'}, {'true' if pingpong else 'false'}"
     expr = f"cuflash::flash_fwd_sm90_ws_kernel<{ctype}, {head_dim}, {bn}, {stages}, {flags}, {consumers}"
-    expr += ", true>" if feat else ", false, true, true>" if split else ", false, true>" if persistent else ">"
+    expr += (", true, false, false, true>" if paged else ", true>" if feat else ", false, true, true>" if split
+             else ", false, true>" if persistent else ">")
     kind = "feat" if feat else f"{'causal' if causal else 'full'}_{'even' if even else 'ragged'}"
     assert not (feat and (causal or even)), (causal, even)
     name = (f"fwd90ws_{short}_d{head_dim}_m{64 * consumers}_n{bn}_s{stages}_{kind}{'_pp' if pingpong else ''}"
-            f"{'_pers' if persistent else ''}{'_split' if split else ''}")
+            f"{'_pers' if persistent else ''}{'_split' if split else ''}{'_paged' if paged else ''}")
     pers = ", true" if persistent else ""
     checks = "\n".join([
         _FWD_WS_CHECKS_PARAMS,
@@ -310,8 +315,8 @@ def all_fwd_ws_specializations(target: str, head_dims=None, dtypes=None, causal=
                                 for pp in (pingpong if pingpong is not None else (cfg[2],)) for e in (False, True)
                                 for sp in splits if not (pp and cfg[3] != 2)]
             fcfg = _config.fwd_ws_feat_config(d, False)
-            if fcfg is not None:
-                out.append(fwd_ws_specialization(dtype, d, False, False, *fcfg, feat=True))
+            if fcfg is not None:  # (and its twin for paged caches: PagedKV)
+                out += [fwd_ws_specialization(dtype, d, False, False, *fcfg, feat=True, paged=pg) for pg in (False, True)]
     return out
 
 
@@ -1130,12 +1135,36 @@ def _tensor_ptrs(named) -> dict:
     return {name: t.ptr for name, t in named}
 
 
+@dataclass(frozen=True)
+class PagedKV:
+    """Paged K and V caches for the warp-specialized feature forward (fwd_launches' `paged`): k and v
+    (num_pages, page_size, nheads_kv, head_dim), and batch entry (or packed sequence) b's key t at row
+    t % page_size of page block_table[b * table_stride + t // page_size] (the kernel clamps the column
+    to table_cols - 1 and the page to [0, num_pages))."""
+
+    k: DeviceTensor
+    v: DeviceTensor
+    block_table: "int | Slot"
+    table_stride: int
+    table_cols: int
+
+
+def paged_box_rows(page_size: int, block_n: int) -> int:
+    """The rows of a paged forward's K / V boxes: the largest that divides both the page and the key
+    tile, so that no box crosses a page and a tile is whole boxes (page sizes are multiples of 16)."""
+    return math.gcd(page_size, block_n)
+
+
 def fwd_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTensor, lse_ptr, dtype: str,
                  causal: bool, softmax_scale: float, device_id: int, cc: tuple[int, int],
-                 cfg: _config.TileConfig | None = None, mask: MaskArgs | None = None) -> list[Launch]:
+                 cfg: _config.TileConfig | None = None, mask: MaskArgs | None = None,
+                 paged: PagedKV | None = None) -> list[Launch] | None:
     """The forward's launches (one kernel). All checks on shapes and strides were done by the caller.
     `cfg` overrides the tile table (tuning scripts only). With `mask`, the feature kernel runs and
-    `causal` must already be folded into mask.window_right."""
+    `causal` must already be folded into mask.window_right. With `paged` (and `mask`), k and v give only
+    the logical shape (batch, seqlen_k, nheads_kv, head_dim) and the warp-specialized feature kernel reads
+    the paged caches; None where that kernel does not serve the call, or its boxes would be too small
+    (_config.paged_direct): the caller gathers the keys instead."""
     batch, seqlen_q, nheads, head_dim = q.shape
     _, seqlen_k, nheads_kv, _ = k.shape
     target = _config.compile_arch(*cc)
@@ -1158,9 +1187,18 @@ def fwd_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTen
         if mask.packed:  # the arrays as one sequence of all their rows (flash_fwd_sm90_ws.cu)
             mq, mk, mv = (_one_sequence(t, n) for t, n in ((q, mask.total_q), (k, mask.total_k), (v, mask.total_k)))
         pad = pad_dim is not None
-        if ws and _use_tma(mq, mq, 64 * ws[3], dtype, pad) and _use_tma(mk, mv, ws[0], dtype, pad):
+        kv_rows = ws[0] if ws else 0  # the K / V maps' box rows
+        if paged is not None:
+            mk, mv = paged.k, paged.v
+            kv_rows = paged_box_rows(paged.k.shape[1], ws[0]) if ws else 0
+            if not (ws and _config.paged_direct(kv_rows)):
+                return None
+        if ws and _use_tma(mq, mq, 64 * ws[3], dtype, pad) and _use_tma(mk, mv, kv_rows, dtype, pad):
             cfg = _config.TileConfig(64 * ws[3], ws[0], 4 * (1 + ws[3]), wgmma=True)
-            spec, smem = fwd_ws_specialization(dtype, kernel_dim, False, False, *ws, feat=True)
+            spec, smem = fwd_ws_specialization(dtype, kernel_dim, False, False, *ws, feat=True,
+                                               paged=paged is not None)
+        elif paged is not None:
+            return None
         else:
             cfg = cfg or _config.feat_fwd_config(target, head_dim, dtype, narrow)
             spec, smem = fwd_specialization(dtype, head_dim, cfg, False, False, feat=True)
@@ -1241,11 +1279,17 @@ def fwd_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTen
         p["d_cols"] = head_dim  # the call's columns (the kernel's head_dim may be larger: pad-up)
     if mask is not None:
         ptrs.update(_set_mask(p, mask, softmax_scale, nheads, seqlen_q))
+    kv_rows = cfg.block_n
+    if paged is not None:
+        kv_rows = paged_box_rows(paged.k.shape[1], cfg.block_n)
+        p["page_size"], p["page_box"], p["num_pages"] = paged.k.shape[1], kv_rows, paged.k.shape[0]
+        p["table_stride"], p["table_cols"] = paged.table_stride, paged.table_cols
+        ptrs["block_table"] = paged.block_table
     if tma or ws:
         from . import _tma
 
         maps = [(name, t.ptr, _tma.MapCache(t.shape, t.strides, rows, dtype)) for name, t, rows in
-                (("map_k", mk, cfg.block_n), ("map_v", mv, cfg.block_n)) + ((("map_q", mq, cfg.block_m),) if ws else ())]
+                (("map_k", mk, kv_rows), ("map_v", mv, kv_rows)) + ((("map_q", mq, cfg.block_m),) if ws else ())]
         if persistent and causal and _config.fwd_sched():
             # The blocks' work lists (cuflash/_schedule.py; the kernel's pairs where there is none)
             from ._schedule import causal_schedule
