@@ -66,7 +66,7 @@ def make_case(rng, *, dtype=FP16, batch=4, seqlen_q=1, nheads=8, nheads_kv=2, he
     Every cache slot that holds no key of an entry before the call is NaN (the slots the append fills, the rest of
     each entry's rows or blocks, the rows and blocks no entry uses). table_garbage: the block table entries past
     those an entry uses hold block numbers out of range (they must not be read)."""
-    page = PAGE[layout]
+    page = PAGE[layout] if layout in PAGE else int(layout.removeprefix("paged"))  # (other "pagedN": N-row pages)
     cap = -(-capacity // page) * page if page else capacity
     if seqlens is None:
         seqlens = _seqlens_pattern(rng, batch, cap - seqlen_new)

@@ -5,7 +5,8 @@ JAX arrays on the GPU ("jax") take the same cases with the new tokens written by
 cuda_src/flash_decode.cu (append, split-KV decode with GQA packing, combine); a chunk of more than 64
 packed query rows per kv head may take the feature forward with kv_lengths instead
 (_config.kvcache_feature_forward: test_chunk_routes), after the library appends the new tokens on the
-device (cuflash/_kvcache.py ChunkPlan; a paged cache's pages gathered first). Checked against the float64 reference of
+device (cuflash/_kvcache.py ChunkPlan; a paged cache read in place on sm_90a, its pages gathered first
+elsewhere). Checked against the float64 reference of
 tests/_kvcache_reference.py with the accuracy rule of the CPU tests (out within 2x the naive
 input-dtype error + 1e-5; lse as there), the caches after the call bit for bit, and cache slots that
 hold no key NaN-poisoned (a read past an entry's length would show). tests/test_kvcache_decode.py
@@ -182,7 +183,7 @@ def test_options(device, name):
 def test_chunk_routes(monkeypatch, device, layout, route):
     """A long chunk (70 positions x GQA 8 = 560 packed rows a kv head, batch 4, 32 query heads, 70 new
     tokens) in every array library: on the GPU the rule (_config.kvcache_feature_forward) gives it the
-    feature forward, a paged cache after its pages are gathered (cuflash/_kvcache.py ChunkPlan);
+    feature forward (cuflash/_kvcache.py ChunkPlan; a paged cache read in place on sm_90a);
     CUFLASH_KVCACHE_FORWARD=0 the decode kernels. The caches after the append and out against the
     float64 reference; on the GPU the path taken (a chunk plan and no decode plan, or the reverse)."""
     from cuflash import _kvcache
@@ -201,15 +202,19 @@ def test_chunk_routes(monkeypatch, device, layout, route):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("direct", ["1", "0"])
 @pytest.mark.parametrize("seqlens_kind,pad", [("int", 0), ("array", 8), ("array", 4)])
-def test_paged_chunk_inputs(monkeypatch, seqlens_kind, pad):
-    """The paged chunk route's one gather launch (cuda_src/paged_gather.cu, chunk mode; forced here by
-    CUFLASH_KVCACHE_FORWARD=1) with the inputs the other tests give contiguously: an int cache_seqlens
-    (fixed_seqlen), new tokens k, v whose heads are padded (pad 8: strides the gather reads in place;
-    pad 4: rows not 16-byte aligned, copied first). The caches bit for bit and out against the float64
+def test_paged_chunk_inputs(monkeypatch, seqlens_kind, pad, direct):
+    """The paged chunk route (forced here by CUFLASH_KVCACHE_FORWARD=1): on sm_90a the append kernel and
+    the feature forward reading the pages in place (direct "1"; cuflash/_launch.py PagedKV), or
+    (CUFLASH_PAGED_DIRECT=0, and other GPUs) the one gather launch (cuda_src/paged_gather.cu,
+    chunk mode), with the inputs the other tests give contiguously: an int cache_seqlens (fixed_seqlen),
+    new tokens k, v whose heads are padded (pad 8: strides the kernels read in place; pad 4: rows not
+    16-byte aligned, which the gather copies first). The caches bit for bit and out against the float64
     reference (torch, 16-row pages, fp16)."""
     _skip_unusable("cuda", FP16)
     _kvcache_route(monkeypatch, "1")
+    monkeypatch.setenv("CUFLASH_PAGED_DIRECT", direct)
     seed = _new_seed()
     rng = np.random.default_rng(seed)
     seqlens = {"int": [100] * 3, "array": [5, 150, 230]}[seqlens_kind]
@@ -228,16 +233,18 @@ def test_paged_chunk_inputs(monkeypatch, seqlens_kind, pad):
             big[..., :x.shape[-1]] = x
             args[n] = big[..., :x.shape[-1]]
 
-    _check(make, "cuda", True, {}, _ctx(seed, seqlens=seqlens_kind, pad=pad), adjust=padded if pad else None)
+    _check(make, "cuda", True, {}, _ctx(seed, seqlens=seqlens_kind, pad=pad, direct=direct),
+           adjust=padded if pad else None)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("route", ["1", "0"])
+@pytest.mark.parametrize("route", ["1", "1-gather", "0"])
 def test_paged_chunk_appends_past_the_capacity(monkeypatch, route):
     """A paged chunk whose appends run past the capacity (entry 1: cache_seqlens 280 + 70 new tokens in
     304 slots): on the GPU lengths are not read back, so tokens 0..23 go into slots 280..303, tokens
     24..69 are dropped (never written out of bounds) and the entry sees min(280 + 70, 304) = 304 keys,
-    on the feature forward route (the gather's chunk mode, "1") as on the decode kernels ("0"). The
+    on the feature forward route (on sm_90a the append kernel and the forward reading the pages in
+    place, "1"; the gather's chunk mode, "1-gather") as on the decode kernels ("0"). The
     caches bit for bit against that append, out against the float64 reference over those keys (torch,
     16-row pages, fp16, 16 query heads on 2 kv heads, 70 positions)."""
     from _kvcache_reference import logical_kv, slot
@@ -245,7 +252,8 @@ def test_paged_chunk_appends_past_the_capacity(monkeypatch, route):
     from cuflash._reference import attention_reference
 
     _skip_unusable("cuda", FP16)
-    _kvcache_route(monkeypatch, route)
+    _kvcache_route(monkeypatch, route[0])
+    monkeypatch.setenv("CUFLASH_PAGED_DIRECT", "0" if route == "1-gather" else "1")
     seed = _new_seed()
     rng = np.random.default_rng(seed)
     case = make_case(rng, dtype=FP16, batch=3, seqlen_q=70, nheads=16, nheads_kv=2, head_dim=64, layout="paged16",

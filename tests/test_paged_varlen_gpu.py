@@ -1,5 +1,7 @@
-"""attention_varlen with a block_table on the GPU (the paged prefill: cuflash/_kvcache.py GatherPlan +
-cuda_src/paged_gather.cu, then attention_varlen on the gathered keys).
+"""attention_varlen with a block_table on the GPU (the paged prefill: on sm_90a, where the warp-specialized
+feature kernel serves the call, that kernel reading the pages in place, cuflash/_kvcache.py
+_paged_varlen_plan; otherwise, and with CUFLASH_PAGED_DIRECT=0, GatherPlan + cuda_src/paged_gather.cu,
+then attention_varlen on the gathered keys).
 
 Marked gpu: torch CUDA, CuPy and JAX. Each case (tests/test_paged_varlen_cpu.py's make_case: random block
 tables, slots no sequence reads NaN-poisoned, unused table entries out of range, offsets of
@@ -45,8 +47,15 @@ def _check(case, device, causal, opts, ctx):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("page", [16, 48, 256])
 @pytest.mark.parametrize("causal", [False, True])
-def test_paged_prefill(device, page, causal):
+@pytest.mark.parametrize("direct", ["1", "0"])
+def test_paged_prefill(monkeypatch, device, page, causal, direct):
+    """direct "1": the pages read in place where the kernel serves the call (on an sm_90a GPU the plan
+    must have done so for at least one case), "0": the gather route (CUFLASH_PAGED_DIRECT=0)."""
+    from cuflash import _kvcache
+
     _skip(device, FP16)
+    monkeypatch.setenv("CUFLASH_PAGED_DIRECT", direct)
+    monkeypatch.setattr(_kvcache, "_DIRECT_VARLEN_PLANS", {})
     seed = _new_seed()
     for i, (dtype, d, gqa, start) in enumerate([(FP16, 64, 4, 0), (BF16, 128, 1, 7), (FP16, 96, 2, 3)]):
         if device == "cupy" and dtype == BF16:
@@ -55,16 +64,29 @@ def test_paged_prefill(device, page, causal):
         case = make_case(rng, seq_q=[7, 20, 1, 0, 9], seq_k=[40, 20, 17, 0, 300], page=page, dtype=dtype,
                          nheads=2 * gqa, nheads_kv=2, head_dim=d, tail_q=2, cu_k_start=start, max_extra=(1, 5),
                          shared=1 if page == 16 else 0)
-        _check(case, device, causal, {}, _ctx(seed, device=device, case=i, page=page, causal=causal))
+        _check(case, device, causal, {}, _ctx(seed, device=device, case=i, page=page, causal=causal, direct=direct))
+    if device != "cpu" and torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
+        made = list(_kvcache._DIRECT_VARLEN_PLANS.values())
+        assert any(made) == (direct == "1"), made
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", ["win5_2", "sinktok", "sinklogit", "alibi_h", "softcap", "all"])
-def test_paged_prefill_options(device, name):
+@pytest.mark.parametrize("direct", ["1", "0"])
+def test_paged_prefill_options(monkeypatch, device, name, direct):
+    """direct "1": the pages read in place wherever the warp-specialized feature kernel serves the options
+    (not the narrow windows), "0": the gather route."""
+    from cuflash import _kvcache
+
     _skip(device, FP16)
+    monkeypatch.setenv("CUFLASH_PAGED_DIRECT", direct)
+    monkeypatch.setattr(_kvcache, "_DIRECT_VARLEN_PLANS", {})
     seed = _new_seed()
     rng = np.random.default_rng(seed)
     opts, qk_scale = _features(rng, name, 3, 8)
     case = make_case(rng, seq_q=[12, 5, 30], seq_k=[50, 5, 70], page=16, nheads=8, nheads_kv=2, head_dim=64,
                      qk_scale=qk_scale)
-    _check(case, device, name != "win5_2", opts, _ctx(seed, device=device, option=name))
+    _check(case, device, name != "win5_2", opts, _ctx(seed, device=device, option=name, direct=direct))
+    if device != "cpu" and torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
+        made = list(_kvcache._DIRECT_VARLEN_PLANS.values())
+        assert any(made) == (direct == "1" and name in ("sinklogit", "alibi_h", "softcap")), (made, name)

@@ -13,6 +13,7 @@ tested on the GPU (tests/test_gpu_*.py); this is the part between the API and cu
 from __future__ import annotations
 
 import ctypes
+import math
 
 import ml_dtypes
 import numpy as np
@@ -2546,6 +2547,78 @@ def test_paged_prefill_gpu_wiring(dev):
     assert int(p["mask"]["total_k"]) == 96
 
 
+# (page_size, head_dim, CUFLASH_PAGED_DIRECT, whether the pages are read in place): by the rule from 32-row
+# boxes (_config.paged_direct; 96-row pages: gcd(96, 128) = 32), gathered below; forced either way.
+PAGED_DIRECT_CASES = [(32, 64, "rule", True), (96, 128, "rule", True), (256, 128, "rule", True),
+                      (16, 64, "rule", False), (48, 128, "1", True), (64, 64, "0", False)]
+
+
+def _paged_direct_mode(monkeypatch, mode):
+    if mode == "rule":
+        monkeypatch.delenv("CUFLASH_PAGED_DIRECT", raising=False)
+    else:
+        monkeypatch.setenv("CUFLASH_PAGED_DIRECT", mode)
+
+
+@pytest.mark.parametrize("page,hd,mode,direct", PAGED_DIRECT_CASES)
+def test_paged_prefill_direct_wiring(dev, monkeypatch, page, hd, mode, direct):
+    """attention_varlen with a block_table on sm_90a with patchable tensor maps (a stand-in driver), where
+    the boxes have enough rows (_config.paged_direct): one launch, the warp-specialized feature kernel with
+    PAGED reading the pages in place (cuflash/_kvcache.py _paged_varlen_plan): q and its offsets as the
+    varlen call's, the caches' pointers, K / V maps of the pages with boxes of gcd(page_size, 128) rows,
+    the table's pointer, stride and columns, the page count; out and lse allocated as attention_varlen's;
+    no gather. A second call reuses the plan (no new plan, the new arrays' pointers). Otherwise (16-row
+    boxes, or CUFLASH_PAGED_DIRECT=0): the two gathers and the kernel without PAGED."""
+    from cuflash import _features, _kvcache, _plan, _tma
+
+    fake_tma_driver(monkeypatch, lambda ptr, i, dims, box, strides: (
+        (ptr >> 4) | (7 << 60) if i == 1 else 1000 * i + dims[1] + box[1] + strides[0]), lambda *a: None)
+    for name in ("CUFLASH_FWD_TMA", "CUFLASH_FWD_WS"):
+        monkeypatch.delenv(name)
+    _paged_direct_mode(monkeypatch, mode)
+    monkeypatch.setattr(_kvcache, "_DIRECT_VARLEN_PLANS", {})
+    assert _kvcache._PAGED_TABLE == _plan.FWD_OPT + len(_features.ARRAY_OPTIONS)
+    ad, launched = dev
+    rng = np.random.default_rng()
+    width = -(-512 // page)
+    q = arr(rng, (300, 8, hd))
+    k, v = arr(rng, (3 * width + 2, page, 2, hd)), arr(rng, (3 * width + 2, page, 2, hd))
+    table = rng.permutation(3 * width + 2)[:3 * width].astype(np.int32).reshape(3, width).copy().view(Dev)
+    cu_q = np.array([0, 100, 180, 300], np.int32).view(Dev)
+    cu_k = np.array([4, 300, 400, 500], np.int32).view(Dev)  # offsets give lengths only: 296, 100, 100
+    n0 = len(launched)
+    out, lse = cuflash.attention_varlen(q, k, v, cu_q, cu_k, 120, 512, causal=True, block_table=table,
+                                        return_lse=True)
+    names = [L["name"] for L in launched[n0:]]
+    if not direct:
+        assert names.count("paged_gather") == 2 and not names[-1].endswith("_paged"), names
+        assert list(_kvcache._DIRECT_VARLEN_PLANS.values()) == [False]
+        return
+    assert names == [f"fwd90ws_f16_d{hd}_m128_n128_s2_feat{'_pp' if hd == 128 else ''}_paged"], names
+    p = launched[-1]["p"]
+    box = math.gcd(page, 128)
+    assert (int(p["q"]), int(p["o"]), int(p["lse"])) == (addr(q), addr(out), addr(lse))
+    assert out.shape == q.shape and lse.shape == (8, 300) and lse.dtype == np.float32
+    assert int(p["mask"]["cu_seqlens_q"]) == addr(cu_q) and int(p["mask"]["cu_seqlens_k"]) == addr(cu_k)
+    assert (int(p["page_size"]), int(p["page_box"]), int(p["table_stride"]), int(p["table_cols"]),
+            int(p["num_pages"]), int(p["block_table"])) == (page, box, width, width, 3 * width + 2, addr(table))
+    assert int(p["seqlen_q"]) == 120 and int(p["seqlen_k"]) == 512 and int(p["mask"]["window_right"]) == 0
+    for field, t in (("map_k", k), ("map_v", v)):
+        assert p[field].tobytes() == _tma.kv_map(addr(t), t.shape, elem_strides(t), box, "float16"), field
+    assert not ad.copies
+    (plan,) = _kvcache._DIRECT_VARLEN_PLANS.values()
+    k2, v2, q2 = arr(rng, k.shape), arr(rng, v.shape), arr(rng, q.shape)
+    out2, lse2 = cuflash.attention_varlen(q2, k2, v2, cu_q, cu_k, 120, 512, causal=True, block_table=table,
+                                          return_lse=True)
+    (again,) = _kvcache._DIRECT_VARLEN_PLANS.values()
+    p = launched[-1]["p"]
+    assert again is plan and (int(p["q"]), int(p["o"]), int(p["lse"])) == (addr(q2), addr(out2), addr(lse2))
+    assert p["map_k"].tobytes() == _tma.kv_map(addr(k2), k.shape, elem_strides(k), box, "float16")
+    out3 = cuflash.attention_varlen(q2, k2, v2, cu_q, cu_k, 120, 512, causal=True, block_table=table)
+    p = launched[-1]["p"]  # (without lse: its own plan, no lse written)
+    assert len(_kvcache._DIRECT_VARLEN_PLANS) == 2 and (int(p["o"]), int(p["lse"])) == (addr(out3), 0)
+
+
 @pytest.mark.parametrize("appends,route", [(True, "rule"), (False, "rule"), (True, "0")])
 def test_kvcache_paged_forward_wiring(dev, monkeypatch, appends, route):
     """attention_with_kvcache on a GPU, paged cache, a long chunk (200 positions x GQA 8, batch 2, 16 query
@@ -2610,6 +2683,69 @@ def test_kvcache_paged_forward_wiring(dev, monkeypatch, appends, route):
     p = fwd["p"]
     assert int(p["q"]) == addr(q) and int(p["k"]) == addr(kg) and int(p["v"]) == addr(vg)
     assert int(p["mask"]["kv_lengths"]) == addr(lengths) and int(p["seqlen_k"]) == cap and int(p["batch"]) == b
+
+
+@pytest.mark.parametrize("page,hd,mode,direct", PAGED_DIRECT_CASES)
+def test_kvcache_paged_direct_wiring(dev, monkeypatch, page, hd, mode, direct):
+    """On sm_90a with patchable tensor maps (a stand-in driver), a paged chunk that the rule gives the feature
+    forward (200 positions x GQA 8, batch 2) reads the pages in place (cuflash/_launch.py PagedKV) where its
+    boxes have enough rows (_config.paged_direct): the append kernel (the new tokens into the pages, each
+    entry's L_b into a fresh int32 array), then the warp-specialized feature kernel with PAGED (its name's
+    "_paged"), whose Params carry the page size, the box rows gcd(page_size, 128), the table's row stride
+    and columns, the page count and the table's pointer, kv_lengths = that array, and whose K / V maps are
+    the driver's maps of the caches' pages with boxes of those rows; no gather, no copy of the caches.
+    Otherwise (16-row boxes, or CUFLASH_PAGED_DIRECT=0): the gather's one launch and the kernel without
+    PAGED, reading the copy."""
+    from cuflash import _kvcache, _tma
+
+    fake_tma_driver(monkeypatch, lambda ptr, i, dims, box, strides: (
+        (ptr >> 4) | (7 << 60) if i == 1 else 1000 * i + dims[1] + box[1] + strides[0]), lambda *a: None)
+    for name in ("CUFLASH_FWD_TMA", "CUFLASH_FWD_WS"):
+        monkeypatch.delenv(name)
+    _kvcache_route(monkeypatch, "rule")
+    _paged_direct_mode(monkeypatch, mode)
+    ad, launched = dev
+    ad.run_appends[0] = True
+    rng = np.random.default_rng()
+    b, sq, h, hk, width = 2, 200, 16, 2, -(-1024 // page)
+    q = arr(rng, (b, sq, h, hd))
+    kc, vc = arr(rng, (b * width + 3, page, hk, hd)), arr(rng, (b * width + 3, page, hk, hd))
+    # a table wider than it need be, read through a strided view (row stride width + 5)
+    table = rng.permutation(b * width + 3)[:b * (width + 5)].astype(np.int32)
+    table = np.resize(table, (b, width + 5)).copy().view(Dev)[:, :width + 2]
+    seqlens = np.array([20, 50], np.int32).view(Dev)
+    k, v = arr(rng, (b, sq, hk, hd)), arr(rng, (b, sq, hk, hd))
+    n0 = len(launched)
+    out = cuflash.attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, block_table=table, causal=True)
+    got = launched[n0:]
+    names = [L["name"] for L in got]
+    (plan,) = _kvcache._CHUNK_PLANS.values()
+    assert plan.direct == direct and not _kvcache._DECODE_PLANS
+    if not direct:
+        assert names[0] == "paged_gather" and len(names) == 2 and names[1].startswith("fwd90ws_"), names
+        assert not names[1].endswith("_paged") and int(got[1]["p"]["k"]) != addr(kc), names
+        return
+    assert names == ["decode_append", f"fwd90ws_f16_d{hd}_m128_n128_s2_feat{'_pp' if hd == 128 else ''}_paged"], names
+    a, p = got[0]["p"], got[1]["p"]
+    assert (int(a["k"]), int(a["v"]), int(a["block_table"]), int(a["page_size"]), int(a["table_stride"])) == (
+        addr(kc), addr(vc), addr(table), page, width + 5)
+    assert (int(a["k_new"]), int(a["v_new"]), int(a["seqlen_new"])) == (addr(k), addr(v), sq)
+    (lengths,) = [x for x in ad.allocs if addr(x) == int(a["kv_lengths"])]
+    assert np.asarray(lengths).tolist() == [20 + sq, 50 + sq]
+    for i, s0 in enumerate((20, 50)):  # the new tokens in their pages
+        for t in (0, sq - 1):
+            blk, row = int(table[i, (s0 + t) // page]), (s0 + t) % page
+            assert np.array_equal(np.asarray(kc[blk, row]), np.asarray(k[i, t])), (i, t)
+    box = math.gcd(page, 128)
+    assert (int(p["page_size"]), int(p["page_box"]), int(p["table_stride"]), int(p["table_cols"]),
+            int(p["num_pages"]), int(p["block_table"])) == (page, box, width + 5, width + 2, b * width + 3, addr(table))
+    assert int(p["q"]) == addr(q) and int(p["mask"]["kv_lengths"]) == addr(lengths)
+    assert (int(p["seqlen_k"]), int(p["batch"]), int(p["mask"]["total_k"])) == (page * (width + 2), b, page * (width + 2))
+    assert int(p["o"]) == addr(out) and out.shape == q.shape
+    for field, t in (("map_k", kc), ("map_v", vc)):
+        want = _tma.kv_map(addr(t), t.shape, elem_strides(t), box, "float16")
+        assert p[field].tobytes() == want, field
+    assert not ad.copies, "nothing copied"
 
 
 def test_kvcache_decode_layout_checks(dev, monkeypatch):
