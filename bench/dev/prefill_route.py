@@ -4,7 +4,8 @@ steps): the decode kernels (CUFLASH_KVCACHE_FORWARD=0) against the feature forwa
 a paged cache's pages gathered into a padded copy first), alternated in one process, and the library's
 own choice (lib), at "BxLxGxSQ" shapes (batch x cache x GQA group x
 seqlen_q; 32 query heads, head_dim 128, bf16, causal, cache_seqlens = cache - SQ and the chunk's k, v
-appended), contiguous and --layouts' paged views (pages of N rows in a random order). GPU time as
+appended), contiguous and --layouts' paged views (pages of N rows in a random order; for those also the
+forward route after the gather, CUFLASH_PAGED_DIRECT=0, beside the pages read in place). GPU time as
 decode_splits.py measures it, behind a longer sleep kernel (--lead-cycles); the ratio forward / decode per shape. With --eager N also single eager calls,
 host time included (N calls a route, each alone on an idle GPU: CUDA events around the call, the median),
 and the host's part alone (perf_counter around the call, the median of the same calls)."""
@@ -94,13 +95,21 @@ def main():
                           block_table=torch.randperm(nblk, device=dev, dtype=torch.int32).view(b, L // page))
             res, eager, hosts = {}, {}, {}
             outs = {}
-            for route in ("0", "1", "lib", "0", "1", "lib"):
+            # (paged: "1g" is the forward route after the gather, CUFLASH_PAGED_DIRECT=0; "1" reads
+            # the pages in place wherever the kernel serves the call, CUFLASH_PAGED_DIRECT=1)
+            routes = ("0", "1", "1g", "lib") if layout != "contig" else ("0", "1", "lib")
+            for route in routes + routes:
                 if route == "lib":
                     os.environ.pop("CUFLASH_KVCACHE_FORWARD", None)
                 else:
-                    os.environ["CUFLASH_KVCACHE_FORWARD"] = route
+                    os.environ["CUFLASH_KVCACHE_FORWARD"] = route[0]
+                if route in ("1", "1g"):  # (forced either way: the library's rule is "lib"'s)
+                    os.environ["CUFLASH_PAGED_DIRECT"] = "1" if route == "1" else "0"
+                else:
+                    os.environ.pop("CUFLASH_PAGED_DIRECT", None)
                 _kvcache._FAST_PLANS.clear()
                 _kvcache._DECODE_PLANS.clear()
+                _kvcache._CHUNK_PLANS.clear()
                 fn = lambda: cuflash.attention_with_kvcache(q, k=kn, v=vn, cache_seqlens=seqlens, causal=True, **kw)  # noqa: E731
                 outs[route] = fn().float()
                 res.setdefault(route, []).append(gpu_ms_per_call(torch, fn, args.calls, args.rounds,
@@ -110,21 +119,33 @@ def main():
                     eager.setdefault(route, []).extend(ev)
                     hosts.setdefault(route, []).extend(host)
             os.environ.pop("CUFLASH_KVCACHE_FORWARD", None)
+            os.environ.pop("CUFLASH_PAGED_DIRECT", None)
             dec, fwd, lib = min(res["0"]), min(res["1"]), min(res["lib"])
             diff = float((outs["0"] - outs["1"]).abs().max())
             row = dict(shape=shape, layout=layout, decode_ms=dec, forward_ms=fwd, lib_ms=lib, decode_runs=res["0"],
                        forward_runs=res["1"], lib_runs=res["lib"], fwd_over_dec=fwd / dec,
                        tflops_decode=flops / dec / 1e9, tflops_forward=flops / fwd / 1e9, max_diff=diff)
             line = ""
+            if "1g" in res:
+                gat = min(res["1g"])
+                row.update(gather_ms=gat, gather_runs=res["1g"], direct_over_gather=fwd / gat,
+                           direct_vs_gather_bits_equal=bool(torch.equal(outs["1"], outs["1g"])))
+                line += (f"\n{'':>25} paged in place {fwd * 1e3:9.1f} us  after the gather {gat * 1e3:9.1f} us  "
+                         f"in place / gather {fwd / gat:5.2f}  equal: {row['direct_vs_gather_bits_equal']}")
+                if args.eager:
+                    row.update(eager_gather_ms=statistics.median(eager["1g"]),
+                               host_gather_ms=statistics.median(hosts["1g"]))
             if args.eager:
                 med = {r: statistics.median(eager[r]) for r in eager}
                 hmed = {r: statistics.median(hosts[r]) for r in hosts}
                 row.update(eager_decode_ms=med["0"], eager_forward_ms=med["1"], eager_lib_ms=med["lib"],
                            host_decode_ms=hmed["0"], host_forward_ms=hmed["1"], host_lib_ms=hmed["lib"])
-                line = (f"\n{'':>25} eager: decode {med['0'] * 1e3:9.1f} us  forward {med['1'] * 1e3:9.1f} us  "
+                line += (f"\n{'':>25} eager: decode {med['0'] * 1e3:9.1f} us  forward {med['1'] * 1e3:9.1f} us  "
                         f"fwd/dec {med['1'] / med['0']:5.2f}  lib {med['lib'] * 1e3:9.1f} us "
                         f"({med['lib'] / min(med['0'], med['1']):5.2f} of the faster)  host decode / forward / lib "
-                        f"{hmed['0'] * 1e3:6.1f} / {hmed['1'] * 1e3:6.1f} / {hmed['lib'] * 1e3:6.1f} us")
+                        f"{hmed['0'] * 1e3:6.1f} / {hmed['1'] * 1e3:6.1f} / {hmed['lib'] * 1e3:6.1f} us"
+                         + (f"  gather route {med['1g'] * 1e3:9.1f} us (host {hmed['1g'] * 1e3:6.1f})"
+                            if "1g" in med else ""))
             out.append(row)
             print(f"{shape:>16} {layout:8} rows {sq * g:5d}  decode {dec * 1e3:9.1f} us  forward {fwd * 1e3:9.1f} us  "
                   f"fwd/dec {fwd / dec:5.2f}  lib {lib * 1e3:9.1f} us ({lib / min(dec, fwd):5.2f} of the faster)  "
