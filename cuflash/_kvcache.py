@@ -1471,6 +1471,18 @@ def attention_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
     names = dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, block_table=block_table,
                  sink_logits=sink_logits, alibi_slopes=alibi_slopes)
+    # A repeated signature on the GPU goes straight to its route: every check that depends only on the
+    # signature passed when it was first seen (tensors that require grad take the full path, which raises).
+    try:
+        fast_key = _paged_fast_key(names, max_seqlen_q, max_seqlen_k, causal, softmax_scale, return_lse,
+                                   deterministic, window, num_sink_tokens, softcap)
+        fast = _PAGED_FAST.get(fast_key)
+    except Exception:  # cannot be keyed: the full path checks (and raises)
+        fast_key = fast = None
+    if fast is not None and not any(getattr(x, "requires_grad", False) for x in (q, k, v, sink_logits)):
+        call, infos = fast
+        return _gpu_paged_varlen(call, adapter_for(q), infos, names, causal, softmax_scale, return_lse,
+                                 deterministic, window, num_sink_tokens, softcap)
     infos = {n: (None if x is None else info_of(x)) for n, x in names.items()}
     for n, x in infos.items():
         if isinstance(x, ArrayInfo) and x.device[0] == "traced":
@@ -1495,8 +1507,13 @@ def attention_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                         f"torch.inference_mode(), or pass {n}.detach()")
     ad = adapter_for(q)
     if call.device[0] == "cuda":
-        return _gpu_paged_varlen(call, ad, infos, names, causal, softmax_scale, return_lse, deterministic, window,
-                                 num_sink_tokens, softcap)
+        out = _gpu_paged_varlen(call, ad, infos, names, causal, softmax_scale, return_lse, deterministic, window,
+                                num_sink_tokens, softcap)
+        if fast_key is not None:  # the call went through: its signature may skip the checks from now on
+            if len(_PAGED_FAST) > 1024:
+                _PAGED_FAST.clear()
+            _PAGED_FAST[fast_key] = (call, infos)
+        return out
     host = {n: (None if x is None else ad.to_numpy(x)) for n, x in names.items()}
     lengths, table = _check_paged_values(call, host["cu_seqlens_q"], host["cu_seqlens_k"], host["block_table"])
     options = {n: host[n] for n in call.arrays}
@@ -1504,6 +1521,44 @@ def attention_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                           table, options)
     out = ad.from_numpy(out, q)
     return (out, ad.from_numpy(lse, q)) if call.return_lse else out
+
+
+_PAGED_FAST: dict = {}  # attention_varlen_paged's GPU calls by signature (_paged_fast_key)
+
+
+def _paged_fast_key(names: dict, *scalars) -> tuple:
+    """The signature of a paged prefill call: equal for two calls only when validation and planning give
+    the same result (the arrays' signatures from q's adapter, each scalar with its type, the window by
+    window_key). Raises for anything it cannot key (arrays of another type than q's: the full path names
+    the argument)."""
+    from ._adapters._base import window_key
+
+    q = names["q"]
+    t = q.__class__
+    sig = (_SIGS.get(t) or _sig_of(q))
+    key = [t]
+    for n, x in names.items():
+        if x is None:
+            key.append(None)
+        elif x.__class__ is t:
+            key.append(sig(x))
+        else:
+            raise TypeError(f"{n}: not q's array type")
+    *rest, window, num_sink_tokens, softcap = scalars
+    for x in rest + [num_sink_tokens, softcap]:
+        key += (x.__class__, x)
+    key.append(window_key(window))
+    return tuple(key)
+
+
+_SIGS: dict = {}  # array type -> its adapter's sig
+
+
+def _sig_of(q):
+    from ._adapters import adapter_for
+
+    fn = _SIGS[q.__class__] = adapter_for(q).sig
+    return fn
 
 
 # Pointer slots of a gather plan.
