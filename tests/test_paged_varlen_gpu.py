@@ -90,3 +90,29 @@ def test_paged_prefill_options(monkeypatch, device, name, direct):
     if device != "cpu" and torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
         made = list(_kvcache._DIRECT_VARLEN_PLANS.values())
         assert any(made) == (direct == "1" and name in ("sinklogit", "alibi_h", "softcap")), (made, name)
+
+
+@pytest.mark.gpu
+def test_paged_prefill_repeated_signature_checks_grad():
+    """A signature seen before skips the checks (cuflash/_kvcache.py _PAGED_FAST), but not the refusal of
+    tensors that require grad: after a plain call, the same shapes with q, k, v or sink_logits requiring
+    grad raise NotImplementedError naming block_table (no silent missing gradient); under torch.no_grad()
+    the call runs and matches the plain one bit for bit (torch CUDA)."""
+    _skip("cuda", FP16)
+    seed = _new_seed()
+    rng = np.random.default_rng(seed)
+    case = make_case(rng, seq_q=[3, 5], seq_k=[20, 5], page=16, nheads=8, nheads_kv=2, head_dim=64)
+    sinks = torch.zeros(8, device="cuda")
+
+    def args():
+        return {n: (_to(x, "cuda") if isinstance(x, np.ndarray) else x) for n, x in case.args().items()}
+
+    want = _back(cuflash.attention_varlen(**args(), causal=True, sink_logits=sinks))
+    for name in ("q", "k", "v", "sink_logits"):
+        t = dict(args(), sink_logits=sinks.clone())
+        t[name] = t[name].clone().requires_grad_(True)
+        with pytest.raises(NotImplementedError, match=f"^block_table: .*forward only.* got {name} with requires_grad"):
+            cuflash.attention_varlen(**t, causal=True)
+        with torch.no_grad():
+            out = cuflash.attention_varlen(**t, causal=True)
+        assert not out.requires_grad and _same_bits(_back(out), want), (name, _ctx(seed))

@@ -243,6 +243,9 @@ def dev(monkeypatch):
     monkeypatch.setattr(_plan, "_current_device", lambda: 0)
     monkeypatch.setattr(_kvcache, "_sm_count", lambda device_id: 132)  # an H100's (persistent grids)
     monkeypatch.setitem(_adapters._BY_TYPE, Dev, ad)
+    # The paged prefill's plans, made with this test's stand-ins
+    for name in ("_PAGED_FAST", "_DIRECT_VARLEN_PLANS", "_GATHER_PLANS"):
+        monkeypatch.setattr(_kvcache, name, {})
     # The fused decode combine's counters (cupy memory on a GPU): a fake pointer here.
     monkeypatch.setattr(_kvcache.DecodePlan, "_counters", lambda self, stream: 0xC0C000)
     # The persistent causal forward's work lists (a CuPy allocation, copied on the stream, on a GPU):
@@ -2607,6 +2610,10 @@ def test_paged_prefill_direct_wiring(dev, monkeypatch, page, hd, mode, direct):
         assert p[field].tobytes() == _tma.kv_map(addr(t), t.shape, elem_strides(t), box, "float16"), field
     assert not ad.copies
     (plan,) = _kvcache._DIRECT_VARLEN_PLANS.values()
+    # A repeated signature skips the checks (_kvcache._PAGED_FAST): no describe_paged_varlen.
+    described = []
+    real_describe = _kvcache.describe_paged_varlen
+    monkeypatch.setattr(_kvcache, "describe_paged_varlen", lambda *a, **kw: described.append(1) or real_describe(*a, **kw))
     k2, v2, q2 = arr(rng, k.shape), arr(rng, v.shape), arr(rng, q.shape)
     out2, lse2 = cuflash.attention_varlen(q2, k2, v2, cu_q, cu_k, 120, 512, causal=True, block_table=table,
                                           return_lse=True)
@@ -2614,9 +2621,13 @@ def test_paged_prefill_direct_wiring(dev, monkeypatch, page, hd, mode, direct):
     p = launched[-1]["p"]
     assert again is plan and (int(p["q"]), int(p["o"]), int(p["lse"])) == (addr(q2), addr(out2), addr(lse2))
     assert p["map_k"].tobytes() == _tma.kv_map(addr(k2), k.shape, elem_strides(k), box, "float16")
+    assert not described, "the repeated signature was checked again"
     out3 = cuflash.attention_varlen(q2, k2, v2, cu_q, cu_k, 120, 512, causal=True, block_table=table)
     p = launched[-1]["p"]  # (without lse: its own plan, no lse written)
     assert len(_kvcache._DIRECT_VARLEN_PLANS) == 2 and (int(p["o"]), int(p["lse"])) == (addr(out3), 0)
+    assert described == [1], "a new signature is checked"
+    with pytest.raises(TypeError, match="^cu_seqlens_k: "):  # another type than q's: the full path's error
+        cuflash.attention_varlen(q2, k2, v2, cu_q, np.asarray(cu_k), 120, 512, causal=True, block_table=table)
 
 
 @pytest.mark.parametrize("appends,route", [(True, "rule"), (False, "rule"), (True, "0")])
