@@ -1017,20 +1017,25 @@ DECODE_TWO_TILES_MIN_BYTES = 128 << 20
 # reading the pages in place over gather + forward): 16-row boxes (16-row pages) 1.01-1.08 at 512-1024
 # rows a kv head (0.90 at 256), 32-row 0.80-0.91, 64-row 0.75-0.83, 128-row (256-row pages) 0.74-0.84;
 # e.g. 16 x 8k x GQA 8 x 128 positions: 16-row pages 609.5 against 585.2 us, 32-row 521.7 against 587.0,
-# 64-row 480.2 against 586.3, 256-row 472.0 against 582.5.
+# 64-row 480.2 against 586.3, 256-row 472.0 against 582.5. A chunk that the gather route would not take
+# (fewer rows a kv head than KVCACHE_PAGED_FORWARD_MIN_ROWS, or a copy over KVCACHE_GATHER_MAX_BYTES: the
+# decode kernels otherwise) reads 16-row boxes in place all the same (small_ok): 256 rows, 16-row pages,
+# in place / decode kernels: 16 x 2k x GQA 4 x 64 positions 185.7 / 218.8 us, 4 x 8k x GQA 4 x 64 161.8 /
+# 181.0 (H200, session 70).
 PAGED_DIRECT_MIN_BOX = 32
 
 
-def paged_direct(box_rows: int) -> bool:
+def paged_direct(box_rows: int, small_ok: bool = False) -> bool:
     """Whether a paged cache is read in place (cuflash/_launch.py fwd_launches with PagedKV; ChunkPlan and
-    the paged prefill) with TMA boxes of box_rows rows: from PAGED_DIRECT_MIN_BOX rows. CUFLASH_PAGED_DIRECT
-    =0: never (the gather), =1: at any box (A/B). Read when a plan is made."""
+    the paged prefill) with TMA boxes of box_rows rows: from PAGED_DIRECT_MIN_BOX rows, or at any box where
+    the caller has no gather to fall back on (small_ok). CUFLASH_PAGED_DIRECT=0: never (the gather), =1: at
+    any box (A/B). Read when a plan is made."""
     import os
 
     mode = os.environ.get("CUFLASH_PAGED_DIRECT", "")
     if mode in ("0", "1"):
         return mode == "1"
-    return box_rows >= PAGED_DIRECT_MIN_BOX
+    return small_ok or box_rows >= PAGED_DIRECT_MIN_BOX
 
 
 def kvcache_feature_forward(seqlen_q: int, rows: int, batch: int, nheads: int, sm_count: int,

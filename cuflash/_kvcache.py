@@ -1004,16 +1004,17 @@ def _gpu_kvcache(c: KVCacheCall, ad, infos: dict, names: dict, num_splits: int, 
     if c.paged and available and _config.kvcache_feature_forward(c.seqlen_q, rows, c.batch, c.nheads, sm):
         # A paged chunk: the contiguous cache's rule where the forward reads the pages in place (a
         # ChunkPlan with `direct`); after the gather only with paged=True's rows and where the copy fits.
+        # Where the gather would not be taken, boxes smaller than _config.PAGED_DIRECT_MIN_BOX are too.
+        gather = (_config.kvcache_feature_forward(c.seqlen_q, rows, c.batch, c.nheads, sm, paged=True)
+                  and 4 * c.batch * c.capacity * c.nheads_kv * c.head_dim <= _config.KVCACHE_GATHER_MAX_BYTES)
         plan = _CHUNK_PLANS.get(plan_key)
         if plan is None:
-            plan = ChunkPlan(c, infos, options)
+            plan = ChunkPlan(c, infos, options, small_ok=not gather)
             plan.ad = ad
             if len(_CHUNK_PLANS) > 1024:
                 _CHUNK_PLANS.clear()
             _CHUNK_PLANS[plan_key] = plan
-        chunk = plan.direct or (_config.kvcache_feature_forward(c.seqlen_q, rows, c.batch, c.nheads, sm, paged=True)
-                                and 4 * c.batch * c.capacity * c.nheads_kv * c.head_dim
-                                <= _config.KVCACHE_GATHER_MAX_BYTES)
+        chunk = plan.direct or gather
     if not available and not chunk:
         _refuse_gpu(infos["q"], f"attention_with_kvcache at head_dim {c.head_dim} on this GPU (too little shared "
                                 "memory for the decode kernel) with " + ("block_table" if c.paged else
@@ -1762,7 +1763,7 @@ class ChunkPlan:
     on rows [0, batch) of the contiguous cache or on the copy: its Plan made at the first call, then
     run directly (no autograd history: attention_with_kvcache is inference only)."""
 
-    def __init__(self, c: KVCacheCall, infos: dict, options: dict):
+    def __init__(self, c: KVCacheCall, infos: dict, options: dict, small_ok: bool = False):
         import threading
 
         from . import _gpu, _launch
@@ -1803,7 +1804,7 @@ class ChunkPlan:
             extra += [n for n in ("alibi_slopes", "sink_logits") if infos.get(n) is not None
                       and _small_needs_copy(infos[n])]
             copy += extra
-            direct = self._paged_forward(infos, tensor, table, table_stride, dev, cc)
+            direct = self._paged_forward(infos, tensor, table, table_stride, dev, cc, small_ok)
             if direct is None:
                 del copy[len(copy) - len(extra):]
         self.direct = direct is not None
@@ -1843,9 +1844,10 @@ class ChunkPlan:
         self.copy_positions = tuple(_RUN_ARRAYS.index(n) for n in copy)
         self.forward = None  # the feature forward's Plan (its first call makes it)
 
-    def _paged_forward(self, infos, tensor, table, table_stride, dev, cc):
+    def _paged_forward(self, infos, tensor, table, table_stride, dev, cc, small_ok):
         """The feature forward's launches on the paged caches in place (cuflash/_launch.py PagedKV), or
-        None where the warp-specialized feature kernel does not serve the call: its query, key and
+        None where the warp-specialized feature kernel does not serve the call or its boxes would be too
+        small (_config.paged_direct; small_ok: the plan's maker would not gather): its query, key and
         output layouts those of the padded copy the gather would make (batch, capacity, nheads_kv,
         head_dim), kv_lengths the append kernel's L_b."""
         from . import _config, _launch
@@ -1866,7 +1868,7 @@ class ChunkPlan:
                         softcap=f.softcap, total_q=c.seqlen_q, total_k=c.capacity)
         logical = DeviceTensor(Slot(_D_KC), self.padded_shape, contiguous_strides(self.padded_shape))
         paged = PagedKV(tensor("k_cache", _D_KC), tensor("v_cache", _D_VC), Slot(_D_TABLE), table_stride,
-                        table.shape[1])
+                        table.shape[1], small_ok)
         o = DeviceTensor(Slot(_D_OUT), self.out_shape, contiguous_strides(self.out_shape))
         return _launch.fwd_launches(tensor("q", _D_Q), logical, logical, o, Slot(_D_LSE), c.dtype, False, c.scale,
                                     dev, cc, mask=mask, paged=paged)

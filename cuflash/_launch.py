@@ -1140,13 +1140,15 @@ class PagedKV:
     """Paged K and V caches for the warp-specialized feature forward (fwd_launches' `paged`): k and v
     (num_pages, page_size, nheads_kv, head_dim), and batch entry (or packed sequence) b's key t at row
     t % page_size of page block_table[b * table_stride + t // page_size] (the kernel clamps the column
-    to table_cols - 1 and the page to [0, num_pages))."""
+    to table_cols - 1 and the page to [0, num_pages)). small_ok: boxes of fewer rows than
+    _config.PAGED_DIRECT_MIN_BOX are taken too (the caller has no gather to fall back on)."""
 
     k: DeviceTensor
     v: DeviceTensor
     block_table: "int | Slot"
     table_stride: int
     table_cols: int
+    small_ok: bool = False
 
 
 def paged_box_rows(page_size: int, block_n: int) -> int:
@@ -1191,7 +1193,7 @@ def fwd_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTen
         if paged is not None:
             mk, mv = paged.k, paged.v
             kv_rows = paged_box_rows(paged.k.shape[1], ws[0]) if ws else 0
-            if not (ws and _config.paged_direct(kv_rows)):
+            if not (ws and _config.paged_direct(kv_rows, paged.small_ok)):
                 return None
         if ws and _use_tma(mq, mq, 64 * ws[3], dtype, pad) and _use_tma(mk, mv, kv_rows, dtype, pad):
             cfg = _config.TileConfig(64 * ws[3], ws[0], 4 * (1 + ws[3]), wgmma=True)
