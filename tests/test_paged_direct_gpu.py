@@ -134,3 +134,30 @@ def test_paged_direct(monkeypatch, layout, head_dim, dtype, nheads, nheads_kv, o
         assert a.shape == b.shape and np.array_equal(a.view(f"u{a.dtype.itemsize}"), b.view(f"u{b.dtype.itemsize}")), (
             f"{name}: the paged forward differs from the gather route's at "
             f"{int(np.count_nonzero(a.view(f'u{a.dtype.itemsize}') != b.view(f'u{b.dtype.itemsize}')))} elements; {ctx}")
+
+
+@pytest.mark.parametrize("dtype", [FP16, BF16], ids=["fp16", "bf16"])
+def test_paged_short_chunk_small_boxes(monkeypatch, dtype):
+    """A chunk of fewer rows a kv head than the gather route takes (64 positions x GQA 4 = 256), on 16-row
+    pages, by the library's own rules (no switch forced): the contiguous rule gives it the forward, and
+    with no gather to fall back on the forward reads the pages in place with 16-row boxes
+    (_config.paged_direct's small_ok). Against the float64 reference (batch 6, 16 query heads, head_dim
+    128, causal, garbage table entries past each entry's pages)."""
+    from cuflash import _kvcache
+
+    _sm90()
+    _skip_unusable("cuda", dtype)
+    monkeypatch.delenv("CUFLASH_KVCACHE_FORWARD", raising=False)
+    monkeypatch.delenv("CUFLASH_PAGED_DIRECT", raising=False)
+    _fresh_decode_plans(monkeypatch)
+    seed = _new_seed()
+    rng = np.random.default_rng(seed)
+
+    def make():
+        return make_case(rng, dtype=dtype, batch=6, seqlen_q=64, nheads=16, nheads_kv=4, head_dim=128,
+                         layout="paged16", capacity=600, seqlen_new=64,
+                         seqlens=np.array([0, 7, 100, 300, 500, 535], np.int32), table_garbage=True)
+
+    _check(make, "cuda", True, {}, _ctx(seed, dtype=dtype.name))
+    plans = list(_kvcache._CHUNK_PLANS.values())
+    assert plans and all(p.direct for p in plans) and not _kvcache._DECODE_PLANS, (plans, seed)

@@ -2759,6 +2759,42 @@ def test_kvcache_paged_direct_wiring(dev, monkeypatch, page, hd, mode, direct):
     assert not ad.copies, "nothing copied"
 
 
+@pytest.mark.parametrize("mode", ["rule", "0"])
+def test_kvcache_paged_short_chunk_small_boxes(dev, monkeypatch, mode):
+    """A paged chunk with fewer rows a kv head than the gather route takes (64 positions x GQA 4 = 256 <
+    _config.KVCACHE_PAGED_FORWARD_MIN_ROWS; batch 6 x 16 query heads: a share of 0.36, the contiguous
+    rule's forward) on 16-row pages: the forward reads the pages in place with 16-row boxes all the same
+    (_config.paged_direct's small_ok: there is no gather to fall back on), after the append kernel.
+    CUFLASH_PAGED_DIRECT=0: the decode kernels (no gather either)."""
+    from cuflash import _kvcache
+
+    fake_tma_driver(monkeypatch, lambda ptr, i, dims, box, strides: (
+        (ptr >> 4) | (7 << 60) if i == 1 else 1000 * i + dims[1] + box[1] + strides[0]), lambda *a: None)
+    for name in ("CUFLASH_FWD_TMA", "CUFLASH_FWD_WS"):
+        monkeypatch.delenv(name)
+    _kvcache_route(monkeypatch, "rule")
+    _paged_direct_mode(monkeypatch, mode)
+    assert 64 * 4 < _config.KVCACHE_PAGED_FORWARD_MIN_ROWS
+    ad, launched = dev
+    rng = np.random.default_rng()
+    b, sq, h, hk, page, width = 6, 64, 16, 4, 16, 32
+    q = arr(rng, (b, sq, h, 128))
+    kc, vc = arr(rng, (b * width, page, hk, 128)), arr(rng, (b * width, page, hk, 128))
+    table = rng.permutation(b * width).astype(np.int32).reshape(b, width).view(Dev)
+    seqlens = np.full(b, 100, np.int32).view(Dev)
+    k, v = arr(rng, (b, sq, hk, 128)), arr(rng, (b, sq, hk, 128))
+    n0 = len(launched)
+    cuflash.attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, block_table=table, causal=True)
+    names = [L["name"] for L in launched[n0:]]
+    assert "paged_gather" not in names, names
+    if mode == "0":
+        assert not _kvcache._CHUNK_PLANS or not any(p.direct for p in _kvcache._CHUNK_PLANS.values())
+        assert any(n.startswith("decode_") and n != "decode_append" for n in names), names
+        return
+    assert names == ["decode_append", "fwd90ws_f16_d128_m128_n128_s2_feat_pp_paged"], names
+    assert int(launched[-1]["p"]["page_box"]) == 16 and int(launched[-1]["p"]["page_size"]) == 16
+
+
 def test_kvcache_decode_layout_checks(dev, monkeypatch):
     """The decode plan reads q through a copy when the kernels cannot read it in place (here a strided
     last dimension), but never copies a cache (it is written in place): a cache the kernels cannot read
