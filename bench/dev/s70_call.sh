@@ -8,6 +8,7 @@
 #           choice; GPU time and (PROUTE_EAGER, default 20) single eager calls
 #   pprefill  bench/dev/paged_prefill.py: attention_varlen with a block_table, the pages read in place against
 #           the gather and against the keys already packed (GPU time; PP_EAGER single eager calls)
+#   abfeat  bench/dev/fwd_ab_inproc.py with options (AB_OPTS), OLD's tree against this one
 #   STEPS="ptest proute" CALL=c1 bash bench/dev/s70_call.sh
 set -u
 source "$(dirname "${BASH_SOURCE[0]}")/call_env.sh"
@@ -32,6 +33,10 @@ session_step() {
       python3 bench/dev/paged_prefill.py --eager "${PP_EAGER:-10}" --json "$OUT/${N}_pprefill.json" \
         > "$OUT/${N}_pprefill.log" 2>&1
       grep -E " us |Error|error" "$OUT/${N}_pprefill.log" | cut -c1-240 ;;
+    abfeat)  # the forward with options (the warp-specialized feature kernel), OLD against this tree
+      TREES="old=$OLD new=." OPTS="${AB_OPTS:-kvlen=0.9 softcap=30}" ROUNDS="${ROUNDS:-7}" \
+        python3 bench/dev/fwd_ab_inproc.py > "$OUT/${N}_abfeat.log" 2>&1
+      grep -E "kvlen|softcap|^geomean|Error|error" "$OUT/${N}_abfeat.log" | cut -c1-200 ;;
     reager|tsuite) s69_step "$1" ;;
     *) return 1 ;;
   esac
