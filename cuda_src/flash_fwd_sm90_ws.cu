@@ -84,6 +84,15 @@
 // product of each work tile opens consumer 0's turn in the next (one arrival is left unmatched when
 // the block exits), so the turns alternate across work tiles.
 //
+// PAGED (FEAT kernels; cuflash/_launch.py PagedKV): K and V are paged caches (num_pages, page_size,
+// nheads_kv, head_dim), key t of entry (or packed sequence) b at row t % page_size of page
+// block_table[b, t / page_size], the column and the page clamped into the table and the cache; a packed
+// batch's key lengths come from cu_seqlens_k's differences alone (mask.cuh seq_info<PAGED_KEYS>). The
+// maps describe the pages, with boxes of page_box = gcd(page_size, BLOCK_N) rows: the producer's whole
+// first warp runs its loop, lane g looking up the page of the tile's g-th box (before the stage's empty
+// barrier is waited for) and copying that box into its rows of each panel; lane 0 arms the barriers and
+// loads Q. The producer and consumers then split the registers as the SPLIT kernels do (40 / 232).
+//
 // Shared memory: sQ[1, or 2 PERSISTENT] (BLOCK_M x HEAD_DIM), sK[STAGES], sV[STAGES] (BLOCK_N x
 // HEAD_DIM), all SW128 panels (wgmma_util.cuh) filled by TMA (tma.cuh; box {64 columns, rows}: one
 // copy per panel, rows past the tensor's end as zeros), then the barriers. Up to head_dim 128
@@ -156,7 +165,7 @@ struct FwdWsTraits {
     // multiple of 8): 240 with two consumers, 160 with three.
     static constexpr int PRODUCER_REGS = 24;
     static constexpr int CONSUMER_REGS = CONSUMERS == 2 ? 240 : 160;
-    // SPLIT_* (SPLIT kernels, whose producer also takes a split tile's range of key tiles):
+    // SPLIT_* (SPLIT kernels, whose producer also takes a split tile's range of key tiles; PAGED ones too):
     // 40 and 232 with two consumers, the same total ((168 - 40) 128 = (232 - 168) 256); at 24 the
     // producer spilled 4 bytes (one barrier address). The consumers' loops fit 232 as well.
     static constexpr int SPLIT_PRODUCER_REGS = CONSUMERS == 2 ? 40 : PRODUCER_REGS;
@@ -264,8 +273,8 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
         w.split = split;
         w.q_valid = sq;
         w.k_valid = sk;
-        w.qf = query_setup<FEAT, BLOCK_M, BLOCK_N, PAGED>(p.mask, w.blk.b, w.blk.h, w.blk.m0, sq, sk, w.n_blocks, w.q_valid,
-                                                   w.k_valid);
+        w.qf = query_setup<FEAT, BLOCK_M, BLOCK_N, PAGED>(p.mask, w.blk.b, w.blk.h, w.blk.m0, sq, sk, w.n_blocks,
+                                                          w.q_valid, w.k_valid);
         const bool packed = FEAT && p.mask.cu_seqlens_q != nullptr;
         w.tb = packed ? 0 : w.blk.b;
         w.q_row0 = (int)w.qf.si.q_row0;
