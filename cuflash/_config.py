@@ -1013,11 +1013,12 @@ DECODE_TWO_TILES_MIN_BYTES = 128 << 20
 # A paged cache read in place by the warp-specialized feature forward (cuflash/_launch.py PagedKV) takes
 # each key tile's rows in TMA boxes of gcd(page_size, BLOCK_N) rows; where those are fewer than this, the
 # pages are gathered into a padded copy first instead. H200, session 70 (bench/dev/prefill_route.py, bf16,
-# 32 query heads, head_dim 128, causal chunks of 64-128 positions appended, GQA 4-8; GPU time of the forward
-# reading the pages in place over gather + forward): 16-row boxes (16-row pages) 1.01-1.08 at 512-1024
-# rows a kv head (0.90 at 256), 32-row 0.80-0.91, 64-row 0.75-0.83, 128-row (256-row pages) 0.74-0.84;
-# e.g. 16 x 8k x GQA 8 x 128 positions: 16-row pages 609.5 against 585.2 us, 32-row 521.7 against 587.0,
-# 64-row 480.2 against 586.3, 256-row 472.0 against 582.5. A chunk that the gather route would not take
+# 32 query heads, head_dim 128, causal chunks of 16-256 positions appended, GQA 4-8; GPU time of the
+# forward reading the pages in place over gather + forward, at 256 rows a kv head or more): 16-row boxes
+# (16-row pages) 1.00-1.23 from 512 rows (1.00-1.06 where kvcache_feature_forward takes the forward), 32-row
+# 0.80-0.91, 64-row 0.68-0.90, 128-row (256-row pages) 0.74-0.84; e.g. 16 x 8k x GQA 8 x 128 positions:
+# 16-row pages 609.5 against 585.2 us, 32-row 521.7 against 587.0, 64-row 480.2 against 586.3, 256-row
+# 472.0 against 582.5. A chunk that the gather route would not take
 # (fewer rows a kv head than KVCACHE_PAGED_FORWARD_MIN_ROWS, or a copy over KVCACHE_GATHER_MAX_BYTES: the
 # decode kernels otherwise) reads 16-row boxes in place all the same (small_ok): 256 rows, 16-row pages,
 # in place / decode kernels: 16 x 2k x GQA 4 x 64 positions 185.7 / 218.8 us, 4 x 8k x GQA 4 x 64 161.8 /
