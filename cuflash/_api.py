@@ -198,10 +198,14 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
             and <= max_blocks_per_seq * page_size; the table entries a sequence reads (its first
             ceil(length / page_size)) must be in [0, num_blocks), the rest may hold anything, and
             sequences may share blocks (a common prefix). q, out, lse and every option are as
-            without it (masks bottom-right aligned on each sequence's lengths). Forward only, on
-            the CPU path (NumPy, torch or JAX CPU arrays, eager) for now: CUDA arrays, torch inputs
-            that require grad (with grad mode on), and JAX tracers (jax.jit, jax.grad, vmap) raise
-            NotImplementedError before anything runs; the values are checked (ValueError).
+            without it (masks bottom-right aligned on each sequence's lengths). Forward only, eager:
+            torch inputs that require grad (with grad mode on) and JAX tracers (jax.jit, jax.grad,
+            vmap) raise NotImplementedError before anything runs. On the CPU path (NumPy, torch or
+            JAX CPU arrays) the values are checked (ValueError); on the GPU they are not read back
+            (out-of-range block numbers are clamped into the cache), and on sm_90a the pages are read
+            in place where the warp-specialized feature kernel serves the call and its TMA boxes have
+            at least 32 rows (page sizes that are multiples of 32), else gathered into packed arrays
+            first (README, Paged prefill).
     Returns:
         out (total_q, nheads, head_dim), and with return_lse lse (nheads, total_q) float32.
     Gradients flow as for `attention` (torch autograd, JAX eager); `attention_varlen_backward`

@@ -33,10 +33,13 @@ that a repeated decode step skips the checks; the lengths and indices stay on th
 more than 64 packed query rows per kv head (chunked prefill, a long speculative step) takes the training
 forward with kv_lengths instead where that is the faster (_config.kvcache_feature_forward), through a
 `ChunkPlan`: the append kernel writes the new tokens and each entry's length, then the forward reads a
-contiguous cache whose row b is entry b in place, or a paged one's keys gathered into a padded
-contiguous copy (the append done on the way, one launch); cached by signature as the decode plans are. The paged prefill on the GPU
-(`GatherPlan`, cuda_src/paged_gather.cu) gathers each sequence's keys from the pages into packed
-arrays on the device and runs attention_varlen on them.
+contiguous cache whose row b is entry b in place, or on sm_90a a paged one in place through its block
+table (the warp-specialized feature kernel with _launch.PagedKV, where its boxes have enough rows:
+_config.paged_direct), else a paged one's keys gathered into a padded contiguous copy (the append done
+on the way, one launch); cached by signature as the decode plans are. The paged prefill on the GPU
+reads the pages in place the same way (`_PagedVarlenPlan`), else (`GatherPlan`,
+cuda_src/paged_gather.cu) gathers each sequence's keys from the pages into packed arrays on the device
+and runs attention_varlen on them; a repeated signature skips the checks (`_PAGED_FAST`).
 """
 
 from __future__ import annotations
