@@ -2557,6 +2557,12 @@ PAGED_DIRECT_CASES = [(32, 64, "rule", True), (96, 128, "rule", True), (256, 128
 
 
 def _paged_direct_mode(monkeypatch, mode):
+    """The paged tests' setting: tensor maps with the one-word address patch (a stand-in driver), the
+    table's kernels (the warp-specialized forward), and CUFLASH_PAGED_DIRECT `mode` ("rule": unset)."""
+    fake_tma_driver(monkeypatch, lambda ptr, i, dims, box, strides: (
+        (ptr >> 4) | (7 << 60) if i == 1 else 1000 * i + dims[1] + box[1] + strides[0]), lambda *a: None)
+    for name in ("CUFLASH_FWD_TMA", "CUFLASH_FWD_WS"):
+        monkeypatch.delenv(name)
     if mode == "rule":
         monkeypatch.delenv("CUFLASH_PAGED_DIRECT", raising=False)
     else:
@@ -2574,10 +2580,6 @@ def test_paged_prefill_direct_wiring(dev, monkeypatch, page, hd, mode, direct):
     boxes, or CUFLASH_PAGED_DIRECT=0): the two gathers and the kernel without PAGED."""
     from cuflash import _features, _kvcache, _plan, _tma
 
-    fake_tma_driver(monkeypatch, lambda ptr, i, dims, box, strides: (
-        (ptr >> 4) | (7 << 60) if i == 1 else 1000 * i + dims[1] + box[1] + strides[0]), lambda *a: None)
-    for name in ("CUFLASH_FWD_TMA", "CUFLASH_FWD_WS"):
-        monkeypatch.delenv(name)
     _paged_direct_mode(monkeypatch, mode)
     monkeypatch.setattr(_kvcache, "_DIRECT_VARLEN_PLANS", {})
     assert _kvcache._PAGED_TABLE == _plan.FWD_OPT + len(_features.ARRAY_OPTIONS)
@@ -2709,10 +2711,6 @@ def test_kvcache_paged_direct_wiring(dev, monkeypatch, page, hd, mode, direct):
     PAGED, reading the copy."""
     from cuflash import _kvcache, _tma
 
-    fake_tma_driver(monkeypatch, lambda ptr, i, dims, box, strides: (
-        (ptr >> 4) | (7 << 60) if i == 1 else 1000 * i + dims[1] + box[1] + strides[0]), lambda *a: None)
-    for name in ("CUFLASH_FWD_TMA", "CUFLASH_FWD_WS"):
-        monkeypatch.delenv(name)
     _kvcache_route(monkeypatch, "rule")
     _paged_direct_mode(monkeypatch, mode)
     ad, launched = dev
@@ -2768,10 +2766,6 @@ def test_kvcache_paged_short_chunk_small_boxes(dev, monkeypatch, mode):
     CUFLASH_PAGED_DIRECT=0: the decode kernels (no gather either)."""
     from cuflash import _kvcache
 
-    fake_tma_driver(monkeypatch, lambda ptr, i, dims, box, strides: (
-        (ptr >> 4) | (7 << 60) if i == 1 else 1000 * i + dims[1] + box[1] + strides[0]), lambda *a: None)
-    for name in ("CUFLASH_FWD_TMA", "CUFLASH_FWD_WS"):
-        monkeypatch.delenv(name)
     _kvcache_route(monkeypatch, "rule")
     _paged_direct_mode(monkeypatch, mode)
     assert 64 * 4 < _config.KVCACHE_PAGED_FORWARD_MIN_ROWS
