@@ -92,6 +92,13 @@
 // first warp runs its loop, lane g looking up the page of the tile's g-th box (before the stage's empty
 // barrier is waited for) and copying that box into its rows of each panel; lane 0 arms the barriers and
 // loads Q. The producer and consumers then split the registers as the SPLIT kernels do (40 / 232).
+// ILV (PAGED, head_dim 128 or 256; the host takes it for boxes of 16 rows on pages that follow one another
+// in memory, cuflash/_launch.py paged_interleaved): a copy a 16-row box for all of the row's panels, not one
+// a panel. K goes interleaved (each 8-row group's panels side by side, 1024 bytes apart: K's map counts
+// 8-row groups across the pages, a box {64, 8, panels, 2}), so that the S product still steps its 8-row
+// groups at one stride; V goes group-major (each 16-row group's panels one after another, then at 128 a panel of
+// ones: a box {64, 16, panels} of one page), so that P V stays one m64n(HEAD_DIM + 8) product whose last 8
+// columns read that group's ones. The stages keep their sizes.
 //
 // Shared memory: sQ[1, or 2 PERSISTENT] (BLOCK_M x HEAD_DIM), sK[STAGES], sV[STAGES] (BLOCK_N x
 // HEAD_DIM), all SW128 panels (wgmma_util.cuh) filled by TMA (tma.cuh; box {64 columns, rows}: one
@@ -177,7 +184,8 @@ struct FwdWsTraits {
 };
 
 template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES, bool IS_CAUSAL, bool IS_EVEN, bool PINGPONG = false,
-          int CONSUMERS = 2, bool FEAT = false, bool PERSISTENT = false, bool SPLIT = false, bool PAGED = false>
+          int CONSUMERS = 2, bool FEAT = false, bool PERSISTENT = false, bool SPLIT = false, bool PAGED = false,
+          bool ILV = false>
 __global__ void __launch_bounds__(128 * (1 + CONSUMERS), 1)
 flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
     using Tr = FwdWsTraits<HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, PERSISTENT>;
@@ -188,6 +196,19 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
     constexpr int PV_STEPS = BLOCK_N / 16;
     static_assert(!SPLIT || (PERSISTENT && !IS_CAUSAL), "split tiles: the persistent non-causal grid's");
     static_assert(!PAGED || FEAT, "paged caches: the feature kernels (their lengths bound each sequence's keys)");
+    static_assert(!ILV || (PAGED && HEAD_DIM >= 128), "the paged layouts of whole rows: two or more panels");
+    // The K / V stages' layouts (wgmma_util.cuh): SW128 panels, panel after panel; or (ILV) K interleaved,
+    // each 8-row group's panels side by side (as a TMA box of whole rows over 8-row groups lays them out:
+    // K_PANEL bytes between panels, K_GROUP between 8-row groups), and V group-major, each 16-row group's
+    // panels one after another and (ONES_PV) a panel of ones after them (a 5-D box of 16 rows and every
+    // panel: V_PANEL bytes between panels, V_STEP between 16-row groups), so that P V is still one
+    // m64n(HEAD_DIM + 8) product whose last 8 columns read ones. A V stage keeps its bytes: 16-row groups
+    // of (HEAD_DIM / 64 + 1) x 2048 bytes are SKV_BYTES + ONES_PANEL_BYTES.
+    constexpr int K_PANEL = ILV ? 1024 : BLOCK_N * 128;
+    constexpr int K_GROUP = ILV ? HEAD_DIM * 16 : 1024;
+    constexpr int V_PANEL = ILV ? 2048 : BLOCK_N * 128;
+    constexpr int V_STEP = ILV ? (HEAD_DIM / 64 + (Tr::ONES_PV ? 1 : 0)) * 2048 : 2048;
+    static_assert(!ILV || (BLOCK_N / 16) * V_STEP == Tr::SV_BYTES, "the group-major V stage");
     // Each consumer visits only its own rows' key tiles (below, at n_mine): the three-consumer kernels
     // (head_dim 64) of a block per query block, without FEAT (whose tiles and rows come from the options'
     // masks). (Pingpong pairs two consumers' products tile by tile. At head_dim 256, two consumers
@@ -300,9 +321,16 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
         fence_mbar_init();
     }
     if constexpr (Tr::ONES_PV) {
-        // every stage's ones panel (all 64 columns, so the swizzle may put column 0 anywhere)
-        for (int st = 0; st < STAGES; ++st)
-            fill_ones_bytes<T>(sV + st * Tr::SV_BYTES + Tr::SKV_BYTES, Tr::ONES_PANEL_BYTES, tid, Tr::THREADS);
+        // every stage's ones panel (all 64 columns, so the swizzle may put column 0 anywhere); ILV: each
+        // 16-row group's, after its panels
+        for (int st = 0; st < STAGES; ++st) {
+            if constexpr (ILV) {
+                for (int g16 = 0; g16 < BLOCK_N / 16; ++g16)
+                    fill_ones_bytes<T>(sV + st * Tr::SV_BYTES + g16 * V_STEP + V_STEP - 2048, 2048, tid, Tr::THREADS);
+            } else {
+                fill_ones_bytes<T>(sV + st * Tr::SV_BYTES + Tr::SKV_BYTES, Tr::ONES_PANEL_BYTES, tid, Tr::THREADS);
+            }
+        }
         fence_proxy_async();
     }
     __syncthreads();  // barriers initialized, the ones written: the warpgroups go their ways
@@ -347,28 +375,42 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
                 // the page of key n + g page_box, looked up before the stage is free (the table read's
                 // latency under the wait) and serving the K and the V copy; lane 0 arms the barrier, then
                 // the lanes issue their boxes, which land at their rows of the stage's panels (the SW128
-                // pattern, 1024-byte atoms of 8 rows, lays them out as one tile-sized box would).
+                // pattern, 1024-byte atoms of 8 rows, lays them out as one tile-sized box would). ILV: lane g
+                // looks up the page of keys [16 g, 16 g + 16) of the tile; V, a box of those 16 rows' panels,
+                // (columns, rows, panels, head, page), at its 16-row group; K, where a box of page_box rows
+                // starts, a box of whole rows over 8-row groups numbered across the pages, (columns, 8 rows,
+                // panels, 8-row groups, head), at its rows (one copy a page of the tile, not one a panel).
                 const int* table_row = PAGED ? p.block_table + (i64)w.blk.b * p.table_stride : nullptr;
-                auto load_paged = [&](u32 dst, const TmaDesc* map, u32 full, u32 empty, int use, int page, int row) {
+                auto load_paged = [&](u32 dst, const TmaDesc* map, u32 full, u32 empty, int use, int page, int row,
+                                      bool is_v) {
                     if (use > 0) mbar_wait(empty, (use - 1) & 1);
                     if (lane == 0) mbar_arrive_expect_tx(full, Tr::SKV_BYTES);
                     __syncwarp();
-                    if (lane * p.page_box < BLOCK_N) {
+                    if (ILV ? lane < BLOCK_N / 16 && (is_v || (lane * 16) % p.page_box == 0)
+                            : lane * p.page_box < BLOCK_N) {
+                        if constexpr (ILV) {
+                            if (is_v)
+                                tma_load_5d(dst + lane * V_STEP, map, full, 0, row, 0, w.blk.h_kv, page);
+                            else
+                                tma_load_5d(dst + lane * 16 * HEAD_DIM * 2, map, full, 0, 0, 0,
+                                            page * (p.page_size >> 3) + (row >> 3), w.blk.h_kv);
+                        } else {
 #pragma unroll
-                        for (int c = 0; c < HEAD_DIM / 64; ++c)
-                            tma_load_4d(dst + c * BLOCK_N * 128 + lane * p.page_box * 128, map, full, c * 64, row,
-                                        w.blk.h_kv, page);
+                            for (int c = 0; c < HEAD_DIM / 64; ++c)
+                                tma_load_4d(dst + c * BLOCK_N * 128 + lane * p.page_box * 128, map, full, c * 64, row,
+                                            w.blk.h_kv, page);
+                        }
                     }
                 };
                 for (int j = 0; j < w.n_blocks; ++j) {
                     const int jj = j0 + j, s = jj % STAGES, uk = jj / STAGES;
                     const int n = (FEAT ? w.qf.kt.tile(j) : j) * BLOCK_N;
                     if constexpr (PAGED) {
-                        const int t = n + min(lane * p.page_box, BLOCK_N - 1), pg = t / p.page_size;
+                        const int t = n + min(lane * (ILV ? 16 : p.page_box), BLOCK_N - 1), pg = t / p.page_size;
                         const int page = min(max(__ldg(table_row + min(pg, p.table_cols - 1)), 0), p.num_pages - 1);
                         const int row = t - pg * p.page_size;
-                        load_paged(sK + s * Tr::SKV_BYTES, &p.map_k, k_full(s), k_empty(s), uk, page, row);
-                        load_paged(sV + s * Tr::SV_BYTES, &p.map_v, v_full(s), v_empty(s), uk, page, row);
+                        load_paged(sK + s * Tr::SKV_BYTES, &p.map_k, k_full(s), k_empty(s), uk, page, row, false);
+                        load_paged(sV + s * Tr::SV_BYTES, &p.map_v, v_full(s), v_empty(s), uk, page, row, true);
                     } else {
                         load_kv(sK + s * Tr::SKV_BYTES, &p.map_k, k_full(s), k_empty(s), uk, n);
                         load_kv(sV + s * Tr::SV_BYTES, &p.map_v, v_full(s), v_empty(s), uk, n);
@@ -444,6 +486,10 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
         u32 pa[PV_STEPS][4];  // P of the previous tile, as wgmma A fragments (one per k16 step of keys)
 #pragma unroll
         for (int kk = 0; kk < PV_STEPS; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
+        // O += P V from the V stage sp (ONES_PV: with P x ones in acc_o's last 4 floats).
+        auto pv_product = [&](int sp) {
+            wgmma_rs_mnmajor<T, PV_N, PV_STEPS, BLOCK_N, V_PANEL, 1024, V_STEP>(acc_o, pa, sV + sp * Tr::SV_BYTES);
+        };
 
         // Pingpong: consumer 0 issues first (consumer 1's arrival opens its turn; none without a tile).
         // On the persistent grid only before the block's first products: from then on consumer 1's
@@ -471,10 +517,11 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
             float sc_[BLOCK_N / 2];
             if constexpr (PINGPONG) named_barrier_sync(PP_BAR + cw, 256);  // this consumer's turn
             wgmma_fence();
-            wgmma_ss_kmajor<T, BLOCK_N, HEAD_DIM, BLOCK_M, BLOCK_N>(sc_, sQ_wg, sK + s * Tr::SKV_BYTES);
+            wgmma_ss_kmajor<T, BLOCK_N, HEAD_DIM, BLOCK_M, BLOCK_N, K_PANEL, K_GROUP>(sc_, sQ_wg,
+                                                                                  sK + s * Tr::SKV_BYTES);
             wgmma_commit();
             if (!first) {
-                wgmma_rs_mnmajor<T, PV_N, PV_STEPS, BLOCK_N>(acc_o, pa, sV + sp * Tr::SV_BYTES);
+                pv_product(sp);
                 wgmma_commit();
             }
             if constexpr (PINGPONG) named_barrier_arrive(PP_BAR + 1 - cw, 256);  // the other's turn
@@ -536,14 +583,15 @@ flash_fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
                 // the same zeros, each before its own product.
                 const int n_last = tile_of(n_blocks - 1) * BLOCK_N;
                 if (n_last + BLOCK_N > w.k_valid) {
-                    zero_rows_sw128<HEAD_DIM, BLOCK_N>(sV + sp * Tr::SV_BYTES, max(w.k_valid - n_last, 0), tid % 128, 128);
+                    zero_rows_sw128<HEAD_DIM, BLOCK_N, ILV ? V_STEP : 0>(sV + sp * Tr::SV_BYTES,
+                                                                         max(w.k_valid - n_last, 0), tid % 128, 128);
                     fence_proxy_async();
                     named_barrier_sync(1 + cw, 128);
                 }
             }
             if constexpr (PINGPONG) named_barrier_sync(PP_BAR + cw, 256);
             wgmma_fence();
-            wgmma_rs_mnmajor<T, PV_N, PV_STEPS, BLOCK_N>(acc_o, pa, sV + sp * Tr::SV_BYTES);
+            pv_product(sp);
             wgmma_commit();
             // Consumer 1 goes last: nothing waits for a turn after its final product, but (PERSISTENT)
             // consumer 0's first products of the next work tile (after the block's last work tile the

@@ -135,19 +135,26 @@ template <int N> __device__ __forceinline__ void fence_regs(u32 (&r)[N][4]) {
 //       rows (= K) starting at b_base: P V, P^T dO, dS^T Q.
 // Each step's descriptors are the first step's plus the byte offset / 16 in the start-address field
 // (desc_plus), so a step costs one 32-bit add where make_smem_desc's mask and shift cost four.
-template <typename T, int N, int K_DIM, int A_ROWS, int B_ROWS>
+// B_PANEL / B_GROUP: the bytes between B's 64-column panels and between its 8-row groups, and (MN-major)
+// B_STEP between its k16 steps (16 rows); by default those of the SW128 panel layout above (B_ROWS *
+// 128, 1024, 2048). The paged forward's layouts (flash_fwd_sm90_ws.cu ILV) keep a few rows' panels
+// together: K interleaved (an 8-row group's panels side by side: B_PANEL 1024, B_GROUP 1024 x the
+// panels), V group-major (a 16-row group's panels one after another: B_PANEL 2048, B_STEP the group's
+// bytes).
+template <typename T, int N, int K_DIM, int A_ROWS, int B_ROWS, int B_PANEL = B_ROWS * 128, int B_GROUP = 1024>
 __device__ __forceinline__ void wgmma_ss_kmajor(float (&acc)[N / 2], u32 a_base, u32 b_base) {
-    const u64 da = make_smem_desc(a_base, 16, 1024), db = make_smem_desc(b_base, 16, 1024);
+    const u64 da = make_smem_desc(a_base, 16, 1024), db = make_smem_desc(b_base, 16, B_GROUP);
 #pragma unroll
     for (int kk = 0; kk < K_DIM / 16; ++kk)
         Wgmma<T, N>::template ss<0, 0>(acc, desc_plus(da, (kk / 4) * A_ROWS * 128 + (kk % 4) * 32),
-                                       desc_plus(db, (kk / 4) * B_ROWS * 128 + (kk % 4) * 32), kk > 0);
+                                       desc_plus(db, (kk / 4) * B_PANEL + (kk % 4) * 32), kk > 0);
 }
-template <typename T, int N, int K_STEPS, int B_ROWS>
+template <typename T, int N, int K_STEPS, int B_ROWS, int B_PANEL = B_ROWS * 128, int B_GROUP = 1024,
+          int B_STEP = 2 * B_GROUP>
 __device__ __forceinline__ void wgmma_rs_mnmajor(float (&acc)[N / 2], const u32 (&a)[K_STEPS][4], u32 b_base) {
-    const u64 db = make_smem_desc(b_base, B_ROWS * 128, 1024);
+    const u64 db = make_smem_desc(b_base, B_PANEL, B_GROUP);
 #pragma unroll
-    for (int kk = 0; kk < K_STEPS; ++kk) Wgmma<T, N>::template rs<1>(acc, a[kk], desc_plus(db, kk * 16 * 128), 1);
+    for (int kk = 0; kk < K_STEPS; ++kk) Wgmma<T, N>::template rs<1>(acc, a[kk], desc_plus(db, kk * B_STEP), 1);
 }
 
 // O (64 columns) and its row sums: acc[0..31] += P V, acc[32..35] += P x ones, one m64n72k16
@@ -174,13 +181,18 @@ __device__ __forceinline__ void wgmma_rs_mnmajor_ones(float (&acc)[36], const u3
 }
 
 // Rows [row_from, ROWS) of a SW128 tile (all HEAD_DIM / 64 panels) set to zero by nthreads threads
-// (this one is number i); the caller fences them for the async proxy.
-template <int HEAD_DIM, int ROWS>
+// (this one is number i); the caller fences them for the async proxy. GROUP16 != 0: the group-major
+// layout (16-row groups GROUP16 bytes apart, each group's panels 2048 bytes apart; wgmma_rs_mnmajor).
+template <int HEAD_DIM, int ROWS, int GROUP16 = 0>
 __device__ __forceinline__ void zero_rows_sw128(u32 tile, int row_from, int i, int nthreads) {
     constexpr int CHUNKS = HEAD_DIM / 8;
-    for (int c = i; c < (ROWS - row_from) * CHUNKS; c += nthreads)
-        asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};"
-                     :: "r"(tile + sw128_offset(row_from + c / CHUNKS, c % CHUNKS, ROWS)), "r"(0u) : "memory");
+    for (int c = i; c < (ROWS - row_from) * CHUNKS; c += nthreads) {
+        const int row = row_from + c / CHUNKS, chunk = c % CHUNKS;
+        const u32 off = GROUP16 ? (u32)((row >> 4) * GROUP16 + (chunk >> 3) * 2048 + (row & 15) * 128 +
+                                        (((chunk & 7) ^ (row & 7)) << 4))
+                                : sw128_offset(row, chunk, ROWS);
+        asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};" :: "r"(tile + off), "r"(0u) : "memory");
+    }
 }
 
 // cp.async copy of ROWS x COLS (16-bit) from global memory (row stride in elements) into a SW128

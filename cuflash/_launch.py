@@ -260,25 +260,29 @@ def fwd_specialization(dtype: str, head_dim: int, cfg: _config.TileConfig, causa
 
 def fwd_ws_specialization(dtype: str, head_dim: int, causal: bool, even: bool, block_n: int, stages: int,
                           pingpong: bool = False, consumers: int = 2, feat: bool = False, persistent: bool = False,
-                          split: bool = False, paged: bool = False):
+                          split: bool = False, paged: bool = False, ilv: bool = False):
     """(spec, smem) of the warp-specialized sm_90a forward (cuda_src/flash_fwd_sm90_ws.cu); pingpong:
     its schedule that alternates the two consumers at the tensor cores; consumers: 2 or 3 warpgroups
     of 64 query rows; feat: the optional features (causal and even must then be False); persistent:
     one block per SM walking the query blocks (plain calls); split (persistent, non-causal): on a work
     list whose last tiles may come cut along their key tiles (cuflash/_schedule.py split_schedule);
-    paged (feat): K and V read from paged caches through a block table (FwdWsParams, PAGED)."""
+    paged (feat): K and V read from paged caches through a block table (FwdWsParams, PAGED); ilv (paged,
+    head_dim 128 or 256): in boxes of whole rows, K into the interleaved layout and V group-major (ILV;
+    paged_interleaved)."""
     short, ctype = _DTYPE_TAG[dtype]
     bn = block_n
     assert not (feat and persistent) and not (split and (causal or not persistent)) and not (paged and not feat)
+    assert not ilv or (paged and head_dim >= 128)
     smem = _config.fwd_ws_smem_bytes(head_dim, bn, stages, consumers, persistent)
     flags = f"{'true' if causal else 'false'}, {'true' if even else 'false'}, {'true' if pingpong else 'false'}"
     expr = f"cuflash::flash_fwd_sm90_ws_kernel<{ctype}, {head_dim}, {bn}, {stages}, {flags}, {consumers}"
-    expr += (", true, false, false, true>" if paged else ", true>" if feat else ", false, true, true>" if split
-             else ", false, true>" if persistent else ">")
+    expr += (", true, false, false, true, true>" if ilv else ", true, false, false, true>" if paged
+             else ", true>" if feat else ", false, true, true>" if split else ", false, true>" if persistent else ">")
     kind = "feat" if feat else f"{'causal' if causal else 'full'}_{'even' if even else 'ragged'}"
     assert not (feat and (causal or even)), (causal, even)
     name = (f"fwd90ws_{short}_d{head_dim}_m{64 * consumers}_n{bn}_s{stages}_{kind}{'_pp' if pingpong else ''}"
-            f"{'_pers' if persistent else ''}{'_split' if split else ''}{'_paged' if paged else ''}")
+            f"{'_pers' if persistent else ''}{'_split' if split else ''}{'_paged' if paged else ''}"
+            f"{'_ilv' if ilv else ''}")
     pers = ", true" if persistent else ""
     checks = "\n".join([
         _FWD_WS_CHECKS_PARAMS,
@@ -315,8 +319,9 @@ def all_fwd_ws_specializations(target: str, head_dims=None, dtypes=None, causal=
                                 for pp in (pingpong if pingpong is not None else (cfg[2],)) for e in (False, True)
                                 for sp in splits if not (pp and cfg[3] != 2)]
             fcfg = _config.fwd_ws_feat_config(d, False)
-            if fcfg is not None:  # (and its twin for paged caches: PagedKV)
-                out += [fwd_ws_specialization(dtype, d, False, False, *fcfg, feat=True, paged=pg) for pg in (False, True)]
+            if fcfg is not None:  # (and its twins for paged caches: PagedKV; from head_dim 128 two layouts)
+                out += [fwd_ws_specialization(dtype, d, False, False, *fcfg, feat=True, paged=pg, ilv=il)
+                        for pg, il in ((False, False), (True, False), (True, True)) if not il or d >= 128]
     return out
 
 
@@ -1151,6 +1156,23 @@ class PagedKV:
     small_ok: bool = False
 
 
+def paged_interleaved(paged: PagedKV, kernel_dim: int, box_rows: int) -> bool:
+    """Whether the paged forward copies the pages in boxes of whole rows (flash_fwd_sm90_ws.cu ILV: K in a
+    box of 16 rows over 8-row groups into the interleaved layout, V in a box of 16 rows into a 16-row
+    group, rather than each in a box per 64-column panel): boxes of 16 rows (16- and 48-row pages), at
+    head_dim 128 or 256 with no pad-up (a box of whole rows would read past a row's head_dim columns), on
+    pages that follow one another in memory (K's map numbers the 8-row groups across the pages:
+    _tma.kv_map_args' ilv). H200, session 71 (bench/dev/paged_prefill.py, 16-row pages, bf16, head_dim
+    128, GQA 8): 0.88-0.92x the time of a box a panel; with boxes of 32 rows or more 1.00-1.07x, whose
+    slabs of 8 rows the TMA unit copies slower than a panel's whole box. CUFLASH_PAGED_ILV=0: never
+    (A/B)."""
+    import os
+
+    num_pages, page_size, _, head_dim = paged.k.shape
+    return (os.environ.get("CUFLASH_PAGED_ILV") != "0" and box_rows == 16 and kernel_dim >= 128
+            and head_dim == kernel_dim and all(t.strides[0] == page_size * t.strides[1] for t in (paged.k, paged.v)))
+
+
 def paged_box_rows(page_size: int, block_n: int) -> int:
     """The rows of a paged forward's K / V boxes: the largest that divides both the page and the key
     tile, so that no box crosses a page and a tile is whole boxes (page sizes are multiples of 16)."""
@@ -1190,15 +1212,17 @@ def fwd_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTen
             mq, mk, mv = (_one_sequence(t, n) for t, n in ((q, mask.total_q), (k, mask.total_k), (v, mask.total_k)))
         pad = pad_dim is not None
         kv_rows = ws[0] if ws else 0  # the K / V maps' box rows
+        ilv = False
         if paged is not None:
             mk, mv = paged.k, paged.v
             kv_rows = paged_box_rows(paged.k.shape[1], ws[0]) if ws else 0
+            ilv = bool(ws) and paged_interleaved(paged, kernel_dim, kv_rows)
             if not (ws and _config.paged_direct(kv_rows, paged.small_ok)):
                 return None
         if ws and _use_tma(mq, mq, 64 * ws[3], dtype, pad) and _use_tma(mk, mv, kv_rows, dtype, pad):
             cfg = _config.TileConfig(64 * ws[3], ws[0], 4 * (1 + ws[3]), wgmma=True)
             spec, smem = fwd_ws_specialization(dtype, kernel_dim, False, False, *ws, feat=True,
-                                               paged=paged is not None)
+                                               paged=paged is not None, ilv=ilv)
         elif paged is not None:
             return None
         else:
@@ -1290,8 +1314,13 @@ def fwd_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTen
     if tma or ws:
         from . import _tma
 
-        maps = [(name, t.ptr, _tma.MapCache(t.shape, t.strides, rows, dtype)) for name, t, rows in
-                (("map_k", mk, kv_rows), ("map_v", mv, kv_rows)) + ((("map_q", mq, cfg.block_m),) if ws else ())]
+        # ILV (the paged layouts of whole rows): K's map over 8-row groups (kv_map_args' ilv), V's boxes of 16
+        # rows and every panel (its panels argument)
+        ilv = spec.name.endswith("_ilv")
+        maps = [(name, t.ptr, _tma.MapCache(t.shape, t.strides, rows, dtype, **kw)) for name, t, rows, kw in
+                (("map_k", mk, kv_rows, {"ilv": ilv}),
+                 ("map_v", mv, 16 if ilv else kv_rows, {"panels": mv.shape[3] // 64} if ilv else {}))
+                + ((("map_q", mq, cfg.block_m, {}),) if ws else ())]
         if persistent and causal and _config.fwd_sched():
             # The blocks' work lists (cuflash/_schedule.py; the kernel's pairs where there is none)
             from ._schedule import causal_schedule

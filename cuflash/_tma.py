@@ -141,14 +141,20 @@ def ensure_context(device_id: int) -> None:
         lib.cuCtxSetCurrent(ctx)
 
 
-def kv_map_args(ptr: int, shape, strides, rows: int, dtype: str, panels: int = 1):
+def kv_map_args(ptr: int, shape, strides, rows: int, dtype: str, panels: int = 1, ilv: bool = False):
     """(dims, strides in bytes, box) of `kv_map`'s encode: a (batch, seqlen, heads, head_dim) tensor
     with element strides (batch, row, head, 1) as 4-D (head_dim, seqlen, heads, batch), box {64, rows,
     1, 1}. head_dim must be a multiple of 8; a kernel copies one 64-column panel at a time, and where
     head_dim is not a multiple of 64 (head_dim pad-up) the columns past it arrive as zeros.
     panels > 1 (head_dim = 64 * panels): 5-D (64, seqlen, panels, heads, batch), box {64, rows,
     panels, 1, 1}: one copy fills the `panels` SW128 panels of `rows` rows, one after another (the
-    paged decode's 16-key groups, cuda_src/flash_decode.cu)."""
+    paged decode's 16-key groups, cuda_src/flash_decode.cu).
+    ilv (a paged cache (num_pages, page_size, heads, head_dim) whose pages follow one another, batch
+    stride = page_size x row stride; head_dim a multiple of 64, rows of 8): 5-D (64, 8, head_dim / 64,
+    num_pages * page_size / 8, heads), box {64, 8, head_dim / 64, rows / 8, 1}, the rows numbered
+    across the pages in 8-row groups: one copy fills `rows` whole rows with each 8-row group's panels
+    together (the interleaved layout of the paged forward, cuda_src/flash_fwd_sm90_ws.cu ILV); the
+    coordinate of page p's row r is (0, 0, 0, (p * page_size + r) / 8, head)."""
     batch, seqlen, heads, head_dim = shape
     bs, rs, hs, es = strides
     if es != 1:
@@ -158,6 +164,13 @@ def kv_map_args(ptr: int, shape, strides, rows: int, dtype: str, panels: int = 1
                          f"kernel's columns past it read as zeros); got {head_dim}")
     if dtype not in _DTYPES:
         raise ValueError(f"tensor map: expected a 16-bit dtype {sorted(_DTYPES)}; got {dtype}")
+    if ilv:
+        if head_dim % 64 or rows % 8 or seqlen % 8 or bs != seqlen * rs:
+            raise ValueError(f"tensor map: the interleaved layout needs head_dim a multiple of 64, rows and the "
+                             f"page a multiple of 8, pages one after another (batch stride page_size x row "
+                             f"stride); got shape {tuple(shape)}, strides {tuple(strides)}, rows {rows}")
+        p = head_dim // 64
+        return (64, 8, p, batch * seqlen // 8, heads), (2 * rs, 128, 16 * rs, 2 * hs), (64, 8, p, rows // 8, 1)
     if panels > 1:
         if head_dim != 64 * panels:
             raise ValueError(f"tensor map: expected head_dim {64 * panels} for {panels} panels in one box; got "
@@ -166,9 +179,9 @@ def kv_map_args(ptr: int, shape, strides, rows: int, dtype: str, panels: int = 1
     return (head_dim, seqlen, heads, batch), (2 * rs, 2 * hs, 2 * bs), (64, rows, 1, 1)
 
 
-def kv_map(ptr: int, shape, strides, rows: int, dtype: str, panels: int = 1) -> bytes:
+def kv_map(ptr: int, shape, strides, rows: int, dtype: str, panels: int = 1, ilv: bool = False) -> bytes:
     """The tensor map of a K- or V-like tensor for panel-wise TMA loads (see the module docstring)."""
-    dims, strides_bytes, box = kv_map_args(ptr, shape, strides, rows, dtype, panels)
+    dims, strides_bytes, box = kv_map_args(ptr, shape, strides, rows, dtype, panels, ilv)
     return encode_tiled(ptr, dtype, dims, strides_bytes, box)
 
 
@@ -229,13 +242,13 @@ def learn_patch(encode) -> MapPatch | None:
     return None
 
 
-def layout_patch(shape, strides, rows: int, dtype: str, panels: int = 1) -> MapPatch | None:
+def layout_patch(shape, strides, rows: int, dtype: str, panels: int = 1, ilv: bool = False) -> MapPatch | None:
     """learn_patch for kv_map's layout, learned once per process and layout."""
-    key = (tuple(shape), tuple(strides), rows, dtype, panels)
+    key = (tuple(shape), tuple(strides), rows, dtype, panels, ilv)
     with _patches_lock:
         if key in _patches:
             return _patches[key]
-    dims, strides_bytes, box = kv_map_args(16, shape, strides, rows, dtype, panels)
+    dims, strides_bytes, box = kv_map_args(16, shape, strides, rows, dtype, panels, ilv)
     try:
         patch = learn_patch(lambda ptr: encode_tiled(ptr, dtype, dims, strides_bytes, box))
     except TmaNoContext:
@@ -251,11 +264,11 @@ class MapCache:
     otherwise each new pointer costs an encode, and the cache keeps the most recent `size` maps (a
     training loop's activations come with ever new pointers)."""
 
-    def __init__(self, shape, strides, rows: int, dtype: str, size: int = 8, panels: int = 1):
+    def __init__(self, shape, strides, rows: int, dtype: str, size: int = 8, panels: int = 1, ilv: bool = False):
         self.shape, self.strides, self.rows, self.dtype, self.size = tuple(shape), tuple(strides), rows, dtype, size
-        self.panels = panels
-        kv_map_args(16, shape, strides, rows, dtype, panels)  # the layout's errors now, not at the first call
-        self.patch = layout_patch(shape, strides, rows, dtype, panels)
+        self.panels, self.ilv = panels, ilv
+        kv_map_args(16, shape, strides, rows, dtype, panels, ilv)  # the layout's errors now, not at the first call
+        self.patch = layout_patch(shape, strides, rows, dtype, panels, ilv)
         self._maps: dict[int, bytes] = {}
 
     def get(self, ptr: int) -> bytes:
@@ -263,7 +276,7 @@ class MapCache:
             return self.patch.map(ptr)
         m = self._maps.get(ptr)
         if m is None:
-            m = kv_map(ptr, self.shape, self.strides, self.rows, self.dtype, self.panels)
+            m = kv_map(ptr, self.shape, self.strides, self.rows, self.dtype, self.panels, self.ilv)
             if len(self._maps) >= self.size:
                 self._maps.pop(next(iter(self._maps)))
             self._maps[ptr] = m
