@@ -97,16 +97,21 @@ def _all_specs(kind, target):
         n_three_p = sum(cfg[3] == 3 for cfg in _config.FWD_WS_PERSISTENT_TABLE.values())
         # ... the persistent non-causal ones once more as split kernels (cuflash/_schedule.py
         # split_schedule), with two FEAT kernels per head_dim of FWD_WS_FEAT_TABLE (contiguous, and paged
-        # caches read through a block table: _launch.PagedKV).
+        # caches read through a block table: _launch.PagedKV), and from head_dim 128 a third (paged, in
+        # boxes of whole rows: the interleaved layout, "_paged_ilv").
         n_split = sum(4 if cfg[3] == 2 else 2 for (d, c), cfg in _config.FWD_WS_PERSISTENT_TABLE.items() if not c)
+        n_ilv = sum(d >= 128 for d in _config.FWD_WS_FEAT_TABLE)
+        assert n_ilv == 2
         assert len(ws_fwd) == (len(_config.DTYPES) * (len(_config.FWD_WS_TABLE) * 4 - 2 * n_three
                                                       + len(_config.FWD_WS_PERSISTENT_TABLE) * 4 - 2 * n_three_p
-                                                      + n_split + 2 * len(_config.FWD_WS_FEAT_TABLE))
+                                                      + n_split + 2 * len(_config.FWD_WS_FEAT_TABLE) + n_ilv)
                                if target == "sm_90a" else 0)
         assert sum(spec.name.endswith("_split") for spec, _ in ws_fwd) == (len(_config.DTYPES) * n_split
                                                                           if target == "sm_90a" else 0)
         assert sum(spec.name.endswith("_paged") for spec, _ in ws_fwd) == (
             len(_config.DTYPES) * len(_config.FWD_WS_FEAT_TABLE) if target == "sm_90a" else 0)
+        assert sum(spec.name.endswith("_paged_ilv") for spec, _ in ws_fwd) == (
+            len(_config.DTYPES) * n_ilv if target == "sm_90a" else 0)
         assert len({spec.name for spec, _ in ws_fwd}) == len(ws_fwd)
         # ... and the dK/dV kernel's TMA variant (CUFLASH_BWD_TMA=1).
         tma_bwd = _launch.all_bwd_tma_specializations(target)

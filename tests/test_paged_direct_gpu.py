@@ -1,7 +1,7 @@
 """attention_with_kvcache's chunks on a paged cache read in place by the warp-specialized feature forward
 (cuflash/_kvcache.py ChunkPlan with cuflash/_launch.py PagedKV; cuda_src/flash_fwd_sm90_ws.cu, PAGED: each
-key tile's rows in boxes of gcd(page_size, BLOCK_N) rows, each from the page the block table names), on an
-sm_90a GPU. Each case runs the chunk route (CUFLASH_KVCACHE_FORWARD=1) and is checked
+key tile's rows in boxes of gcd(page_size, BLOCK_N) rows, each from the page the block table names; ILV:
+16-row boxes of whole rows), on an sm_90a GPU. Each case runs the chunk route (CUFLASH_KVCACHE_FORWARD=1) and is checked
 
 - against the float64 reference as tests/test_kvcache_device.py checks every layout (the caches bit for
   bit after the append, slots that hold no key NaN, out within 2x the naive input-dtype error + 1e-5,
@@ -63,6 +63,7 @@ CASES = [
     ("paged64", 96, BF16, 16, 4, "scale", True, 70, 300, False, "rule"),  # head_dim pad-up to 128
     ("paged64", 128, FP16, 16, 8, "window", True, 70, 1500, True, "rule"),
     ("paged256", 128, BF16, 16, 2, "narrow", True, 70, 300, False, "1"),
+    ("paged16", 256, BF16, 16, 2, "softcap", True, 70, 400, True, "1"),  # 16-row boxes of whole rows at 256
 ]
 
 
@@ -161,3 +162,61 @@ def test_paged_short_chunk_small_boxes(monkeypatch, dtype):
     _check(make, "cuda", True, {}, _ctx(seed, dtype=dtype.name))
     plans = list(_kvcache._CHUNK_PLANS.values())
     assert plans and all(p.direct for p in plans) and not _kvcache._DECODE_PLANS, (plans, seed)
+
+
+# (layout, head_dim, dtype, variant): 16-row boxes (16- and 48-row pages) into SW128 panels, one box a
+# 64-column panel (cuflash/_launch.py paged_interleaved: CUFLASH_PAGED_ILV=0, "panels", or pages that lie
+# apart in memory, "gaps": a view with a NaN-filled gap after each page), rather than in boxes of whole rows
+# (K interleaved, V group-major), which such boxes take at head_dim 128 and 256 in the cases above.
+LAYOUT_CASES = [("paged16", 128, BF16, "panels"), ("paged48", 256, FP16, "panels"), ("paged16", 128, FP16, "gaps"),
+                ("paged48", 256, BF16, "gaps")]
+
+
+@pytest.mark.parametrize("layout,head_dim,dtype,variant", LAYOUT_CASES,
+                         ids=[f"{c[0]}-d{c[1]}-{'bf16' if c[2] == BF16 else 'fp16'}-{c[3]}" for c in LAYOUT_CASES])
+def test_paged_layouts(monkeypatch, layout, head_dim, dtype, variant):
+    """The same chunk (batch 3, 70 positions, 16 query heads, 2 kv heads, causal, the tokens appended) read in
+    place into SW128 panels (the variant), read in place into the interleaved layout (the caches' pages
+    following one another), and through the gather route: out, lse and the caches after the append bit for
+    bit equal across the three, and each plan's forward the kernel of its layout ("_paged" / "_paged_ilv")."""
+    from cuflash import _kvcache
+
+    _sm90()
+    _skip_unusable("cuda", dtype)
+    seed = _new_seed()
+    rng = np.random.default_rng(seed)
+    ctx = _ctx(seed, layout=layout, head_dim=head_dim, variant=variant)
+    case = make_case(rng, dtype=dtype, batch=3, seqlen_q=70, nheads=16, nheads_kv=2, head_dim=head_dim,
+                     layout=layout, capacity=400, seqlen_new=70, seqlens=np.array([0, 133, 329], np.int32))
+
+    def gapped(t):
+        g = torch.full((t.shape[0], 2 * t.shape[1]) + tuple(t.shape[2:]), float("nan"), dtype=t.dtype, device=t.device)
+        g[:, :t.shape[1]] = t
+        return g[:, :t.shape[1]]
+
+    got = {}
+    for route in ("variant", "ilv", "gather"):
+        _route(monkeypatch, "0" if route == "gather" else "1")
+        if route == "variant" and variant == "panels":
+            monkeypatch.setenv("CUFLASH_PAGED_ILV", "0")
+        else:
+            monkeypatch.delenv("CUFLASH_PAGED_ILV", raising=False)
+        args = {n: _to(x, "cuda") for n, x in case.args().items()}
+        if route != "ilv" and variant == "gaps":
+            args["k_cache"], args["v_cache"] = gapped(args["k_cache"]), gapped(args["v_cache"])
+        out, lse = _kvcache.attention_with_kvcache(**args, causal=True, return_lse=True)
+        torch.cuda.synchronize()
+        (plan,) = _kvcache._CHUNK_PLANS.values()
+        assert plan.direct == (route != "gather"), ctx
+        if plan.direct:
+            name = plan.launches[-1].name
+            assert name.endswith("_paged_ilv" if route == "ilv" else "_paged"), (name, ctx)
+        got[route] = (_back(out), _back(lse), _back(args["k_cache"]), _back(args["v_cache"]))
+    for i, name in enumerate(("out", "lse", "k_cache", "v_cache")):
+        a = np.asarray(got["gather"][i])
+        a = a.view(f"u{a.dtype.itemsize}")
+        for route in ("variant", "ilv"):
+            b = np.asarray(got[route][i])
+            b = b.view(f"u{b.dtype.itemsize}")
+            assert a.shape == b.shape and np.array_equal(a, b), (
+                f"{name}: {route} differs from the gather route's at {int(np.count_nonzero(a != b))} elements; {ctx}")

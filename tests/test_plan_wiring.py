@@ -2599,17 +2599,19 @@ def test_paged_prefill_direct_wiring(dev, monkeypatch, page, hd, mode, direct):
         assert names.count("paged_gather") == 2 and not names[-1].endswith("_paged"), names
         assert list(_kvcache._DIRECT_VARLEN_PLANS.values()) == [False]
         return
-    assert names == [f"fwd90ws_f16_d{hd}_m128_n128_s2_feat{'_pp' if hd == 128 else ''}_paged"], names
-    p = launched[-1]["p"]
     box = math.gcd(page, 128)
+    ilv = hd >= 128 and box == 16  # (pages that follow one another) boxes of whole rows: _launch.paged_interleaved
+    assert names == [f"fwd90ws_f16_d{hd}_m128_n128_s2_feat{'_pp' if hd == 128 else ''}_paged{'_ilv' * ilv}"], names
+    p = launched[-1]["p"]
     assert (int(p["q"]), int(p["o"]), int(p["lse"])) == (addr(q), addr(out), addr(lse))
     assert out.shape == q.shape and lse.shape == (8, 300) and lse.dtype == np.float32
     assert int(p["mask"]["cu_seqlens_q"]) == addr(cu_q) and int(p["mask"]["cu_seqlens_k"]) == addr(cu_k)
     assert (int(p["page_size"]), int(p["page_box"]), int(p["table_stride"]), int(p["table_cols"]),
             int(p["num_pages"]), int(p["block_table"])) == (page, box, width, width, 3 * width + 2, addr(table))
     assert int(p["seqlen_q"]) == 120 and int(p["seqlen_k"]) == 512 and int(p["mask"]["window_right"]) == 0
-    for field, t in (("map_k", k), ("map_v", v)):
-        assert p[field].tobytes() == _tma.kv_map(addr(t), t.shape, elem_strides(t), box, "float16"), field
+    assert p["map_k"].tobytes() == _tma.kv_map(addr(k), k.shape, elem_strides(k), box, "float16", ilv=ilv)
+    assert p["map_v"].tobytes() == _tma.kv_map(addr(v), v.shape, elem_strides(v), 16 if ilv else box, "float16",
+                                               panels=hd // 64 if ilv else 1)
     assert not ad.copies
     (plan,) = _kvcache._DIRECT_VARLEN_PLANS.values()
     # A repeated signature skips the checks (_kvcache._PAGED_FAST): no describe_paged_varlen.
@@ -2622,7 +2624,7 @@ def test_paged_prefill_direct_wiring(dev, monkeypatch, page, hd, mode, direct):
     (again,) = _kvcache._DIRECT_VARLEN_PLANS.values()
     p = launched[-1]["p"]
     assert again is plan and (int(p["q"]), int(p["o"]), int(p["lse"])) == (addr(q2), addr(out2), addr(lse2))
-    assert p["map_k"].tobytes() == _tma.kv_map(addr(k2), k.shape, elem_strides(k), box, "float16")
+    assert p["map_k"].tobytes() == _tma.kv_map(addr(k2), k.shape, elem_strides(k), box, "float16", ilv=ilv)
     assert not described, "the repeated signature was checked again"
     out3 = cuflash.attention_varlen(q2, k2, v2, cu_q, cu_k, 120, 512, causal=True, block_table=table)
     p = launched[-1]["p"]  # (without lse: its own plan, no lse written)
@@ -2630,6 +2632,55 @@ def test_paged_prefill_direct_wiring(dev, monkeypatch, page, hd, mode, direct):
     assert described == [1], "a new signature is checked"
     with pytest.raises(TypeError, match="^cu_seqlens_k: "):  # another type than q's: the full path's error
         cuflash.attention_varlen(q2, k2, v2, cu_q, np.asarray(cu_k), 120, 512, causal=True, block_table=table)
+
+
+@pytest.mark.parametrize("case", ["follow", "ilv_off", "gaps", "pad_up", "rows32"])
+def test_paged_prefill_layout_wiring(dev, monkeypatch, case):
+    """Which layout the paged forward copies the pages into (cuflash/_launch.py paged_interleaved): at
+    head_dim 128 on 16-row pages that follow one another in memory, boxes of whole rows ("_paged_ilv": K's
+    map 5-D (64, 8, panels, 8-row groups, heads), V's boxes of 16 rows and both panels); one box a 64-column
+    panel ("_paged", session 70's maps) where CUFLASH_PAGED_ILV=0, where the pages lie apart (a view with a
+    gap after each page), where the call's head_dim pads up (96: a row's box would read past its columns)
+    and where the boxes have 32 rows (32-row pages)."""
+    from cuflash import _kvcache, _tma
+
+    _paged_direct_mode(monkeypatch, "1")
+    monkeypatch.setattr(_kvcache, "_DIRECT_VARLEN_PLANS", {})
+    if case == "ilv_off":
+        monkeypatch.setenv("CUFLASH_PAGED_ILV", "0")
+    else:
+        monkeypatch.delenv("CUFLASH_PAGED_ILV", raising=False)
+    ad, launched = dev
+    rng = np.random.default_rng()
+    page, hd = 32 if case == "rows32" else 16, 96 if case == "pad_up" else 128
+    width, n = 512 // page, 3 * 512 // page + 2
+    q = arr(rng, (300, 8, hd))
+    if case == "gaps":  # pages 16 rows apart more than their own rows
+        k, v = (arr(rng, (n, 2 * page, 2, hd))[:, :page] for _ in range(2))
+    else:
+        k, v = arr(rng, (n, page, 2, hd)), arr(rng, (n, page, 2, hd))
+    table = rng.permutation(n)[:3 * width].astype(np.int32).reshape(3, width).copy().view(Dev)
+    cu_q = np.array([0, 100, 180, 300], np.int32).view(Dev)
+    cu_k = np.array([0, 300, 400, 500], np.int32).view(Dev)
+    n0 = len(launched)
+    cuflash.attention_varlen(q, k, v, cu_q, cu_k, 120, 512, causal=True, block_table=table)
+    names = [L["name"] for L in launched[n0:]]
+    ilv = case == "follow"
+    assert names == [f"fwd90ws_f16_d128_m128_n128_s2_feat_pp_paged{'_ilv' * ilv}"], names
+    p = launched[-1]["p"]
+    assert int(p["page_box"]) == page and int(p["page_size"]) == page and int(p["num_pages"]) == n
+    assert p["map_k"].tobytes() == _tma.kv_map(addr(k), k.shape, elem_strides(k), page, "float16", ilv=ilv)
+    assert p["map_v"].tobytes() == _tma.kv_map(addr(v), v.shape, elem_strides(v), page, "float16",
+                                               panels=2 if ilv else 1)
+    # The interleaved map: 8-row groups numbered across the pages, each group's two panels together;
+    # refused where the pages lie apart or head_dim is not whole panels.
+    if case in ("gaps", "pad_up"):
+        with pytest.raises(ValueError, match="pages one after another"):
+            _tma.kv_map_args(0, k.shape, elem_strides(k), 16, "float16", ilv=True)
+    else:
+        rs, hs = elem_strides(k)[1:3]
+        assert _tma.kv_map_args(0, k.shape, elem_strides(k), page, "float16", ilv=True) == (
+            (64, 8, 2, n * page // 8, 2), (2 * rs, 128, 16 * rs, 2 * hs), (64, 8, 2, page // 8, 1))
 
 
 @pytest.mark.parametrize("appends,route", [(True, "rule"), (False, "rule"), (True, "0")])
@@ -2734,7 +2785,9 @@ def test_kvcache_paged_direct_wiring(dev, monkeypatch, page, hd, mode, direct):
         assert names[0] == "paged_gather" and len(names) == 2 and names[1].startswith("fwd90ws_"), names
         assert not names[1].endswith("_paged") and int(got[1]["p"]["k"]) != addr(kc), names
         return
-    assert names == ["decode_append", f"fwd90ws_f16_d{hd}_m128_n128_s2_feat{'_pp' if hd == 128 else ''}_paged"], names
+    ilv = hd >= 128 and math.gcd(page, 128) == 16  # boxes of whole rows: _launch.paged_interleaved
+    assert names == ["decode_append",
+                     f"fwd90ws_f16_d{hd}_m128_n128_s2_feat{'_pp' if hd == 128 else ''}_paged{'_ilv' * ilv}"], names
     a, p = got[0]["p"], got[1]["p"]
     assert (int(a["k"]), int(a["v"]), int(a["block_table"]), int(a["page_size"]), int(a["table_stride"])) == (
         addr(kc), addr(vc), addr(table), page, width + 5)
@@ -2751,9 +2804,9 @@ def test_kvcache_paged_direct_wiring(dev, monkeypatch, page, hd, mode, direct):
     assert int(p["q"]) == addr(q) and int(p["mask"]["kv_lengths"]) == addr(lengths)
     assert (int(p["seqlen_k"]), int(p["batch"]), int(p["mask"]["total_k"])) == (page * (width + 2), b, page * (width + 2))
     assert int(p["o"]) == addr(out) and out.shape == q.shape
-    for field, t in (("map_k", kc), ("map_v", vc)):
-        want = _tma.kv_map(addr(t), t.shape, elem_strides(t), box, "float16")
-        assert p[field].tobytes() == want, field
+    assert p["map_k"].tobytes() == _tma.kv_map(addr(kc), kc.shape, elem_strides(kc), box, "float16", ilv=ilv)
+    assert p["map_v"].tobytes() == _tma.kv_map(addr(vc), vc.shape, elem_strides(vc), 16 if ilv else box, "float16",
+                                               panels=hd // 64 if ilv else 1)
     assert not ad.copies, "nothing copied"
 
 
@@ -2785,7 +2838,7 @@ def test_kvcache_paged_short_chunk_small_boxes(dev, monkeypatch, mode):
         assert not _kvcache._CHUNK_PLANS or not any(p.direct for p in _kvcache._CHUNK_PLANS.values())
         assert any(n.startswith("decode_") and n != "decode_append" for n in names), names
         return
-    assert names == ["decode_append", "fwd90ws_f16_d128_m128_n128_s2_feat_pp_paged"], names
+    assert names == ["decode_append", "fwd90ws_f16_d128_m128_n128_s2_feat_pp_paged_ilv"], names
     assert int(launched[-1]["p"]["page_box"]) == 16 and int(launched[-1]["p"]["page_size"]) == 16
 
 
