@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """The paged prefill (cuflash.attention_varlen with a block_table): the warp-specialized feature forward
-reading the pages in place (CUFLASH_PAGED_DIRECT=1), the gather into packed arrays then attention_varlen
+reading the pages in place (CUFLASH_PAGED_DIRECT=1; "1o": with CUFLASH_PAGED_ILV=0, one box a 64-column
+panel, session 70's layout), the gather into packed arrays then attention_varlen
 (=0), the library's rule (unset), and attention_varlen on the same keys already packed (no block_table: what
 reading in place could reach), alternated in one process. Shapes "BxPxC": B sequences, each with a prefix
 of P keys in the cache and a chunk of C new queries whose keys are the prefix's last C (causal, bottom-right
@@ -67,11 +68,15 @@ def main():
                     return cuflash.attention_varlen(q, kp, vp, cu_q, cu_k, chunk, prefix, causal=True)
 
                 res, eager, outs = {}, {}, {}
-                for route in ("1", "0", "rule", "packed") * 2:
-                    if route in ("1", "0"):
-                        os.environ["CUFLASH_PAGED_DIRECT"] = route
+                for route in ("1", "1o", "0", "rule", "packed") * 2:
+                    if route in ("1", "1o", "0"):
+                        os.environ["CUFLASH_PAGED_DIRECT"] = route[0]
                     else:
                         os.environ.pop("CUFLASH_PAGED_DIRECT", None)
+                    if route == "1o":  # in place, the pages into the SW128 panels (one box a panel)
+                        os.environ["CUFLASH_PAGED_ILV"] = "0"
+                    else:
+                        os.environ.pop("CUFLASH_PAGED_ILV", None)
                     _kvcache._DIRECT_VARLEN_PLANS.clear()
                     fn = packed if route == "packed" else paged
                     outs[route] = fn()
@@ -80,8 +85,9 @@ def main():
                     if args.eager:
                         eager.setdefault(route, []).extend(eager_ms(torch, fn, args.eager)[0])
                 os.environ.pop("CUFLASH_PAGED_DIRECT", None)
+                os.environ.pop("CUFLASH_PAGED_ILV", None)
                 ms = {r: min(t) for r, t in res.items()}
-                same = {r: bool(torch.equal(outs[r], outs["packed"])) for r in ("1", "0", "rule")}
+                same = {r: bool(torch.equal(outs[r], outs["packed"])) for r in ("1", "1o", "0", "rule")}
                 row = dict(shape=shape, gqa=g, page=page, ms=ms, runs=res, tflops={r: flops / t / 1e9 for r, t in ms.items()},
                            equal_to_packed=same)
                 line = ""
@@ -90,7 +96,8 @@ def main():
                     line = "  eager in place / gather / packed " + " / ".join(
                         f"{row['eager_ms'][r] * 1e3:.1f}" for r in ("1", "0", "packed")) + " us"
                 rows.append(row)
-                print(f"{shape:>14} g{g} page {page:4d}  in place {ms['1'] * 1e3:8.1f}  gather {ms['0'] * 1e3:8.1f}  "
+                print(f"{shape:>14} g{g} page {page:4d}  in place {ms['1'] * 1e3:8.1f}  "
+                      f"(panels {ms['1o'] * 1e3:8.1f})  gather {ms['0'] * 1e3:8.1f}  "
                       f"rule {ms['rule'] * 1e3:8.1f}  packed {ms['packed'] * 1e3:8.1f} us  in place / gather "
                       f"{ms['1'] / ms['0']:5.2f}  / packed {ms['1'] / ms['packed']:5.2f}  equal {same}{line}", flush=True)
     if args.json:

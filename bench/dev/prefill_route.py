@@ -96,17 +96,22 @@ def main():
             res, eager, hosts = {}, {}, {}
             outs = {}
             # (paged: "1g" is the forward route after the gather, CUFLASH_PAGED_DIRECT=0; "1" reads
-            # the pages in place wherever the kernel serves the call, CUFLASH_PAGED_DIRECT=1)
-            routes = ("0", "1", "1g", "lib") if layout != "contig" else ("0", "1", "lib")
+            # the pages in place wherever the kernel serves the call, CUFLASH_PAGED_DIRECT=1; "1o" as "1"
+            # with CUFLASH_PAGED_ILV=0: a box a 64-column panel where "1" may copy 16-row boxes of whole rows)
+            routes = ("0", "1", "1o", "1g", "lib") if layout != "contig" else ("0", "1", "lib")
             for route in routes + routes:
                 if route == "lib":
                     os.environ.pop("CUFLASH_KVCACHE_FORWARD", None)
                 else:
                     os.environ["CUFLASH_KVCACHE_FORWARD"] = route[0]
-                if route in ("1", "1g"):  # (forced either way: the library's rule is "lib"'s)
-                    os.environ["CUFLASH_PAGED_DIRECT"] = "1" if route == "1" else "0"
+                if route in ("1", "1o", "1g"):  # (forced either way: the library's rule is "lib"'s)
+                    os.environ["CUFLASH_PAGED_DIRECT"] = "0" if route == "1g" else "1"
                 else:
                     os.environ.pop("CUFLASH_PAGED_DIRECT", None)
+                if route == "1o":
+                    os.environ["CUFLASH_PAGED_ILV"] = "0"
+                else:
+                    os.environ.pop("CUFLASH_PAGED_ILV", None)
                 _kvcache._FAST_PLANS.clear()
                 _kvcache._DECODE_PLANS.clear()
                 _kvcache._CHUNK_PLANS.clear()
@@ -120,6 +125,7 @@ def main():
                     hosts.setdefault(route, []).extend(host)
             os.environ.pop("CUFLASH_KVCACHE_FORWARD", None)
             os.environ.pop("CUFLASH_PAGED_DIRECT", None)
+            os.environ.pop("CUFLASH_PAGED_ILV", None)
             dec, fwd, lib = min(res["0"]), min(res["1"]), min(res["lib"])
             diff = float((outs["0"] - outs["1"]).abs().max())
             row = dict(shape=shape, layout=layout, decode_ms=dec, forward_ms=fwd, lib_ms=lib, decode_runs=res["0"],
@@ -127,11 +133,14 @@ def main():
                        tflops_decode=flops / dec / 1e9, tflops_forward=flops / fwd / 1e9, max_diff=diff)
             line = ""
             if "1g" in res:
-                gat = min(res["1g"])
+                gat, pan = min(res["1g"]), min(res["1o"])
                 row.update(gather_ms=gat, gather_runs=res["1g"], direct_over_gather=fwd / gat,
-                           direct_vs_gather_bits_equal=bool(torch.equal(outs["1"], outs["1g"])))
-                line += (f"\n{'':>25} paged in place {fwd * 1e3:9.1f} us  after the gather {gat * 1e3:9.1f} us  "
-                         f"in place / gather {fwd / gat:5.2f}  equal: {row['direct_vs_gather_bits_equal']}")
+                           direct_vs_gather_bits_equal=bool(torch.equal(outs["1"], outs["1g"])),
+                           panels_ms=pan, panels_runs=res["1o"], panels_vs_gather_bits_equal=bool(
+                               torch.equal(outs["1o"], outs["1g"])))
+                line += (f"\n{'':>25} paged in place {fwd * 1e3:9.1f} us (a box a panel {pan * 1e3:9.1f})  after the "
+                         f"gather {gat * 1e3:9.1f} us  in place / gather {fwd / gat:5.2f}  equal: "
+                         f"{row['direct_vs_gather_bits_equal']} / {row['panels_vs_gather_bits_equal']}")
                 if args.eager:
                     row.update(eager_gather_ms=statistics.median(eager["1g"]),
                                host_gather_ms=statistics.median(hosts["1g"]))
