@@ -1024,19 +1024,31 @@ DECODE_TWO_TILES_MIN_BYTES = 128 << 20
 # in place / decode kernels: 16 x 2k x GQA 4 x 64 positions 185.7 / 218.8 us, 4 x 8k x GQA 4 x 64 161.8 /
 # 181.0 (H200, session 70).
 PAGED_DIRECT_MIN_BOX = 32
+# 16-row boxes copied as whole rows (cuflash/_launch.py paged_interleaved; session 71) are read in place
+# below this many packed query rows a kv head (the chunk's seqlen_q, or the prefill's max_seqlen_q, times
+# the GQA group), gathered from it on: the copy's cost is per key, the boxes' per key tile a query tile
+# reads, so the more query tiles share a kv head's keys, the better the gather. H200, session 71 (bf16,
+# head_dim 128, 16-row pages; GPU time in place over gather + forward): chunks (prefill_route.py) at
+# 384-1024 rows 0.89-0.97 (e.g. 16 x 8k x GQA 8 x 128 positions 542.1 against 577.9 us; 2 x 32k x GQA 4 x
+# 96 positions 521.6 against 548.7), at 2048 rows 1.06-1.08; the paged prefill (paged_prefill.py) at 2048
+# rows 0.96, at 4096-16384 rows 1.04-1.11.
+PAGED_WHOLE_ROWS_GATHER = 2048
 
 
-def paged_direct(box_rows: int, small_ok: bool = False) -> bool:
+def paged_direct(box_rows: int, small_ok: bool = False, whole_rows: int | None = None) -> bool:
     """Whether a paged cache is read in place (cuflash/_launch.py fwd_launches with PagedKV; ChunkPlan and
-    the paged prefill) with TMA boxes of box_rows rows: from PAGED_DIRECT_MIN_BOX rows, or at any box where
-    the caller has no gather to fall back on (small_ok). CUFLASH_PAGED_DIRECT=0: never (the gather), =1: at
-    any box (A/B). Read when a plan is made."""
+    the paged prefill) with TMA boxes of box_rows rows: from PAGED_DIRECT_MIN_BOX rows, at any box where
+    the caller has no gather to fall back on (small_ok), and where the boxes are copied as whole rows
+    (whole_rows: the call's packed query rows a kv head; None where they are not) below
+    PAGED_WHOLE_ROWS_GATHER rows. CUFLASH_PAGED_DIRECT=0: never (the gather), =1: at any box (A/B). Read
+    when a plan is made."""
     import os
 
     mode = os.environ.get("CUFLASH_PAGED_DIRECT", "")
     if mode in ("0", "1"):
         return mode == "1"
-    return small_ok or box_rows >= PAGED_DIRECT_MIN_BOX
+    return (small_ok or box_rows >= PAGED_DIRECT_MIN_BOX
+            or (whole_rows is not None and whole_rows < PAGED_WHOLE_ROWS_GATHER))
 
 
 def kvcache_feature_forward(seqlen_q: int, rows: int, batch: int, nheads: int, sm_count: int,

@@ -34,8 +34,9 @@ more than 64 packed query rows per kv head (chunked prefill, a long speculative 
 forward with kv_lengths instead where that is the faster (_config.kvcache_feature_forward), through a
 `ChunkPlan`: the append kernel writes the new tokens and each entry's length, then the forward reads a
 contiguous cache whose row b is entry b in place, or on sm_90a a paged one in place through its block
-table (the warp-specialized feature kernel with _launch.PagedKV, where its boxes have enough rows:
-_config.paged_direct), else a paged one's keys gathered into a padded contiguous copy (the append done
+table (the warp-specialized feature kernel with _launch.PagedKV, where its boxes have enough rows, or
+16-row boxes copied as whole rows for fewer than 2048 query rows a kv head: _config.paged_direct), else a
+paged one's keys gathered into a padded contiguous copy (the append done
 on the way, one launch); cached by signature as the decode plans are. The paged prefill on the GPU
 reads the pages in place the same way (`_PagedVarlenPlan`), else (`GatherPlan`,
 cuda_src/paged_gather.cu) gathers each sequence's keys from the pages into packed arrays on the device
@@ -1007,7 +1008,8 @@ def _gpu_kvcache(c: KVCacheCall, ad, infos: dict, names: dict, num_splits: int, 
     if c.paged and available and _config.kvcache_feature_forward(c.seqlen_q, rows, c.batch, c.nheads, sm):
         # A paged chunk: the contiguous cache's rule where the forward reads the pages in place (a
         # ChunkPlan with `direct`); after the gather only with paged=True's rows and where the copy fits.
-        # Where the gather would not be taken, boxes smaller than _config.PAGED_DIRECT_MIN_BOX are too.
+        # Where the gather would not be taken, boxes smaller than _config.PAGED_DIRECT_MIN_BOX are too
+        # (and 16-row boxes copied as whole rows below _config.PAGED_WHOLE_ROWS_GATHER rows: fwd_launches).
         gather = (_config.kvcache_feature_forward(c.seqlen_q, rows, c.batch, c.nheads, sm, paged=True)
                   and 4 * c.batch * c.capacity * c.nheads_kv * c.head_dim <= _config.KVCACHE_GATHER_MAX_BYTES)
         plan = _CHUNK_PLANS.get(plan_key)
@@ -1652,9 +1654,10 @@ class _PagedVarlenPlan(Plan):
         qt, kt, vt = (self._layout(infos, n, s) for n, s in (("q", Q), ("k", K), ("v", V)))
         o = DeviceTensor(Slot(OUT), self.out_shape, contiguous_strides(self.out_shape))
         table = self.pages["block_table"]
-        pages = PagedKV(*(DeviceTensor(Slot(slot), self.pages[n].shape, self.pages[n].strides) for n, slot in
-                          (("k", K), ("v", V))), Slot(_PAGED_TABLE), self.table_stride, table.shape[1])
         b, (mq, mk) = c.batch, c.packed
+        pages = PagedKV(*(DeviceTensor(Slot(slot), self.pages[n].shape, self.pages[n].strides) for n, slot in
+                          (("k", K), ("v", V))), Slot(_PAGED_TABLE), self.table_stride, table.shape[1],
+                        rows=mq * (c.nheads // c.nheads_kv))
         launches = _launch.fwd_launches(_packed4(qt, b, mq), _packed4(kt, b, mk), _packed4(vt, b, mk),
                                         _packed4(o, b, mq), Slot(LSE), c.dtype, False, c.scale, self.device_id,
                                         _cc(self.device_id), mask=_mask_args(c, self.copy, infos, FWD_OPT),
@@ -1871,7 +1874,7 @@ class ChunkPlan:
                         softcap=f.softcap, total_q=c.seqlen_q, total_k=c.capacity)
         logical = DeviceTensor(Slot(_D_KC), self.padded_shape, contiguous_strides(self.padded_shape))
         paged = PagedKV(tensor("k_cache", _D_KC), tensor("v_cache", _D_VC), Slot(_D_TABLE), table_stride,
-                        table.shape[1], small_ok)
+                        table.shape[1], small_ok, c.seqlen_q * (c.nheads // c.nheads_kv))
         o = DeviceTensor(Slot(_D_OUT), self.out_shape, contiguous_strides(self.out_shape))
         return _launch.fwd_launches(tensor("q", _D_Q), logical, logical, o, Slot(_D_LSE), c.dtype, False, c.scale,
                                     dev, cc, mask=mask, paged=paged)

@@ -1146,7 +1146,8 @@ class PagedKV:
     (num_pages, page_size, nheads_kv, head_dim), and batch entry (or packed sequence) b's key t at row
     t % page_size of page block_table[b * table_stride + t // page_size] (the kernel clamps the column
     to table_cols - 1 and the page to [0, num_pages)). small_ok: boxes of fewer rows than
-    _config.PAGED_DIRECT_MIN_BOX are taken too (the caller has no gather to fall back on)."""
+    _config.PAGED_DIRECT_MIN_BOX are taken too (the caller has no gather to fall back on). rows: the call's
+    packed query rows a kv head (_config.paged_direct's rule for boxes of whole rows)."""
 
     k: DeviceTensor
     v: DeviceTensor
@@ -1154,6 +1155,7 @@ class PagedKV:
     table_stride: int
     table_cols: int
     small_ok: bool = False
+    rows: int = 0
 
 
 def paged_interleaved(paged: PagedKV, kernel_dim: int, box_rows: int) -> bool:
@@ -1217,7 +1219,7 @@ def fwd_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTen
             mk, mv = paged.k, paged.v
             kv_rows = paged_box_rows(paged.k.shape[1], ws[0]) if ws else 0
             ilv = bool(ws) and paged_interleaved(paged, kernel_dim, kv_rows)
-            if not (ws and _config.paged_direct(kv_rows, paged.small_ok)):
+            if not (ws and _config.paged_direct(kv_rows, paged.small_ok, paged.rows if ilv else None)):
                 return None
         if ws and _use_tma(mq, mq, 64 * ws[3], dtype, pad) and _use_tma(mk, mv, kv_rows, dtype, pad):
             cfg = _config.TileConfig(64 * ws[3], ws[0], 4 * (1 + ws[3]), wgmma=True)
