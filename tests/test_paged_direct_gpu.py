@@ -64,17 +64,20 @@ CASES = [
     ("paged64", 128, FP16, 16, 8, "window", True, 70, 1500, True, "rule"),
     ("paged256", 128, BF16, 16, 2, "narrow", True, 70, 300, False, "1"),
     ("paged16", 256, BF16, 16, 2, "softcap", True, 70, 400, True, "1"),  # 16-row boxes of whole rows at 256
+    ("paged16", 128, FP16, 16, 4, "none", True, 100, 600, True, "rule"),  # whole rows, 400 rows: in place
 ]
 
 
-def _in_place(layout, head_dim, opts, mode) -> bool:
+def _in_place(layout, head_dim, opts, mode, rows) -> bool:
     """Whether the case's plan reads the pages in place: the warp-specialized feature kernel serves it (not a
     narrow window) and its boxes, gcd(page_size, the kernel's 128-key tiles, 64 at head_dim 256), have 32
-    rows or more, or CUFLASH_PAGED_DIRECT=1."""
+    rows or more, or 16 copied as whole rows (head_dim 128 / 256) for fewer than 2048 packed query rows a kv
+    head (rows), or CUFLASH_PAGED_DIRECT=1."""
     import math
 
     box = math.gcd(int(layout.removeprefix("paged")), 64 if head_dim == 256 else 128)
-    return opts != "narrow" and (mode == "1" or box >= 32)
+    whole = box == 16 and head_dim in (128, 256) and rows < 2048
+    return opts != "narrow" and (mode == "1" or box >= 32 or whole)
 
 
 def _route(monkeypatch, mode: str):
@@ -112,7 +115,8 @@ def test_paged_direct(monkeypatch, layout, head_dim, dtype, nheads, nheads_kv, o
     _check(make, "cuda", causal, options, ctx)
     plans = list(_kvcache._CHUNK_PLANS.values())
     assert plans and not _kvcache._DECODE_PLANS, ctx
-    in_place = _in_place(layout, head_dim, opts, mode)
+    rows = seqlen_q * (nheads // nheads_kv)
+    in_place = _in_place(layout, head_dim, opts, mode, rows)
     assert all(p.direct == in_place for p in plans), ([p.direct for p in plans], ctx)
 
     # 2. Bit for bit against the gather route, the same inputs (each route appends into its own copy).
@@ -128,7 +132,7 @@ def test_paged_direct(monkeypatch, layout, head_dim, dtype, nheads, nheads_kv, o
                                                    **dev_opts)
         torch.cuda.synchronize()
         (plan,) = _kvcache._CHUNK_PLANS.values()
-        assert plan.direct == (direct and _in_place(layout, head_dim, opts, "1")), ctx
+        assert plan.direct == (direct and _in_place(layout, head_dim, opts, "1", rows)), ctx
         got[direct] = (_back(out), _back(lse), _back(args["k_cache"]), _back(args["v_cache"]))
     for i, name in enumerate(("out", "lse", "k_cache", "v_cache")):
         a, b = (np.asarray(got[d][i]) for d in (True, False))

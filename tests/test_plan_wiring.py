@@ -2551,9 +2551,27 @@ def test_paged_prefill_gpu_wiring(dev):
 
 
 # (page_size, head_dim, CUFLASH_PAGED_DIRECT, whether the pages are read in place): by the rule from 32-row
-# boxes (_config.paged_direct; 96-row pages: gcd(96, 128) = 32), gathered below; forced either way.
+# boxes (_config.paged_direct; 96-row pages: gcd(96, 128) = 32), gathered below but where 16-row boxes are
+# copied as whole rows (head_dim 128: _launch.paged_interleaved) for fewer than 2048 packed query rows a kv
+# head (the tests' calls: 480 and 1600); forced either way.
 PAGED_DIRECT_CASES = [(32, 64, "rule", True), (96, 128, "rule", True), (256, 128, "rule", True),
-                      (16, 64, "rule", False), (48, 128, "1", True), (64, 64, "0", False)]
+                      (16, 64, "rule", False), (16, 128, "rule", True), (48, 128, "1", True), (64, 64, "0", False)]
+
+
+def test_paged_direct_rule(monkeypatch):
+    """_config.paged_direct: in place from 32-row boxes, at any box with small_ok, and for 16-row boxes copied
+    as whole rows below PAGED_WHOLE_ROWS_GATHER packed query rows a kv head; CUFLASH_PAGED_DIRECT forces."""
+    monkeypatch.delenv("CUFLASH_PAGED_DIRECT", raising=False)
+    g = _config.PAGED_WHOLE_ROWS_GATHER
+    assert g == 2048
+    assert _config.paged_direct(32) and _config.paged_direct(128) and not _config.paged_direct(16)
+    assert _config.paged_direct(16, small_ok=True) and _config.paged_direct(16, False, g - 1)
+    assert not _config.paged_direct(16, False, g) and not _config.paged_direct(16, False, None)
+    assert _config.paged_direct(16, True, g) and _config.paged_direct(32, False, 10 * g)
+    monkeypatch.setenv("CUFLASH_PAGED_DIRECT", "0")
+    assert not _config.paged_direct(128, True, 1)
+    monkeypatch.setenv("CUFLASH_PAGED_DIRECT", "1")
+    assert _config.paged_direct(16, False, None)
 
 
 def _paged_direct_mode(monkeypatch, mode):
