@@ -1165,9 +1165,9 @@ def paged_interleaved(paged: PagedKV, kernel_dim: int, box_rows: int) -> bool:
     head_dim 128 or 256 with no pad-up (a box of whole rows would read past a row's head_dim columns), on
     pages that follow one another in memory (K's map numbers the 8-row groups across the pages:
     _tma.kv_map_args' ilv). H200, session 71 (bench/dev/paged_prefill.py, 16-row pages, bf16, head_dim
-    128, GQA 8): 0.88-0.92x the time of a box a panel; with boxes of 32 rows or more 1.00-1.07x, whose
-    slabs of 8 rows the TMA unit copies slower than a panel's whole box. CUFLASH_PAGED_ILV=0: never
-    (A/B)."""
+    128, GQA 8; prefill_route.py, chunks): 0.87-0.92x the time of a box a panel; with boxes of 32 rows or
+    more 1.00-1.07x (likely the boxes' slabs of 8 rows, where a panel's box is one slab; not measured
+    apart). CUFLASH_PAGED_ILV=0: never (A/B)."""
     import os
 
     num_pages, page_size, _, head_dim = paged.k.shape
