@@ -204,8 +204,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
             JAX CPU arrays) the values are checked (ValueError); on the GPU they are not read back
             (out-of-range block numbers are clamped into the cache), and on sm_90a the pages are read
             in place where the warp-specialized feature kernel serves the call and its TMA boxes have
-            at least 32 rows (page sizes that are multiples of 32), else gathered into packed arrays
-            first (README, Paged prefill).
+            at least 32 rows (page sizes that are multiples of 32), or 16 rows copied as whole rows
+            (head_dim 128 / 256, pages one after another in memory) for max_seqlen_q x the GQA group
+            below 2048, else gathered into packed arrays first (README, Paged prefill).
     Returns:
         out (total_q, nheads, head_dim), and with return_lse lse (nheads, total_q) float32.
     Gradients flow as for `attention` (torch autograd, JAX eager); `attention_varlen_backward`

@@ -1029,7 +1029,8 @@ PAGED_DIRECT_MIN_BOX = 32
 # the GQA group), gathered from it on: the copy's cost is per key, the boxes' per key tile a query tile
 # reads, so the more query tiles share a kv head's keys, the better the gather. H200, session 71 (bf16,
 # head_dim 128, 16-row pages; GPU time in place over gather + forward): chunks (prefill_route.py) at
-# 384-1024 rows 0.89-0.97 (e.g. 16 x 8k x GQA 8 x 128 positions 542.1 against 577.9 us; 2 x 32k x GQA 4 x
+# 384-1024 rows 0.89-0.97 where the forward is taken (1.09 / 1.16 on 32k-key caches at batch 1-2, where
+# the decode kernels run; e.g. 16 x 8k x GQA 8 x 128 positions 542.1 against 577.9 us; 2 x 32k x GQA 4 x
 # 96 positions 521.6 against 548.7), at 2048 rows 1.06-1.08; the paged prefill (paged_prefill.py) at 2048
 # rows 0.96, at 4096-16384 rows 1.04-1.11.
 PAGED_WHOLE_ROWS_GATHER = 2048
