@@ -1218,10 +1218,10 @@ def fwd_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTen
         if paged is not None:
             mk, mv = paged.k, paged.v
             kv_rows = paged_box_rows(paged.k.shape[1], ws[0]) if ws else 0
-            ilv = bool(ws) and paged_interleaved(paged, kernel_dim, kv_rows)
+            ilv = bool(ws) and paged_interleaved(paged, kernel_dim, kv_rows) and _use_tma_ilv(paged, kv_rows, dtype)
             if not (ws and _config.paged_direct(kv_rows, paged.small_ok, paged.rows if ilv else None)):
                 return None
-        if ws and _use_tma(mq, mq, 64 * ws[3], dtype, pad) and _use_tma(mk, mv, kv_rows, dtype, pad):
+        if ws and _use_tma(mq, mq, 64 * ws[3], dtype, pad) and (ilv or _use_tma(mk, mv, kv_rows, dtype, pad)):
             cfg = _config.TileConfig(64 * ws[3], ws[0], 4 * (1 + ws[3]), wgmma=True)
             spec, smem = fwd_ws_specialization(dtype, kernel_dim, False, False, *ws, feat=True,
                                                paged=paged is not None, ilv=ilv)
@@ -1383,6 +1383,23 @@ def _use_tma(k: DeviceTensor, v: DeviceTensor, block_n: int, dtype: str, pad: bo
     if mode == "force":
         return True
     return all(_tma.layout_patch(t.shape, t.strides, block_n, dtype) is not None for t in (k, v))
+
+
+def _use_tma_ilv(paged: PagedKV, rows: int, dtype: str) -> bool:
+    """_use_tma for the maps of the paged forward's boxes of whole rows (paged_interleaved): K's over
+    8-row groups with `rows`-row boxes, V's of 16-row boxes over every panel (fwd_launches' map_k,
+    map_v). Where one of them has no pointer patch (a driver that refuses the layout, or maps that do
+    not follow the one-word rule), the pages go in a box a panel, whose maps _use_tma checks."""
+    from . import _tma
+
+    k, v = paged.k, paged.v
+    mode = _config.fwd_tma_mode()
+    if mode == "off" or not (_tma_ok(k) and _tma_ok(v)) or not _tma.available():
+        return False
+    if mode == "force":
+        return True
+    return (_tma.layout_patch(k.shape, k.strides, rows, dtype, ilv=True) is not None
+            and _tma.layout_patch(v.shape, v.strides, 16, dtype, v.shape[3] // 64) is not None)
 
 
 def decode_tma_rows(paged: bool, warps: int, page_size: int = 0) -> int:
