@@ -2652,17 +2652,27 @@ def test_paged_prefill_direct_wiring(dev, monkeypatch, page, hd, mode, direct):
         cuflash.attention_varlen(q2, k2, v2, cu_q, np.asarray(cu_k), 120, 512, causal=True, block_table=table)
 
 
-@pytest.mark.parametrize("case", ["follow", "ilv_off", "gaps", "pad_up", "rows32"])
+@pytest.mark.parametrize("case", ["follow", "ilv_off", "gaps", "pad_up", "rows32", "k_refused", "v_refused"])
 def test_paged_prefill_layout_wiring(dev, monkeypatch, case):
     """Which layout the paged forward copies the pages into (cuflash/_launch.py paged_interleaved): at
     head_dim 128 on 16-row pages that follow one another in memory, boxes of whole rows ("_paged_ilv": K's
     map 5-D (64, 8, panels, 8-row groups, heads), V's boxes of 16 rows and both panels); one box a 64-column
     panel ("_paged", session 70's maps) where CUFLASH_PAGED_ILV=0, where the pages lie apart (a view with a
-    gap after each page), where the call's head_dim pads up (96: a row's box would read past its columns)
-    and where the boxes have 32 rows (32-row pages)."""
+    gap after each page), where the call's head_dim pads up (96: a row's box would read past its columns),
+    where the boxes have 32 rows (32-row pages), and where the driver refuses the whole-row layout's K map
+    or V map (_launch._use_tma_ilv: its maps' patches are asked for, not the panels')."""
     from cuflash import _kvcache, _tma
 
     _paged_direct_mode(monkeypatch, "1")
+    if case in ("k_refused", "v_refused"):  # the stand-in driver refuses K's interleaved map or V's 16-row boxes
+        inner = _tma._driver_encode()       # of both panels (both 5-D: box {64, 8, 2, 2, 1} / {64, 16, 2, 1, 1})
+
+        def encode(out, dtype, rank, ptr, dims, strides, box, *rest):
+            if rank == 5 and box[1] == (8 if case == "k_refused" else 16):
+                return 1  # CUDA_ERROR_INVALID_VALUE
+            return inner(out, dtype, rank, ptr, dims, strides, box, *rest)
+
+        monkeypatch.setattr(_tma, "_driver_encode", lambda: encode)
     monkeypatch.setattr(_kvcache, "_DIRECT_VARLEN_PLANS", {})
     if case == "ilv_off":
         monkeypatch.setenv("CUFLASH_PAGED_ILV", "0")
