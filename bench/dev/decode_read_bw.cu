@@ -35,6 +35,11 @@
 //                 items, as in read_tma_persist, and the items read at once stay consecutive, as the
 //                 hardware's block scheduler keeps them (read_tma_persist's fixed strides let its blocks
 //                 drift apart). The last block to finish sets the counters back to 0.
+//   read_tma_tail: a block an item as read_tma<BN, STAGES>, except the last tail_items items, each read
+//                 by tail_splits blocks of equal key ranges (grid items - tail_items + tail_items *
+//                 tail_splits): the blocks the scheduler places last are shorter, so that the grid's end,
+//                 where too few blocks remain to keep the memory busy, is shorter (issue 13's many-wave
+//                 decodes; what the split tail of the forward does for its last wave).
 //   read_tma_heads: block (b, h0) streams HEADS adjacent kv heads h0.. at once: one 4-D box {64, BN,
 //                 HEADS, 1} per panel of K and of V, so each key row's bytes of the HEADS heads (adjacent
 //                 in memory) arrive together ([head][row][64] per panel); grid batch * heads_kv / HEADS.
@@ -58,6 +63,8 @@ struct ReadBwParams {
     const int* table;  // MODE 3: (batch, seqlen / 16) 16-row pages of (num_blocks, 16, heads_kv, 128)
     int items;         // read_tma_persist / read_tma_dyn: batch * heads_kv
     int* counter;      // read_tma_dyn: [0, 1] zero before a launch and after it; [2] += the tiles read
+    int tail_items;    // read_tma_tail: the last tail_items items, each read in tail_splits blocks
+    int tail_splits;
 };
 
 constexpr int RB_D = 128;
@@ -329,6 +336,30 @@ __global__ void __launch_bounds__(128) read_tma_streamk(const __grid_constant__ 
         load_whole_tile<BN, STAGES>(p, bars, base, j % STAGES, item / p.heads_kv, item % p.heads_kv, (jj % n_tiles) * BN);
     };
     const float acc = ring_loop<STAGES, STAGE_BYTES>(base, bars, j1 - j0, load);
+    if (tid == 0) p.sink[blockIdx.x] = acc;
+}
+
+template <int BN, int STAGES>
+__global__ void __launch_bounds__(128) read_tma_tail(const __grid_constant__ ReadBwParams p) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    __shared__ alignas(8) unsigned long long bars[STAGES];
+    constexpr u32 STAGE_BYTES = 4 * BN * 128;  // K and V, two 64-column panels each
+    const u32 base = (smem_addr(smem_raw) + 1023u) & ~1023u;
+    const int tid = threadIdx.x;
+    const int n_tiles = p.seqlen / BN;
+    const int whole = p.items - p.tail_items;
+    int item = blockIdx.x, t0 = 0, t1 = n_tiles;
+    if (item >= whole) {
+        const int j = item - whole, s = j % p.tail_splits;
+        item = whole + j / p.tail_splits;
+        t0 = n_tiles * s / p.tail_splits;
+        t1 = n_tiles * (s + 1) / p.tail_splits;
+    }
+    init_ring<STAGES>(p, bars);
+    auto load = [&](int j) {  // by thread 0: tile t0 + j of the item
+        load_whole_tile<BN, STAGES>(p, bars, base, j % STAGES, item / p.heads_kv, item % p.heads_kv, (t0 + j) * BN);
+    };
+    const float acc = ring_loop<STAGES, STAGE_BYTES>(base, bars, t1 - t0, load);
     if (tid == 0) p.sink[blockIdx.x] = acc;
 }
 

@@ -51,6 +51,8 @@ VARIANTS += [("tma_rows", 128, st, rows, mode) for st in (2, 3) for rows in (16,
 # read_tma_streamk: (kind, BN, STAGES, blocks per SM); the grid is that many blocks per SM, each a equal
 # range of the items' tiles in sequence
 STREAMK = [("streamk", 64, 2, 1), ("streamk", 64, 3, 1), ("streamk", 64, 2, 2), ("streamk", 64, 2, 3), ("streamk", 128, 2, 1)]
+# read_tma_tail: (kind, BN, STAGES, tail items in SMs' worth, splits): a block an item, the last items in splits
+TAIL = [("tail", 64, st, t, sp) for st in (2, 3) for t, sp in ((0, 1), (1, 2), (3, 2), (6, 2), (1, 4), (3, 4))]
 # MODE 4 / 5: whole tiles, each block's walk starting at its own tile (rotated start) and wrapping
 ROT = [("tma_rows", bn, st, bn, mode) for bn, sts in ((64, (2, 3, 4)), (128, (2, 3))) for st in sts for mode in (4, 5)]
 # MODE 3: 16-row pages through a block table (timed with a random and an in-order table)
@@ -60,6 +62,8 @@ PAGED = [("tma_rows", 128, st, 16, 3) for st in (2, 3)]
 def expression(kind, bn, stages, rows=None, mode=None, l2=None):
     if kind == "heads":  # rows: the heads a block
         return f"cuflash::read_tma_heads<{bn}, {stages}, {rows}>"
+    if kind == "tail":  # rows, mode: the tail's items (in SMs' worth) and splits (launch choices)
+        return f"cuflash::read_tma_tail<{bn}, {stages}>"
     if kind == "streamk":  # rows: blocks per SM (a launch choice)
         return f"cuflash::read_tma_streamk<{bn}, {stages}>"
     if kind == "persist":  # rows: blocks per SM (a launch choice, not a template argument)
@@ -78,6 +82,8 @@ def label(kind, bn, stages, rows=None, mode=None, l2=None):
         return f"read_{kind}<{bn}, {stages}> L2 promotion {l2}"
     if kind == "heads":
         return f"read_tma_heads<{bn}, {stages}, {rows} heads>"
+    if kind == "tail":
+        return f"read_tma_tail<{bn}, {stages}> {rows}xSMs items in {mode}"
     if kind == "streamk":
         return f"read_tma_streamk<{bn}, {stages}> x{rows}/SM"
     if kind in ("persist", "dyn"):
@@ -98,7 +104,7 @@ def build(path):
     code = open(os.path.join(HERE, "decode_read_bw.cu")).read()
     prog = nvrtc.createProgram(code, "decode_read_bw.cu", [t.encode() for t in headers.values()],
                                [n.encode() for n in headers])
-    exprs = sorted({expression(*v) for v in VARIANTS + PAGED + PERSIST + DYN + HEADS + ROT + STREAMK})
+    exprs = sorted({expression(*v) for v in VARIANTS + PAGED + PERSIST + DYN + HEADS + ROT + STREAMK + TAIL})
     for e in exprs:
         nvrtc.addNameExpression(prog, e)
     nvrtc.compileProgram(prog, _compile.base_options("sm_90a"))
@@ -129,6 +135,9 @@ def main():
                     help="only the whole-tile TMA readers and the stream-K ones (read_tma_streamk), and the library rows")
     ap.add_argument("--only-dyn", action="store_true",
                     help="only the whole-tile TMA readers, the persistent ones (static and from a counter), and the library rows")
+    ap.add_argument("--only-tail", action="store_true",
+                    help="only the whole-tile TMA readers and the split-tail ones (read_tma_tail), and the library rows")
+    ap.add_argument("--tail-repeat", type=int, default=1, help="--only-tail: time the list this many times")
     ap.add_argument("--only-rot", action="store_true",
                     help="only the whole-tile TMA readers, in order and with rotated starts (MODE 4 / 5), and the library rows")
     args = ap.parse_args()
@@ -152,7 +161,7 @@ def main():
     dev = torch.device("cuda")
     k = torch.randn(b, L, hk, d, device=dev, dtype=torch.bfloat16)
     v = torch.randn(b, L, hk, d, device=dev, dtype=torch.bfloat16)
-    sink = torch.zeros(b * hk, device=dev, dtype=torch.float32)
+    sink = torch.zeros(4 * b * hk, device=dev, dtype=torch.float32)  # (read_tma_tail's grid: up to 4 blocks an item)
     counter = torch.zeros(3, device=dev, dtype=torch.int32)  # read_tma_dyn's ([0, 1] zero between launches)
     kv_bytes = 2 * k.numel() * 2
     stream = torch.cuda.current_stream().cuda_stream
@@ -175,8 +184,8 @@ def main():
     tables = {"random": torch.randperm(nb, device=dev).view(b, L // 16).to(torch.int32),
               "in order": torch.arange(nb, device=dev, dtype=torch.int32).view(b, L // 16)}
 
-    def params(bn, rows=None, mode=0, table=None, l2=None, heads=1):
-        buf = np.zeros(336, dtype=np.uint8)
+    def params(bn, rows=None, mode=0, table=None, l2=None, heads=1, tail=(0, 1)):
+        buf = np.zeros(384, dtype=np.uint8)
         if heads > 1 or l2 is not None:
             maps = [tensor_map(x, bn, 0, l2, heads) for x in (k, v)]
         elif mode == 3:
@@ -185,8 +194,9 @@ def main():
             maps = [tensor_map(x, rows or bn, mode) for x in (k, v)]
         buf[0:128] = np.frombuffer(maps[0], np.uint8)
         buf[128:256] = np.frombuffer(maps[1], np.uint8)
-        struct.pack_into("<QQQqqiiQi4xQ", buf, 256, k.data_ptr(), v.data_ptr(), sink.data_ptr(), k.stride(0),
-                         k.stride(1), L, hk, table.data_ptr() if table is not None else 0, b * hk, counter.data_ptr())
+        struct.pack_into("<QQQqqiiQi4xQii", buf, 256, k.data_ptr(), v.data_ptr(), sink.data_ptr(), k.stride(0),
+                         k.stride(1), L, hk, table.data_ptr() if table is not None else 0, b * hk, counter.data_ptr(),
+                         *tail)
         return buf
 
     from decode_splits import gpu_ms_per_call
@@ -209,6 +219,10 @@ def main():
     elif args.only_dyn:
         runs = [(var, None, label(*var)) for var in VARIANTS if var[0] == "tma"]
         runs += [(var, None, label(*var)) for var in PERSIST + DYN]
+    elif args.only_tail:
+        runs = [(var, None, label(*var)) for var in VARIANTS if var[0] == "tma" and var[1] == 64]
+        runs += [(var, None, label(*var)) for var in TAIL]
+        runs = runs * args.tail_repeat
     elif args.only_rot:
         runs = [(var, None, label(*var)) for var in VARIANTS if var[0] == "tma"]
         runs += [(var, None, label(*var)) for var in ROT]
@@ -225,6 +239,9 @@ def main():
         try:
             if kind in ("persist", "streamk", "dyn"):
                 buf = params(bn, table=table)
+            elif kind == "tail":
+                tail_items = min(var[3] * sms, b * hk)
+                buf = params(bn, tail=(tail_items, var[4]))
             elif kind == "heads":
                 buf = params(bn, heads=var[3])
             elif len(var) == 6:
@@ -237,7 +254,8 @@ def main():
             continue
         argv = np.array([buf.ctypes.data], dtype=np.uint64)
 
-        grid = var[3] * sms if kind == "streamk" else min(b * hk, var[3] * sms) if kind in ("persist", "dyn") else b * hk // var[3] if kind == "heads" else b * hk
+        grid = (b * hk + min(var[3] * sms, b * hk) * (var[4] - 1) if kind == "tail"
+                else var[3] * sms if kind == "streamk" else min(b * hk, var[3] * sms) if kind in ("persist", "dyn") else b * hk // var[3] if kind == "heads" else b * hk)
 
         def launch(fn=fn, smem=smem, argv=argv, grid=grid):
             driver.launchKernel(fn.kernel.ptr, grid, 1, 1, 128, 1, 1, smem, stream, int(argv.ctypes.data), 0)

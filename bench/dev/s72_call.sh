@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Session 72's device calls: the steps below and those of bench/dev/call_steps.sh (suite, slow, dtests,
+# dgrid, host, psplit, ...).
+#   tailrd   bench/dev/decode_read_bw.py --only-tail at TAIL_SHAPES (default 256x2048x32 256x8192x32
+#            64x8192x32; BxLxHEADS_KV): a block an item against the last items read in splits (read_tma_tail),
+#            beside cuflash's decode and cuDNN's at the shape, the list timed TAIL_REPEAT times (default 2)
+#   STEPS="tailrd" CALL=c1 bash bench/dev/s72_call.sh
+set -u
+source "$(dirname "${BASH_SOURCE[0]}")/call_env.sh"
+source "$(dirname "${BASH_SOURCE[0]}")/call_steps.sh"
+session_step() {
+  case "$1" in
+    tailrd)
+      python3 -c "import sys; sys.path.insert(0, 'bench/dev'); import decode_read_bw as m; m.build('/tmp/drb.cubin')"
+      for s in ${TAIL_SHAPES:-256x2048x32 256x8192x32 64x8192x32}; do
+        IFS=x read -r tb tl th <<< "$s"
+        python3 bench/dev/decode_read_bw.py --cubin /tmp/drb.cubin --only-tail --tail-repeat "${TAIL_REPEAT:-2}" \
+          --batch "$tb" --seqlen "$tl" --heads-kv "$th" --json "$OUT/${N}_tailrd_$s.json" > "$OUT/${N}_tailrd_$s.log" 2>&1
+        echo "== $s"; grep -E " us |Error|error|WRONG" "$OUT/${N}_tailrd_$s.log" | cut -c1-200
+      done ;;
+    *) return 1 ;;
+  esac
+  return 0
+}
+run_steps
+archive_logs
