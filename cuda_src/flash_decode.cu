@@ -80,7 +80,10 @@
 // barriers, took 1.03-1.17x the boxes' time there.)
 //
 // Grid. 1-D: block = ((b * nheads_kv + h_kv) * num_row_tiles + row_tile) * num_splits + split, a row
-// tile being 16 MT rows.
+// tile being 16 MT rows. With a split tail (tail_first = W > 0, the fused combine): blocks x < W are row
+// tiles x unsplit, and block W + j is split j % num_splits of row tile W + j / num_splits: the last
+// row tiles, which the scheduler places last, go in shorter blocks, so that the grid's end, where too
+// few blocks remain to keep the memory busy, is shorter (the many-wave decodes).
 //
 // Launch order. A call runs append -> decode -> combine (each where it applies). Each kernel waits
 // for the grid before it (pdl_wait, common.cuh) ahead of its first global read and write, so that
@@ -167,6 +170,9 @@ struct DecodeParams {
     const void* q;
     i64 q_batch_stride, q_row_stride, q_head_stride;
     float scale_log2;   // softmax_scale * log2(e)
+    int tail_first;     // the split tail: blocks [0, tail_first) are row tiles 0 .. tail_first - 1 unsplit,
+                        // the others the later row tiles in num_splits blocks each (0: every row tile in
+                        // num_splits blocks; the fused combine merges the tail's splits)
     MaskParams mask;    // window, sink tokens, sink logits, ALiBi, softcap (the rest unused)
 
     int nheads;
@@ -554,7 +560,12 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
         DECODE_TL(20, smid);
     }
 #endif
-    const int2 split_rest = divmod_rt((int)blockIdx.x, p.num_splits);
+    // The split tail (p.tail_first): row tiles before it in one block each (num_splits 1 for them),
+    // the rest in num_splits blocks each, so that the blocks placed last are the short ones.
+    const int bx = (int)blockIdx.x - p.tail_first;
+    const int n_splits = bx < 0 ? 1 : p.num_splits;
+    int2 split_rest = bx < 0 ? make_int2((int)blockIdx.x, 0) : divmod_rt(bx, p.num_splits);
+    if (bx >= 0) split_rest.x += p.tail_first;
     const int2 tile_bh = divmod_rt(split_rest.x, p.num_row_tiles);
     const int2 b_h = divmod_rt(tile_bh.x, p.nheads_kv);
     const int split = split_rest.y, row_tile = tile_bh.y, h_kv = b_h.y, b = b_h.x;
@@ -803,7 +814,7 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
     if (lo <= sink_hi) lo = 0; else n_sink = sink_hi;
     const int n_keys = n_sink + max(0, hi - lo);
     const int key_off = lo - n_sink;
-    const int chunk = ((n_keys + p.num_splits - 1) / p.num_splits + BN - 1) / BN * BN;
+    const int chunk = ((n_keys + n_splits - 1) / n_splits + BN - 1) / BN * BN;
     const int v_begin = min(split * chunk, n_keys);
     const int v_end = min(v_begin + chunk, n_keys);
     const int n_tiles = (v_end - v_begin + BN - 1) / BN;
@@ -1394,7 +1405,7 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
             }
             if (c == 0) DECODE_TL_CLK_AFTER(32, o.w + lp);
             const i64 row_index = ((i64)b * p.nheads + head) * p.seqlen_q + qi;  // (batch, nheads, seqlen_q)
-            if (p.num_splits == 1) {
+            if (n_splits == 1) {
                 // A sink logit joins after every key (softmax.cuh: finalize with a sink).
                 const float sk2 = p.mask.sink_logits != nullptr ? p.mask.sink_logits[head] * CUFLASH_LOG2E : -CUFLASH_INF;
                 const float m_new = fmaxf(mx, sk2);
@@ -1452,7 +1463,7 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
 
     // ---- the fused combine (split_counters given): the last of this row tile's splits merges them ----
     // (Not at head_dim 8, where ptxas spilled the inlined combine on sm_90a; the host never asks.)
-    if (HEAD_DIM >= 16 && p.num_splits > 1 && p.split_counters != nullptr) {
+    if (HEAD_DIM >= 16 && n_splits > 1 && p.split_counters != nullptr) {
         __shared__ int s_last;
         __threadfence();  // this block's o_part / lse_part are visible device-wide before it is counted
         __syncthreads();

@@ -1560,6 +1560,48 @@ def decode_resident_unsplit(target: str, head_dim: int, blocks: int, sm_count: i
     return sm_count < blocks <= 2 * sm_count and decode_shallow_tma(target, head_dim, blocks, sm_count, peak_bw)
 
 
+def decode_split_tail(target: str, head_dim: int, blocks: int, keys: int, sm_count: int, paged: bool,
+                      peak_bw: float = 0.0) -> tuple[int, int] | None:
+    """(row tiles, splits) of an unsplit 4-warp TMA decode whose last row tiles are read in splits (the
+    split tail: cuda_src/flash_decode.cu Grid, merged by the fused combine), or None: sm_90a, head_dim
+    128, a contiguous cache, peak bandwidth (peak_bw, bytes/s) at least DECODE_DEEP_MAX_BW, a grid of at
+    least DECODE_TAIL_MIN_WAVES blocks per SM (blocks: batch x kv heads x row tiles), each seeing at least
+    DECODE_TAIL_MIN_KEYS keys: the last sm_count row tiles in DECODE_TAIL_SPLITS splits each. The grid's
+    end, where too few blocks remain to keep the memory busy, is then a quarter as long. H200, session 72
+    (bench/dev/decode_tail_ab.py on branch s72-tail, 32 query heads, head_dim 128, bf16, every entry
+    full, GPU us per step, 5-7 rounds alternated in one process, two calls; the 2-stage plans):
+    - 8192 blocks (256 x L x 1): 2k keys 1838.5-1838.6 -> 1836.1-1836.2 (0.999; cuDNN 1838.9-1839.1),
+      8k 7384.8-7386.4 -> 7347.7-7348.0 (0.995; cuDNN 7368-7370); the last 132 tiles in 2 splits 1836.4 /
+      7357.3, the last 396 in 4 1838.3-1838.5 / 7352.4-7353.3; but 512 keys 465.6 -> 468.4 (1.006).
+    - 2048 blocks, slower at every count tried: 64 x 2k x 1 462.7 -> 466.4 (1.008), 64 x 8k x 1 1.005, 64 x
+      32k x 1 1.004, 256 x 2k x 4 1.011, 256 x 8k x 4 1.001 (the last 132 in 4; 2 and 396 in 4 as slow or
+      slower). 512 blocks of 32k keys (16 x 32k x 1): 1.000.
+    - A reader of the same tiles without attention (bench/dev/decode_read_bw.py read_tma_tail) gained
+      0.3 % at 8192 items of 2k and 8k keys and 0.3-0.8 % at 2048 of 8k: the split blocks' partials and
+      merge cost the decode the rest.
+    CUFLASH_DECODE_TAIL: "0" never; "T,S" the last T row tiles in S splits wherever the plan is an unsplit
+    4-warp TMA decode with the fused combine (A/B measurements, tests). Read when a plan is made."""
+    import os
+
+    v = os.environ.get("CUFLASH_DECODE_TAIL")
+    if v == "0":
+        return None
+    if v:
+        t, s = (int(x) for x in v.split(","))
+        return (min(t, blocks), s) if t > 0 and s > 1 else None
+    if (decode_shallow_supported(target, head_dim) and not paged and peak_bw >= DECODE_DEEP_MAX_BW
+            and blocks >= DECODE_TAIL_MIN_WAVES * sm_count and keys >= DECODE_TAIL_MIN_KEYS):
+        return sm_count, DECODE_TAIL_SPLITS
+    return None
+
+
+# decode_split_tail: from 48 blocks per SM (8192 blocks on 132 SMs measured faster, 2048 slower), blocks
+# of at least 2048 keys (512 slower), the last SM count of row tiles in 4 splits.
+DECODE_TAIL_MIN_WAVES = 48
+DECODE_TAIL_MIN_KEYS = 2048
+DECODE_TAIL_SPLITS = 4
+
+
 # decode_shallow_tma: the grids of many blocks per SM where 2 stages run (2048 blocks on 132 SMs
 # measured faster, 1024 not), and the most keys a block of a grid of one block per SM or fewer may
 # see there (four 64-key tiles: 128- and 256-key splits measured faster, 4096-key ones slower).

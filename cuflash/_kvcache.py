@@ -754,6 +754,20 @@ class DecodePlan:
                         stages = depth(warps)
             if main is None:
                 main = launches(0)
+            # The split tail (_config.decode_split_tail): an unsplit 4-warp TMA plan of many blocks per SM
+            # reads its last row tiles in splits, merged by the fused combine, where it has counters (run());
+            # main, without, stays unsplit.
+            tail = None
+            if splits == 1 and warps == 4 and self.tma and self.fused and not clustered and self.mt == 1:
+                tail = _config.decode_split_tail(target, d, blocks, -(-keys // splits), _sm_count(dev), c.paged,
+                                                 _gpu.peak_memory_bandwidth(dev))
+            if tail is not None:
+                fused = _launch.decode_launches(
+                    tensor("q", _D_Q), tensor("k_cache", _D_KC), tensor("v_cache", _D_VC), out_t,
+                    dataclasses.replace(args0, num_splits=tail[1], split_counters=Slot(_D_COUNTERS),
+                                        tail_first=blocks - tail[0]),
+                    c.dtype, c.scale, mask, dev, cc, warps, self.tma, stages, self.mt)
+                return splits, _launch.decode_scratch_floats(b, h, sq, d, tail[1]), main, fused
             fusable = not clustered and self._fusable(splits, fused_max_parts)
             fused = launches(Slot(_D_COUNTERS)) if fusable else None
             return splits, _launch.decode_scratch_floats(b, h, sq, d, splits, clustered), main, fused

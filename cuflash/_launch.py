@@ -40,7 +40,7 @@ FWD_PARAMS = np.dtype(
     + [(f"{t}_{s}_stride", np.int64) for t in "qkvo" for s in ("batch", "row", "head")]
     + [(n, np.int32) for n in ("batch", "nheads", "nheads_kv", "head_group", "seqlen_q", "seqlen_k", "num_m_blocks",
                                "tail_heads")]
-    + [("scale_log2", np.float32), ("mask", MASK_PARAMS)],
+    + [("scale_log2", np.float32), ("tail_first", np.int32), ("mask", MASK_PARAMS)],
     align=True,
 )
 
@@ -124,7 +124,7 @@ DECODE_PARAMS = np.dtype(
     + [("table_stride", np.int64)]
     + [(n, np.uint64) for n in ("split_counters", "seq", "q")]
     + [(f"q_{s}_stride", np.int64) for s in ("batch", "row", "head")]
-    + [("scale_log2", np.float32), ("mask", MASK_PARAMS)]
+    + [("scale_log2", np.float32), ("tail_first", np.int32), ("mask", MASK_PARAMS)]
     + [(n, np.int32) for n in ("nheads", "head_dim")]
     + [(n, np.uint64) for n in ("k", "v", "o", "lse", "o_part", "lse_part", "k_new", "v_new", "started")]
     + [(f"{t}_{s}_stride", np.int64) for t in ("k", "v", "o", "kn", "vn") for s in ("batch", "row", "head")]
@@ -1792,6 +1792,8 @@ class DecodeArgs:
     seq: "int | Slot" = 0          # the call's number, which the decode kernel writes to `started` (0: none)
     kv_lengths: "int | Slot" = 0   # where the append kernel writes each entry's L_b (0: nowhere; decode_launches'
                                    # append_only)
+    tail_first: int = 0            # the split tail: row tiles before it unsplit, the rest in num_splits blocks
+                                   # each, merged by the fused combine (cuda_src/flash_decode.cu Grid); 0: none
 
 
 def decode_scratch_floats(batch: int, nheads: int, seqlen_q: int, head_dim: int, num_splits: int,
@@ -1829,7 +1831,9 @@ def decode_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: Device
     rows = seqlen_q * group
     assert mt == 1 or (mt == 2 and tma and warps == 4 and not a.cluster), (mt, tma, warps, a.cluster)
     row_tiles = _cdiv(rows, _config.DECODE_ROWS * mt)
-    grid = batch * nheads_kv * row_tiles * a.num_splits
+    tiles = batch * nheads_kv * row_tiles
+    assert 0 <= a.tail_first < tiles and (not a.tail_first or (a.split_counters and not a.cluster)), a
+    grid = a.tail_first + (tiles - a.tail_first) * a.num_splits
     if grid > MAX_GRID_X:
         raise ValueError(f"batch * nheads_kv * ceil(seqlen_q * nheads / nheads_kv / {16 * mt}) * num_splits = {grid} "
                          f"thread blocks exceeds the grid limit {MAX_GRID_X}; split the batch")
@@ -1863,6 +1867,7 @@ def decode_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: Device
                         ("head_dim", head_dim), ("cluster_merge", int(cluster))):
         p[name] = value
     p["scale_log2"] = softmax_scale * LOG2E
+    p["tail_first"] = a.tail_first
     ptrs.update(_set_mask(p, mask, softmax_scale, nheads, seqlen_q))
 
     launches = []
