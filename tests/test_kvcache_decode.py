@@ -1500,7 +1500,117 @@ _PLAN_SWITCHES = ("CUFLASH_DECODE_LONG_SPLIT", "CUFLASH_DECODE_SHALLOW", "CUFLAS
                   "CUFLASH_DECODE_PAGED_FILL", "CUFLASH_DECODE_WARPS", "CUFLASH_DECODE_FUSED_COMBINE",
                   "CUFLASH_DECODE_CLUSTER", "CUFLASH_DECODE_PAGE_TILES", "CUFLASH_DECODE_GRP",
                   "CUFLASH_DECODE_TWO_TILES", "CUFLASH_DECODE_NARROW_CLUSTERS",
-                  "CUFLASH_DECODE_PAGED_TWO_TILE_SPLITS", "CUFLASH_DECODE_IDLE", "CUFLASH_DECODE_MID_WIDE")
+                  "CUFLASH_DECODE_PAGED_TWO_TILE_SPLITS", "CUFLASH_DECODE_IDLE", "CUFLASH_DECODE_MID_WIDE",
+                  "CUFLASH_DECODE_TAIL")
+
+
+def test_decode_split_tail_rule(monkeypatch):
+    """_config.decode_split_tail (CPU): the last SM count of row tiles in DECODE_TAIL_SPLITS splits where an
+    unsplit decode has at least DECODE_TAIL_MIN_WAVES blocks per SM of at least DECODE_TAIL_MIN_KEYS keys,
+    on sm_90a at head_dim 128, contiguous, at an H200's bandwidth; CUFLASH_DECODE_TAIL=0 never, "T,S" forces."""
+    from cuflash import _config
+
+    monkeypatch.delenv("CUFLASH_DECODE_TAIL", raising=False)
+    f = _config.decode_split_tail
+    assert (_config.DECODE_TAIL_MIN_WAVES, _config.DECODE_TAIL_MIN_KEYS, _config.DECODE_TAIL_SPLITS) == (48, 2048, 4)
+    bw = 4.8e12
+    assert f("sm_90a", 128, 8192, 2048, 132, False, bw) == (132, 4)
+    assert f("sm_90a", 128, 48 * 132, 2048, 132, False, bw) == (132, 4)
+    for args in (("sm_90a", 128, 48 * 132 - 1, 2048, 132, False, bw), ("sm_90a", 128, 8192, 2047, 132, False, bw),
+                 ("sm_90a", 128, 8192, 2048, 132, True, bw), ("sm_90a", 128, 8192, 2048, 132, False, 3.35e12),
+                 ("sm_90a", 64, 8192, 2048, 132, False, bw), ("sm_80", 128, 8192, 2048, 132, False, bw)):
+        assert f(*args) is None, args
+    monkeypatch.setenv("CUFLASH_DECODE_TAIL", "0")
+    assert f("sm_90a", 128, 8192, 2048, 132, False, bw) is None
+    monkeypatch.setenv("CUFLASH_DECODE_TAIL", "5,3")
+    assert f("sm_80", 64, 20, 100, 132, True, 0.0) == (5, 3) and f("sm_80", 64, 4, 100, 132, True) == (4, 3)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged16"])
+def test_decode_split_tail_plan(monkeypatch, layout):
+    """The split tail on a stand-in H200 (132 SMs, 4.8 TB/s): bench_decode's 256 x 2048 x 1 (8192 blocks,
+    contiguous) runs unsplit without the fused combine's counters (main), and with them (fused: what
+    eager calls and graphs captured on a stream that has counters run) its first 8060 row tiles unsplit
+    and the last 132 in 4 splits: grid 8060 + 528, the Params' tail_first 8060 and num_splits 4, the
+    counters and scratch for 4 splits of every row; the graph variant the same. Not on 16-row pages, at
+    512 keys, on 2048 blocks, with CUFLASH_DECODE_TAIL=0, nor at an H100's bandwidth; CUFLASH_DECODE_TAIL=T,S
+    forces one on 2048 blocks and on pages."""
+    from cuflash import _kvcache, _launch
+
+    for name in _PLAN_SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+    install_stand_in(monkeypatch.setattr)
+    paged = layout == "paged16"
+    at = _launch._offsets(_launch.DECODE_TMA_PARAMS)
+    words = {n: at[n] // 4 for n in ("tail_first", "num_splits")}
+    ptr_word = at["split_counters"] // 8
+
+    def tail_of(plan):
+        (splits, scratch, main, fused), graph = plan.eager, plan.graph
+        dec = [L for L in main if L.name.startswith("decode_")]
+        assert splits == 1 and len(dec) == 1 and dec[0].grid == plan.counter_count, [(L.name, L.grid) for L in main]
+        assert int(dec[0].ints[words["tail_first"]]) == 0 and int(dec[0].ints[words["num_splits"]]) == 1
+        assert graph[2] == main or graph == plan.eager
+        if fused is None or int(fused[-1].ints[words["tail_first"]]) == 0:
+            return None
+        (L,) = fused
+        first, n = int(L.ints[words["tail_first"]]), int(L.ints[words["num_splits"]])
+        assert L.name == dec[0].name and L.grid == first + (plan.counter_count - first) * n, (L.grid, first, n)
+        assert any(slot == _kvcache._D_COUNTERS for slot in (p[1] for p in L.patches if p[0] == ptr_word)), L.patches
+        b, sq, h, d = plan.out_shape
+        assert scratch == n * b * h * sq * (d + 1) and graph[3] is fused or graph[3] == fused
+        return first, n
+
+    want = None if paged else (8192 - 132, 4)
+    assert tail_of(stand_in_plan(256, 2048, 1, paged)) == want
+    assert tail_of(stand_in_plan(256, 8192, 1, paged)) == want
+    for b, L, g in ((256, 512, 1), (64, 8192, 1), (256, 2048, 4)):
+        assert tail_of(stand_in_plan(b, L, g, paged)) is None, (b, L, g)
+    monkeypatch.setenv("CUFLASH_DECODE_TAIL", "0")
+    assert tail_of(stand_in_plan(256, 2048, 1, paged)) is None
+    monkeypatch.setenv("CUFLASH_DECODE_TAIL", "100,3")
+    assert tail_of(stand_in_plan(64, 8192, 1, paged)) == (2048 - 100, 3)
+    monkeypatch.delenv("CUFLASH_DECODE_TAIL")
+    install_stand_in(monkeypatch.setattr, bw=3.35e12)
+    assert tail_of(stand_in_plan(256, 2048, 1, paged)) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout,tail,option", [("contig", "5,2", "none"), ("contig", "7,4", "all"),
+                                                ("paged16", "3,3", "sinklogit"), ("contig", "24,2", "none")])
+def test_decode_split_tail_gpu(monkeypatch, layout, tail, option):
+    """The split tail on the GPU (cuda_src/flash_decode.cu Grid; forced with CUFLASH_DECODE_TAIL=T,S on the
+    unsplit 4-warp plan of num_splits=1 and CUFLASH_DECODE_WARPS=4, as the rule's grids need thousands of
+    blocks): batch 6 x 4 kv heads of GQA 4 (24 row tiles), 700-key caches
+    with ragged lengths (0, 1, odd, full) and an appended token, the last T row tiles in S splits merged
+    by the fused combine, the others written whole; "24,2": every row tile split (tail_first 0). Matches
+    the float64 reference, lse included, with the named options (a window, sink tokens and logits,
+    ALiBi, softcap); the eager calls ran the tail's launch (grid and Params checked). torch CUDA."""
+    from cuflash import _kvcache, _launch
+
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device")
+    for name in _PLAN_SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("CUFLASH_DECODE_TAIL", tail)
+    monkeypatch.setenv("CUFLASH_DECODE_WARPS", "4")  # with num_splits=1: the unsplit 4-warp plan the tail takes
+    _fresh_decode_plans(monkeypatch)
+    seed = _new_seed()
+    rng = np.random.default_rng(seed)
+    opts, qk_scale = _features(rng, option, 6, 16)
+    _check(lambda: make_case(rng, dtype=BF16, batch=6, seqlen_q=1, nheads=16, nheads_kv=4, head_dim=128,
+                             layout=layout, capacity=700, seqlen_new=1, qk_scale=qk_scale),
+           "cuda", True, opts, _ctx(seed, layout=layout, tail=tail, option=option), num_splits=1)
+    (plan,) = _kvcache._DECODE_PLANS.values()
+    fused = plan.eager[3]
+    if not (plan.tma and plan.eager[0] == 1 and "_w8" not in plan.eager[2][-1].name):
+        pytest.skip(f"the plan is not an unsplit 4-warp TMA decode here: {[L.name for L in plan.eager[2]]}")
+    t, n = (int(x) for x in tail.split(","))
+    at = _launch._offsets(_launch.DECODE_TMA_PARAMS)
+    (L,) = [L for L in fused if L.name.startswith("decode_") and "append" not in L.name]
+    first = int(L.ints[at["tail_first"] // 4])
+    assert (first, int(L.ints[at["num_splits"] // 4]), L.grid) == (24 - t, n, 24 - t + t * n), (L.grid, first)
+    assert plan.counters, "the eager calls never took the fused launches (no counters made)"
 
 
 def _variant_kernels(variant):
