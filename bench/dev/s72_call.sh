@@ -4,6 +4,8 @@
 #   tailrd   bench/dev/decode_read_bw.py --only-tail at TAIL_SHAPES (default 256x2048x32 256x8192x32
 #            64x8192x32; BxLxHEADS_KV): a block an item against the last items read in splits (read_tma_tail),
 #            beside cuflash's decode and cuDNN's at the shape, the list timed TAIL_REPEAT times (default 2)
+#   tailab   bench/dev/tailtree/decode_tail_ab.py on the tree bench/dev/tailtree (the decode kernel with the
+#            split tail; not on main): TAB_SHAPES, TAB_TAILS ("T,S" or "Nsm,S"), TAB_ROUNDS
 #   STEPS="tailrd" CALL=c1 bash bench/dev/s72_call.sh
 set -u
 source "$(dirname "${BASH_SOURCE[0]}")/call_env.sh"
@@ -18,6 +20,10 @@ session_step() {
           --batch "$tb" --seqlen "$tl" --heads-kv "$th" --json "$OUT/${N}_tailrd_$s.json" > "$OUT/${N}_tailrd_$s.log" 2>&1
         echo "== $s"; grep -E " us |Error|error|WRONG" "$OUT/${N}_tailrd_$s.log" | cut -c1-200
       done ;;
+    tailab)  # the split tail in the decode kernel (bench/dev/tailtree: the tree with it), TAB_TAILS, TAB_SHAPES
+      PYTHONPATH=bench/dev/tailtree python3 bench/dev/tailtree/decode_tail_ab.py --shapes ${TAB_SHAPES:-256x2048x1 256x8192x1} \
+        --tails "" ${TAB_TAILS:-1sm,2 3sm,2 3sm,4 6sm,2} --rounds "${TAB_ROUNDS:-7}" --json "$OUT/${N}_tailab.json" > "$OUT/${N}_tailab.log" 2>&1
+      grep -E " us |grid|Error|error" "$OUT/${N}_tailab.log" | cut -c1-200 ;;
     *) return 1 ;;
   esac
   return 0
