@@ -40,7 +40,7 @@ FWD_PARAMS = np.dtype(
     + [(f"{t}_{s}_stride", np.int64) for t in "qkvo" for s in ("batch", "row", "head")]
     + [(n, np.int32) for n in ("batch", "nheads", "nheads_kv", "head_group", "seqlen_q", "seqlen_k", "num_m_blocks",
                                "tail_heads")]
-    + [("scale_log2", np.float32), ("tail_first", np.int32), ("mask", MASK_PARAMS)],
+    + [("scale_log2", np.float32), ("mask", MASK_PARAMS)],
     align=True,
 )
 
