@@ -4,8 +4,10 @@
 #   tailrd   bench/dev/decode_read_bw.py --only-tail at TAIL_SHAPES (default 256x2048x32 256x8192x32
 #            64x8192x32; BxLxHEADS_KV): a block an item against the last items read in splits (read_tma_tail),
 #            beside cuflash's decode and cuDNN's at the shape, the list timed TAIL_REPEAT times (default 2)
-#   tailab   bench/dev/tailtree/decode_tail_ab.py on the tree bench/dev/tailtree (the decode kernel with the
-#            split tail; not on main): TAB_SHAPES, TAB_TAILS ("T,S" or "Nsm,S"), TAB_ROUNDS
+#   tailab   bench/dev/tailtree/decode_tail_ab.py on the tree bench/dev/tailtree (made by git archive s72-tail
+#            cuflash cuda_src bench/dev/decode_tail_ab.py bench/dev/decode_splits.py, then the two scripts
+#            moved up to it): TAB_SHAPES, TAB_TAILS ("T,S" or "Nsm,S"; "none+VAR=VAL" an environment alone), TAB_ROUNDS
+#   ltest    tests/test_gpu_layout.py and the split tail's tests of tests/test_kvcache_decode.py (-rs)
 #   STEPS="tailrd" CALL=c1 bash bench/dev/s72_call.sh
 set -u
 source "$(dirname "${BASH_SOURCE[0]}")/call_env.sh"
@@ -24,6 +26,11 @@ session_step() {
       PYTHONPATH=bench/dev/tailtree python3 bench/dev/tailtree/decode_tail_ab.py --shapes ${TAB_SHAPES:-256x2048x1 256x8192x1} \
         --tails "" ${TAB_TAILS:-1sm,2 3sm,2 3sm,4 6sm,2} --rounds "${TAB_ROUNDS:-7}" --json "$OUT/${N}_tailab.json" > "$OUT/${N}_tailab.log" 2>&1
       grep -E " us |grid|Error|error" "$OUT/${N}_tailab.log" | cut -c1-200 ;;
+    ltest)  # the Params layout probes and the split tail's tests (-rs: their skips named)
+      python3 -m pytest -q -rfs -p no:cacheprovider tests/test_gpu_layout.py tests/test_kvcache_decode.py -k "layout or offsets or split_tail" \
+        > "$OUT/${N}_ltest.log" 2>&1
+      grep -E "^FAILED|^ERROR|^SKIPPED|seed" "$OUT/${N}_ltest.log" | head -20
+      echo "ltest: $(tail -n 1 "$OUT/${N}_ltest.log")" ;;
     *) return 1 ;;
   esac
   return 0
