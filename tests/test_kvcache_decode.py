@@ -1576,16 +1576,19 @@ def test_decode_split_tail_plan(monkeypatch, layout):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout,tail,option", [("contig", "5,2", "none"), ("contig", "7,4", "all"),
-                                                ("paged16", "3,3", "sinklogit"), ("contig", "24,2", "none")])
+@pytest.mark.parametrize("layout,tail,option", [("contig", "5,2", "none"), ("contig", "7,4", "win20_0"),
+                                                ("paged16", "3,3", "sinklogit"), ("contig", "6,3", "alibi_bh"),
+                                                ("contig", "24,2", "softcap")])
 def test_decode_split_tail_gpu(monkeypatch, layout, tail, option):
     """The split tail on the GPU (cuda_src/flash_decode.cu Grid; forced with CUFLASH_DECODE_TAIL=T,S on the
     unsplit 4-warp plan of num_splits=1 and CUFLASH_DECODE_WARPS=4, as the rule's grids need thousands of
     blocks): batch 6 x 4 kv heads of GQA 4 (24 row tiles), 700-key caches
     with ragged lengths (0, 1, odd, full) and an appended token, the last T row tiles in S splits merged
     by the fused combine, the others written whole; "24,2": every row tile split (tail_first 0). Matches
-    the float64 reference, lse included, with the named options (a window, sink tokens and logits,
-    ALiBi, softcap); the eager calls ran the tail's launch (grid and Params checked). torch CUDA."""
+    the float64 reference, lse included, with the named options (a 21-key window, whose splits past the
+    first see no key, sink logits, ALiBi per entry, softcap: those the TMA kernel takes; sink tokens
+    beside a window run the cp.async kernel, where the tail is not planned); the eager calls ran the
+    tail's launch (grid and Params checked). torch CUDA."""
     from cuflash import _kvcache, _launch
 
     if not torch.cuda.is_available():
