@@ -1573,9 +1573,9 @@ def decode_split_tail(target: str, head_dim: int, blocks: int, keys: int, sm_cou
     - 8192 blocks (256 x L x 1): 2k keys 1838.5-1838.6 -> 1836.1-1836.2 (0.999; cuDNN 1838.9-1839.1),
       8k 7384.8-7386.4 -> 7347.7-7348.0 (0.995; cuDNN 7368-7370); the last 132 tiles in 2 splits 1836.4 /
       7357.3, the last 396 in 4 1838.3-1838.5 / 7352.4-7353.3; but 512 keys 465.6 -> 468.4 (1.006).
-    - 2048 blocks, slower at every count tried: 64 x 2k x 1 462.7 -> 466.4 (1.008), 64 x 8k x 1 1.005, 64 x
-      32k x 1 1.004, 256 x 2k x 4 1.011, 256 x 8k x 4 1.001 (the last 132 in 4; 2 and 396 in 4 as slow or
-      slower). 512 blocks of 32k keys (16 x 32k x 1): 1.000.
+    - 2048 blocks, slower with every tail tried: 64 x 2k x 1 462.7 -> 466.4 (1.008), 64 x 8k x 1 1.006, 64 x
+      32k x 1 1.004, 256 x 2k x 4 1.011, 256 x 8k x 4 1.001 (the last 132 in 4; the other tails tried,
+      132 in 2 and 396 in 4, 1.001-1.018). 512 blocks of 32k keys (16 x 32k x 1): 1.000.
     - A reader of the same tiles without attention (bench/dev/decode_read_bw.py read_tma_tail) gained
       0.3 % at 8192 items of 2k and 8k keys and 0.3-0.8 % at 2048 of 8k: the split blocks' partials and
       merge cost the decode the rest.
