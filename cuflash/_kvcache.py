@@ -731,11 +731,13 @@ class DecodePlan:
                         return 2
                 return None
 
-            def launches(counters, cluster=False):
+            def launches(counters, cluster=False, n_splits=None, tail_first=0):
+                """The launches at `splits` (or n_splits: the split tail's count, tail_first its first block)."""
+                args = dataclasses.replace(args0, num_splits=splits if n_splits is None else n_splits,
+                                           split_counters=counters, cluster=cluster, tail_first=tail_first)
                 return _launch.decode_launches(tensor("q", _D_Q), tensor("k_cache", _D_KC), tensor("v_cache", _D_VC),
-                                               out_t, dataclasses.replace(args0, num_splits=splits,
-                                                                          split_counters=counters, cluster=cluster),
-                                               c.dtype, c.scale, mask, dev, cc, warps, self.tma, stages, self.mt)
+                                               out_t, args, c.dtype, c.scale, mask, dev, cc, warps, self.tma, stages,
+                                               self.mt)
             stages = depth(warps)
             main = launches(0, True) if clustered else None
             if clustered and not _launch.cluster_fits(main[-1]):  # (the decode launch: no combine follows)
@@ -762,11 +764,7 @@ class DecodePlan:
                 tail = _config.decode_split_tail(target, d, blocks, -(-keys // splits), _sm_count(dev), c.paged,
                                                  _gpu.peak_memory_bandwidth(dev))
             if tail is not None:
-                fused = _launch.decode_launches(
-                    tensor("q", _D_Q), tensor("k_cache", _D_KC), tensor("v_cache", _D_VC), out_t,
-                    dataclasses.replace(args0, num_splits=tail[1], split_counters=Slot(_D_COUNTERS),
-                                        tail_first=blocks - tail[0]),
-                    c.dtype, c.scale, mask, dev, cc, warps, self.tma, stages, self.mt)
+                fused = launches(Slot(_D_COUNTERS), n_splits=tail[1], tail_first=blocks - tail[0])
                 return splits, _launch.decode_scratch_floats(b, h, sq, d, tail[1]), main, fused
             fusable = not clustered and self._fusable(splits, fused_max_parts)
             fused = launches(Slot(_D_COUNTERS)) if fusable else None

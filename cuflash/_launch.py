@@ -1377,12 +1377,22 @@ def _use_tma(k: DeviceTensor, v: DeviceTensor, block_n: int, dtype: str, pad: bo
     a kernel of a larger head_dim (pad-up; _tma_ok)."""
     from . import _tma
 
+    gate = _tma_gate(k, v, pad)
+    if gate is not None:
+        return gate
+    return all(_tma.layout_patch(t.shape, t.strides, block_n, dtype) is not None for t in (k, v))
+
+
+def _tma_gate(k: DeviceTensor, v: DeviceTensor, pad: bool = False) -> "bool | None":
+    """What _use_tma and _use_tma_ilv answer before the maps' patches: False where CUFLASH_FWD_TMA=0, a
+    tensor that no map describes (_tma_ok) or no driver; True where CUFLASH_FWD_TMA forces TMA; None:
+    the patches decide."""
+    from . import _tma
+
     mode = _config.fwd_tma_mode()
     if mode == "off" or not (_tma_ok(k, pad) and _tma_ok(v, pad)) or not _tma.available():
         return False
-    if mode == "force":
-        return True
-    return all(_tma.layout_patch(t.shape, t.strides, block_n, dtype) is not None for t in (k, v))
+    return True if mode == "force" else None
 
 
 def _use_tma_ilv(paged: PagedKV, rows: int, dtype: str) -> bool:
@@ -1393,11 +1403,9 @@ def _use_tma_ilv(paged: PagedKV, rows: int, dtype: str) -> bool:
     from . import _tma
 
     k, v = paged.k, paged.v
-    mode = _config.fwd_tma_mode()
-    if mode == "off" or not (_tma_ok(k) and _tma_ok(v)) or not _tma.available():
-        return False
-    if mode == "force":
-        return True
+    gate = _tma_gate(k, v)
+    if gate is not None:
+        return gate
     return (_tma.layout_patch(k.shape, k.strides, rows, dtype, ilv=True) is not None
             and _tma.layout_patch(v.shape, v.strides, 16, dtype, v.shape[3] // 64) is not None)
 
