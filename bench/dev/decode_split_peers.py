@@ -54,7 +54,7 @@ def plan_of(kvc, b, sq, h, d, L, hk, s):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", nargs="+", default=["16x131072x4", "4x8192x1", "64x131072x8"])
-    ap.add_argument("--splits", type=int, nargs="+", default=[2, 4, 8, 16],
+    ap.add_argument("--splits", type=int, nargs="*", default=[2, 4, 8, 16],
                     help="forced counts beside the library's plan (counts past a shape's tiles are skipped)")
     ap.add_argument("--settings", nargs="*", default=[],
                     help="NAME:VAR=VAL[,VAR=VAL]: the library's plan made under these variables")
