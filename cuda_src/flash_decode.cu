@@ -73,6 +73,12 @@
 // addresses. The TMA unit reads a cache faster than the threads' 16-byte copies: H200, batch 64,
 // 8k keys, 32 kv heads, reads alone
 // (bench/dev/decode_read_bw.py) 4.66 TB/s against 4.26-4.31, the copy 4.23.
+// Warp 0 issues tile it + STAGES - 1 at the loop's top, once every warp is done with tile it - 1, whose
+// stage it takes; where the memory is the limit, tile it is then still in flight, so three tiles are
+// (STAGES = 3). With late_issue (contiguous caches, 3+ stages; the host sets it for grids of one block per
+// SM at most: cuflash/_config.py decode_late_issue) it issues the tile after its wait for tile it
+// instead: two in flight throughout, as the fastest read-only reader of one block an item keeps
+// (bench/dev/decode_read_bw.py: H200, 128 items of 128k keys, 2 stages 1873 us, 3 stages 1891).
 // 16-key groups run a twin of each TMA kernel (GRP: paged and groups compile-time constants; the
 // host takes it for exactly those calls), which leaves the other layouts' code as it was. H200,
 // session 62: 0.94-0.96x the shared kernel's time at 512-key caches of 16-row pages. (Groups
@@ -195,6 +201,9 @@ struct DecodeParams {
     int* kv_lengths;            // append kernel only: null, or (batch,) where it writes each entry's L_b
                                 // (the chunk route's kv_lengths for the feature forward; last in the
                                 // struct, so the other fields keep their offsets)
+    int late_issue;             // TMA, 3+ stages, a contiguous cache: warp 0 issues tile it + STAGES - 1
+                                // once tile it landed instead of before its wait (Copies, below;
+                                // cuflash/_config.py decode_late_issue)
 };
 
 // The TMA kernel's Params (sm_90a): DecodeParams, then the tensor maps of the K and V caches,
@@ -595,6 +604,9 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
     // groups (each warp's lane 0 issues its own group's boxes).
     const bool whole = !GRP && TMA && paged && p.page_tiles != 0;
     const bool groups = GRP || (paged && !whole);
+    // The late issue (late_issue): two tiles in flight while a tile is waited for and computed, where
+    // the issue at the loop's top keeps three in flight while the block waits (the memory the limit).
+    const bool late = TMA && STAGES >= 3 && !paged && p.late_issue != 0;
     // TMA: the maps and the barriers, ahead of pdl_wait (they read nothing another kernel writes), so
     // that a call launched as a programmatic dependent issues its first copies as soon as it may.
     if constexpr (TMA) {
@@ -1140,7 +1152,7 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
         const int stage = it % STAGES;
         if constexpr (TMA) {
             __syncthreads();  // every warp is done with tile it - 1, whose stage tile it + STAGES - 1 takes
-            if ((groups || warp == 0) && it + STAGES - 1 < n_tiles) tma_tile(it + STAGES - 1);
+            if ((groups || (warp == 0 && !late)) && it + STAGES - 1 < n_tiles) tma_tile(it + STAGES - 1);
             if (tid == 0 && it == 1) DECODE_TL_CLK(23);
             // Lookups: the slot's pairs were read at the issue in iteration it - STAGES + 1 (a barrier since).
             if (paged && it + STAGES < n_tiles) {
@@ -1148,6 +1160,7 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
                 if (it + STAGES + 1 < n_tiles) lookup_load(it + STAGES + 1);
             }
             mbar_wait(full_base + 8u * stage, (it / STAGES) & 1);  // the tile (KV_APART: its K)
+            if (late && warp == 0 && it + STAGES - 1 < n_tiles) tma_tile(it + STAGES - 1);  // (its stage free)
             if (tid == 0 && it < 8) DECODE_TL_CLK(5 + it);
             if constexpr (!KV_APART) zero_v_tail(stage, it);
         } else {

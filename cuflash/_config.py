@@ -1602,6 +1602,50 @@ DECODE_TAIL_MIN_KEYS = 2048
 DECODE_TAIL_SPLITS = 4
 
 
+def decode_late_issue(target: str, head_dim: int, grid: int, keys: int, sm_count: int, paged: bool, warps: int,
+                      stages: int, peak_bw: float = 0.0, mt: int = 1, span: int = 0) -> bool:
+    """Whether the TMA decode kernel issues each tile once the tile two before it landed (late_issue:
+    cuda_src/flash_decode.cu Copies) rather than at the loop's top: 4 warps, sm_90a, head_dim 128, a
+    contiguous cache, 3 stages, one m16 tile a warp (mt; two not measured), peak bandwidth (peak_bw,
+    bytes/s) at least DECODE_DEEP_MAX_BW, a grid of at most one block per SM (sm_count), each block
+    seeing at least DECODE_LATE_MIN_KEYS keys, whose rows span at most DECODE_LATE_MAX_SPAN bytes of the
+    cache (span: keys x the K and V caches' larger row stride in bytes).
+    A read-only reader of one block an item read 128 items of 128k keys 1.0-1.1 % faster with two tiles
+    in flight than with three, the decode's count where the memory is the limit (bench/dev/decode_read_bw.py,
+    H200, session 73: 8 kv heads 1872.9 against 1891.3 us, 32 kv heads 1886.4 against 1906.6; the decode
+    1891.5 / 1895.2). The decode with the late issue against without (bench/dev/decode_split_peers.py on
+    bench/dev/s73_late_issue.patch, 32 query heads, head_dim 128, bf16, GPU us per step, 11 rounds
+    round-robin with cuDNN, two H200 machines): 16 x 128k x 4 0.997 / 0.993 (x cuDNN 1.0004 -> 0.9973,
+    1.0053 -> 0.9984), 4 x 8k x 1 0.988 / 0.988, 16 x 32k x 4 0.997 / 0.995, 4 x 32k x 1 1.000 / 0.995,
+    16 x 8k x 4 0.998, 1 x 128k x 1 (4 splits) 0.999; but 4 x 128k x 1 1.008 / 1.005 (x cuDNN 0.990 ->
+    0.998, 0.992 -> 0.997). Outside the rule: 16 x 2k x 4 (2048 keys) 1.009, 64 x 8k x 4 and 16 x 8k x 1
+    (512 blocks) 0.999 / 1.002, the 8-warp kernel 1.002-1.057. The branch's rule against
+    CUFLASH_DECODE_LATE=0 (9 rounds, round-robin with cuDNN; two more H200 machines, sessions 73 / 74):
+    16 x 128k x 4 0.999 / 0.998, 4 x 8k x 1 0.989 / 0.993, 1 x 32k x 1 0.994 / 0.993; 4 x 128k x 1
+    1.006 / 1.0085 (x cuDNN 0.9915 -> 0.9977, 0.9905 -> 0.9989): four machines of four read it slower,
+    the one point of bench_decode's grid whose blocks' rows span 1 GiB (32 kv heads: 8 KiB a row;
+    16 x 128k x 4 spans 256 MiB, 4 x 32k x 1 256 MiB, and both read faster), so DECODE_LATE_MAX_SPAN
+    leaves it out. Why the span matters is not known.
+    CUFLASH_DECODE_LATE: "0" never, "1" wherever the kernel allows it (a contiguous cache, 3+ stages; A/B
+    measurements, tests). Read when a plan is made."""
+    import os
+
+    if stages < 3 or paged:
+        return False
+    v = os.environ.get("CUFLASH_DECODE_LATE")
+    if v in ("0", "1"):
+        return v == "1"
+    return (warps == 4 and stages == 3 and mt == 1 and decode_shallow_supported(target, head_dim)
+            and peak_bw >= DECODE_DEEP_MAX_BW and grid <= sm_count and keys >= DECODE_LATE_MIN_KEYS
+            and span <= DECODE_LATE_MAX_SPAN)
+
+
+# decode_late_issue: blocks of at least 8192 keys (2048 measured slower), whose rows span at most 512 MiB
+# (256 MiB measured faster, 1 GiB slower).
+DECODE_LATE_MIN_KEYS = 8192
+DECODE_LATE_MAX_SPAN = 512 << 20
+
+
 # decode_shallow_tma: the grids of many blocks per SM where 2 stages run (2048 blocks on 132 SMs
 # measured faster, 1024 not), and the most keys a block of a grid of one block per SM or fewer may
 # see there (four 64-key tiles: 128- and 256-key splits measured faster, 4096-key ones slower).

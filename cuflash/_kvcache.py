@@ -552,6 +552,9 @@ class DecodePlan:
         target = _config.compile_arch(*cc)
         self.tma = _launch.use_decode_tma(tensor("k_cache", _D_KC), tensor("v_cache", _D_VC), c.dtype, target, c.paged,
                                           f.num_sink_tokens, f.window_left)
+        # The bytes between a contiguous cache's consecutive keys (the larger of K's and V's; 16-bit
+        # elements, the TMA kernels' only ones): _config.decode_late_issue's span.
+        row_bytes = 2 * max(abs(tensor(n, s).strides[1]) for n, s in (("k_cache", _D_KC), ("v_cache", _D_VC)))
         # Two m16 row tiles a warp (_config.decode_two_tiles): a block packs 32 rows, so that 17-32 rows
         # of a kv head (speculative decoding at GQA 4-8) read each K/V tile once, 33-64 twice (not 3-4
         # times). Its blocks merge their splits by the fused combine or the combine kernel (the
@@ -733,8 +736,16 @@ class DecodePlan:
 
             def launches(counters, cluster=False, n_splits=None, tail_first=0):
                 """The launches at `splits` (or n_splits: the split tail's count, tail_first its first block)."""
-                args = dataclasses.replace(args0, num_splits=splits if n_splits is None else n_splits,
-                                           split_counters=counters, cluster=cluster, tail_first=tail_first)
+                n = splits if n_splits is None else n_splits
+                depth_ = stages or (_config.decode_stages(target, d) if warps == 4
+                                    else _config.decode_wide_stages(target, d))
+                per_block = -(-keys // n)
+                late = self.tma and _config.decode_late_issue(target, d, tail_first + (blocks - tail_first) * n,
+                                                              per_block, _sm_count(dev), c.paged, warps, depth_,
+                                                              _gpu.peak_memory_bandwidth(dev), self.mt,
+                                                              per_block * row_bytes)
+                args = dataclasses.replace(args0, num_splits=n, split_counters=counters, cluster=cluster,
+                                           tail_first=tail_first, late_issue=late)
                 return _launch.decode_launches(tensor("q", _D_Q), tensor("k_cache", _D_KC), tensor("v_cache", _D_VC),
                                                out_t, args, c.dtype, c.scale, mask, dev, cc, warps, self.tma, stages,
                                                self.mt)

@@ -128,7 +128,7 @@ DECODE_PARAMS = np.dtype(
     + [(n, np.int32) for n in ("nheads", "head_dim")]
     + [(n, np.uint64) for n in ("k", "v", "o", "lse", "o_part", "lse_part", "k_new", "v_new", "started")]
     + [(f"{t}_{s}_stride", np.int64) for t in ("k", "v", "o", "kn", "vn") for s in ("batch", "row", "head")]
-    + [("kv_lengths", np.uint64)],
+    + [("kv_lengths", np.uint64), ("late_issue", np.int32)],
     align=True,
 )
 
@@ -1802,6 +1802,8 @@ class DecodeArgs:
                                    # append_only)
     tail_first: int = 0            # the split tail: row tiles before it unsplit, the rest in num_splits blocks
                                    # each, merged by the fused combine (cuda_src/flash_decode.cu Grid); 0: none
+    late_issue: bool = False       # the TMA kernel of 3+ stages issues a tile once the one two before it landed
+                                   # (a contiguous cache; _config.decode_late_issue)
 
 
 def decode_scratch_floats(batch: int, nheads: int, seqlen_q: int, head_dim: int, num_splits: int,
@@ -1876,6 +1878,8 @@ def decode_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: Device
         p[name] = value
     p["scale_log2"] = softmax_scale * LOG2E
     p["tail_first"] = a.tail_first
+    assert not a.late_issue or (tma and a.page_size == 0 and stages >= 3), (a.late_issue, tma, a.page_size, stages)
+    p["late_issue"] = int(a.late_issue)
     ptrs.update(_set_mask(p, mask, softmax_scale, nheads, seqlen_q))
 
     launches = []
