@@ -1501,7 +1501,7 @@ _PLAN_SWITCHES = ("CUFLASH_DECODE_LONG_SPLIT", "CUFLASH_DECODE_SHALLOW", "CUFLAS
                   "CUFLASH_DECODE_CLUSTER", "CUFLASH_DECODE_PAGE_TILES", "CUFLASH_DECODE_GRP",
                   "CUFLASH_DECODE_TWO_TILES", "CUFLASH_DECODE_NARROW_CLUSTERS",
                   "CUFLASH_DECODE_PAGED_TWO_TILE_SPLITS", "CUFLASH_DECODE_IDLE", "CUFLASH_DECODE_MID_WIDE",
-                  "CUFLASH_DECODE_TAIL")
+                  "CUFLASH_DECODE_TAIL", "CUFLASH_DECODE_LATE")
 
 
 def test_decode_split_tail_rule(monkeypatch):
@@ -1614,6 +1614,139 @@ def test_decode_split_tail_gpu(monkeypatch, layout, tail, option):
     first = int(L.ints[at["tail_first"] // 4])
     assert (first, int(L.ints[at["num_splits"] // 4]), L.grid) == (24 - t, n, 24 - t + t * n), (L.grid, first)
     assert plan.counters, "the eager calls never took the fused launches (no counters made)"
+
+
+def test_decode_late_issue_rule(monkeypatch):
+    """_config.decode_late_issue (CPU): the late issue where a 4-warp 3-stage decode of one m16 tile a warp
+    runs at most one block per SM, each of at least DECODE_LATE_MIN_KEYS keys, on sm_90a at head_dim 128,
+    contiguous, at an H200's bandwidth; CUFLASH_DECODE_LATE=0 never, 1 wherever the kernel allows it
+    (3+ stages, a contiguous cache)."""
+    from cuflash import _config
+
+    monkeypatch.delenv("CUFLASH_DECODE_LATE", raising=False)
+    f = _config.decode_late_issue
+    assert _config.DECODE_LATE_MIN_KEYS == 8192
+    bw = 4.8e12
+    ok = ("sm_90a", 128, 128, 8192, 132, False, 4, 3, bw)
+    assert f(*ok) and f("sm_90a", 128, 132, 131072, 132, False, 4, 3, bw) and f("sm_90a", 128, 1, 8192, 132, False, 4, 3, bw)
+    for i, bad in ((2, 133), (3, 8191), (5, True), (6, 8), (7, 2), (7, 4), (8, 3.35e12), (1, 64), (0, "sm_80")):
+        args = list(ok)
+        args[i] = bad
+        assert not f(*args), args
+    assert not f(*ok, mt=2)
+    assert _config.DECODE_LATE_MAX_SPAN == 512 << 20
+    assert f(*ok, span=256 << 20) and f(*ok, span=512 << 20) and not f(*ok, span=(512 << 20) + 2)
+    assert not f(*ok, span=1 << 30)
+    monkeypatch.setenv("CUFLASH_DECODE_LATE", "0")
+    assert not f(*ok)
+    monkeypatch.setenv("CUFLASH_DECODE_LATE", "1")
+    assert f("sm_80", 64, 5000, 10, 132, False, 8, 3, 0.0, mt=2) and f("sm_90a", 128, 128, 8192, 132, False, 4, 4, bw)
+    assert f(*ok, span=1 << 30)
+    assert not f("sm_90a", 128, 128, 8192, 132, True, 4, 3, bw) and not f("sm_90a", 128, 128, 8192, 132, False, 4, 2, bw)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged16"])
+def test_decode_late_issue_plan(monkeypatch, layout):
+    """The late issue on a stand-in H200 (132 SMs, 4.8 TB/s): the Params' late_issue is 1 in every variant
+    (eager, graph, idle) of bench_decode's one-wave plans of at least 8192 keys a block (16 x 128k x 4, 4 x
+    8k x 1, 4 x 32k x 1 unsplit; 1 x 128k x 1 in 4 splits of 32k keys), contiguous; 0 on 16-row pages, at
+    2048 keys a block (16 x 2k x 4), where a block's rows span 1 GiB (4 x 128k x 1: 32 kv heads), on 256-
+    to 2048-block grids, with CUFLASH_DECODE_LATE=0 and at an H100's bandwidth; CUFLASH_DECODE_LATE=1
+    sets it on a 512-block 3-stage plan and on 4 x 128k x 1 (contiguous)."""
+    from cuflash import _launch
+
+    for name in _PLAN_SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+    install_stand_in(monkeypatch.setattr)
+    paged = layout == "paged16"
+    word = _launch._offsets(_launch.DECODE_TMA_PARAMS)["late_issue"] // 4
+
+    def late_of(b, L, g):
+        plan = stand_in_plan(b, L, g, paged)
+        values = {int(decode_launch(v)[0].ints[word]) for v in (plan.eager, plan.graph, plan.idle)}
+        assert len(values) == 1, (b, L, g, values)
+        return values.pop()
+
+    for shape in ((16, 131072, 4), (4, 8192, 1), (4, 32768, 1), (1, 131072, 1)):
+        assert late_of(*shape) == int(not paged), shape
+    for shape in ((16, 2048, 4), (64, 131072, 8), (16, 8192, 1), (64, 8192, 1), (256, 2048, 1), (4, 131072, 1)):
+        assert late_of(*shape) == 0, shape
+    monkeypatch.setenv("CUFLASH_DECODE_LATE", "0")
+    assert late_of(16, 131072, 4) == 0
+    monkeypatch.setenv("CUFLASH_DECODE_LATE", "1")
+    assert late_of(16, 8192, 1) == int(not paged) and late_of(4, 131072, 1) == int(not paged)
+    monkeypatch.delenv("CUFLASH_DECODE_LATE")
+    install_stand_in(monkeypatch.setattr, bw=3.35e12)
+    assert late_of(16, 131072, 4) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case,option", [("rule", "none"), ("short", "win20_0"), ("split", "alibi_bh"),
+                                         ("w8", "softcap"), ("two_tiles", "sinklogit"), ("tiny", "none"),
+                                         ("idx", "scale"), ("paged", "none")])
+def test_decode_late_issue_gpu(monkeypatch, case, option):
+    """The late issue on the GPU (cuda_src/flash_decode.cu Copies): against the float64 reference, lse
+    included, ragged lengths (0, 1, odd, full) and an appended token, with the named options. "rule": the
+    library's own choice (CUFLASH_DECODE_LATE unset) at 8 unsplit 4-warp blocks of 9000 keys, whose Params
+    must carry late_issue exactly where the rule's terms hold (a 3-stage 4-warp TMA kernel on sm_90a at
+    4.3 TB/s or more); the others forced (CUFLASH_DECODE_LATE=1): 700-key caches ("short"), 3 splits merged
+    by the fused combine ("split"), the 8-warp kernel ("w8"), two m16 tiles a warp (4 query positions x
+    GQA 8: "two_tiles"), 100 keys, fewer tiles than stages ("tiny"), cache_batch_idx ("idx"), and 16-row
+    pages, where the kernel leaves the issue where it was ("paged": late_issue 0 in the Params). torch
+    CUDA."""
+    from cuflash import _config, _gpu, _kvcache, _launch
+
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device")
+    for name in _PLAN_SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+    if case != "rule":
+        monkeypatch.setenv("CUFLASH_DECODE_LATE", "1")
+    if case in ("rule", "split"):
+        monkeypatch.setenv("CUFLASH_DECODE_WARPS", "4")
+    if case == "w8":
+        monkeypatch.setenv("CUFLASH_DECODE_WARPS", "8")
+    if case == "two_tiles":
+        monkeypatch.setenv("CUFLASH_DECODE_TWO_TILES", "1")  # (700 keys: below the rule's reach)
+    _fresh_decode_plans(monkeypatch)
+    seed = _new_seed()
+    rng = np.random.default_rng(seed)
+    batch, nheads, nheads_kv, seqlen_q = 6, 16, 4, 1
+    capacity = {"rule": 9000, "tiny": 100}.get(case, 700)
+    if case == "rule":
+        batch = 2
+    if case == "two_tiles":
+        nheads, nheads_kv, seqlen_q = 32, 4, 4
+    layout = {"paged": "paged16", "idx": "contig_idx"}.get(case, "contig")
+    opts, qk_scale = _features(rng, option, batch, nheads)
+    splits = {"split": 3}.get(case, 1 if case in ("rule", "w8") else 0)
+    _check(lambda: make_case(rng, dtype=BF16, batch=batch, seqlen_q=seqlen_q, nheads=nheads, nheads_kv=nheads_kv,
+                             head_dim=128, layout=layout, capacity=capacity, seqlen_new=1, qk_scale=qk_scale),
+           "cuda", True, opts, _ctx(seed, case=case, option=option), num_splits=splits)
+    (plan,) = _kvcache._DECODE_PLANS.values()
+    if not plan.tma:
+        pytest.skip(f"no TMA decode here (sm_90a only): {[L.name for L in plan.eager[2]]}")
+    at = _launch._offsets(_launch.DECODE_TMA_PARAMS)
+    dec = [L for v in (plan.eager, plan.graph) for L in (v[3] or v[2]) if L.name.startswith("decode_")
+           and "append" not in L.name and "combine" not in L.name]
+    late = {(L.name, int(L.ints[at["late_issue"] // 4])) for L in dec}
+    names = {L.name for L in dec}
+    dev = torch.cuda.current_device()
+    fast = (_config.compile_arch(*_gpu.compute_capability(dev)) == "sm_90a"
+            and _gpu.peak_memory_bandwidth(dev) >= _config.DECODE_DEEP_MAX_BW)
+    for name, word in late:
+        deep = int(name.split("_s")[1].split("_")[0]) >= 3  # (2 stages: never late; a variant may run them)
+        if case == "rule":
+            want = int(name == "decode_bf16_d128_s3_tma" and fast)
+        else:
+            want = int(case != "paged" and deep)
+        assert word == want, (name, word, late)
+    if case != "paged" and (case != "rule" or fast):
+        assert any(word for _, word in late), late  # the late issue itself ran
+    if case == "w8":
+        assert all("_w8" in n for n in names), names
+    if case == "two_tiles":
+        assert all(n.endswith("_m2") for n in names), names
 
 
 def _variant_kernels(variant):
