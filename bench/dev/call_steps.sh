@@ -16,6 +16,7 @@
 #            4; G_HDS, default 64 128)
 #   dgrid    bench_decode.py's full grid with the peers (DGRID_ENV: environment for it)
 #   dtests   the decode GPU test files
+#   layout   tests/test_gpu_layout.py (the Params layout probes; -rs)
 #   dab      decode_splits.py at the library's plans (contiguous and 16-row pages), OLD's tree and this
 #            one alternately (old new old new), each in its own process on the same card (DAB_SHAPES,
 #            DAB_SPLITS; OLD made with git archive HEAD cuflash cuda_src bench/dev/decode_splits.py)
@@ -27,6 +28,15 @@
 #            sourced: the carried cache unpacks with its archived times), as ${N}_newcache.tgz, to
 #            merge into the carried cache there
 T0="${T0:-$(mktemp)}"
+# pytest_step NAME ARGS...: pytest -q -rfs ARGS into $OUT/${N}_NAME.log; prints its failures, errors,
+# skips and seeds, then its summary line.
+pytest_step() {
+  local name=$1
+  shift
+  python3 -m pytest -q -rfs -p no:cacheprovider "$@" > "$OUT/${N}_$name.log" 2>&1
+  grep -E "^FAILED|^ERROR|^SKIPPED|seed" "$OUT/${N}_$name.log" | head -20
+  echo "$name: $(tail -n 1 "$OUT/${N}_$name.log")"
+}
 common_step() {
   case "$1" in
     suite)
@@ -75,6 +85,8 @@ common_step() {
       env ${DGRID_ENV:-} python3 bench/bench_decode.py --json "$OUT/${N}_dgrid.json" --plot "$OUT/${N}_dgrid.png" \
         > "$OUT/${N}_dgrid.log" 2>&1
       tail -n 30 "$OUT/${N}_dgrid.log" ;;
+    layout)
+      pytest_step layout tests/test_gpu_layout.py ;;
     dtests)
       python3 -m pytest -m gpu -q -rf -n 8 -p no:cacheprovider tests/test_kvcache_device.py \
         tests/test_kvcache_decode.py > "$OUT/${N}_dtests.log" 2>&1

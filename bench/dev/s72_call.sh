@@ -27,10 +27,7 @@ session_step() {
         --tails "" ${TAB_TAILS:-1sm,2 3sm,2 3sm,4 6sm,2} --rounds "${TAB_ROUNDS:-7}" --json "$OUT/${N}_tailab.json" > "$OUT/${N}_tailab.log" 2>&1
       grep -E " us |grid|Error|error" "$OUT/${N}_tailab.log" | cut -c1-200 ;;
     ltest)  # the Params layout probes and the split tail's tests (-rs: their skips named)
-      python3 -m pytest -q -rfs -p no:cacheprovider tests/test_gpu_layout.py tests/test_kvcache_decode.py -k "layout or offsets or split_tail" \
-        > "$OUT/${N}_ltest.log" 2>&1
-      grep -E "^FAILED|^ERROR|^SKIPPED|seed" "$OUT/${N}_ltest.log" | head -20
-      echo "ltest: $(tail -n 1 "$OUT/${N}_ltest.log")" ;;
+      pytest_step ltest tests/test_gpu_layout.py tests/test_kvcache_decode.py -k "layout or offsets or split_tail" ;;
     *) return 1 ;;
   esac
   return 0

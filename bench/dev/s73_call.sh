@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Session 73's device calls: the steps below and those of bench/dev/call_steps.sh (suite, slow, dtests,
-# dgrid, host, ...).
+# layout, dgrid, host, ...).
 #   speers   bench/dev/decode_split_peers.py: forced split counts against the library's plan and cuDNN in
 #            the same rounds, at SP_SHAPES (BxLxG) and SP_SPLITS, with the library's plan made under each of
 #            SP_SETTINGS (NAME:VAR=VAL,...), SP_ROUNDS rounds (default 9)
@@ -12,7 +12,6 @@
 #            caches; made by git archive 2eccb61 cuflash cuda_src | tar -x -C bench/dev/latetree, patch -p1 there,
 #            decode_split_peers.py and decode_splits.py copied in, its kernels built into bench/dev/latetree/cf):
 #            the library's plan, the plan made under that setting, and cuDNN, at LA_SHAPES
-#   layout   tests/test_gpu_layout.py (the Params layout probes; -rs)
 #   STEPS="speers" CALL=c1 bash bench/dev/s73_call.sh
 set -u
 source "$(dirname "${BASH_SOURCE[0]}")/call_env.sh"
@@ -38,10 +37,6 @@ session_step() {
         --settings late:CUFLASH_DECODE_LATE_ISSUE=1 --rounds "${LA_ROUNDS:-11}" --json "$OUT/${N}_lateab.json" \
         > "$OUT/${N}_lateab.log" 2>&1
       grep -E "^==| us |Error|error" "$OUT/${N}_lateab.log" | cut -c1-200 ;;
-    layout)
-      python3 -m pytest -q -rfs -p no:cacheprovider tests/test_gpu_layout.py > "$OUT/${N}_layout.log" 2>&1
-      grep -E "^FAILED|^ERROR|seed" "$OUT/${N}_layout.log" | head -20
-      echo "layout: $(tail -n 1 "$OUT/${N}_layout.log")" ;;
     *) return 1 ;;
   esac
   return 0
