@@ -737,8 +737,7 @@ class DecodePlan:
             def launches(counters, cluster=False, n_splits=None, tail_first=0):
                 """The launches at `splits` (or n_splits: the split tail's count, tail_first its first block)."""
                 n = splits if n_splits is None else n_splits
-                depth_ = stages or (_config.decode_stages(target, d) if warps == 4
-                                    else _config.decode_wide_stages(target, d))
+                depth_ = _launch.decode_depth(target, d, warps, stages)
                 per_block = -(-keys // n)
                 late = self.tma and _config.decode_late_issue(target, d, tail_first + (blocks - tail_first) * n,
                                                               per_block, _sm_count(dev), c.paged, warps, depth_,

@@ -1815,6 +1815,16 @@ def decode_scratch_floats(batch: int, nheads: int, seqlen_q: int, head_dim: int,
     return num_splits * batch * nheads * seqlen_q * (head_dim + 1)
 
 
+def decode_depth(target: str, head_dim: int, warps: int, stages: int | None = None) -> int:
+    """The decode kernel's pipeline depth: on 4 warps `stages` (the TMA kernel's per-call choice,
+    _config.decode_deep_tma / decode_shallow_tma) or else _config.decode_stages; on 8 warps
+    _config.decode_wide_stages."""
+    depth = (stages or _config.decode_stages(target, head_dim)) if warps == 4 else \
+        _config.decode_wide_stages(target, head_dim)
+    assert depth is not None, (target, head_dim, warps)
+    return depth
+
+
 def decode_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: DeviceTensor, a: DecodeArgs, dtype: str,
                     softmax_scale: float, mask: MaskArgs, device_id: int, cc: tuple[int, int],
                     warps: int = 4, tma: bool = False, stages: int | None = None, mt: int = 1,
@@ -1831,12 +1841,7 @@ def decode_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: Device
     batch, seqlen_q, nheads, head_dim = q.shape
     nheads_kv = k.shape[2]
     target = _config.compile_arch(*cc)
-    if warps == 4:
-        # stages: the 4-warp TMA kernel's per-call choice (_config.decode_deep_tma, decode_shallow_tma)
-        stages = stages or _config.decode_stages(target, head_dim)
-    else:
-        stages = _config.decode_wide_stages(target, head_dim)
-    assert stages is not None, (target, head_dim, warps)
+    stages = decode_depth(target, head_dim, warps, stages)
     group = nheads // nheads_kv
     rows = seqlen_q * group
     assert mt == 1 or (mt == 2 and tma and warps == 4 and not a.cluster), (mt, tma, warps, a.cluster)

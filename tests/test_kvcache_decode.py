@@ -1645,6 +1645,20 @@ def test_decode_late_issue_rule(monkeypatch):
     assert not f("sm_90a", 128, 128, 8192, 132, True, 4, 3, bw) and not f("sm_90a", 128, 128, 8192, 132, False, 4, 2, bw)
 
 
+def test_decode_depth():
+    """_launch.decode_depth (CPU): the 4-warp kernel's depth is the per-call choice where one is given,
+    else _config.decode_stages; the 8-warp kernel's is _config.decode_wide_stages whatever is given."""
+    from cuflash import _config, _launch
+
+    for target in ("sm_80", "sm_90a"):
+        for d in (64, 128):
+            assert _launch.decode_depth(target, d, 4) == _config.decode_stages(target, d)
+            assert _launch.decode_depth(target, d, 4, 2) == 2 and _launch.decode_depth(target, d, 4, 4) == 4
+            wide = _config.decode_wide_stages(target, d)
+            if wide is not None:
+                assert _launch.decode_depth(target, d, 8) == wide == _launch.decode_depth(target, d, 8, 2)
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "paged16"])
 def test_decode_late_issue_plan(monkeypatch, layout):
     """The late issue on a stand-in H200 (132 SMs, 4.8 TB/s): the Params' late_issue is 1 in every variant
