@@ -21,6 +21,8 @@
 #            one alternately (old new old new), each in its own process on the same card (DAB_SHAPES,
 #            DAB_SPLITS; OLD made with git archive HEAD cuflash cuda_src bench/dev/decode_splits.py)
 #   tl       bench/dev/decode_timeline.py on this tree (TL_SHAPES, --paged, TL_SPLITS)
+#   envab    decode_splits.py at the library's plans (contiguous and 16-row pages) with ENVAB_VAR set to
+#            each of ENVAB_VALUES in turn ("lib": unset), twice, each in its own process (ENVAB_SHAPES)
 #   psplit   decode_splits.py on this tree at forced split counts (PS_SPLITS) and warps (PS_WARPS),
 #            contiguous and 16-row pages (PS_SHAPES)
 #   host     bench/bench_host.py on HOST_ROWS (host time per call against SDPA flash and cuDNN)
@@ -102,6 +104,16 @@ common_step() {
           --shapes ${DAB_SHAPES:-4x512x1 16x512x4 1x512x1 16x2048x8 1x8192x1 4x32768x4 16x8192x8} \
           > "$OUT/${N}_dab_$t$DABK.log" 2>&1
         echo "dab $t$DABK: $(grep -c ' us ' "$OUT/${N}_dab_$t$DABK.log") rows"
+      done ;;
+    envab)
+      for pass_ in 1 2; do
+        for val in ${ENVAB_VALUES:-0 lib}; do
+          if [ "$val" = lib ]; then pre="env -u $ENVAB_VAR"; else pre="env $ENVAB_VAR=$val"; fi
+          $pre python3 bench/dev/decode_splits.py --paged --splits 0 --calls "${CALLS:-30}" --rounds "${ROUNDS:-9}" \
+            --json "$OUT/${N}_envab_$val$pass_.json" --shapes ${ENVAB_SHAPES:-64x131072x8 64x2048x8} \
+            > "$OUT/${N}_envab_$val$pass_.log" 2>&1
+          echo "envab $ENVAB_VAR=$val ($pass_): $(grep -c ' us ' "$OUT/${N}_envab_$val$pass_.log") rows"
+        done
       done ;;
     tl)
       python3 bench/dev/decode_timeline.py --paged --reps "${TL_REPS:-10}" --modes ${TL_MODES:-idle graph} \
