@@ -20,7 +20,10 @@
 #   dab      decode_splits.py at the library's plans (contiguous and 16-row pages), OLD's tree and this
 #            one alternately (old new old new), each in its own process on the same card (DAB_SHAPES,
 #            DAB_SPLITS; OLD made with git archive HEAD cuflash cuda_src bench/dev/decode_splits.py)
-#   tl       bench/dev/decode_timeline.py on this tree (TL_SHAPES, --paged, TL_SPLITS)
+#   speers   bench/dev/decode_split_peers.py: forced split counts against the library's plan and cuDNN in the
+#            same rounds, at SP_SHAPES (BxLxG) and SP_SPLITS, with the library's plan made under each of
+#            SP_SETTINGS (NAME:VAR=VAL,...), SP_ROUNDS rounds (default 9)
+#   tl       bench/dev/decode_timeline.py on this tree (TL_SHAPES, --paged, TL_SPLITS, TL_MODES, TL_REPS, TL_ARGS)
 #   envab    decode_splits.py at the library's plans (contiguous and 16-row pages) with ENVAB_VAR set to
 #            each of ENVAB_VALUES in turn ("lib": unset), twice, each in its own process (ENVAB_SHAPES)
 #   psplit   decode_splits.py on this tree at forced split counts (PS_SPLITS) and warps (PS_WARPS),
@@ -105,6 +108,11 @@ common_step() {
           > "$OUT/${N}_dab_$t$DABK.log" 2>&1
         echo "dab $t$DABK: $(grep -c ' us ' "$OUT/${N}_dab_$t$DABK.log") rows"
       done ;;
+    speers)
+      python3 bench/dev/decode_split_peers.py --shapes ${SP_SHAPES:-16x131072x4 4x8192x1 64x131072x8} \
+        --splits ${SP_SPLITS:-2 4 8 16 32} --settings ${SP_SETTINGS:-} --rounds "${SP_ROUNDS:-9}" --json "$OUT/${N}_speers.json" \
+        > "$OUT/${N}_speers.log" 2>&1
+      grep -E "^==| us |Error|error" "$OUT/${N}_speers.log" | cut -c1-200 ;;
     envab)
       for pass_ in 1 2; do
         for val in ${ENVAB_VALUES:-0 lib}; do
@@ -117,7 +125,7 @@ common_step() {
       done ;;
     tl)
       python3 bench/dev/decode_timeline.py --paged --reps "${TL_REPS:-10}" --modes ${TL_MODES:-idle graph} \
-        --splits "${TL_SPLITS:-0}" --shapes ${TL_SHAPES:-16x2048x8 16x512x4} --json "$OUT/${N}_tl.json" \
+        --splits "${TL_SPLITS:-0}" ${TL_ARGS:-} --shapes ${TL_SHAPES:-16x2048x8 16x512x4} --json "$OUT/${N}_tl.json" \
         > "$OUT/${N}_tl.log" 2>&1
       echo "tl: $(grep -c span "$OUT/${N}_tl.log") rows" ;;
     psplit)

@@ -43,6 +43,12 @@
 //   read_tma_heads: block (b, h0) streams HEADS adjacent kv heads h0.. at once: one 4-D box {64, BN,
 //                 HEADS, 1} per panel of K and of V, so each key row's bytes of the HEADS heads (adjacent
 //                 in memory) arrive together ([head][row][64] per panel); grid batch * heads_kv / HEADS.
+//   read_tma_heads_split: read_tma_heads with each block's keys one of tail_splits equal ranges; grid
+//                 batch * heads_kv / HEADS * tail_splits, block = (b * groups + g) * splits + s (so
+//                 that HEADS heads a block still make as many blocks as one head a block does).
+//   read_tma_stamp: read_tma_rows<BN, STAGES, BN, 0>'s walk (a kv head a block) through ring_loop's order,
+//                 thread 0 writing the block's SM, and %globaltimer at its start, when half its tiles have
+//                 landed and at its end, to stamps (where each block runs, and when it ends).
 // Layout: K, V (batch, seqlen, heads_kv, 128) 16-bit, element strides (batch_stride, row_stride,
 // 128, 1). Grid: 1-D, block = b * heads_kv + h; 128 threads.
 #include "common.cuh"
@@ -65,6 +71,7 @@ struct ReadBwParams {
     int* counter;      // read_tma_dyn: [0, 1] zero before a launch and after it; [2] += the tiles read
     int tail_items;    // read_tma_tail: the last tail_items items, each read in tail_splits blocks
     int tail_splits;
+    unsigned long long* stamps;  // read_tma_stamp: 4 a block (SM id, start, half the tiles landed, end; ns)
 };
 
 constexpr int RB_D = 128;
@@ -363,18 +370,16 @@ __global__ void __launch_bounds__(128) read_tma_tail(const __grid_constant__ Rea
     if (tid == 0) p.sink[blockIdx.x] = acc;
 }
 
+// HEADS adjacent kv heads h0.. of batch entry b, tiles first .. first + count - 1 (read_tma_heads and
+// read_tma_heads_split): one 4-D box {64, BN, HEADS, 1} per panel of K and of V a tile.
 template <int BN, int STAGES, int HEADS>
-__global__ void __launch_bounds__(128) read_tma_heads(const __grid_constant__ ReadBwParams p) {
+__device__ __forceinline__ void heads_ring(const ReadBwParams& p, int b, int h0, int first, int count) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     __shared__ alignas(8) unsigned long long bars[STAGES];
     constexpr u32 PANEL = HEADS * BN * 128;
     constexpr u32 TILE = 2 * PANEL;
     constexpr u32 STAGE_BYTES = 2 * TILE;
     const u32 base = (smem_addr(smem_raw) + 1023u) & ~1023u;
-    const int tid = threadIdx.x;
-    const int groups = p.heads_kv / HEADS;
-    const int b = blockIdx.x / groups, h0 = blockIdx.x % groups * HEADS;
-    const int n_tiles = p.seqlen / BN;
     init_ring<STAGES>(p, bars);
     auto load = [&](int it) {  // by thread 0
         const int st = it % STAGES;
@@ -383,12 +388,71 @@ __global__ void __launch_bounds__(128) read_tma_heads(const __grid_constant__ Re
         mbar_arrive_expect_tx(bar, STAGE_BYTES);
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
-            tma_load_4d(dst + c * PANEL, &p.kmap, bar, 64 * c, it * BN, h0, b);
-            tma_load_4d(dst + TILE + c * PANEL, &p.vmap, bar, 64 * c, it * BN, h0, b);
+            tma_load_4d(dst + c * PANEL, &p.kmap, bar, 64 * c, (first + it) * BN, h0, b);
+            tma_load_4d(dst + TILE + c * PANEL, &p.vmap, bar, 64 * c, (first + it) * BN, h0, b);
         }
     };
-    const float acc = ring_loop<STAGES, STAGE_BYTES>(base, bars, n_tiles, load);
-    if (tid == 0) p.sink[blockIdx.x] = acc;
+    const float acc = ring_loop<STAGES, STAGE_BYTES>(base, bars, count, load);
+    if (threadIdx.x == 0) p.sink[blockIdx.x] = acc;
+}
+
+template <int BN, int STAGES, int HEADS>
+__global__ void __launch_bounds__(128) read_tma_heads(const __grid_constant__ ReadBwParams p) {
+    const int groups = p.heads_kv / HEADS;
+    heads_ring<BN, STAGES, HEADS>(p, blockIdx.x / groups, blockIdx.x % groups * HEADS, 0, p.seqlen / BN);
+}
+
+template <int BN, int STAGES, int HEADS>
+__global__ void __launch_bounds__(128) read_tma_heads_split(const __grid_constant__ ReadBwParams p) {
+    const int groups = p.heads_kv / HEADS, splits = p.tail_splits;
+    const int s = blockIdx.x % splits, item = blockIdx.x / splits;
+    const int per = p.seqlen / BN / splits;
+    heads_ring<BN, STAGES, HEADS>(p, item / groups, item % groups * HEADS, s * per, per);
+}
+
+__device__ __forceinline__ unsigned long long global_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+template <int BN, int STAGES>
+__global__ void __launch_bounds__(128) read_tma_stamp(const __grid_constant__ ReadBwParams p) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    __shared__ alignas(8) unsigned long long bars[STAGES];
+    constexpr u32 STAGE_BYTES = 4 * BN * 128;
+    const u32 base = (smem_addr(smem_raw) + 1023u) & ~1023u;
+    const int tid = threadIdx.x;
+    const unsigned long long t0 = global_ns();
+    const int b = blockIdx.x / p.heads_kv, h = blockIdx.x % p.heads_kv;
+    const int n_tiles = p.seqlen / BN;
+    init_ring<STAGES>(p, bars);
+    auto load = [&](int it) { load_whole_tile<BN, STAGES>(p, bars, base, it % STAGES, b, h, it * BN); };
+    if (tid == 0)
+        for (int s = 0; s < STAGES - 1 && s < n_tiles; ++s) load(s);
+    float acc = 0.f;
+    unsigned long long t_half = 0;
+    for (int j = 0; j < n_tiles; ++j) {
+        __syncthreads();
+        if (tid == 0 && j + STAGES - 1 < n_tiles) load(j + STAGES - 1);
+        const int st = j % STAGES;
+        mbar_wait(smem_addr(&bars[st]), (j / STAGES) & 1);
+        if (j == n_tiles / 2) t_half = global_ns();
+        u32 x;
+        asm volatile("ld.shared.b32 %0, [%1];" : "=r"(x) : "r"(base + st * STAGE_BYTES + 4 * (tid * 33 % (STAGE_BYTES / 4))));
+        acc += __uint_as_float(x);
+    }
+    __syncthreads();
+    if (tid == 0) {
+        u32 sm;
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+        unsigned long long* out = p.stamps + 4 * blockIdx.x;
+        out[0] = sm;
+        out[1] = t0;
+        out[2] = t_half;
+        out[3] = global_ns();
+        p.sink[blockIdx.x] = acc;
+    }
 }
 
 }  // namespace cuflash

@@ -42,6 +42,11 @@ PERSIST = [("persist", 64, 2, 3), ("persist", 64, 3, 2), ("persist", 64, 2, 2), 
 DYN = [("dyn", 64, 2, 3), ("dyn", 64, 3, 2), ("dyn", 64, 2, 2), ("dyn", 64, 4, 1), ("dyn", 128, 2, 1)]
 # read_tma_heads: (kind, BN, STAGES, HEADS): HEADS adjacent kv heads a block, one box per panel for all
 HEADS = [("heads", 32, 2, 2), ("heads", 32, 3, 2), ("heads", 64, 2, 2), ("heads", 16, 2, 4)]
+# read_tma_stamp: (kind, BN, STAGES): the whole-tile reader with each block's SM and times (--stamps)
+STAMP = [("stamp", 64, 2), ("stamp", 64, 3)]
+# read_tma_heads_split: (kind, BN, STAGES, HEADS, splits): HEADS heads a block, its keys one of `splits` ranges
+HSPLIT = [("hsplit", 16, 2, 4, 4), ("hsplit", 16, 3, 4, 4), ("hsplit", 32, 2, 2, 2), ("hsplit", 32, 3, 2, 2),
+          ("hsplit", 16, 2, 2, 2), ("hsplit", 16, 4, 2, 2), ("hsplit", 64, 2, 1, 1), ("hsplit", 32, 2, 1, 1)]
 # tma<64, 2> / <64, 3> again with the maps' other L2 promotions (CU_TENSOR_MAP_L2_PROMOTION: 0 none,
 # 1 64 B, 3 256 B; every other reader's maps promote 128 B, as the library's)
 L2 = [("tma", 64, st, None, None, l2) for st in (2, 3) for l2 in (0, 1, 3)]
@@ -60,6 +65,10 @@ PAGED = [("tma_rows", 128, st, 16, 3) for st in (2, 3)]
 
 
 def expression(kind, bn, stages, rows=None, mode=None, l2=None):
+    if kind == "stamp":
+        return f"cuflash::read_tma_stamp<{bn}, {stages}>"
+    if kind == "hsplit":  # rows: the heads a block; mode: splits (a launch choice)
+        return f"cuflash::read_tma_heads_split<{bn}, {stages}, {rows}>"
     if kind == "heads":  # rows: the heads a block
         return f"cuflash::read_tma_heads<{bn}, {stages}, {rows}>"
     if kind == "tail":  # rows, mode: the tail's items (in SMs' worth) and splits (launch choices)
@@ -82,6 +91,10 @@ def label(kind, bn, stages, rows=None, mode=None, l2=None):
         return f"read_{kind}<{bn}, {stages}> L2 promotion {l2}"
     if kind == "heads":
         return f"read_tma_heads<{bn}, {stages}, {rows} heads>"
+    if kind == "stamp":
+        return f"read_tma_stamp<{bn}, {stages}>"
+    if kind == "hsplit":
+        return f"read_tma_heads<{bn}, {stages}, {rows} heads> in {mode}"
     if kind == "tail":
         return f"read_tma_tail<{bn}, {stages}> {rows}xSMs items in {mode}"
     if kind == "streamk":
@@ -104,7 +117,7 @@ def build(path):
     code = open(os.path.join(HERE, "decode_read_bw.cu")).read()
     prog = nvrtc.createProgram(code, "decode_read_bw.cu", [t.encode() for t in headers.values()],
                                [n.encode() for n in headers])
-    exprs = sorted({expression(*v) for v in VARIANTS + PAGED + PERSIST + DYN + HEADS + ROT + STREAMK + TAIL})
+    exprs = sorted({expression(*v) for v in STAMP + VARIANTS + PAGED + PERSIST + DYN + HEADS + HSPLIT + ROT + STREAMK + TAIL})
     for e in exprs:
         nvrtc.addNameExpression(prog, e)
     nvrtc.compileProgram(prog, _compile.base_options("sm_90a"))
@@ -116,9 +129,51 @@ def build(path):
 
 
 def smem_bytes(kind, bn, stages, rows=None, *_):
-    if kind == "heads":
+    if kind in ("heads", "hsplit"):
         return stages * 4 * rows * bn * 128 + 1024
     return 2 * stages * bn * 136 * 2 if kind == "cpasync" else stages * 4 * bn * 128 + 1024
+
+
+def stamp_runs(args, module, names, params, stamps, b, hk, stream, torch, driver, np):
+    """read_tma_stamp at each STAMP variant: args.stamps times, 3 launches back to back, then the last
+    launch's stamps: its span, when its blocks end, and the blocks' ends by how many of the grid's blocks
+    their SM held."""
+    out = dict(device=torch.cuda.get_device_name(), shape=[b, args.seqlen, hk, 128], runs=[])
+    for var in STAMP:
+        fn = module.get_function(names[expression(*var)])
+        smem = smem_bytes(*var)
+        fn.max_dynamic_shared_size_bytes = smem
+        buf = params(var[1])
+        argv = np.array([buf.ctypes.data], dtype=np.uint64)
+        for _ in range(3):  # warm-up
+            driver.launchKernel(fn.kernel.ptr, b * hk, 1, 1, 128, 1, 1, smem, stream, int(argv.ctypes.data), 0)
+        for r in range(args.stamps):
+            stamps.fill_(0)
+            for _ in range(3):
+                driver.launchKernel(fn.kernel.ptr, b * hk, 1, 1, 128, 1, 1, smem, stream, int(argv.ctypes.data), 0)
+            torch.cuda.synchronize()
+            st = stamps.view(-1, 4).cpu().numpy()
+            sm, t0, th, t1 = st[:, 0], st[:, 1].astype(np.float64), st[:, 2].astype(np.float64), st[:, 3].astype(np.float64)
+            base = t0.min()
+            span = t1.max() - base
+            per_sm = np.bincount(sm, minlength=int(sm.max()) + 1)
+            held = per_sm[sm]  # blocks of this grid on this block's SM
+            ends = (t1 - base) / 1e3
+            line = (f"{label(*var):28} run {r}: span {span / 1e3:8.1f} us, SMs {int((per_sm > 0).sum())}, "
+                    f"starts within {(t0.max() - base) / 1e3:6.2f} us; ends (us) min {ends.min():8.1f} p10 "
+                    f"{np.percentile(ends, 10):8.1f} p50 {np.median(ends):8.1f} p90 {np.percentile(ends, 90):8.1f} "
+                    f"max {ends.max():8.1f}")
+            for n in sorted(set(held.tolist())):
+                sel = held == n
+                half = (th[sel] - t0[sel]) / (t1[sel] - t0[sel])
+                line += (f"; {int(sel.sum())} blocks on {n}-block SMs: end mean {ends[sel].mean():8.1f} max "
+                         f"{ends[sel].max():8.1f}, first half {half.mean():.3f} of the block")
+            print(line, flush=True)
+            out["runs"].append(dict(name=label(*var), run=r, sm=sm.tolist(), t0=(t0 - base).tolist(),
+                                    th=(th - base).tolist(), t1=(t1 - base).tolist()))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f)
 
 
 def main():
@@ -140,6 +195,12 @@ def main():
     ap.add_argument("--tail-repeat", type=int, default=1, help="--only-tail: time the list this many times")
     ap.add_argument("--only-rot", action="store_true",
                     help="only the whole-tile TMA readers, in order and with rotated starts (MODE 4 / 5), and the library rows")
+    ap.add_argument("--only-heads", action="store_true",
+                    help="only the whole-tile TMA readers, the several-heads readers (one range and split), and the library rows")
+    ap.add_argument("--stamps", type=int, default=0,
+                    help="only read_tma_stamp: this many times 3 launches back to back, the last one's blocks' SMs and "
+                         "times summarized (and written to --json)")
+    ap.add_argument("--gqa", type=int, default=1, help="query heads a kv head in the library's and cuDNN's rows")
     args = ap.parse_args()
 
     import cupy
@@ -162,7 +223,8 @@ def main():
     k = torch.randn(b, L, hk, d, device=dev, dtype=torch.bfloat16)
     v = torch.randn(b, L, hk, d, device=dev, dtype=torch.bfloat16)
     sink = torch.zeros(4 * b * hk, device=dev, dtype=torch.float32)  # (read_tma_tail's grid: up to 4 blocks an item)
-    counter = torch.zeros(3, device=dev, dtype=torch.int32)  # read_tma_dyn's ([0, 1] zero between launches)
+    counter = torch.zeros(3, device=dev, dtype=torch.int32)
+    stamps = torch.zeros(4 * b * hk, device=dev, dtype=torch.int64)  # read_tma_stamp's  # read_tma_dyn's ([0, 1] zero between launches)
     kv_bytes = 2 * k.numel() * 2
     stream = torch.cuda.current_stream().cuda_stream
 
@@ -194,9 +256,9 @@ def main():
             maps = [tensor_map(x, rows or bn, mode) for x in (k, v)]
         buf[0:128] = np.frombuffer(maps[0], np.uint8)
         buf[128:256] = np.frombuffer(maps[1], np.uint8)
-        struct.pack_into("<QQQqqiiQi4xQii", buf, 256, k.data_ptr(), v.data_ptr(), sink.data_ptr(), k.stride(0),
+        struct.pack_into("<QQQqqiiQi4xQiiQ", buf, 256, k.data_ptr(), v.data_ptr(), sink.data_ptr(), k.stride(0),
                          k.stride(1), L, hk, table.data_ptr() if table is not None else 0, b * hk, counter.data_ptr(),
-                         *tail)
+                         *tail, stamps.data_ptr())
         return buf
 
     from decode_splits import gpu_ms_per_call
@@ -211,6 +273,9 @@ def main():
         rows.append(dict(name=name, us=ms * 1e3, gbps=gbps))
         print(f"{name:28} {ms * 1e3:10.1f} us  {gbps:7.0f} GB/s", flush=True)
 
+    if args.stamps:
+        stamp_runs(args, module, names, params, stamps, b, hk, stream, torch, driver, np)
+        return
     dst = torch.empty_like(k)
     report("copy (bytes read + written)", timed(lambda: dst.copy_(k)), 2 * k.numel() * 2)
     if args.only_sk:
@@ -223,6 +288,11 @@ def main():
         runs = [(var, None, label(*var)) for var in VARIANTS if var[0] == "tma" and var[1] == 64]
         runs += [(var, None, label(*var)) for var in TAIL]
         runs = runs * args.tail_repeat
+    elif args.only_heads:
+        runs = [(var, None, label(*var)) for var in VARIANTS if var[0] == "tma" and var[1] == 64]
+        runs += [(var, None, label(*var)) for var in HEADS + HSPLIT if b * hk // var[3] * (var[4] if len(var) > 4 else 1) > 0
+                 and hk % var[3] == 0]
+        runs = runs + runs
     elif args.only_rot:
         runs = [(var, None, label(*var)) for var in VARIANTS if var[0] == "tma"]
         runs += [(var, None, label(*var)) for var in ROT]
@@ -244,6 +314,8 @@ def main():
                 buf = params(bn, tail=(tail_items, var[4]))
             elif kind == "heads":
                 buf = params(bn, heads=var[3])
+            elif kind == "hsplit":
+                buf = params(bn, heads=var[3], tail=(0, var[4]), l2=_tma.L2_PROMOTION_128B)  # the 4-D map, as heads
             elif len(var) == 6:
                 buf = params(bn, l2=var[5])
             else:
@@ -255,7 +327,8 @@ def main():
         argv = np.array([buf.ctypes.data], dtype=np.uint64)
 
         grid = (b * hk + min(var[3] * sms, b * hk) * (var[4] - 1) if kind == "tail"
-                else var[3] * sms if kind == "streamk" else min(b * hk, var[3] * sms) if kind in ("persist", "dyn") else b * hk // var[3] if kind == "heads" else b * hk)
+                else var[3] * sms if kind == "streamk" else min(b * hk, var[3] * sms) if kind in ("persist", "dyn") else b * hk // var[3] if kind == "heads"
+                else b * hk // var[3] * var[4] if kind == "hsplit" else b * hk)
 
         def launch(fn=fn, smem=smem, argv=argv, grid=grid):
             driver.launchKernel(fn.kernel.ptr, grid, 1, 1, 128, 1, 1, smem, stream, int(argv.ctypes.data), 0)
@@ -270,9 +343,9 @@ def main():
                 rows.append(dict(name=name, error=f"counters {got}"))
                 continue
         report(name, timed(launch))
-    q = torch.randn(b, 1, hk * 1, d, device=dev, dtype=torch.bfloat16)
+    q = torch.randn(b, 1, hk * args.gqa, d, device=dev, dtype=torch.bfloat16)
     seqlens = torch.full((b,), L, device=dev, dtype=torch.int32)
-    report("cuflash decode (GQA 1)", timed(lambda: cuflash.attention_with_kvcache(q, k, v, cache_seqlens=seqlens)))
+    report(f"cuflash decode (GQA {args.gqa})", timed(lambda: cuflash.attention_with_kvcache(q, k, v, cache_seqlens=seqlens)))
     # the same storage as 16-row pages in a random order (bench_decode.py's paged layout), and in order
     for name, table in tables.items():
         report(f"cuflash decode, 16-row pages {name}", timed(
@@ -288,7 +361,8 @@ def main():
 
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        report("cuDNN SDPA (GQA 1)", timed(lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt)))
+        report(f"cuDNN SDPA (GQA {args.gqa})", timed(lambda: torch.nn.functional.scaled_dot_product_attention(
+            qt, kt, vt, enable_gqa=args.gqa > 1)))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), shape=[b, L, hk, d], rows=rows), f, indent=1)

@@ -92,6 +92,7 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--calls", type=int, default=8, help="b2b: calls after the sleep kernel")
     ap.add_argument("--json", help="write the summaries and raw slots here")
+    ap.add_argument("--raw-all", action="store_true", help="--json: every rep's raw slots (default: the last rep's)")
     args = ap.parse_args()
 
     import cupy
@@ -171,7 +172,7 @@ def main():
                         have = [r[pname] for r in rs if pname in r]
                         if have:
                             summ[pname] = (statistics.median(x[0] for x in have), statistics.median(x[1] for x in have))
-                    rows.append(dict(summ, raw_last=[x[1] for x in raws if x[0] == kname][-1:]))
+                    rows.append(dict(summ, raw_last=[x[1] for x in raws if x[0] == kname][-1 if not args.raw_all else 0:]))
                     short = kname.split("<")[1].rstrip(">") if "<" in kname else kname
                     pts = "  ".join(f"{pn} {summ[pn][0]:.2f}/{summ[pn][1]:.2f}" for pn, _ in POINTS if pn in summ)
                     print(f"{shape} {lname} {mode} [{short}] blocks {summ['blocks']} tiles {summ['n_tiles']} "

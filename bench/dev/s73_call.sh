@@ -1,9 +1,7 @@
 #!/usr/bin/env bash
 # Session 73's device calls: the steps below and those of bench/dev/call_steps.sh (suite, slow, dtests,
 # layout, dgrid, host, ...).
-#   speers   bench/dev/decode_split_peers.py: forced split counts against the library's plan and cuDNN in
-#            the same rounds, at SP_SHAPES (BxLxG) and SP_SPLITS, with the library's plan made under each of
-#            SP_SETTINGS (NAME:VAR=VAL,...), SP_ROUNDS rounds (default 9)
+#   speers   now in call_steps.sh
 #   rdbw     bench/dev/decode_read_bw.py (every reader, cuflash's decode and cuDNN's) at RD_SHAPES (BxLxHEADS_KV,
 #            default 16x131072x8 4x8192x32), 7 rounds (call 4 ran these two lines inline, logs rd_*)
 #   lateab   bench/dev/latetree/decode_split_peers.py on the tree bench/dev/latetree (not on main: 2eccb61's cuflash
@@ -18,15 +16,10 @@ source "$(dirname "${BASH_SOURCE[0]}")/call_env.sh"
 source "$(dirname "${BASH_SOURCE[0]}")/call_steps.sh"
 session_step() {
   case "$1" in
-    speers)
-      python3 bench/dev/decode_split_peers.py --shapes ${SP_SHAPES:-16x131072x4 4x8192x1 64x131072x8} \
-        --splits ${SP_SPLITS:-2 4 8 16 32} --settings ${SP_SETTINGS:-} --rounds "${SP_ROUNDS:-9}" --json "$OUT/${N}_speers.json" \
-        > "$OUT/${N}_speers.log" 2>&1
-      grep -E "^==| us |Error|error" "$OUT/${N}_speers.log" | cut -c1-200 ;;
     rdbw)
       for s in ${RD_SHAPES:-16x131072x8 4x8192x32}; do
         IFS=x read -r rb rl rh <<< "$s"
-        python3 bench/dev/decode_read_bw.py --batch "$rb" --seqlen "$rl" --heads-kv "$rh" --rounds 7 \
+        python3 bench/dev/decode_read_bw.py --batch "$rb" --seqlen "$rl" --heads-kv "$rh" --rounds "${RD_ROUNDS:-7}" ${RD_ARGS:-} \
           --json "$OUT/${N}_rd_$s.json" > "$OUT/${N}_rd_$s.log" 2>&1
         echo "== $s"; grep -E " us |rror" "$OUT/${N}_rd_$s.log" | cut -c1-150
       done ;;
