@@ -274,18 +274,22 @@ __global__ void __launch_bounds__(128) read_tma_dyn(const __grid_constant__ Read
     const int tid = threadIdx.x;
     const int n_tiles = p.seqlen / BN;
     init_ring<STAGES>(p, bars);
-    // Thread 0's: the next tile to issue, and the item after this one, fetched as this one's first tile
-    // is issued (the atomic's latency off the issue path: its result is used n_tiles issues later).
-    int item = blockIdx.x, tile = 0, next = 0;
+    // Work units: unit u is part u / items of item u % items (tail_splits parts an item, each n_tiles /
+    // parts tiles; the parts of all items in turn, so that the blocks running at once read the same
+    // key offsets). Thread 0's: the next tile to issue, and the unit after this one, fetched as this
+    // one's first tile is issued (the atomic's latency off the issue path).
+    const int parts = p.tail_splits, per = n_tiles / parts, units = p.items * parts;
+    int unit = blockIdx.x, tile = 0, next = 0;
     auto issue = [&](int j) {  // by thread 0: the next tile into stage j % STAGES, or the end mark
         const int st = j % STAGES;
-        if (item < p.items) {
+        if (unit < units) {
             if (tile == 0) next = (int)gridDim.x + atomicAdd(p.counter, 1);
+            const int item = unit % p.items, part = unit / p.items;
             stage_item[st] = item;
-            load_whole_tile<BN, STAGES>(p, bars, base, st, item / p.heads_kv, item % p.heads_kv, tile * BN);
-            if (++tile == n_tiles) {
+            load_whole_tile<BN, STAGES>(p, bars, base, st, item / p.heads_kv, item % p.heads_kv, (part * per + tile) * BN);
+            if (++tile == per) {
                 tile = 0;
-                item = next;
+                unit = next;
             }
         } else {
             stage_item[st] = -1;
@@ -295,7 +299,7 @@ __global__ void __launch_bounds__(128) read_tma_dyn(const __grid_constant__ Read
     bool ended = false;  // thread 0's: the end mark issued
     if (tid == 0)
         for (int s = 0; s < STAGES - 1 && !ended; ++s) {
-            ended = item >= p.items;
+            ended = unit >= units;
             issue(s);
         }
     float acc = 0.f;
@@ -303,7 +307,7 @@ __global__ void __launch_bounds__(128) read_tma_dyn(const __grid_constant__ Read
     for (;; ++j) {
         __syncthreads();
         if (tid == 0 && !ended) {
-            ended = item >= p.items;
+            ended = unit >= units;
             issue(j + STAGES - 1);
         }
         const int st = j % STAGES;

@@ -38,8 +38,11 @@ VARIANTS = [("cpasync", 64, 3), ("cpasync", 64, 4), ("cpasync", 128, 2), ("cpasy
             ("tma", 64, 2), ("tma", 64, 3), ("tma", 64, 4), ("tma", 128, 2), ("tma", 128, 3)]
 # read_tma_persist: (kind, BN, STAGES, blocks per SM); the grid is that many blocks per SM
 PERSIST = [("persist", 64, 2, 3), ("persist", 64, 3, 2), ("persist", 64, 2, 2), ("persist", 64, 4, 1)]
-# read_tma_dyn: (kind, BN, STAGES, blocks per SM): persistent, the next item from a global counter
+# read_tma_dyn: (kind, BN, STAGES, blocks per SM[, parts]): persistent, the next work unit from a global
+# counter, a unit being an item (parts 1) or one of `parts` equal key ranges of one
 DYN = [("dyn", 64, 2, 3), ("dyn", 64, 3, 2), ("dyn", 64, 2, 2), ("dyn", 64, 4, 1), ("dyn", 128, 2, 1)]
+DYN += [("dyn", 64, 2, 2, 8), ("dyn", 64, 2, 2, 32), ("dyn", 64, 3, 2, 8), ("dyn", 64, 3, 2, 32), ("dyn", 64, 2, 3, 32),
+        ("dyn", 64, 4, 1, 32)]
 # read_tma_heads: (kind, BN, STAGES, HEADS): HEADS adjacent kv heads a block, one box per panel for all
 HEADS = [("heads", 32, 2, 2), ("heads", 32, 3, 2), ("heads", 64, 2, 2), ("heads", 16, 2, 4)]
 # read_tma_stamp: (kind, BN, STAGES): the whole-tile reader with each block's SM and times (--stamps)
@@ -99,6 +102,8 @@ def label(kind, bn, stages, rows=None, mode=None, l2=None):
         return f"read_tma_tail<{bn}, {stages}> {rows}xSMs items in {mode}"
     if kind == "streamk":
         return f"read_tma_streamk<{bn}, {stages}> x{rows}/SM"
+    if kind == "dyn" and mode:
+        return f"read_tma_dyn<{bn}, {stages}> x{rows}/SM, {mode} parts"
     if kind in ("persist", "dyn"):
         return f"read_tma_{kind}<{bn}, {stages}> x{rows}/SM"
     if kind == "tma_rows":
@@ -307,7 +312,9 @@ def main():
         smem = smem_bytes(*var)
         fn.max_dynamic_shared_size_bytes = smem
         try:
-            if kind in ("persist", "streamk", "dyn"):
+            if kind == "dyn":
+                buf = params(bn, tail=(0, var[4] if len(var) > 4 else 1))
+            elif kind in ("persist", "streamk"):
                 buf = params(bn, table=table)
             elif kind == "tail":
                 tail_items = min(var[3] * sms, b * hk)
@@ -327,7 +334,7 @@ def main():
         argv = np.array([buf.ctypes.data], dtype=np.uint64)
 
         grid = (b * hk + min(var[3] * sms, b * hk) * (var[4] - 1) if kind == "tail"
-                else var[3] * sms if kind == "streamk" else min(b * hk, var[3] * sms) if kind in ("persist", "dyn") else b * hk // var[3] if kind == "heads"
+                else var[3] * sms if kind == "streamk" else min(b * hk * (var[4] if len(var) > 4 and kind == "dyn" else 1), var[3] * sms) if kind in ("persist", "dyn") else b * hk // var[3] if kind == "heads"
                 else b * hk // var[3] * var[4] if kind == "hsplit" else b * hk)
 
         def launch(fn=fn, smem=smem, argv=argv, grid=grid):
