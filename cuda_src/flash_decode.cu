@@ -27,6 +27,19 @@
 // So each K/V tile is loaded once for all the query heads (and positions) that read it, and one
 // decode step reads the cache once per kv head, not once per query head.
 //
+// Heads (HEADS > 1: the 4-warp TMA kernel, a contiguous cache, one m16 tile a warp; the host takes it
+// where seqlen_q x nheads / nheads_kv x HEADS <= 16: cuflash/_config.py decode_heads). A block serves
+// HEADS adjacent kv heads of one entry: the host passes nheads_kv / HEADS and head_group x HEADS, so
+// the block's rows are the query heads of all HEADS kv heads (one row tile) and every Q, O, lse and
+// partial index stays as above. A tile is KT = BN / HEADS keys of each head, one 4-D box {64, KT,
+// HEADS, 1} per 64-column panel: it lands head-major as BN rows of the same SW128 panel, so warp w
+// reads its 16 rows [16w, 16w + 16) where it always does, which are keys (w % HEAD_WARPS) x 16 of head
+// w / HEAD_WARPS's KT. Every warp computes all 16 rows; at the merge it gives the rows of the other
+// heads m = -inf and zeros, so each row sums its own head's warps. Where the memory is the limit, a
+// block of two heads reads each key row's 512 bytes of K (and of V) in one box: H200, session 76
+// (bench/dev/decode_read_bw.py, read-only kernels), 0.993-0.997 of the one-head readers' time at
+// one-wave grids of 8k-128k keys.
+//
 // Split-KV. The keys a block's rows may see (sink tokens, then the window's span; mask.cuh) are
 // numbered 0..n-1 ("virtual" keys) and cut into num_splits contiguous chunks of whole BN-key
 // tiles; block (.., split) walks its chunk. With num_splits = 1 it writes o and lse directly;
@@ -519,13 +532,18 @@ __device__ __noinline__ void cluster_merge_tile(const DecodeParams& p, int b, in
 }
 #endif
 
-template <typename T, int HEAD_DIM, int STAGES, int WARPS, bool TMA, bool GRP = false, int MT = 1>
+template <typename T, int HEAD_DIM, int STAGES, int WARPS, bool TMA, bool GRP = false, int MT = 1, int HEADS = 1>
 __global__ void __launch_bounds__(WARPS * 32)
 flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p) {
     using Tr = DecodeTraits<HEAD_DIM, STAGES, WARPS, TMA, MT>;
     using Ops = ElemOps<T>;
     constexpr int THREADS = Tr::THREADS, WN = Tr::WN, BN = Tr::BN, PITCH = Tr::PITCH, CHUNKS = Tr::CHUNKS;
     constexpr int D_TILES = Tr::D_TILES, N_TILES = WN / 8;
+    // Several kv heads a block (HEADS > 1; Heads, above): a tile is KT keys of each of the block's
+    // HEADS heads, head-major, and warp w serves head w / HEAD_WARPS at keys (w % HEAD_WARPS) * WN of
+    // its KT.
+    static_assert(HEADS == 1 || (TMA && !GRP && MT == 1 && WARPS % HEADS == 0), "several heads: the contiguous TMA kernel");
+    constexpr int KT = BN / HEADS, HEAD_WARPS = WARPS / HEADS;
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     T* sQ;  // (16 MT, PITCH)
@@ -712,18 +730,18 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
                 mbar_arrive_expect_tx(barK, tile_bytes / 2);
 #pragma unroll
                 for (int c = 0; c < HEAD_DIM / 64; ++c)
-                    tma_load_4d(dK + c * BN * 128, &p.map_k, barK, 64 * c, key, h_kv, row);
+                    tma_load_4d(dK + c * BN * 128, &p.map_k, barK, 64 * c, key, HEADS * h_kv, row);
                 mbar_arrive_expect_tx(barV, tile_bytes / 2);
 #pragma unroll
                 for (int c = 0; c < HEAD_DIM / 64; ++c)
-                    tma_load_4d(dV + c * BN * 128, &p.map_v, barV, 64 * c, key, h_kv, row);
+                    tma_load_4d(dV + c * BN * 128, &p.map_v, barV, 64 * c, key, HEADS * h_kv, row);
             } else {
                 const u32 bar = smem_addr(&s_full[stage]);
                 mbar_arrive_expect_tx(bar, tile_bytes);
 #pragma unroll
                 for (int c = 0; c < HEAD_DIM / 64; ++c) {
-                    tma_load_4d(dK + c * BN * 128, &p.map_k, bar, 64 * c, key, h_kv, row);
-                    tma_load_4d(dV + c * BN * 128, &p.map_v, bar, 64 * c, key, h_kv, row);
+                    tma_load_4d(dK + c * BN * 128, &p.map_k, bar, 64 * c, key, HEADS * h_kv, row);
+                    tma_load_4d(dV + c * BN * 128, &p.map_v, bar, 64 * c, key, HEADS * h_kv, row);
                 }
             }
         }
@@ -779,7 +797,7 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
         // the first tile, and the loop began 0.25-0.4 us later; H200, session 48.)
         if (tid == 0 && early && !paged) {
 #pragma unroll
-            for (int st = 0; st < EARLY; ++st) tma_contig(st, st * BN, b);
+            for (int st = 0; st < EARLY; ++st) tma_contig(st, st * KT, b);
             DECODE_TL_CLK(3);
         }
         if (early && paged) {
@@ -826,10 +844,11 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
     if (lo <= sink_hi) lo = 0; else n_sink = sink_hi;
     const int n_keys = n_sink + max(0, hi - lo);
     const int key_off = lo - n_sink;
-    const int chunk = ((n_keys + n_splits - 1) / n_splits + BN - 1) / BN * BN;
+    // (KT = BN keys a tile, or with HEADS > 1 KT keys of each head: the chunks are whole tiles of a head)
+    const int chunk = ((n_keys + n_splits - 1) / n_splits + KT - 1) / KT * KT;
     const int v_begin = min(split * chunk, n_keys);
     const int v_end = min(v_begin + chunk, n_keys);
-    const int n_tiles = (v_end - v_begin + BN - 1) / BN;
+    const int n_tiles = (v_end - v_begin + KT - 1) / KT;
 
     const T* gK = static_cast<const T*>(p.k) + h_kv * p.k_head_stride;
     const T* gV = static_cast<const T*>(p.v) + h_kv * p.v_head_stride;
@@ -984,7 +1003,7 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
             else if (whole)  // warp 0's pair: the tile's first key
                 tma_contig(it % STAGES, s_blk[it % STAGES][0].y, s_blk[it % STAGES][0].x);
             else
-                tma_contig(it % STAGES, v_begin + it * BN + key_off, cache_row);
+                tma_contig(it % STAGES, v_begin + it * KT + key_off, cache_row);
         }
     };
 
@@ -1012,6 +1031,11 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
     }
 
     // ---- per-row facts of this thread's rows (g, g + 8 of each m-tile): key span, ALiBi slope ----
+    // (HEADS > 1: mine_row, whether a row is a query head of this warp's kv head, for the plain range;
+    // the warp's scores of the other heads' rows are dropped at the merge.)
+    auto mine_row = [&](int row) {
+        return HEADS == 1 || divmod_rt(divmod_rt(row, G).y, G / HEADS).x == warp / HEAD_WARPS;
+    };
     KeySpan span[MT][2];
     float alibi[MT][2];
 #pragma unroll
@@ -1080,11 +1104,13 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
     int plain_lo = 0, plain_hi = -1;
     if constexpr (TMA) {
         int lo_w = INT_LOWEST, hi_w = INT_HIGHEST;
+        bool own = false;
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int r = 0; r < 2; ++r)
-                if (!pad[mt][r]) {
+                if (!pad[mt][r] && mine_row(r0 + 16 * mt + g + 8 * r)) {
+                    own = true;
                     lo_w = max(lo_w, span[mt][r].lo);
                     hi_w = min(hi_w, span[mt][r].hi);
                 }
@@ -1093,9 +1119,12 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
             lo_w = max(lo_w, __shfl_xor_sync(0xffffffffu, lo_w, o));
             hi_w = min(hi_w, __shfl_xor_sync(0xffffffffu, hi_w, o));
         }
-        // (Row r0 is valid, so the warp has a valid row and lo_w, hi_w are a row's: no overflow.)
-        plain_lo = max(n_sink, lo_w - key_off);
-        plain_hi = score_mod ? INT_LOWEST : min(v_end, hi_w - key_off) - WN;
+        // (Row r0 is valid, so the warp has a valid row and lo_w, hi_w are a row's: no overflow. With
+        // HEADS > 1 the host keeps the rows to one row tile, where each head has seqlen_q x G / HEADS
+        // rows; a warp with none of its own, were there one, would take no tile as plain.)
+        const bool none = HEADS > 1 && !__any_sync(0xffffffffu, own);
+        plain_lo = none ? 0 : max(n_sink, lo_w - key_off);
+        plain_hi = score_mod || none ? INT_LOWEST : min(v_end, hi_w - key_off) - WN;
     }
 
     // The epilogue's parameters lie in two 64-byte lines of the constant bank (o, lse, o_part,
@@ -1112,13 +1141,17 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
                      : "memory");
     // TMA: the chunk's last tile's V rows past the chunk (cache rows beyond the entry's length) zeroed
     // once they landed, before P V reads them (block-uniform: a block barrier follows).
+    // (HEADS > 1: rows valid .. KT - 1 of each head's KT.)
     auto zero_v_tail = [&](int stage, int it) {
-        const int valid = v_end - (v_begin + it * BN);
-        if (valid < BN) {
+        const int valid = v_end - (v_begin + it * KT);
+        if (valid < KT) {
             const u32 tV = smem_addr(sV + stage * Tr::SKV_ELEMS);
-            for (int c = tid; c < (BN - valid) * CHUNKS; c += THREADS)
+            for (int c = tid; c < HEADS * (KT - valid) * CHUNKS; c += THREADS) {
+                int r = valid + c / CHUNKS;  // (HEADS = 1: the tile's row)
+                if constexpr (HEADS > 1) r = (c / CHUNKS) / (KT - valid) * KT + valid + (c / CHUNKS) % (KT - valid);
                 asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};"
-                             :: "r"(tV + tile_off(valid + c / CHUNKS, c % CHUNKS)), "r"(0u) : "memory");
+                             :: "r"(tV + tile_off(r, c % CHUNKS)), "r"(0u) : "memory");
+            }
             __syncthreads();
         }
     };
@@ -1223,7 +1256,7 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
 
         if (tid == 0 && (it == 0 || it == n_tiles - 1)) DECODE_TL_CLK_AFTER(it == 0 ? 24 : 27, s[0][N_TILES - 1][3]);
         // ---- logits in log2 units, masked; then the online softmax ----
-        const int vw0 = v_begin + it * BN + warp * WN;
+        const int vw0 = v_begin + it * KT + (HEADS == 1 ? warp : warp % HEAD_WARPS) * WN;
         bool plain;
         if constexpr (TMA) {
             plain = vw0 >= plain_lo && vw0 <= plain_hi;
@@ -1365,11 +1398,13 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
         if (mt > 0) __syncthreads();  // the pass before has read sO, s_l, s_lp and s_mx
         const int m0 = r0 + 16 * mt;  // this pass's first row
         float l_w[2], lp_w[2];
+        bool own[2];  // (mine_row, worked out again here: kept through the loop, it took registers)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
+            own[r] = mine_row(m0 + g + 8 * r);
             l_w[r] = softmax.l_of(mt, r);
             lp_w[r] = softmax.lp_of(mt, r);
-            if (t4 == 0) s_m[warp][g + 8 * r] = softmax.row_m[mt][r];
+            if (t4 == 0) s_m[warp][g + 8 * r] = own[r] ? softmax.row_m[mt][r] : -CUFLASH_INF;
         }
         __syncthreads();
         // Each warp's O, l and lp rescaled to the rows' common maximum (f = 2^(m_w - m)): O into sO
@@ -1384,7 +1419,13 @@ flash_decode_kernel(const __grid_constant__ typename DecodeParamsOf<TMA>::type p
             float mx = -CUFLASH_INF;
 #pragma unroll
             for (int w = 0; w < Tr::WARPS; ++w) mx = fmaxf(mx, s_m[w][rr]);
-            const float f = fast_exp2(softmax.row_m[mt][r] - exp_base(mx));
+            // (HEADS > 1: another head's row takes zeros from this warp, its elements 2r, 2r + 1.)
+            const float f = own[r] ? fast_exp2(softmax.row_m[mt][r] - exp_base(mx)) : 0.f;
+            if (!own[r]) {
+#pragma unroll
+                for (int dt = 0; dt < D_TILES; ++dt) acc_o[mt][dt][2 * r] = acc_o[mt][dt][2 * r + 1] = 0.f;
+                l_w[r] = lp_w[r] = 0.f;
+            }
             float* dst = sO + (warp * 16 + rr) * OP + 2 * t4;
 #pragma unroll
             for (int dt = 0; dt < D_TILES; ++dt)

@@ -1659,6 +1659,87 @@ DECODE_SHALLOW_MID_KEYS = 8192
 DECODE_MID_WIDE_MIN_KEYS = 512
 
 
+# decode_heads: the kv heads a block of the several-heads kernel may serve, and the (warps, stages) it is
+# built for (head_dim 128, sm_90a).
+DECODE_HEADS_BUILT = (2, 4)
+DECODE_HEADS_KERNELS = ((4, 2), (4, 3), (4, 4), (8, 3))
+# ... and the rule's reach: blocks of 2 heads of at least this many keys (2048 measured slower, 8k-128k
+# faster), of 4 heads at least DECODE_HEADS4_MIN_KEYS (2k-128k measured faster).
+DECODE_HEADS_MIN_KEYS = 8192
+DECODE_HEADS4_MIN_KEYS = 2048
+
+
+def decode_heads_supported(target: str, head_dim: int, heads: int, stages: int, warps: int, mt: int, paged: bool,
+                           rows: int, nheads_kv: int) -> bool:
+    """Whether the decode kernel of `heads` kv heads a block (cuda_src/flash_decode.cu Heads) serves a
+    plan: built for sm_90a at head_dim 128 (DECODE_HEADS_BUILT, DECODE_HEADS_KERNELS), the TMA kernel
+    of one m16 tile a warp on a contiguous cache, the kv heads a multiple of `heads`, and the block's
+    rows (rows: seqlen_q x nheads / nheads_kv, one kv head's) x heads one row tile."""
+    return (heads in DECODE_HEADS_BUILT and (warps, stages) in DECODE_HEADS_KERNELS and target == "sm_90a"
+            and head_dim == 128 and mt == 1 and not paged and nheads_kv % heads == 0
+            and rows * heads <= DECODE_ROWS)
+
+
+def decode_heads_rule(target: str, head_dim: int, blocks: int, splits: int, keys: int, sm_count: int, paged: bool,
+                      mt: int, rows: int, nheads_kv: int, plain: bool, peak_bw: float = 0.0) -> int:
+    """The kv heads a decode block reads on the 8-warp TMA kernel by the rule (cuda_src/flash_decode.cu
+    Heads; decode_heads, decode_heads_wide; 1: none): H = 16 / rows kv heads for 8 or 4 rows a kv head
+    (GQA 8 or 4 at seqlen_q 1: a block's 16 rows), where the unsplit grid of H-head blocks is one wave
+    with more than half the SMs busy (blocks counted one kv head each: sm_count / 2 < blocks / H <=
+    sm_count; one block per SM, 8 warps), each block seeing at least DECODE_HEADS_MIN_KEYS keys (2 heads)
+    or DECODE_HEADS4_MIN_KEYS (4), with no mask or score modification (plain), at a peak bandwidth
+    (peak_bw, bytes/s) of at least DECODE_DEEP_MAX_BW, where decode_heads_supported. `splits`: the
+    plan's count (the planner asks with 1, and then plans the call unsplit).
+    H200, session 77 (bench/dev/decode_split_peers.py, cuDNN in the same rounds, 9 rounds, GPU us per
+    step, x cuDNN's). bench_decode's 64 x 8k / 32k / 128k x GQA 8 (256 one-head blocks): the one-head
+    plan (4 warps, 2 stages) 0.990 / 0.999 / 1.000-1.001; 2 heads on 8 warps (3 stages) 0.987 /
+    0.990-0.993 / 0.989-0.992; 2 heads on 4 warps 1.007 / 1.015 / 1.012 on 2 stages, 1.002 / 0.998 /
+    0.994 on 3, 1.012 / 1.016 / 1.016 on 4; 2 heads on 8 warps in 2 splits (256 blocks) 1.009-1.013 at
+    32k and 128k; at 2048 keys 2 heads 0.982 against the one-head plan's 0.970. 64 x 2k / 8k / 32k / 128k
+    x GQA 4 (512 one-head blocks; the plan 3 stages unsplit at 2k and 8k, 4 splits at 32k and 128k):
+    0.985 / 0.995 / 0.993 / 1.015; 4 heads on 8 warps (128 blocks) 0.975 / 0.980 / 0.975 / 0.973; 2
+    heads on 8 warps (256 blocks) 0.991 / 0.993 / 0.996 / 0.997."""
+    h = {8: 2, 4: 4}.get(rows, 1)
+    least = DECODE_HEADS_MIN_KEYS if h == 2 else DECODE_HEADS4_MIN_KEYS
+    ok = (h > 1 and splits == 1 and plain and sm_count < 2 * (blocks // h) and blocks <= h * sm_count
+          and keys >= least and peak_bw >= DECODE_DEEP_MAX_BW
+          and decode_heads_supported(target, head_dim, h, decode_wide_stages(target, head_dim) or 0, 8, mt, paged,
+                                     rows, nheads_kv))
+    return h if ok else 1
+
+
+def decode_heads_forced() -> int:
+    """CUFLASH_DECODE_HEADS: 1 ("0" or "1": one kv head a block everywhere), 2 or 4 (that many wherever the
+    kernel serves the plan, on the plan's own warps; A/B measurements, tests), 0 unset (the rule). Read
+    when a plan is made."""
+    import os
+
+    v = os.environ.get("CUFLASH_DECODE_HEADS")
+    return {"0": 1, "1": 1, "2": 2, "4": 4}.get(v, 0)
+
+
+def decode_heads_wide(*rule_args, **rule_kw) -> bool:
+    """Whether the planner plans a call on the 8-warp kernel for several kv heads a block, unsplit:
+    decode_heads_rule's terms (its arguments) give more than 1, CUFLASH_DECODE_HEADS unset."""
+    return decode_heads_forced() == 0 and decode_heads_rule(*rule_args, **rule_kw) > 1
+
+
+def decode_heads(target: str, head_dim: int, blocks: int, splits: int, keys: int, sm_count: int, paged: bool,
+                 warps: int, stages: int, mt: int, rows: int, nheads_kv: int, plain: bool,
+                 peak_bw: float = 0.0) -> int:
+    """The kv heads a decode block serves (cuda_src/flash_decode.cu Heads) in a plan of `warps` warps and
+    `stages` stages whose one-head grid has `blocks` blocks: decode_heads_rule's count on the 8-warp
+    kernel of its own depth, else 1; CUFLASH_DECODE_HEADS forces (decode_heads_forced)."""
+    forced = decode_heads_forced()
+    if forced:
+        ok = forced > 1 and decode_heads_supported(target, head_dim, forced, stages, warps, mt, paged, rows, nheads_kv)
+        return forced if ok else 1
+    if warps != 8 or stages != decode_wide_stages(target, head_dim):
+        return 1
+    return decode_heads_rule(target, head_dim, blocks, splits, keys, sm_count, paged, mt, rows, nheads_kv, plain,
+                             peak_bw)
+
+
 def decode_shallow_supported(target: str, head_dim: int) -> bool:
     """Whether the 2-stage 4-warp TMA decode kernel is built for (target, head_dim): sm_90a, head_dim
     128, where three of its blocks fit an SM (decode_shallow_tma chooses it per call)."""

@@ -644,6 +644,14 @@ class DecodePlan:
                 # (_config.decode_paged_two_tile_splits).
                 num_splits = graph_splits = _config.decode_paged_two_tile_splits(blocks, num_splits, keys,
                                                                                  _sm_count(dev))
+        # Several kv heads a block (_config.decode_heads_rule): where its one-wave grid of 8-warp blocks serves
+        # the call, the plan is unsplit (variant() then takes 8 warps, launches() the heads).
+        plain = (sq == 1 and f.window_left < 0 and f.num_sink_tokens == 0 and not f.softcap and not f.has_alibi
+                 and not f.has_sink_logits)
+        if (not forced and self.tma and self.mt == 1 and not _config.decode_warps_forced()
+                and _config.decode_heads_wide(target, d, blocks, 1, keys, _sm_count(dev), c.paged, self.mt, rows,
+                                              c.nheads_kv, plain, _gpu.peak_memory_bandwidth(dev))):
+            num_splits = graph_splits = 1
         table = infos.get("block_table")
         table_stride = 0
         if table is not None:
@@ -687,6 +695,10 @@ class DecodePlan:
         self.spare_ok = out_bytes <= _SPARE_MAX_BYTES and _config.decode_spare_outputs()
 
         wide_ok = _config.decode_wide_stages(target, d) is not None
+        # Several kv heads a block (_config.decode_heads): the rule's case (on 8 warps) is one query position
+        # and no mask or score modification (plain, above); CUFLASH_DECODE_HEADS forces it on the plan's own
+        # warps at any split count, merged as the one-head plan's are (a block's row tile is all its heads'
+        # rows, so the fused combine needs fewer of the plan's counters), but not with the split tail.
         cluster_keys = _config.decode_cluster_split_keys(target, d, _sm_count(dev), _gpu.peak_memory_bandwidth(dev))
         forced_warps = _config.decode_warps_forced()
 
@@ -721,6 +733,10 @@ class DecodePlan:
             fused combine where rows x splits <= fused_max_parts. wide: warps_and_splits'."""
             out_t = DeviceTensor(Slot(_D_OUT), self.out_shape, contiguous_strides(self.out_shape))
             warps, splits = warps_and_splits(splits, wide)
+            if (self.tma and warps == 4 and not forced and not forced_warps
+                    and _config.decode_heads_wide(target, d, blocks, splits, keys, _sm_count(dev), c.paged, self.mt,
+                                                  rows, c.nheads_kv, plain, _gpu.peak_memory_bandwidth(dev))):
+                warps = 8  # 2 kv heads a block on the 8-warp kernel (_config.decode_heads_rule; launches())
             clustered = self._clustered(splits)
 
             def depth(warps):
@@ -739,12 +755,18 @@ class DecodePlan:
                 n = splits if n_splits is None else n_splits
                 depth_ = _launch.decode_depth(target, d, warps, stages)
                 per_block = -(-keys // n)
-                late = self.tma and _config.decode_late_issue(target, d, tail_first + (blocks - tail_first) * n,
-                                                              per_block, _sm_count(dev), c.paged, warps, depth_,
-                                                              _gpu.peak_memory_bandwidth(dev), self.mt,
+                # Several kv heads a block (_config.decode_heads): the grid has 1 / heads of the blocks.
+                heads = 1
+                if self.tma and not tail_first:
+                    heads = _config.decode_heads(target, d, blocks, n, per_block, _sm_count(dev), c.paged, warps,
+                                                 depth_, self.mt, rows, c.nheads_kv, plain,
+                                                 _gpu.peak_memory_bandwidth(dev))
+                grid = (tail_first + (blocks - tail_first) * n) // heads
+                late = self.tma and _config.decode_late_issue(target, d, grid, per_block, _sm_count(dev), c.paged,
+                                                              warps, depth_, _gpu.peak_memory_bandwidth(dev), self.mt,
                                                               per_block * row_bytes)
                 args = dataclasses.replace(args0, num_splits=n, split_counters=counters, cluster=cluster,
-                                           tail_first=tail_first, late_issue=late)
+                                           tail_first=tail_first, late_issue=late, heads=heads)
                 return _launch.decode_launches(tensor("q", _D_Q), tensor("k_cache", _D_KC), tensor("v_cache", _D_VC),
                                                out_t, args, c.dtype, c.scale, mask, dev, cc, warps, self.tma, stages,
                                                self.mt)

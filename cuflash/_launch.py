@@ -1708,12 +1708,14 @@ def default_scale(head_dim: int) -> float:
 # ---- decoding against a KV cache (cuda_src/flash_decode.cu) ----
 
 def decode_specialization(dtype: str, head_dim: int, stages: int, warps: int = 4, tma: bool = False,
-                          grp: bool = False, mt: int = 1):
+                          grp: bool = False, mt: int = 1, heads: int = 1):
     """The decode kernel's specialization and dynamic shared memory; grp (TMA kernels only): the twin
     built for a paged cache's 16-key groups (_config.decode_group_kernel); mt: the m16 row tiles of a
-    warp (2: 32 packed rows a block, TMA kernels only: _config.decode_two_tiles)."""
+    warp (2: 32 packed rows a block, TMA kernels only: _config.decode_two_tiles); heads: the kv heads a
+    block serves (TMA, not grp, mt 1: _config.decode_heads)."""
     assert tma or not grp
     assert mt == 1 or (mt == 2 and tma)
+    assert heads == 1 or (tma and not grp and mt == 1 and warps % heads == 0)
     short, ctype = _DTYPE_TAG[dtype]
     smem = _config.decode_smem_bytes(head_dim, stages, warps, tma, mt)
     flag = "true" if tma else "false"
@@ -1723,8 +1725,9 @@ def decode_specialization(dtype: str, head_dim: int, stages: int, warps: int = 4
         f' "shared memory size differs from cuflash/_config.py:decode_smem_bytes");',
     ])
     tag = ("" if warps == 4 else f"_w{warps}") + ("_tma" if tma else "") + ("_grp" if grp else "") + (
-        f"_m{mt}" if mt > 1 else "")
-    extra = (", true" if grp else (", false" if mt > 1 else "")) + (f", {mt}" if mt > 1 else "")
+        f"_m{mt}" if mt > 1 else "") + (f"_h{heads}" if heads > 1 else "")
+    extra = (", true" if grp else (", false" if mt > 1 or heads > 1 else "")) + (
+        f", {mt}" if mt > 1 or heads > 1 else "") + (f", {heads}" if heads > 1 else "")
     return _compile.Specialization("flash_decode.cu",
                                    f"cuflash::flash_decode_kernel<{ctype}, {head_dim}, {stages}, {warps}, {flag}{extra}>",
                                    f"decode_{short}_d{head_dim}_s{stages}{tag}", checks), smem
@@ -1764,6 +1767,11 @@ def all_decode_specializations(target: str, head_dims=None, dtypes=None):
                     for st in sorted({stages} | ({4} if _config.decode_deep_supported(target, d) else set())
                                      | ({2} if _config.decode_shallow_supported(target, d) else set())):
                         out.append(decode_specialization(dtype, d, st, 4, True, grp, 2))
+                # several kv heads a block (_config.decode_heads), contiguous caches
+                for h in _config.DECODE_HEADS_BUILT if tma_ok else ():
+                    for w, st in _config.DECODE_HEADS_KERNELS:
+                        if _config.decode_heads_supported(target, d, h, st, w, 1, False, 1, h):
+                            out.append(decode_specialization(dtype, d, st, w, True, False, 1, h))
                 out.append((decode_combine_specialization(dtype, d), 0))
                 wide = _config.decode_wide_stages(target, d)
                 if wide is not None:
@@ -1804,6 +1812,8 @@ class DecodeArgs:
                                    # each, merged by the fused combine (cuda_src/flash_decode.cu Grid); 0: none
     late_issue: bool = False       # the TMA kernel of 3+ stages issues a tile once the one two before it landed
                                    # (a contiguous cache; _config.decode_late_issue)
+    heads: int = 1                 # the kv heads a decode block serves (_config.decode_heads; the TMA kernel, a
+                                   # contiguous cache, one row tile of seqlen_q x nheads / nheads_kv x heads rows)
 
 
 def decode_scratch_floats(batch: int, nheads: int, seqlen_q: int, head_dim: int, num_splits: int,
@@ -1844,6 +1854,11 @@ def decode_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: Device
     stages = decode_depth(target, head_dim, warps, stages)
     group = nheads // nheads_kv
     rows = seqlen_q * group
+    heads = a.heads
+    if heads > 1:  # a block of `heads` kv heads: the kernel sees nheads_kv / heads heads of heads x group query heads
+        assert (not append_only and _config.decode_heads_supported(target, head_dim, heads, stages, warps, mt,
+                                                                   a.page_size != 0, rows, nheads_kv)), (heads, a)
+        nheads_kv, group, rows = nheads_kv // heads, group * heads, rows * heads
     assert mt == 1 or (mt == 2 and tma and warps == 4 and not a.cluster), (mt, tma, warps, a.cluster)
     row_tiles = _cdiv(rows, _config.DECODE_ROWS * mt)
     tiles = batch * nheads_kv * row_tiles
@@ -1891,20 +1906,26 @@ def decode_launches(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, o: Device
     if seqlen_new or append_only:
         spec = decode_append_specialization()
         fn = _compile.get_function(spec, target, device_id, 0)
-        count = max(batch * seqlen_new * nheads_kv * head_dim, batch)  # (append_only: the lengths, at least)
-        launches.append(Launch(spec.name, fn.ptr, max(1, min(_cdiv(count, 256), 1024)), 256, 0, p, ptrs, device_id))
+        pa = p
+        if heads > 1:  # (the append writes every kv head: the caches' own count)
+            pa = p.copy()
+            pa["nheads_kv"] = k.shape[2]
+        count = max(batch * seqlen_new * k.shape[2] * head_dim, batch)  # (append_only: the lengths, at least)
+        launches.append(Launch(spec.name, fn.ptr, max(1, min(_cdiv(count, 256), 1024)), 256, 0, pa, ptrs, device_id))
     if append_only:
         return launches
     rows = decode_tma_rows(a.page_size != 0, warps, a.page_size) if tma else 0
     grp = tma and rows < 16 * warps and _config.decode_group_kernel()  # (rows < the tile: 16-key groups)
-    spec, smem = decode_specialization(dtype, head_dim, stages, warps, tma, grp, mt)
+    spec, smem = decode_specialization(dtype, head_dim, stages, warps, tma, grp, mt, heads)
     fn = _compile.get_function(spec, target, device_id, smem)
     if tma:
         from . import _tma
 
         panels = decode_tma_panels(rows, warps, head_dim)
         p["page_tiles"] = int(a.page_size != 0 and rows == 16 * warps)  # whole tiles of a paged cache
-        maps = [(name, t.ptr, _tma.MapCache(t.shape, t.strides, rows, dtype, panels=panels))
+        # (heads > 1: boxes of rows / heads keys of `heads` adjacent kv heads)
+        maps = [(name, t.ptr, _tma.MapCache(t.shape, t.strides, rows // heads, dtype, panels=panels,
+                                            box_heads=heads))
                 for name, t in (("map_k", k), ("map_v", v))]
         launches.append(TmaLaunch(spec.name, fn.ptr, grid, 32 * warps, smem, p, ptrs, device_id, maps))
     else:

@@ -141,7 +141,8 @@ def ensure_context(device_id: int) -> None:
         lib.cuCtxSetCurrent(ctx)
 
 
-def kv_map_args(ptr: int, shape, strides, rows: int, dtype: str, panels: int = 1, ilv: bool = False):
+def kv_map_args(ptr: int, shape, strides, rows: int, dtype: str, panels: int = 1, ilv: bool = False,
+                box_heads: int = 1):
     """(dims, strides in bytes, box) of `kv_map`'s encode: a (batch, seqlen, heads, head_dim) tensor
     with element strides (batch, row, head, 1) as 4-D (head_dim, seqlen, heads, batch), box {64, rows,
     1, 1}. head_dim must be a multiple of 8; a kernel copies one 64-column panel at a time, and where
@@ -154,7 +155,9 @@ def kv_map_args(ptr: int, shape, strides, rows: int, dtype: str, panels: int = 1
     num_pages * page_size / 8, heads), box {64, 8, head_dim / 64, rows / 8, 1}, the rows numbered
     across the pages in 8-row groups: one copy fills `rows` whole rows with each 8-row group's panels
     together (the interleaved layout of the paged forward, cuda_src/flash_fwd_sm90_ws.cu ILV); the
-    coordinate of page p's row r is (0, 0, 0, (p * page_size + r) / 8, head)."""
+    coordinate of page p's row r is (0, 0, 0, (p * page_size + r) / 8, head).
+    box_heads > 1 (the 4-D layout only): box {64, rows, box_heads, 1}, that many adjacent heads' rows one after
+    another (the decode kernel's blocks of several kv heads, cuda_src/flash_decode.cu Heads)."""
     batch, seqlen, heads, head_dim = shape
     bs, rs, hs, es = strides
     if es != 1:
@@ -164,6 +167,9 @@ def kv_map_args(ptr: int, shape, strides, rows: int, dtype: str, panels: int = 1
                          f"kernel's columns past it read as zeros); got {head_dim}")
     if dtype not in _DTYPES:
         raise ValueError(f"tensor map: expected a 16-bit dtype {sorted(_DTYPES)}; got {dtype}")
+    if box_heads != 1 and (ilv or panels > 1 or not 1 <= box_heads <= min(heads, 256)):
+        raise ValueError(f"tensor map: a box of {box_heads} heads needs the 4-D layout and at most the tensor's "
+                         f"{heads} heads; got panels {panels}, ilv {ilv}")
     if ilv:
         if head_dim % 64 or rows % 8 or seqlen % 8 or bs != seqlen * rs:
             raise ValueError(f"tensor map: the interleaved layout needs head_dim a multiple of 64, rows and the "
@@ -176,12 +182,13 @@ def kv_map_args(ptr: int, shape, strides, rows: int, dtype: str, panels: int = 1
             raise ValueError(f"tensor map: expected head_dim {64 * panels} for {panels} panels in one box; got "
                              f"{head_dim}")
         return (64, seqlen, panels, heads, batch), (2 * rs, 128, 2 * hs, 2 * bs), (64, rows, panels, 1, 1)
-    return (head_dim, seqlen, heads, batch), (2 * rs, 2 * hs, 2 * bs), (64, rows, 1, 1)
+    return (head_dim, seqlen, heads, batch), (2 * rs, 2 * hs, 2 * bs), (64, rows, box_heads, 1)
 
 
-def kv_map(ptr: int, shape, strides, rows: int, dtype: str, panels: int = 1, ilv: bool = False) -> bytes:
+def kv_map(ptr: int, shape, strides, rows: int, dtype: str, panels: int = 1, ilv: bool = False,
+           box_heads: int = 1) -> bytes:
     """The tensor map of a K- or V-like tensor for panel-wise TMA loads (see the module docstring)."""
-    dims, strides_bytes, box = kv_map_args(ptr, shape, strides, rows, dtype, panels, ilv)
+    dims, strides_bytes, box = kv_map_args(ptr, shape, strides, rows, dtype, panels, ilv, box_heads)
     return encode_tiled(ptr, dtype, dims, strides_bytes, box)
 
 
@@ -242,13 +249,14 @@ def learn_patch(encode) -> MapPatch | None:
     return None
 
 
-def layout_patch(shape, strides, rows: int, dtype: str, panels: int = 1, ilv: bool = False) -> MapPatch | None:
+def layout_patch(shape, strides, rows: int, dtype: str, panels: int = 1, ilv: bool = False,
+                 box_heads: int = 1) -> MapPatch | None:
     """learn_patch for kv_map's layout, learned once per process and layout."""
-    key = (tuple(shape), tuple(strides), rows, dtype, panels, ilv)
+    key = (tuple(shape), tuple(strides), rows, dtype, panels, ilv, box_heads)
     with _patches_lock:
         if key in _patches:
             return _patches[key]
-    dims, strides_bytes, box = kv_map_args(16, shape, strides, rows, dtype, panels, ilv)
+    dims, strides_bytes, box = kv_map_args(16, shape, strides, rows, dtype, panels, ilv, box_heads)
     try:
         patch = learn_patch(lambda ptr: encode_tiled(ptr, dtype, dims, strides_bytes, box))
     except TmaNoContext:
@@ -264,11 +272,13 @@ class MapCache:
     otherwise each new pointer costs an encode, and the cache keeps the most recent `size` maps (a
     training loop's activations come with ever new pointers)."""
 
-    def __init__(self, shape, strides, rows: int, dtype: str, size: int = 8, panels: int = 1, ilv: bool = False):
+    def __init__(self, shape, strides, rows: int, dtype: str, size: int = 8, panels: int = 1, ilv: bool = False,
+                 box_heads: int = 1):
         self.shape, self.strides, self.rows, self.dtype, self.size = tuple(shape), tuple(strides), rows, dtype, size
-        self.panels, self.ilv = panels, ilv
-        kv_map_args(16, shape, strides, rows, dtype, panels, ilv)  # the layout's errors now, not at the first call
-        self.patch = layout_patch(shape, strides, rows, dtype, panels, ilv)
+        self.panels, self.ilv, self.box_heads = panels, ilv, box_heads
+        # (the layout's errors now, not at the first call)
+        kv_map_args(16, shape, strides, rows, dtype, panels, ilv, box_heads)
+        self.patch = layout_patch(shape, strides, rows, dtype, panels, ilv, box_heads)
         self._maps: dict[int, bytes] = {}
 
     def get(self, ptr: int) -> bytes:
@@ -276,7 +286,7 @@ class MapCache:
             return self.patch.map(ptr)
         m = self._maps.get(ptr)
         if m is None:
-            m = kv_map(ptr, self.shape, self.strides, self.rows, self.dtype, self.panels, self.ilv)
+            m = kv_map(ptr, self.shape, self.strides, self.rows, self.dtype, self.panels, self.ilv, self.box_heads)
             if len(self._maps) >= self.size:
                 self._maps.pop(next(iter(self._maps)))
             self._maps[ptr] = m

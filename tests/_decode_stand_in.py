@@ -31,7 +31,7 @@ def install_stand_in(setattr_, sm_count: int = 132, bw: float = 4.8e12, clusters
     # The planner asks layout_patch whether a map's pointer word is known; a plan's maps are encoded
     # at its calls, which are never made here.
     patch = _tma.MapPatch(bytes(128), 1, 0, 4)  # a map's 16 words, its address word stood in
-    setattr_(_tma, "layout_patch", lambda shape, strides, rows, dtype, panels=1, ilv=False: patch)
+    setattr_(_tma, "layout_patch", lambda shape, strides, rows, dtype, panels=1, ilv=False, box_heads=1: patch)
 
 
 def _info(shape, dtype="bfloat16"):

@@ -53,13 +53,21 @@ def _all_specs(kind, target):
         # 4-warp TMA kernel of head_dim 128 also with 4 stages (_config.decode_deep_tma) and with 2
         # (_config.decode_shallow_tma); each TMA kernel also as its twin for a paged cache's 16-key
         # groups ("_tma_grp": _config.decode_group_kernel). Each 4-warp TMA kernel (every depth, both
-        # twins) also with two m16 tiles a warp ("_m2": _config.decode_two_tiles).
+        # twins) also with two m16 tiles a warp ("_m2": _config.decode_two_tiles). The 4-warp TMA kernel of
+        # head_dim 128 at 2, 3 and 4 stages and the 8-warp one also serving 2 and 4 kv heads a block ("_h2",
+        # "_h4": _config.decode_heads).
         specs = _launch.all_decode_specializations(target)
         wide = [d for d in _config.HEAD_DIMS if _config.decode_wide_supported(d)]
         assert len(wide) == 5
         n_tma = (2 * len(_config.DECODE_TMA_HEAD_DIMS) + 2) if target == "sm_90a" else 0
         n_m2 = (len(_config.DECODE_TMA_HEAD_DIMS) + 2) if target == "sm_90a" else 0  # (head_dim 128: 3 depths)
-        assert len(specs) == len(_config.DTYPES) * (len(_config.HEAD_DIMS) * 2 + len(wide) + 2 * n_tma + 2 * n_m2) + 2
+        n_heads = 8 if target == "sm_90a" else 0
+        assert len(specs) == len(_config.DTYPES) * (len(_config.HEAD_DIMS) * 2 + len(wide) + 2 * n_tma + 2 * n_m2
+                                                    + n_heads) + 2
+        for h in (2, 4):
+            want = [f"decode_{t}_d128_{k}_tma_h{h}" for t in ("bf16", "f16") for k in ("s2", "s3", "s4", "s3_w8")]
+            assert sorted(spec.name for spec, _ in specs if spec.name.endswith(f"_tma_h{h}")) == sorted(
+                want if n_heads else [])
         assert sum(spec.name.endswith("_w8") for spec, _ in specs) == len(_config.DTYPES) * len(wide)
         assert sum(spec.name.endswith("_tma") for spec, _ in specs) == len(_config.DTYPES) * n_tma
         assert sum(spec.name.endswith("_tma_grp") for spec, _ in specs) == len(_config.DTYPES) * n_tma

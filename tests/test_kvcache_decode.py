@@ -1463,11 +1463,13 @@ def test_decode_plans_on_a_stand_in_hopper(monkeypatch, layout):
     kernel unsplit as the contiguous one does (not the paged fill), while 64 blocks of 8192 keys keep
     the paged fill's 4 splits on the 2-stage kernel. The paged cache's 16-key groups run each kernel's
     twin built for them ("_grp", _config.decode_group_kernel), and the shared kernel with
-    CUFLASH_DECODE_GRP=0."""
+    CUFLASH_DECODE_GRP=0. One kv head a block throughout (CUFLASH_DECODE_HEADS=1: 64 x 32k x 4 contiguous
+    takes 4 heads a block unsplit by the library's rule, test_decode_heads_plan)."""
     for name in ("CUFLASH_DECODE_LONG_SPLIT", "CUFLASH_DECODE_SHALLOW", "CUFLASH_DECODE_DEEP",
                  "CUFLASH_DECODE_PAGED_FILL", "CUFLASH_DECODE_WARPS", "CUFLASH_DECODE_FUSED_COMBINE",
                  "CUFLASH_DECODE_CLUSTER", "CUFLASH_DECODE_PAGE_TILES", "CUFLASH_DECODE_GRP"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("CUFLASH_DECODE_HEADS", "1")
     install_stand_in(monkeypatch.setattr)
     paged = layout == "paged16"
     grp = "_grp" if paged else ""
@@ -1501,7 +1503,7 @@ _PLAN_SWITCHES = ("CUFLASH_DECODE_LONG_SPLIT", "CUFLASH_DECODE_SHALLOW", "CUFLAS
                   "CUFLASH_DECODE_CLUSTER", "CUFLASH_DECODE_PAGE_TILES", "CUFLASH_DECODE_GRP",
                   "CUFLASH_DECODE_TWO_TILES", "CUFLASH_DECODE_NARROW_CLUSTERS",
                   "CUFLASH_DECODE_PAGED_TWO_TILE_SPLITS", "CUFLASH_DECODE_IDLE", "CUFLASH_DECODE_MID_WIDE",
-                  "CUFLASH_DECODE_TAIL", "CUFLASH_DECODE_LATE")
+                  "CUFLASH_DECODE_TAIL", "CUFLASH_DECODE_LATE", "CUFLASH_DECODE_HEADS")
 
 
 def test_decode_split_tail_rule(monkeypatch):
@@ -2035,3 +2037,208 @@ def test_decode_paged_fill_plan(monkeypatch, case):
                and "append" not in L.name]
         assert len(dec) == 1 and dec[0].name.endswith("_s2_tma_grp") and dec[0].grid == batch * hk * want, (
             [L.name for L in pl.graph[2]], ctx)
+
+
+def test_decode_heads_rule(monkeypatch):
+    """_config.decode_heads_rule (CPU): 16 / rows kv heads a block on the 8-warp kernel (2 at 8 rows a kv head, 4
+    at 4) where an unsplit plan on sm_90a at head_dim 128 has its grid of such blocks one wave over more than
+    half the SMs, each block of at least DECODE_HEADS_MIN_KEYS keys (2 heads) or DECODE_HEADS4_MIN_KEYS (4),
+    plain, contiguous, at an H200's bandwidth; else 1. decode_heads: that count for the 8-warp 3-stage plan,
+    1 for others; CUFLASH_DECODE_HEADS "0" / "1" one head, "2" / "4" that many wherever
+    decode_heads_supported (the 4-warp kernel at 2-4 stages, the 8-warp one at 3), and decode_heads_wide
+    (the planner's move to 8 warps, unsplit) only with the variable unset."""
+    from cuflash import _config
+
+    monkeypatch.delenv("CUFLASH_DECODE_HEADS", raising=False)
+    rule = _config.decode_heads_rule
+    assert (_config.DECODE_HEADS_MIN_KEYS, _config.DECODE_HEADS4_MIN_KEYS) == (8192, 2048)
+    assert _config.DECODE_HEADS_BUILT == (2, 4)
+    assert _config.DECODE_HEADS_KERNELS == ((4, 2), (4, 3), (4, 4), (8, 3))
+    bw = 4.8e12
+    # (target, head_dim, blocks, splits, keys, sm_count, paged, mt, rows, nheads_kv, plain, bw)
+    base = ("sm_90a", 128, 256, 1, 8192, 132, False, 1, 8, 4, True, bw)
+    assert rule(*base) == 2 and _config.decode_heads_wide(*base)
+    assert rule(*(base[:2] + (264,) + base[3:])) == 2 and rule(*(base[:2] + (134,) + base[3:])) == 2
+    for i, value in ((0, "sm_80"), (1, 64), (2, 132), (2, 266), (3, 2), (4, 8191), (6, True), (7, 2), (8, 16),
+                     (8, 2), (8, 1), (9, 3), (10, False), (11, 4.2e12)):
+        assert rule(*(base[:i] + (value,) + base[i + 1:])) == 1, (i, value)
+    four = ("sm_90a", 128, 512, 1, 2048, 132, False, 1, 4, 8, True, bw)  # 64 x 2k x GQA 4
+    assert rule(*four) == 4 and _config.decode_heads_wide(*four)
+    for i, value in ((2, 264), (2, 532), (4, 2047), (9, 6)):
+        assert rule(*(four[:i] + (value,) + four[i + 1:])) == 1, (i, value)
+    assert rule(*(four[:2] + (268,) + four[3:])) == 4 and rule(*(four[:2] + (528,) + four[3:])) == 4
+
+    def heads(warps, stages, args=base):  # decode_heads of a plan of these warps and stages
+        return _config.decode_heads(*args[:7], warps, stages, *args[7:])
+
+    assert heads(8, 3) == 2 and heads(8, 3, four) == 4
+    assert heads(4, 2) == heads(4, 3) == heads(8, 2) == heads(4, 3, four) == 1
+    assert heads(8, 3, base[:4] + (8191,) + base[5:]) == 1
+    monkeypatch.setenv("CUFLASH_DECODE_HEADS", "1")
+    assert heads(8, 3) == 1 and not _config.decode_heads_wide(*base)
+    monkeypatch.setenv("CUFLASH_DECODE_HEADS", "0")
+    assert heads(8, 3) == 1 and not _config.decode_heads_wide(*base)
+    monkeypatch.setenv("CUFLASH_DECODE_HEADS", "4")
+    assert heads(8, 3) == 1  # 8 rows x 4 heads: two row tiles
+    small = ("sm_90a", 128, 4, 5, 100, 132, False, 1, 4, 4, False, 3.35e12)
+    assert heads(4, 2, small) == heads(4, 3, small) == heads(4, 4, small) == heads(8, 3, small) == 4
+    assert heads(4, 5, small) == heads(8, 2, small) == 1  # not built
+    assert heads(4, 3, small[:9] + (6,) + small[10:]) == 1  # 6 kv heads: not a multiple of 4
+    assert heads(4, 3, small[:6] + (True,) + small[7:]) == 1  # paged
+    assert heads(4, 3, small[:7] + (2,) + small[8:]) == 1  # two m16 tiles a warp
+    monkeypatch.setenv("CUFLASH_DECODE_HEADS", "2")
+    assert heads(4, 3, small) == 2 and heads(4, 2) == 2 and not _config.decode_heads_wide(*base)
+
+
+def test_decode_heads_map():
+    """_tma.kv_map_args' box_heads (CPU): the 4-D layout with a box of that many heads' rows; refused with
+    the 5-D layouts and past the tensor's heads."""
+    from cuflash import _tma
+
+    shape, strides = (3, 1000, 8, 128), (1000 * 1024, 1024, 128, 1)
+    dims, byte_strides, box = _tma.kv_map_args(0, shape, strides, 32, "bfloat16", box_heads=2)
+    assert dims == (128, 1000, 8, 3) and byte_strides == (2048, 256, 2048000) and box == (64, 32, 2, 1)
+    assert _tma.kv_map_args(0, shape, strides, 64, "bfloat16")[2] == (64, 64, 1, 1)
+    for kw in (dict(panels=2), dict(box_heads=9), dict(box_heads=0)):
+        with pytest.raises(ValueError, match="heads"):
+            _tma.kv_map_args(0, shape, strides, 16, "bfloat16", **{"box_heads": 2, **kw})
+
+
+def test_decode_heads_plan(monkeypatch):
+    """Several kv heads a block on a stand-in H200 (132 SMs, 4.8 TB/s): bench_decode's 64 x 8k / 32k / 128k x
+    GQA 8 (256 one-head blocks on 4 warps) planned as 128 blocks of 2 kv heads on the 8-warp kernel in every
+    variant (eager, graph, idle), and 64 x 2k-128k x GQA 4 (512 one-head blocks, 4 splits at 32k and 128k) as
+    128 unsplit blocks of 4: the Params carry nheads_kv / heads, head_group x heads, 16 rows in one row
+    tile, and the maps' boxes 128 / heads keys of the heads; not at 2048 keys and GQA 8, 512 keys and GQA
+    4, at 16 x 128k x 4 (128 blocks), paged, at an H100's bandwidth or with CUFLASH_DECODE_HEADS=1 (the
+    one-head plan: 4 warps, 256 blocks).
+    CUFLASH_DECODE_HEADS=4 gives 16 x 128k x 4 blocks of 4 heads on the plan's 4 warps (32 blocks, boxes of
+    16 keys)."""
+    from cuflash import _config, _launch, _tma
+
+    for name in _PLAN_SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+    install_stand_in(monkeypatch.setattr)
+    at = _launch._offsets(_launch.DECODE_TMA_PARAMS)
+    boxes = []  # (rows, box_heads) of each decode map made
+    real_cache = _tma.MapCache
+
+    def recording_cache(shape, strides, rows, dtype, **kw):
+        boxes.append((rows, kw.get("box_heads", 1)))
+        return real_cache(shape, strides, rows, dtype, **kw)
+
+    monkeypatch.setattr(_tma, "MapCache", recording_cache)
+
+    def heads_of(b, L, g, paged=False):
+        boxes.clear()
+        plan = stand_in_plan(b, L, g, paged)
+        got = set()
+        for v in (plan.eager, plan.graph, plan.idle):
+            dec, _ = decode_launch(v)
+            h = int(dec.name.rsplit("_h", 1)[1]) if "_h" in dec.name.split("_d128")[1] else 1
+            if h > 1 and not _config.decode_heads_forced():
+                assert dec.name == f"decode_bf16_d128_s3_w8_tma_h{h}" and dec.threads == 256 and v[0] == 1, dec.name
+            fields = tuple(int(dec.ints[at[n] // 4]) for n in ("nheads_kv", "head_group", "rows", "num_row_tiles"))
+            assert fields == (32 // g // h, g * h, g * h, 1), (b, L, g, dec.name, fields)
+            assert dec.grid == b * 32 // g // h * v[0], (dec.name, dec.grid, v[0])  # (v[0]: the splits)
+            got.add(h)
+        assert len(got) == 1, (b, L, g, got)
+        h = got.pop()
+        if not paged:  # (each map of a tile of 16 x warps keys: 16 x warps / h keys of h heads)
+            assert boxes and set(boxes) == {(16 * dec.threads // 32 // h, h)}, (b, L, g, boxes)
+        return h
+
+    for L in (8192, 32768, 131072):
+        assert heads_of(64, L, 8) == 2, L
+    for L in (2048, 8192, 32768, 131072):
+        assert heads_of(64, L, 4) == 4, L
+    for shape in ((64, 2048, 8), (64, 512, 4), (16, 131072, 4), (4, 131072, 1), (32, 131072, 8), (32, 131072, 4),
+                  (128, 131072, 8)):
+        assert heads_of(*shape) == 1, shape
+    assert heads_of(64, 131072, 8, paged=True) == 1
+    monkeypatch.setenv("CUFLASH_DECODE_HEADS", "1")
+    assert heads_of(64, 131072, 8) == 1
+    assert decode_launch(stand_in_plan(64, 131072, 8, False).eager)[0].name == "decode_bf16_d128_s2_tma"
+    monkeypatch.setenv("CUFLASH_DECODE_HEADS", "4")
+    assert heads_of(16, 131072, 4) == 4 and heads_of(4, 8192, 1) == 4
+    assert heads_of(64, 131072, 8) == 1  # 8 rows x 4 heads: past a row tile
+    monkeypatch.delenv("CUFLASH_DECODE_HEADS")
+    install_stand_in(monkeypatch.setattr, bw=3.35e12)
+    assert heads_of(64, 131072, 8) == 1 and heads_of(64, 131072, 4) == 1
+
+
+_HEADS_LENGTHS = [0, 1, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 150, 298]  # (+ 1 appended, or not)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,case", [(2, "plain"), (2, "gqa4"), (2, "gqa1"), (2, "kv8"), (2, "split3"),
+                                        (2, "split40"), (2, "softcap"), (2, "alibi_bh"), (2, "sinklogit"),
+                                        (2, "win20_0"), (2, "idx"), (2, "fp16"), (2, "s3"), (2, "noappend"),
+                                        (2, "s4"), (2, "w8"), (2, "w8split3"), (4, "plain"), (4, "gqa2"),
+                                        (4, "split3"), (4, "alibi_h"), (4, "s3"), (4, "w8"), (2, "rule"),
+                                        (4, "rule")])
+def test_decode_heads_gpu(monkeypatch, heads, case):
+    """Blocks of several kv heads (cuda_src/flash_decode.cu Heads) on the GPU, forced with
+    CUFLASH_DECODE_HEADS on 4 warps: against the float64 reference, lse included, cache lengths 0, 1, 15-17,
+    31-33, 63-65, 127, 150 and full (the 16-key groups, a head's 32- or 16-key tile and a 64-key tile, each
+    side), an appended token unless "noappend"; GQA 8 (4 with 4 heads) on 4 kv heads, else as named ("kv8":
+    8 kv heads, four blocks an entry); 3 and 40 splits (a cluster or the fused combine, and the combine
+    kernel or the fused one), the options named, cache_batch_idx ("idx"), float16, 3 or 4 stages ("s3",
+    "s4": 2 otherwise), the 8-warp kernel (3 stages; "w8", "w8split3": with 3 splits). "rule": the library's
+    own choice at GQA 8 on sm_count / 8 + 2 entries of 8 kv heads and 8200 keys (heads 2), or GQA 4 on
+    sm_count / 4 + 2 entries of 8 kv heads and 2100 keys (heads 4), whose plan must serve that many heads a
+    block on the 8-warp kernel exactly where the rule's terms hold (sm_90a, 4.3 TB/s or more). The decode
+    launch's name says which kernel ran. torch CUDA."""
+    from cuflash import _config, _gpu, _kvcache
+
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device")
+    for name in _PLAN_SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+    wide = case.startswith("w8")
+    if case != "rule":
+        monkeypatch.setenv("CUFLASH_DECODE_WARPS", "8" if wide else "4")
+        monkeypatch.setenv("CUFLASH_DECODE_HEADS", str(heads))
+        if not wide:  # the 4-warp kernel's depth (CUFLASH_DECODE_WARPS leaves the depth rules out)
+            stages = {"s3": 3, "s4": 4}.get(case, 2)
+            monkeypatch.setattr(_config, "decode_stages", lambda target, head_dim: stages)
+    _fresh_decode_plans(monkeypatch)
+    dev = torch.cuda.current_device()
+    seed = _new_seed()
+    rng = np.random.default_rng(seed)
+    gqa = {"gqa4": 4, "gqa1": 1, "gqa2": 2}.get(case, 8 if heads == 2 else 4)
+    nheads_kv = 8 if case in ("kv8", "rule") else 4
+    seqlen_new = 0 if case == "noappend" else 1
+    lengths = [x - seqlen_new if x == 298 else x for x in _HEADS_LENGTHS]
+    capacity = 298 + 1
+    if case == "rule":
+        sm = _sm_count_of(dev)
+        batch, capacity = (sm // 8 + 2, 8200) if heads == 2 else (sm // 4 + 2, 2100)
+        lengths = [int(x) for x in rng.integers(8000, capacity - seqlen_new + 1, batch)]
+        lengths[0], lengths[-1] = 0, capacity - seqlen_new
+    batch = len(lengths)
+    layout = "contig_idx" if case == "idx" else "contig"
+    option = case if case in ("softcap", "alibi_bh", "alibi_h", "sinklogit", "win20_0") else "none"
+    opts, qk_scale = _features(rng, option, batch, gqa * nheads_kv)
+    splits = {"split3": 3, "split40": 40, "w8split3": 3}.get(case, 1 if case != "rule" else 0)
+    dtype = FP16 if case == "fp16" else BF16
+    _check(lambda: make_case(rng, dtype=dtype, batch=batch, seqlen_q=1, nheads=gqa * nheads_kv, nheads_kv=nheads_kv,
+                             head_dim=128, layout=layout, capacity=capacity, seqlen_new=seqlen_new,
+                             seqlens=lengths, qk_scale=qk_scale),
+           "cuda", True, opts, _ctx(seed, heads=heads, case=case), num_splits=splits)
+    (plan,) = _kvcache._DECODE_PLANS.values()
+    if not plan.tma:
+        pytest.skip(f"no TMA decode here (sm_90a only): {[L.name for L in plan.eager[2]]}")
+    names = {decode_launch(v)[0].name for v in (plan.eager, plan.graph)}
+    if case == "rule":
+        fast = (_config.compile_arch(*_gpu.compute_capability(dev)) == "sm_90a"
+                and _gpu.peak_memory_bandwidth(dev) >= _config.DECODE_DEEP_MAX_BW)
+        want = {n.endswith(f"_s3_w8_tma_h{heads}") for n in names}
+        assert want == {fast}, (names, fast)
+    else:
+        kind = {"s3": "s3", "s4": "s4"}.get(case, "s3_w8" if wide else "s2")
+        assert names == {f"decode_{'f16' if dtype == FP16 else 'bf16'}_d128_{kind}_tma_h{heads}"}, names
+
+
+def _sm_count_of(dev: int) -> int:
+    return torch.cuda.get_device_properties(dev).multi_processor_count
