@@ -6,7 +6,8 @@ For each shape (batch x cache x GQA group; 32 query heads, head_dim 128, bf16, c
 entry full, no append) the variants are cuflash with the library's plan (splits 0), cuflash at each
 forced count of --splits (num_splits=S: the library's own depth and merge rules for that count),
 cuflash under each setting of --settings (NAME:VAR=VAL,...: environment variables set while its plan
-is made, e.g. w8:CUFLASH_DECODE_WARPS=8 or deep:CUFLASH_DECODE_DEEP=1; VAR "stages" forces the 4-warp
+is made, e.g. w8:CUFLASH_DECODE_WARPS=8 or deep:CUFLASH_DECODE_DEEP=1, or NAME@S:... at the forced count
+S; VAR "stages" forces the 4-warp
 kernel's depth as decode_splits.py --stages does; each setting's plans are put back on the fast path
 before its rounds), and
 cuDNN (sdpa_kernel(CUDNN_ATTENTION), q (b, h, 1, d) and the caches as (b, hkv, L, d) views,
@@ -94,7 +95,8 @@ def run_shape(torch, F, SDPBackend, sdpa_kernel, cuflash, _kvcache, dev, shape, 
     variants = [("lib", 0, {})] + [(f"s{s}", s, {}) for s in args.splits if s * 64 <= L]
     for setting in args.settings:
         name, _, assigns = setting.partition(":")
-        variants.append((name, 0, dict(a.split("=", 1) for a in assigns.split(",") if a)))
+        name, _, forced = name.partition("@")  # NAME@S: the setting at the forced count S
+        variants.append((name, int(forced or 0), dict(a.split("=", 1) for a in assigns.split(",") if a)))
     fns, plans, outs, saved = {}, {}, {}, {}
     from cuflash import _config
 
