@@ -695,10 +695,6 @@ class DecodePlan:
         self.spare_ok = out_bytes <= _SPARE_MAX_BYTES and _config.decode_spare_outputs()
 
         wide_ok = _config.decode_wide_stages(target, d) is not None
-        # Several kv heads a block (_config.decode_heads): the rule's case (on 8 warps) is one query position
-        # and no mask or score modification (plain, above); CUFLASH_DECODE_HEADS forces it on the plan's own
-        # warps at any split count, merged as the one-head plan's are (a block's row tile is all its heads'
-        # rows, so the fused combine needs fewer of the plan's counters), but not with the split tail.
         cluster_keys = _config.decode_cluster_split_keys(target, d, _sm_count(dev), _gpu.peak_memory_bandwidth(dev))
         forced_warps = _config.decode_warps_forced()
 
@@ -736,7 +732,7 @@ class DecodePlan:
             if (self.tma and warps == 4 and not forced and not forced_warps
                     and _config.decode_heads_wide(target, d, blocks, splits, keys, _sm_count(dev), c.paged, self.mt,
                                                   rows, c.nheads_kv, plain, _gpu.peak_memory_bandwidth(dev))):
-                warps = 8  # 2 kv heads a block on the 8-warp kernel (_config.decode_heads_rule; launches())
+                warps = 8  # several kv heads a block on the 8-warp kernel (_config.decode_heads_rule; launches())
             clustered = self._clustered(splits)
 
             def depth(warps):
@@ -755,7 +751,11 @@ class DecodePlan:
                 n = splits if n_splits is None else n_splits
                 depth_ = _launch.decode_depth(target, d, warps, stages)
                 per_block = -(-keys // n)
-                # Several kv heads a block (_config.decode_heads): the grid has 1 / heads of the blocks.
+                # Several kv heads a block (_config.decode_heads): the grid has 1 / heads of the blocks. The rule's
+                # case (8 warps) is one query position and no mask or score modification (plain, above);
+                # CUFLASH_DECODE_HEADS forces it on the plan's own warps at any split count, merged as the
+                # one-head plan's are (a block's row tile is all its heads' rows, so the fused combine needs
+                # fewer of the plan's counters), but not with the split tail.
                 heads = 1
                 if self.tma and not tail_first:
                     heads = _config.decode_heads(target, d, blocks, n, per_block, _sm_count(dev), c.paged, warps,
