@@ -648,9 +648,10 @@ class DecodePlan:
         # the call, the plan is unsplit (variant() then takes 8 warps, launches() the heads).
         plain = (sq == 1 and f.window_left < 0 and f.num_sink_tokens == 0 and not f.softcap and not f.has_alibi
                  and not f.has_sink_logits)
-        if (not forced and self.tma and self.mt == 1 and not _config.decode_warps_forced()
-                and _config.decode_heads_wide(target, d, blocks, 1, keys, _sm_count(dev), c.paged, self.mt, rows,
-                                              c.nheads_kv, plain, _gpu.peak_memory_bandwidth(dev))):
+        heads_wide = (not forced and self.tma and self.mt == 1 and not _config.decode_warps_forced()
+                      and _config.decode_heads_wide(target, d, blocks, 1, keys, _sm_count(dev), c.paged, self.mt,
+                                                    rows, c.nheads_kv, plain, _gpu.peak_memory_bandwidth(dev)))
+        if heads_wide:
             num_splits = graph_splits = 1
         table = infos.get("block_table")
         table_stride = 0
@@ -729,9 +730,7 @@ class DecodePlan:
             fused combine where rows x splits <= fused_max_parts. wide: warps_and_splits'."""
             out_t = DeviceTensor(Slot(_D_OUT), self.out_shape, contiguous_strides(self.out_shape))
             warps, splits = warps_and_splits(splits, wide)
-            if (self.tma and warps == 4 and not forced and not forced_warps
-                    and _config.decode_heads_wide(target, d, blocks, splits, keys, _sm_count(dev), c.paged, self.mt,
-                                                  rows, c.nheads_kv, plain, _gpu.peak_memory_bandwidth(dev))):
+            if heads_wide and warps == 4 and splits == 1:
                 warps = 8  # several kv heads a block on the 8-warp kernel (_config.decode_heads_rule; launches())
             clustered = self._clustered(splits)
 
